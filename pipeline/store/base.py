@@ -1,0 +1,60 @@
+"""The object store interface every backend implements.
+
+Keys are relative to the store's root (the prefix in its URL), use ``/`` as
+separator, and are checked by :func:`check_key` so that no backend ever
+writes outside its root.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from pipeline.errors import ConfigError
+
+_KEY_PART = re.compile(r"^[A-Za-z0-9._=+-][A-Za-z0-9._=+-]*$")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise ConfigError."""
+    if not key or len(key) > 1024 or key.startswith("/") or key.endswith("/"):
+        raise ConfigError(f"invalid object key {key!r}")
+    for part in key.split("/"):
+        if part in (".", "..") or not _KEY_PART.match(part):
+            raise ConfigError(f"invalid object key {key!r}")
+    return key
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """Write-once object storage. Readers never see a partial object."""
+
+    url: str
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write an object atomically (replaces an existing one)."""
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a local file atomically, streaming it."""
+
+    def get(self, key: str) -> bytes:
+        """Read a whole object; ObjectNotFoundError if absent."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Read ``length`` bytes from ``start`` (fewer at the end of the object)."""
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Download an object to a local file, atomically, streaming it."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def size(self, key: str) -> int:
+        """Object size in bytes; ObjectNotFoundError if absent."""
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under ``prefix`` (a folder-like prefix, with or without trailing /), sorted."""
+
+    def delete(self, key: str) -> None:
+        """Delete an object; deleting a missing key is not an error."""
