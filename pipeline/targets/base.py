@@ -1,0 +1,55 @@
+"""The interface a rollout node applies versions to.
+
+Names are checkpoint (HF) names throughout; a target maps them onto its own
+parameters. STUB of the interface: signatures are final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from pipeline.manifest import Manifest
+
+VerifyMode = Literal["touched", "all", "none"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    version: int
+    tensors: int  # tensors patched
+    changed: int  # elements written
+    pause_s: float  # time the target was unavailable (the apply alone)
+
+
+class Target(Protocol):
+    """Something that holds weights and can be patched in place."""
+
+    def specs(self) -> dict[str, TensorSpec]:
+        """Checkpoint name -> dtype and shape of every tensor the target holds."""
+
+    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace every tensor (bootstrap from an anchor or a reconstruction)."""
+
+    def apply_delta(
+        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+    ) -> ApplyReport:
+        """Decode the delta against the held weights, check names, shapes, dtypes and
+        the manifest's base, then apply all tensors or none; verify content hashes
+        of the touched (or all) tensors afterwards. Raises a DeltasyncError and
+        leaves the weights untouched when any check fails."""
+
+    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """xxh3-128 content hashes (pipeline.hashing.content_hash) of held tensors."""
+
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """CPU copies of every tensor in checkpoint names (for dumps and checks)."""
