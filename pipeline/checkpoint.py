@@ -1,0 +1,576 @@
+"""Checkpoints: safetensors files and sharded folders of them.
+
+Reading is lazy and memory-mapped (``safe_open``); every header is parsed and
+checked against the file size by hand first, so a truncated or half-written
+checkpoint fails on open with one line naming the file instead of deep inside
+a load. Writing is atomic: a file or a whole folder is written under a
+temporary sibling name and renamed into place, so it appears complete or not
+at all. The writer streams tensors to disk one at a time, so a checkpoint is
+never held in memory as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
+from pipeline.hashing import tensor_bytes
+from pipeline.targets.base import TensorSpec
+
+log = structlog.get_logger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+_SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+Tensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor in a safetensors header; offsets are relative to the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    entries: tuple[HeaderEntry, ...]  # in data-offset order
+    metadata: dict[str, str]
+    data_start: int  # 8 + header length
+
+
+def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHeader:
+    """Parse and check a safetensors header.
+
+    ``prefix`` holds at least the first ``8 + header length`` bytes of a file or
+    buffer of ``total_size`` bytes; CorruptObjectError naming ``source`` if the
+    header is absurd, malformed, or points past the end (a truncated file).
+    """
+    if total_size < 8 or len(prefix) < 8:
+        raise CorruptObjectError(f"{source}: {total_size} bytes is too short for safetensors")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n < 2 or n > MAX_HEADER_BYTES or 8 + n > total_size:
+        raise CorruptObjectError(
+            f"{source}: header length {n} is absurd for a file of {total_size} bytes"
+        )
+    if len(prefix) < 8 + n:
+        raise CorruptObjectError(f"{source}: header is truncated")
+    try:
+        doc = json.loads(prefix[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptObjectError(f"{source}: header is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise CorruptObjectError(f"{source}: header is not a JSON object")
+    body = total_size - 8 - n
+    metadata_raw = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata_raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
+    ):
+        raise CorruptObjectError(f"{source}: __metadata__ is not a string map")
+    entries = [_header_entry(name, info, body, source) for name, info in doc.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    end = 0
+    for e in entries:
+        if e.begin < end:
+            raise CorruptObjectError(f"{source}: tensor {e.name!r} overlaps another tensor")
+        end = e.end
+    if end != body:
+        raise CorruptObjectError(
+            f"{source}: data section is {body} bytes but the tensors cover {end}"
+        )
+    return SafetensorsHeader(tuple(entries), dict(metadata_raw), 8 + n)
+
+
+def _header_entry(name: str, info: object, body: int, source: str) -> HeaderEntry:
+    if not isinstance(info, dict):
+        raise CorruptObjectError(f"{source}: entry {name!r} is not an object")
+    dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise CorruptObjectError(
+            f"{source}: tensor {name!r} has unknown dtype {info.get('dtype')!r}"
+        )
+    shape = info.get("shape")
+    offsets = info.get("data_offsets")
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise CorruptObjectError(f"{source}: tensor {name!r} has a malformed shape or offsets")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 <= begin <= end or end - begin != nbytes:
+        raise CorruptObjectError(
+            f"{source}: tensor {name!r} offsets {begin}..{end} do not fit its shape {shape}"
+        )
+    if end > body:
+        raise CorruptObjectError(
+            f"{source}: tensor {name!r} ends at {end} past the data section ({body} bytes); "
+            "truncated?"
+        )
+    return HeaderEntry(name, dtype, tuple(shape), begin, end)
+
+
+def read_file_header(path: Path) -> SafetensorsHeader:
+    """Header of a safetensors file, checked against the file's size."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                if 2 <= n <= MAX_HEADER_BYTES and 8 + n <= size:
+                    head += f.read(n)
+    except FileNotFoundError:
+        raise CorruptObjectError(f"checkpoint file {path} is missing") from None
+    except OSError as e:
+        raise CorruptObjectError(f"checkpoint file {path} cannot be read: {e.strerror}") from None
+    return parse_header(head, size, str(path))
+
+
+def tensors_from_bytes(data: bytes, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of an in-memory safetensors buffer, in data order, as owned writable copies."""
+    header = parse_header(data, len(data), source)
+    view = memoryview(data)
+    for e in header.entries:
+        yield e.name, _from_buffer(view[header.data_start + e.begin : header.data_start + e.end], e)
+
+
+def _from_buffer(buf: memoryview, e: HeaderEntry) -> torch.Tensor:
+    if e.end == e.begin:
+        return torch.empty(e.shape, dtype=e.dtype)
+    raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    return raw.view(e.dtype).reshape(e.shape)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class CheckpointReader:
+    """A safetensors file or sharded folder, read lazily one tensor at a time.
+
+    ``get`` returns an owned, writable CPU tensor; callers may patch it in
+    place without touching the file or later ``get`` results.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.sharded = False
+        self._files: list[Path] = []
+        self._entries: dict[str, tuple[int, HeaderEntry]] = {}
+        self._order: list[str] = []
+        self._handles: dict[int, Any] = {}
+        self.metadata: dict[str, str] = {}
+        if self.path.is_dir():
+            self._open_folder()
+        elif self.path.exists():
+            self._add_file(self.path)
+        else:
+            raise CorruptObjectError(f"checkpoint {self.path} does not exist")
+        if not self._order:
+            raise CorruptObjectError(f"checkpoint {self.path} holds no tensors")
+
+    def _open_folder(self) -> None:
+        index = self.path / INDEX_NAME
+        if index.exists():
+            self.sharded = True
+            try:
+                doc = json.loads(index.read_bytes())
+                weight_map = doc["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (OSError, ValueError, KeyError, TypeError):
+                raise CorruptObjectError(f"checkpoint index {index} is malformed") from None
+            shard_names: list[str] = []
+            for shard in weight_map.values():
+                if not isinstance(shard, str) or "/" in shard or shard in ("", ".", ".."):
+                    raise CorruptObjectError(f"checkpoint index {index} names shard {shard!r}")
+                if shard not in shard_names:
+                    shard_names.append(shard)
+            for shard in sorted(shard_names):
+                if not (self.path / shard).is_file():
+                    raise CorruptObjectError(
+                        f"checkpoint index {index} names missing shard {shard}"
+                    )
+                self._add_file(self.path / shard)
+            listed = set(weight_map)
+            present = set(self._order)
+            if listed != present:
+                name = sorted(listed ^ present)[0]
+                raise CorruptObjectError(
+                    f"checkpoint index {index} and its shards disagree about tensor {name!r}"
+                )
+            for name, shard in weight_map.items():
+                if self._files[self._entries[name][0]].name != shard:
+                    raise CorruptObjectError(
+                        f"checkpoint index {index}: {name!r} is not in {shard}"
+                    )
+        else:
+            files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
+            if not files:
+                raise CorruptObjectError(f"checkpoint folder {self.path} has no safetensors files")
+            self.sharded = len(files) > 1
+            for f in files:
+                self._add_file(f)
+
+    def _add_file(self, path: Path) -> None:
+        header = read_file_header(path)
+        i = len(self._files)
+        self._files.append(path)
+        if not self.metadata:
+            self.metadata = header.metadata
+        for e in header.entries:
+            if e.name in self._entries:
+                raise CorruptObjectError(f"checkpoint {self.path}: tensor {e.name!r} appears twice")
+            self._entries[e.name] = (i, e)
+            self._order.append(e.name)
+
+    def names(self) -> list[str]:
+        """Tensor names in file order (shard by shard, by data offset)."""
+        return list(self._order)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def _entry(self, name: str) -> tuple[int, HeaderEntry]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise MismatchError(f"tensor {name!r} is not in checkpoint {self.path}") from None
+
+    def spec(self, name: str) -> TensorSpec:
+        e = self._entry(name)[1]
+        return TensorSpec(dtype=e.dtype, shape=e.shape)
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {n: self.spec(n) for n in self._order}
+
+    def nbytes(self, name: str) -> int:
+        e = self._entry(name)[1]
+        return e.end - e.begin
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.end - e.begin for _, e in self._entries.values())
+
+    def shards(self) -> list[tuple[str, list[str]]]:
+        """(file name, tensor names in file order) per file, in file order."""
+        out: list[tuple[str, list[str]]] = [(p.name, []) for p in self._files]
+        for name in self._order:
+            out[self._entries[name][0]][1].append(name)
+        return out
+
+    def get(self, name: str) -> torch.Tensor:
+        i, e = self._entry(name)
+        handle = self._handles.get(i)
+        if handle is None:
+            try:
+                handle = safe_open(str(self._files[i]), framework="pt")  # type: ignore[no-untyped-call]
+            except Exception as ex:  # safetensors raises its own error types
+                raise CorruptObjectError(f"checkpoint file {self._files[i]}: {ex}") from None
+            self._handles[i] = handle
+        # safe_open hands out views of one private mapping: copy, so patching is safe.
+        tensor: torch.Tensor = handle.get_tensor(name).clone()
+        if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+            raise CorruptObjectError(f"checkpoint file {self._files[i]}: tensor {name!r} misread")
+        return tensor
+
+    def tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self._order if names is None else names:
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a readable, whole checkpoint (every shard present and sized)."""
+    try:
+        CheckpointReader(path).close()
+    except CorruptObjectError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _header_bytes(entries: list[HeaderEntry], metadata: dict[str, str] | None) -> bytes:
+    doc: dict[str, Any] = {}
+    if metadata:
+        doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for e in entries:
+        doc[e.name] = {
+            "dtype": _SAFETENSORS_CODES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [e.begin, e.end],
+        }
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _append_tensor(
+    out: IO[bytes], name: str, tensor: torch.Tensor, offset: int, seen: set[str]
+) -> HeaderEntry:
+    if name in seen:
+        raise MismatchError(f"tensor {name!r} is written twice")
+    if tensor.dtype not in _SAFETENSORS_CODES:
+        raise MismatchError(f"tensor {name!r} has dtype {tensor.dtype} safetensors cannot hold")
+    seen.add(name)
+    data = tensor_bytes(tensor)
+    out.write(data)
+    return HeaderEntry(name, tensor.dtype, tuple(tensor.shape), offset, offset + len(data))
+
+
+def safetensors_bytes(tensors: Tensors, metadata: dict[str, str] | None = None) -> bytes:
+    """Serialise tensors (kept in the given order) into one safetensors buffer."""
+    body = io.BytesIO()
+    entries: list[HeaderEntry] = []
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        entries.append(_append_tensor(body, name, tensor, body.tell(), seen))
+    return _header_bytes(entries, metadata) + body.getvalue()
+
+
+def _write_file(path: Path, tensors: Tensors, metadata: dict[str, str] | None) -> int:
+    """Stream tensors into a safetensors file at ``path`` (not atomic); returns data bytes.
+
+    The header comes first but is known only at the end, so tensors stream into
+    a body file that is then appended after the header.
+    """
+    body_path = path.with_name(path.name + ".body")
+    entries: list[HeaderEntry] = []
+    seen: set[str] = set()
+    try:
+        with body_path.open("wb") as body:
+            offset = 0
+            for name, tensor in tensors:
+                entry = _append_tensor(body, name, tensor, offset, seen)
+                entries.append(entry)
+                offset = entry.end
+        with path.open("wb") as out, body_path.open("rb") as body:
+            out.write(_header_bytes(entries, metadata))
+            shutil.copyfileobj(body, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        body_path.unlink(missing_ok=True)
+    return offset
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Move a finished temp file/folder to ``path``."""
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise ConfigError(f"{path} already exists")
+        if tmp.is_file() and not path.is_dir():
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+            return
+        # A folder cannot be swapped in one step: move the old one aside first.
+        old = _temp_sibling(path)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        _remove(old)
+    else:
+        os.rename(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_sharded(
+    path: str | os.PathLike[str],
+    shards: Iterable[tuple[str, Tensors]],
+    *,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a sharded folder atomically: each shard is (file name, tensors), plus the index."""
+    target = Path(path)
+    if (target.exists() or target.is_symlink()) and not overwrite:
+        raise ConfigError(f"{target} already exists")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(target)
+    tmp.mkdir()
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for file_name, tensors in shards:
+            if (
+                "/" in file_name
+                or not file_name.endswith(".safetensors")
+                or file_name == INDEX_NAME
+            ):
+                raise ConfigError(f"invalid shard file name {file_name!r}")
+            if (tmp / file_name).exists():
+                raise ConfigError(f"shard {file_name} is written twice")
+
+            def mapped(ts: Tensors, shard: str = file_name) -> Iterator[tuple[str, torch.Tensor]]:
+                for name, tensor in ts:
+                    if name in weight_map:
+                        raise MismatchError(f"tensor {name!r} is written twice")
+                    weight_map[name] = shard
+                    yield name, tensor
+
+            total += _write_file(tmp / file_name, mapped(tensors), metadata)
+        index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _fsync_dir(tmp)
+        _publish(tmp, target, overwrite)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return target
+
+
+def _shard_by_size(
+    tensors: Tensors, max_shard_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in tensors:
+        n = tensor.numel() * tensor.element_size()
+        if group and size + n > max_shard_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += n
+    if group:
+        yield group
+
+
+def write_checkpoint(
+    path: str | os.PathLike[str],
+    tensors: Tensors,
+    *,
+    max_shard_bytes: int | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write tensors as one safetensors file, or as a sharded folder when ``max_shard_bytes``
+    is given (shards of at most that many bytes, HF names and index). Atomic either way;
+    a shard's tensors are held in memory only while that shard is written."""
+    target = Path(path)
+    if max_shard_bytes is None:
+        if (target.exists() or target.is_symlink()) and not overwrite:
+            raise ConfigError(f"{target} already exists")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_sibling(target)
+        try:
+            _write_file(tmp, tensors, metadata)
+            _publish(tmp, target, overwrite)
+        except BaseException:
+            _remove(tmp)
+            raise
+        return target
+    if max_shard_bytes <= 0:
+        raise ConfigError(f"max_shard_bytes must be positive, not {max_shard_bytes}")
+    if (target.exists() or target.is_symlink()) and not overwrite:
+        raise ConfigError(f"{target} already exists")
+    # Shard names carry the total count, known only at the end: number them
+    # provisionally and rename inside the temp folder before it is published.
+    groups = _shard_by_size(tensors, max_shard_bytes)
+    names: list[str] = []
+
+    def shards() -> Iterator[tuple[str, Tensors]]:
+        for i, group in enumerate(groups):
+            names.append(f"model-{i + 1:05d}.safetensors")
+            yield names[-1], group
+
+    return _write_hf_sharded(target, shards(), names, metadata, overwrite)
+
+
+def _write_hf_sharded(
+    target: Path,
+    shards: Iterator[tuple[str, Tensors]],
+    names: list[str],
+    metadata: dict[str, str] | None,
+    overwrite: bool,
+) -> Path:
+    staging = _temp_sibling(target)
+    write_sharded(staging, shards, metadata=metadata)
+    try:
+        count = len(names)
+        renames = {n: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, n in enumerate(names)}
+        for old, new in renames.items():
+            os.rename(staging / old, staging / new)
+        index_path = staging / INDEX_NAME
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {k: renames[v] for k, v in index["weight_map"].items()}
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _publish(staging, target, overwrite)
+    except BaseException:
+        _remove(staging)
+        raise
+    return target
