@@ -58,3 +58,29 @@ class ObjectStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Delete an object; deleting a missing key is not an error."""
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` without its trailing ``/`` ("" for the whole store), or raise ConfigError.
+
+    A prefix names a folder: ``list("a/b")`` covers ``a/b/...`` but not ``a/bc``.
+    """
+    folder = prefix[:-1] if prefix.endswith("/") else prefix
+    if folder:
+        try:
+            check_key(folder)
+        except ConfigError:
+            raise ConfigError(f"invalid key prefix {prefix!r}") from None
+    return folder
+
+
+def check_range(key: str, start: int, length: int) -> None:
+    """Raise ConfigError unless ``start`` and ``length`` are non-negative."""
+    if start < 0 or length < 0:
+        raise ConfigError(f"invalid byte range start={start} length={length} for {key!r}")
+
+
+def join_key(root: str, key: str) -> str:
+    """``root`` (a possibly empty folder prefix without trailing /) joined with a checked key."""
+    check_key(key)
+    return f"{root}/{key}" if root else key

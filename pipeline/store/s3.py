@@ -1,0 +1,284 @@
+"""An S3-compatible object store: ``s3://bucket/prefix``.
+
+The endpoint comes from ``DELTASYNC_S3_ENDPOINT`` or ``AWS_ENDPOINT_URL`` (AWS
+itself when neither is set); credentials come only from boto3's usual sources
+(environment, shared files, instance roles) and are never logged. Addressing is
+path-style so that any S3-compatible server works without DNS tricks. A PUT in
+S3 is atomic, so readers never see a partial object; large files go up as
+multipart uploads, which also become visible only once complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import boto3
+import structlog
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
+
+from pipeline.errors import ConfigError, ObjectNotFoundError, StoreError
+from pipeline.store.base import check_key, check_prefix, check_range, join_key
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_PART_SIZE = 64 << 20
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+_BOTO_ERRORS: tuple[type[Exception], ...] = (BotoCoreError, ClientError, S3UploadFailedError)
+_UNREACHABLE = (
+    EndpointConnectionError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    ReadTimeoutError,
+)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
+class S3Store:
+    """Objects under ``prefix`` in one S3 bucket."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint: str | None = None,
+        region: str | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_attempts: int = 4,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+    ) -> None:
+        if not bucket:
+            raise ConfigError("S3 store URL needs a bucket: s3://bucket/prefix")
+        if part_size < 5 << 20:
+            raise ConfigError(f"S3 multipart part size must be at least 5 MiB, got {part_size}")
+        self.bucket = bucket
+        self.prefix = check_prefix(prefix) if prefix else ""
+        self.endpoint = endpoint or None
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        config = Config(
+            s3={"addressing_style": "path"},
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+        )
+        region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        self._client: S3Client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=region or "us-east-1",
+            config=config,
+        )
+        self._transfer = TransferConfig(
+            multipart_threshold=part_size, multipart_chunksize=part_size, use_threads=True
+        )
+
+    @classmethod
+    def from_url(cls, url: str) -> S3Store:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ConfigError(f"not an S3 store URL (s3://bucket/prefix): {url!r}")
+        if parts.query or parts.fragment:
+            raise ConfigError(f"S3 store URL takes no query or fragment: {url!r}")
+        endpoint = os.environ.get("DELTASYNC_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+        return cls(
+            parts.netloc,
+            parts.path.strip("/"),
+            endpoint=endpoint,
+            part_size=_env_int("DELTASYNC_S3_PART_SIZE", DEFAULT_PART_SIZE),
+            max_attempts=_env_int("DELTASYNC_S3_MAX_ATTEMPTS", 4),
+        )
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self._where!r})"
+
+    @property
+    def _where(self) -> str:
+        return self.endpoint or "AWS"
+
+    def _key(self, key: str) -> str:
+        return join_key(self.prefix, key)
+
+    def _error(self, action: str, key: str, error: Exception) -> StoreError:
+        """Translate a botocore error into one line naming the key and the endpoint."""
+        where = f"{self.url} at {self._where}"
+        if isinstance(error, ClientError):
+            info: dict[str, Any] = dict(error.response.get("Error", {}))
+            code = str(info.get("Code", ""))
+            if code in _NOT_FOUND_CODES:
+                return ObjectNotFoundError(f"object {key!r} not found in {where}")
+            if code == "NoSuchBucket":
+                return StoreError(f"bucket {self.bucket!r} does not exist at {self._where}")
+            message = str(info.get("Message") or "").splitlines()[0:1]
+            detail = f"{code} {message[0]}" if message else code
+            return StoreError(f"cannot {action} {key!r} in {where}: {detail}")
+        if isinstance(error, _UNREACHABLE):
+            return StoreError(
+                f"cannot reach S3 at {self._where}: {type(error).__name__} while trying to "
+                f"{action} {key!r}"
+            )
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return StoreError(f"cannot {action} {key!r} in {where}: {text}")
+
+    def _botocore_errors(self) -> tuple[type[Exception], ...]:
+        return _BOTO_ERRORS
+
+    def put(self, key: str, data: bytes) -> None:
+        name = self._key(key)
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=name, Body=bytes(data))
+        except self._botocore_errors() as error:
+            raise self._error("write", key, error) from error
+
+    def put_file(self, key: str, path: Path) -> None:
+        name = self._key(key)
+        if not Path(path).is_file():
+            raise StoreError(f"cannot read local file {str(path)!r}: not a file")
+        try:
+            self._client.upload_file(str(path), self.bucket, name, Config=self._transfer)
+        except self._botocore_errors() as error:
+            cause = error.__cause__ or error.__context__
+            raise self._error(
+                "write", key, cause if isinstance(cause, Exception) else error
+            ) from error
+
+    def get(self, key: str) -> bytes:
+        name = self._key(key)
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=name)
+            return response["Body"].read()
+        except self._botocore_errors() as error:
+            raise self._error("read", key, error) from error
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(key, start, length)
+        name = self._key(key)
+        if length == 0:
+            self.size(key)  # still an error when the object is missing
+            return b""
+        try:
+            response = self._client.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes={start}-{start + length - 1}"
+            )
+            return response["Body"].read()
+        except self._botocore_errors() as error:
+            if _is_invalid_range(error):
+                return b""  # the range starts past the end of an existing object
+            raise self._error("read", key, error) from error
+
+    def get_file(self, key: str, path: Path) -> None:
+        name = self._key(key)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.with_name(f".{target.name}.~{secrets.token_hex(6)}.tmp")
+        try:
+            self._client.download_file(self.bucket, name, str(temp), Config=self._transfer)
+            os.replace(temp, target)
+        except self._botocore_errors() as error:
+            raise self._error("read", key, error) from error
+        finally:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def size(self, key: str) -> int:
+        name = self._key(key)
+        try:
+            response = self._client.head_object(Bucket=self.bucket, Key=name)
+        except self._botocore_errors() as error:
+            raise self._error("stat", key, error) from error
+        return int(response["ContentLength"])
+
+    def list(self, prefix: str) -> Iterator[str]:
+        folder = check_prefix(prefix)
+        full = join_key(self.prefix, folder) if folder else self.prefix
+        search = f"{full}/" if full else ""
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=search
+            )
+            for page in pages:
+                for item in page.get("Contents", []):
+                    relative = item["Key"][strip:]
+                    if _is_valid_key(relative):  # skip foreign objects such as "a//b"
+                        keys.append(relative)
+        except self._botocore_errors() as error:
+            raise self._error("list", prefix or "/", error) from error
+        keys.sort()
+        return iter(keys)
+
+    def delete(self, key: str) -> None:
+        name = self._key(key)
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=name)
+        except self._botocore_errors() as error:
+            converted = self._error("delete", key, error)
+            if not isinstance(converted, ObjectNotFoundError):
+                raise converted from error
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (for tests and first-time setup)."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+            return
+        except self._botocore_errors() as error:
+            converted = self._error("find bucket", self.bucket, error)
+            if not isinstance(converted, ObjectNotFoundError):
+                raise converted from error
+        try:
+            self._client.create_bucket(Bucket=self.bucket)
+        except self._botocore_errors() as error:
+            raise self._error("create bucket", self.bucket, error) from error
+        log.info("s3 bucket created", bucket=self.bucket, endpoint=self._where)
+
+
+def _is_invalid_range(error: Exception) -> bool:
+    if not isinstance(error, ClientError):
+        return False
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code == "InvalidRange" or status == 416
+
+
+def _is_valid_key(key: str) -> bool:
+    try:
+        check_key(key)
+    except ConfigError:
+        return False
+    return True
