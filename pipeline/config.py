@@ -1,0 +1,360 @@
+"""Typed settings from options and the environment, checked when built.
+
+``Settings.from_env(**overrides)`` reads ``DELTASYNC_*`` variables; an
+override (a command-line option) wins over the environment, and an override of
+``None`` means "not given". Every bad value raises ``ConfigError`` naming the
+variable. ``configuration_reference()`` renders the table of variables that the
+README's configuration reference is copied from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipeline.codec.api import LEVELS
+from pipeline.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+DEFAULT_HOME = Path("~/.deltasync")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _var(env: str, default: str, doc: str) -> dict[str, str]:
+    return {"env": env, "default": default, "doc": doc}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    # The fields' documentation lives in their metadata so that the class
+    # docstring and the README table are generated from one source.
+
+    data_dir: Path = field(
+        default=Path(),
+        metadata=_var(
+            "DELTASYNC_HOME",
+            "~/.deltasync",
+            "Folder for deltasync's own state: the embedded Redis server, and the "
+            "default store, staging and cache folders.",
+        ),
+    )
+    redis_url: str | None = field(
+        default=None,
+        metadata=_var(
+            "DELTASYNC_REDIS_URL",
+            "(embedded)",
+            "Redis URL: redis://[user:password@]host:port/db, rediss:// for TLS, "
+            "unix:///path/to/socket. Unset: commands start (and later reuse) an "
+            "embedded redis-server kept in <data_dir>/redis.",
+        ),
+    )
+    store_url: str = field(
+        default="",
+        metadata=_var(
+            "DELTASYNC_STORE",
+            "file://<data_dir>/store",
+            "Object store URL: file://PATH (or a plain path), s3://bucket/prefix, "
+            "hf://buckets/<namespace>/<bucket>/<prefix>.",
+        ),
+    )
+    staging_dir: Path = field(
+        default=Path(),
+        metadata=_var(
+            "DELTASYNC_STAGING",
+            "<data_dir>/staging",
+            "Where the trainer side writes full checkpoints for the diff worker to pick up.",
+        ),
+    )
+    cache_dir: Path = field(
+        default=Path(),
+        metadata=_var(
+            "DELTASYNC_CACHE",
+            "<data_dir>/cache",
+            "Workers' cache of the last published weights (memory-mapped).",
+        ),
+    )
+    level: int = field(
+        default=1,
+        metadata=_var("DELTASYNC_LEVEL", "1", "Delta codec level (one of the codec's LEVELS)."),
+    )
+    max_chain: int = field(
+        default=20,
+        metadata=_var(
+            "DELTASYNC_COMPACT_MAX_CHAIN",
+            "20",
+            "Compaction policy: request a new anchor once this many deltas follow the last one.",
+        ),
+    )
+    max_delta_fraction: float = field(
+        default=0.5,
+        metadata=_var(
+            "DELTASYNC_COMPACT_MAX_FRACTION",
+            "0.5",
+            "Compaction policy: request a new anchor once the chain's cumulative delta "
+            "bytes exceed this fraction of the anchor's bytes.",
+        ),
+    )
+    keep_anchors: int = field(
+        default=2,
+        metadata=_var(
+            "DELTASYNC_KEEP_ANCHORS",
+            "2",
+            "Garbage collection keeps at least this many newest anchors (and their chains).",
+        ),
+    )
+    replica_ttl_s: float = field(
+        default=600.0,
+        metadata=_var(
+            "DELTASYNC_REPLICA_TTL",
+            "600",
+            "Seconds a replica's heartbeat counts as live; garbage collection keeps "
+            "what live replicas need.",
+        ),
+    )
+    signing_key_path: Path | None = field(
+        default=None,
+        metadata=_var(
+            "DELTASYNC_SIGNING_KEY",
+            "(none)",
+            "Private key file used to sign manifests; unset: manifests are not signed.",
+        ),
+    )
+    verify_key_path: Path | None = field(
+        default=None,
+        metadata=_var(
+            "DELTASYNC_VERIFY_KEY",
+            "(none)",
+            "Public key file; when set, replicas refuse manifests without a valid signature.",
+        ),
+    )
+    log_level: str = field(
+        default="info",
+        metadata=_var("DELTASYNC_LOG_LEVEL", "info", "debug, info, warning, error or critical."),
+    )
+    log_json: bool | None = field(
+        default=None,
+        metadata=_var(
+            "DELTASYNC_LOG_JSON",
+            "(auto)",
+            "true: JSON lines; false: console format; unset: console on a terminal, "
+            "JSON otherwise.",
+        ),
+    )
+    keep_staging: bool = field(
+        default=False,
+        metadata=_var(
+            "DELTASYNC_KEEP_STAGING",
+            "false",
+            "Keep staged checkpoints that deltasync wrote after they are published.",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        # Empty values mean "derive from data_dir"; frozen, hence object.__setattr__.
+        data_dir = _path(
+            "DELTASYNC_HOME", self.data_dir if self.data_dir != Path() else DEFAULT_HOME
+        )
+        object.__setattr__(self, "data_dir", data_dir)
+        if not self.store_url:
+            object.__setattr__(self, "store_url", (data_dir / "store").as_uri())
+        for name, sub in (("staging_dir", "staging"), ("cache_dir", "cache")):
+            value = getattr(self, name)
+            object.__setattr__(self, name, data_dir / sub if value == Path() else value.absolute())
+        if self.redis_url is not None:
+            _check_redis_url(self.redis_url)
+        if "://" not in self.store_url:
+            raise ConfigError(f"DELTASYNC_STORE: not a store URL: {self.store_url!r}")
+        if self.level not in LEVELS:
+            raise ConfigError(f"DELTASYNC_LEVEL: {self.level} is not one of {list(LEVELS)}")
+        if self.max_chain < 1:
+            raise ConfigError(f"DELTASYNC_COMPACT_MAX_CHAIN: must be >= 1, got {self.max_chain}")
+        if not (math.isfinite(self.max_delta_fraction) and self.max_delta_fraction > 0):
+            raise ConfigError(
+                f"DELTASYNC_COMPACT_MAX_FRACTION: must be a positive number, "
+                f"got {self.max_delta_fraction}"
+            )
+        if self.keep_anchors < 1:
+            raise ConfigError(f"DELTASYNC_KEEP_ANCHORS: must be >= 1, got {self.keep_anchors}")
+        if not (math.isfinite(self.replica_ttl_s) and self.replica_ttl_s > 0):
+            raise ConfigError(
+                f"DELTASYNC_REPLICA_TTL: must be a positive number of seconds, "
+                f"got {self.replica_ttl_s}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                f"DELTASYNC_LOG_LEVEL: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
+            )
+        for name, env in (
+            ("signing_key_path", "DELTASYNC_SIGNING_KEY"),
+            ("verify_key_path", "DELTASYNC_VERIFY_KEY"),
+        ):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{env}: no such key file: {path}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``env`` (default ``os.environ``) with ``overrides`` on top.
+
+        Overrides are keyed by field name and may be strings (parsed like the
+        environment) or typed values; ``None`` means "not given".
+        """
+        environ = os.environ if env is None else env
+        specs = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(overrides) - set(specs))
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        raw: dict[str, Any] = {}
+        for name, spec in specs.items():
+            value = overrides.get(name)
+            if value is None:
+                text = environ.get(spec.metadata["env"], "").strip()
+                value = text or None
+            if value is not None:
+                raw[name] = _PARSERS[name](spec.metadata["env"], value)
+        return cls(**raw)
+
+    def signing_key(self) -> bytes | None:
+        """The signing key file's bytes, or None when manifests are not signed."""
+        return _read_key(self.signing_key_path, "DELTASYNC_SIGNING_KEY")
+
+    def verify_key(self) -> bytes | None:
+        """The verification key file's bytes, or None when signatures are not required."""
+        return _read_key(self.verify_key_path, "DELTASYNC_VERIFY_KEY")
+
+
+def _read_key(path: Path | None, env: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{env}: cannot read key file {path}: {exc.strerror}") from exc
+
+
+def _check_redis_url(url: str) -> None:
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in REDIS_SCHEMES:
+        # The scheme alone: the URL may hold a password.
+        raise ConfigError(
+            f"DELTASYNC_REDIS_URL: scheme {scheme or '(none)'!r} is not one of "
+            f"{', '.join(s + '://' for s in REDIS_SCHEMES)}"
+        )
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a non-numeric or out-of-range port
+    except ValueError as exc:
+        raise ConfigError(f"DELTASYNC_REDIS_URL: malformed URL ({exc})") from None
+    if scheme == "unix" and not parts.path:
+        raise ConfigError("DELTASYNC_REDIS_URL: unix:// URL without a socket path")
+    if scheme != "unix" and not parts.hostname:
+        raise ConfigError(f"DELTASYNC_REDIS_URL: {scheme}:// URL without a host")
+
+
+def _text(env: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{env}: expected text, got {type(value).__name__}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"{env}: contains control characters")
+    return value
+
+
+def _path(env: str, value: object) -> Path:
+    path = value if isinstance(value, Path) else Path(_text(env, value))
+    return path.expanduser().absolute()
+
+
+def _store_url(env: str, value: object) -> str:
+    if isinstance(value, Path):
+        return value.expanduser().absolute().as_uri()
+    text = _text(env, value)
+    if "://" not in text:  # a plain path means a local folder
+        return Path(text).expanduser().absolute().as_uri()
+    return text
+
+
+def _int(env: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{env}: expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(_text(env, value).strip())
+    except ValueError:
+        raise ConfigError(f"{env}: expected an integer, got {value!r}") from None
+
+
+def _float(env: str, value: object) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{env}: expected a number, got {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return float(_text(env, value).strip())
+    except ValueError:
+        raise ConfigError(f"{env}: expected a number, got {value!r}") from None
+
+
+def _bool(env: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = _text(env, value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{env}: expected true/false (1/0, yes/no, on/off), got {value!r}")
+
+
+def _log_level(env: str, value: object) -> str:
+    return _text(env, value).strip().lower()
+
+
+_PARSERS: dict[str, Callable[[str, object], Any]] = {
+    "data_dir": _path,
+    "redis_url": _text,
+    "store_url": _store_url,
+    "staging_dir": _path,
+    "cache_dir": _path,
+    "level": _int,
+    "max_chain": _int,
+    "max_delta_fraction": _float,
+    "keep_anchors": _int,
+    "replica_ttl_s": _float,
+    "signing_key_path": _path,
+    "verify_key_path": _path,
+    "log_level": _log_level,
+    "log_json": _bool,
+    "keep_staging": _bool,
+}
+
+
+def configuration_reference() -> str:
+    """A Markdown table of every setting: variable, default, meaning."""
+    lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
+    for spec in fields(Settings):
+        meta = spec.metadata
+        lines.append(f"| `{meta['env']}` | `{meta['default']}` | {meta['doc']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _docstring() -> str:
+    head = (
+        "deltasync's settings. Build with ``Settings.from_env(**overrides)``.\n\n"
+        "Fields (environment variable, default):\n\n"
+    )
+    items = []
+    for spec in fields(Settings):
+        meta = spec.metadata
+        items.append(f"- ``{spec.name}`` ({meta['env']}, {meta['default']}): {meta['doc']}")
+    return head + "\n".join(items) + "\n"
+
+
+Settings.__doc__ = _docstring()

@@ -1,0 +1,119 @@
+"""Logging set-up for entry points, and the context helpers the library uses.
+
+Library modules only call ``structlog.get_logger(__name__)`` (or ``get_logger``
+here) and ``bind_context``; processes call ``configure_logging`` once at start.
+structlog events and stdlib records (rq, redis, urllib3 ...) go through the
+same processors and one handler on the root logger: a console format on a
+terminal, JSON lines otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+from structlog.typing import Processor
+
+from pipeline.errors import ConfigError
+
+__all__ = ["bind_context", "clear_context", "configure_logging", "get_logger", "unbind_context"]
+
+get_logger = structlog.get_logger
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+class _DeltasyncHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Marks the handler this module installed, so reconfiguring replaces it."""
+
+
+def configure_logging(
+    level: str = "info", json: bool | None = None, stream: TextIO | None = None
+) -> None:
+    """Route structlog and stdlib logging to ``stream`` (default stderr).
+
+    ``json=None`` picks the console renderer on a TTY and JSON lines otherwise.
+    Calling it again replaces the previous configuration instead of adding a
+    second handler.
+    """
+    try:
+        numeric_level = _LEVELS[level.lower()]
+    except KeyError:
+        raise ConfigError(f"log level {level!r} is not one of {', '.join(_LEVELS)}") from None
+    out = stream if stream is not None else sys.stderr
+    if json is None:
+        json = not _is_tty(out)
+
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.ExtraAdder(),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.UnicodeDecoder(),
+    ]
+    renderer: Processor
+    if json:
+        renderer = structlog.processors.JSONRenderer()
+        # Tracebacks as data, without frame locals (they may hold secrets).
+        tracebacks = structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        )
+        final: list[Processor] = [tracebacks, renderer]
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=_is_tty(out))
+        final = [renderer]
+
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        # Not cached: a later configure_logging must reach loggers made earlier.
+        cache_logger_on_first_use=False,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    )
+    handler = _DeltasyncHandler(out)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _DeltasyncHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(numeric_level)
+
+
+def _is_tty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if isatty is not None else False
+    except ValueError:  # a closed stream
+        return False
+
+
+def bind_context(**values: Any) -> None:
+    """Attach key-values (run, version, job_id ...) to every later log line in this context."""
+    structlog.contextvars.bind_contextvars(**values)
+
+
+def unbind_context(*keys: str) -> None:
+    structlog.contextvars.unbind_contextvars(*keys)
+
+
+def clear_context() -> None:
+    structlog.contextvars.clear_contextvars()
