@@ -1,11 +1,20 @@
-"""Codec entry points. STUB: signatures are final, bodies are being written."""
+"""Codec entry points: encode a delta object, read and validate one, decode, apply."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
+
+from pipeline.codec.container import read_container, write_container
+from pipeline.codec.dtypes import info_for, int_view_flat
+from pipeline.codec.records import TensorRecord, parse_record
+from pipeline.codec.tensorcodec import DamagedStreamError, decode_values, encode_tensor
+from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
@@ -33,25 +42,161 @@ class TensorPatch:
 
 
 class DeltaObject:
+    """A validated delta object; tensors are decoded one at a time on demand."""
+
     level: int
     tensors: list[EncodedTensorInfo]
 
+    def __init__(
+        self,
+        object_name: str,
+        level: int,
+        records: list[TensorRecord],
+        streams: dict[str, npt.NDArray[np.uint8]],
+    ) -> None:
+        self.object_name = object_name
+        self.level = level
+        self._records = {r.name: r for r in records}
+        self._streams = streams
+        self.tensors = [
+            EncodedTensorInfo(
+                name=r.name,
+                dtype=r.info.dtype,
+                shape=r.shape,
+                encoding=r.encoding,
+                changed=r.changed,
+                nbytes=sum(int(streams[k].size) for k in r.streams.values()),
+            )
+            for r in records
+        ]
+        self._infos = {t.name: t for t in self.tensors}
+
     def info(self, name: str) -> EncodedTensorInfo:
-        raise NotImplementedError
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise MismatchError(f"delta object {self.object_name} has no tensor {name!r}") from None
 
     def decode(self, name: str, base: torch.Tensor) -> TensorPatch:
-        raise NotImplementedError
+        """The patch that turns ``base`` (the exact base version of this tensor) into
+        the new version; positions and values live on ``base``'s device."""
+        record = self._records.get(name)
+        if record is None:
+            raise MismatchError(f"delta object {self.object_name} has no tensor {name!r}")
+        where = f"delta object {self.object_name}: tensor {name!r}"
+        if base.dtype != record.info.dtype or tuple(base.shape) != record.shape:
+            raise MismatchError(
+                f"{where}: base is {base.dtype} {tuple(base.shape)}, delta expects "
+                f"{record.info.dtype} {record.shape}"
+            )
+        base_flat = int_view_flat(base, record.info)
+        streams = {role: self._streams[key] for role, key in record.streams.items()}
+        try:
+            positions, values = decode_values(record, streams, base_flat)
+        except DamagedStreamError as exc:
+            raise CorruptObjectError(f"{where}: {exc}") from None
+        signed = values.view(_numpy_dtype(record.info.view))
+        device = base.device
+        return TensorPatch(
+            name=name,
+            dtype=record.info.dtype,
+            shape=record.shape,
+            positions=torch.from_numpy(positions).to(device),
+            values=torch.from_numpy(signed).to(device),
+        )
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def encode_delta(
     pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], level: int = DEFAULT_LEVEL
 ) -> bytes:
-    raise NotImplementedError
+    """One delta object for (name, base, new) pairs of equal dtype and shape."""
+    if level not in LEVELS:
+        raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
+    streams: dict[str, npt.NDArray[np.uint8]] = {}
+    records: list[dict[str, object]] = []
+    seen: set[str] = set()
+    for index, (name, base, new) in enumerate(pairs):
+        if name in seen:
+            raise CodecError(f"tensor {name!r} appears twice in one delta")
+        seen.add(name)
+        if base.dtype != new.dtype or base.shape != new.shape:
+            raise MismatchError(
+                f"tensor {name!r}: base is {base.dtype} {tuple(base.shape)}, new is "
+                f"{new.dtype} {tuple(new.shape)}"
+            )
+        info = info_for(base.dtype, name)
+        new_flat = int_view_flat(new.to(base.device), info)
+        encoded = encode_tensor(int_view_flat(base, info), new_flat, info, level)
+        keys: dict[str, str] = {}
+        for role, stream in encoded.streams.items():
+            key = f"{index}.{role}"
+            streams[key] = stream
+            keys[role] = key
+        record = TensorRecord(
+            name, info, tuple(base.shape), encoded.encoding, encoded.changed, keys, encoded.params
+        )
+        records.append(record.to_json())
+    metadata = {
+        "codec": CODEC_NAME,
+        "codec_version": str(CODEC_VERSION),
+        "level": str(level),
+        "tensors": json.dumps(records, separators=(",", ":")),
+    }
+    return write_container(streams, metadata)
 
 
 def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
-    raise NotImplementedError
+    """Parse and validate a delta object; decoding happens per tensor later."""
+    container = read_container(data, object_name)
+    meta = container.metadata
+    codec = meta.get("codec")
+    if codec != CODEC_NAME:
+        raise CodecError(f"delta object {object_name}: unknown codec {codec!r}")
+    version = meta.get("codec_version")
+    if version != str(CODEC_VERSION):
+        raise CodecError(
+            f"delta object {object_name}: unsupported {CODEC_NAME} version {version!r}"
+        )
+    level_text = meta.get("level", "")
+    if level_text not in {str(x) for x in LEVELS}:
+        raise CorruptObjectError(f"delta object {object_name}: bad level {level_text!r}")
+    try:
+        raw_records = json.loads(meta.get("tensors", ""))
+    except json.JSONDecodeError:
+        raise CorruptObjectError(f"delta object {object_name}: tensor list is not JSON") from None
+    if not isinstance(raw_records, list):
+        raise CorruptObjectError(f"delta object {object_name}: tensor list is not a list")
+    records = [
+        parse_record(raw, container.streams, object_name, i) for i, raw in enumerate(raw_records)
+    ]
+    names = [r.name for r in records]
+    if len(set(names)) != len(names):
+        raise CorruptObjectError(f"delta object {object_name}: a tensor name appears twice")
+    used = [key for r in records for key in r.streams.values()]
+    if len(set(used)) != len(used) or set(used) != set(container.streams):
+        raise CorruptObjectError(
+            f"delta object {object_name}: streams and tensor records do not match one to one"
+        )
+    return DeltaObject(object_name, int(level_text), records, container.streams)
 
 
 def apply_patch(tensor: torch.Tensor, patch: TensorPatch) -> None:
-    raise NotImplementedError
+    """Write the patch into ``tensor`` in place (any device; contiguous tensors only)."""
+    if tensor.dtype != patch.dtype or tuple(tensor.shape) != patch.shape:
+        raise MismatchError(
+            f"tensor {patch.name!r}: target is {tensor.dtype} {tuple(tensor.shape)}, patch is "
+            f"for {patch.dtype} {patch.shape}"
+        )
+    if not tensor.is_contiguous():
+        raise TargetError(f"tensor {patch.name!r}: cannot patch a non-contiguous tensor in place")
+    if patch.positions.numel() == 0:
+        return
+    info = info_for(patch.dtype, patch.name)
+    flat = tensor.detach().view(info.view).view(-1)
+    positions = patch.positions.to(flat.device)
+    values = patch.values.to(flat.device)
+    flat.index_copy_(0, positions, values)

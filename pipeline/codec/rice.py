@@ -1,0 +1,136 @@
+"""Vectorised Rice coding of non-negative gaps.
+
+Each gap g is split into q = g >> r and the r low bits. The quotients go to a
+unary stream (q zeros then a one) and the low bits to a fixed-width stream; the
+two streams are packed separately so that both directions are a handful of
+numpy passes (cumsum, packbits / unpackbits, flatnonzero) with no per-element
+Python work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+
+MAX_PARAM = 40
+
+
+def rice_cost_bits(gaps: I64, param: int) -> int:
+    return int((gaps >> param).sum()) + gaps.size * (1 + param)
+
+
+def best_param(gaps: I64) -> tuple[int, int]:
+    """The Rice parameter with the fewest bits for these gaps, and that size."""
+    if gaps.size == 0:
+        return 0, 0
+    mean = float(gaps.mean())
+    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
+    best = (-1, -1)
+    for param in range(max(0, guess - 2), min(MAX_PARAM, guess + 3) + 1):
+        cost = rice_cost_bits(gaps, param)
+        if best[0] < 0 or cost < best[1]:
+            best = (param, cost)
+    return best
+
+
+def unary_nbits(gaps: I64, param: int) -> int:
+    return int((gaps >> param).sum()) + gaps.size
+
+
+def pack_unary(quotients: I64) -> U8:
+    """q zeros followed by a one for each quotient, packed MSB first."""
+    if quotients.size == 0:
+        return np.zeros(0, np.uint8)
+    ends = np.cumsum(quotients + 1) - 1
+    bits = np.zeros(int(ends[-1]) + 1, np.uint8)
+    bits[ends] = 1
+    return np.packbits(bits)
+
+
+def unpack_unary(stream: U8, count: int) -> I64 | None:
+    """The quotients of a unary stream, or None when the stream does not hold
+    exactly ``count`` codes followed by zero padding."""
+    if count == 0:
+        return np.zeros(0, np.int64) if stream.size == 0 else None
+    ends = np.flatnonzero(np.unpackbits(stream))
+    if ends.size != count or (int(ends[-1]) >> 3) != stream.size - 1:
+        return None
+    return np.diff(ends, prepend=-1).astype(np.int64) - 1
+
+
+def pack_fixed(values: I64, width: int) -> U8:
+    """``width`` low bits of each value, MSB first, concatenated and packed."""
+    if width == 0 or values.size == 0:
+        return np.zeros(0, np.uint8)
+    if width == 8:
+        return values.astype(np.uint8)
+    if width == 16:
+        return values.astype(">u2").view(np.uint8)
+    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
+    bits = ((values[:, None] >> shifts) & 1).astype(np.uint8)
+    return np.packbits(bits.reshape(-1))
+
+
+def unpack_fixed(stream: U8, count: int, width: int) -> I64:
+    if width == 0 or count == 0:
+        return np.zeros(count, np.int64)
+    if width == 8:
+        return stream[:count].astype(np.int64)
+    if width == 16:
+        return stream[: 2 * count].view(">u2").astype(np.int64)
+    bits = np.unpackbits(stream, count=count * width).reshape(count, width)
+    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
+    out: I64 = (bits.astype(np.int64) << shifts).sum(axis=1)
+    return out
+
+
+def fixed_nbytes(count: int, width: int) -> int:
+    return (count * width + 7) // 8
+
+
+def encode_gaps(gaps: I64, param: int) -> tuple[U8, U8]:
+    return pack_unary(gaps >> param), pack_fixed(gaps & ((1 << param) - 1), param)
+
+
+def decode_gaps(unary: U8, fixed: U8, count: int, param: int) -> I64 | None:
+    quotients = unpack_unary(unary, count)
+    if quotients is None:
+        return None
+    return (quotients << param) | unpack_fixed(fixed, count, param)
+
+
+def positions_to_gaps(positions: I64) -> I64:
+    """Strictly increasing positions -> gaps (number of skipped slots before each)."""
+    return np.diff(positions, prepend=-1) - 1
+
+
+def gaps_to_positions(gaps: I64) -> I64:
+    return np.cumsum(gaps + 1) - 1
+
+
+def unary_bits(quotients: I64) -> U8:
+    """Unpacked unary codes (one uint8 per bit), for concatenating several groups."""
+    if quotients.size == 0:
+        return np.zeros(0, np.uint8)
+    ends = np.cumsum(quotients + 1) - 1
+    bits = np.zeros(int(ends[-1]) + 1, np.uint8)
+    bits[ends] = 1
+    return bits
+
+
+def fixed_bits(values: I64, width: int) -> U8:
+    if width == 0 or values.size == 0:
+        return np.zeros(0, np.uint8)
+    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
+    return ((values[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1)
+
+
+def bits_to_ints(bits: U8, count: int, width: int) -> I64:
+    if width == 0:
+        return np.zeros(count, np.int64)
+    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
+    out: I64 = (bits.reshape(-1, width).astype(np.int64) << shifts).sum(axis=1)
+    return out
