@@ -1,0 +1,282 @@
+"""Torch target: a state dict or an nn.Module (CPU or GPU) patched in place.
+
+Tensors keep their identity: patches are written into the existing storage, so
+a live model sees the new weights without any reallocation. Tied weights (two
+checkpoint names on one storage, e.g. ``lm_head.weight`` and
+``model.embed_tokens.weight``) are one tensor here: a checkpoint may carry
+either name or both, and a patch is applied once.
+
+``lock`` is held while weights are written; a server that must never read a
+half-written model can hold it around its forward passes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import structlog
+import torch
+from torch import nn
+
+from pipeline.codec import TensorPatch
+from pipeline.errors import MismatchError, TargetError
+from pipeline.hashing import content_hash, state_hash
+from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
+from pipeline.targets.patching import apply_verified, decode_manifest, int_view
+
+log = structlog.get_logger(__name__)
+
+
+def _alias_key(t: torch.Tensor) -> tuple[object, ...]:
+    """Identical views of one storage share this key."""
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+    )
+
+
+def _sync(devices: Iterable[torch.device]) -> None:
+    """Wait for queued GPU work, so timings and hashes see the written weights."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+class TorchTarget:
+    """Weights held as torch tensors, by checkpoint name."""
+
+    def __init__(self, weights: nn.Module | Mapping[str, torch.Tensor]) -> None:
+        if isinstance(weights, nn.Module):
+            # keep_vars: the Parameter objects themselves (parameters AND persistent
+            # buffers, every name of a tied weight), not detached copies.
+            source: Mapping[str, torch.Tensor] = weights.state_dict(keep_vars=True)
+        else:
+            source = weights
+        self.lock = threading.RLock()
+        self._tensors: dict[str, torch.Tensor] = {}  # canonical name -> tensor
+        self._canonical: dict[str, str] = {}  # every name -> canonical name
+        self._names: list[str] = []  # every name, in source order
+        by_storage: dict[tuple[object, ...], str] = {}
+        for name, tensor in source.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TargetError(f"tensor {name!r}: not a torch.Tensor")
+            t = tensor.detach()
+            if t.device.type == "meta":
+                raise TargetError(f"tensor {name!r}: on the meta device, it holds no data")
+            if not t.is_contiguous():
+                raise TargetError(f"tensor {name!r}: not contiguous, cannot be patched in place")
+            key = _alias_key(t)
+            canonical = by_storage.setdefault(key, name)
+            self._canonical[name] = canonical
+            self._names.append(name)
+            if canonical == name:
+                self._tensors[name] = t
+        if not self._tensors:
+            raise TargetError("torch target holds no tensors")
+        self._devices = {t.device for t in self._tensors.values()}
+        # Names as the checkpoint carries them (for export); all names until known.
+        self._checkpoint_names: list[str] = list(self._names)
+        self._hash_cache: dict[str, str] = {}  # canonical name -> content hash
+
+    # -- introspection -------------------------------------------------------------
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {
+            name: TensorSpec(t.dtype, tuple(t.shape))
+            for name in self._names
+            for t in (self._tensors[self._canonical[name]],)
+        }
+
+    def aliases(self) -> dict[str, str]:
+        """Every name that shares storage with another -> the name it is held under."""
+        return {n: c for n, c in self._canonical.items() if n != c}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The live tensor held under a checkpoint name (shares storage with the model)."""
+        return self._tensors[self._resolve(name, "target")]
+
+    def _resolve(self, name: str, where: str) -> str:
+        try:
+            return self._canonical[name]
+        except KeyError:
+            raise MismatchError(
+                f"tensor {name!r} from {where} is not in the torch target"
+            ) from None
+
+    def _check_spec(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], where: str
+    ) -> None:
+        held = self._tensors[self._canonical[name]]
+        if held.dtype != dtype:
+            raise MismatchError(
+                f"tensor {name!r} from {where}: dtype {dtype_name(dtype)} but the target holds "
+                f"{dtype_name(held.dtype)}"
+            )
+        if tuple(held.shape) != shape:
+            raise MismatchError(
+                f"tensor {name!r} from {where}: shape {list(shape)} but the target holds "
+                f"{list(held.shape)}"
+            )
+
+    # -- hashes --------------------------------------------------------------------
+
+    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """Fresh content hashes (computed now, not cached) of the named tensors."""
+        wanted = self._names if names is None else list(names)
+        out: dict[str, str] = {}
+        with self.lock:
+            for name in wanted:
+                canonical = self._resolve(name, "hashes()")
+                digest = content_hash(self._tensors[canonical])
+                self._hash_cache[canonical] = digest
+                out[name] = digest
+        return out
+
+    def _cached_hash(self, canonical: str) -> str:
+        digest = self._hash_cache.get(canonical)
+        if digest is None:
+            digest = content_hash(self._tensors[canonical])
+            self._hash_cache[canonical] = digest
+        return digest
+
+    def state_hash(self, names: Iterable[str] | None = None) -> str:
+        """State hash over the given checkpoint names (default: the checkpoint's names),
+        from cached content hashes (each tensor is hashed at most once after it changes)."""
+        wanted = self._checkpoint_names if names is None else names
+        return state_hash((n, self._cached_hash(self._resolve(n, "state_hash()"))) for n in wanted)
+
+    # -- whole-state load ----------------------------------------------------------
+
+    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy every tensor in place. Each tensor's name, dtype and shape is checked
+        before it is written; every held tensor must be given. A source that fails
+        part way leaves a mix: callers must treat the target as holding no version."""
+        seen: dict[str, str] = {}  # canonical -> first name given
+        order: list[str] = []
+        with self.lock:
+            self._hash_cache.clear()
+            for name, src in tensors:
+                canonical = self._resolve(name, "load_state")
+                self._check_spec(name, src.dtype, tuple(src.shape), "load_state")
+                order.append(name)
+                dst = self._tensors[canonical]
+                src_hash = content_hash(src) if src.device.type == "cpu" else None
+                if canonical in seen:
+                    # The other name of a tied weight: must carry the same bits.
+                    if src_hash is None:
+                        src_hash = content_hash(src)
+                    if src_hash != self._cached_hash(canonical):
+                        raise MismatchError(
+                            f"tensors {seen[canonical]!r} and {name!r} share storage in the "
+                            "target but differ in load_state"
+                        )
+                    continue
+                seen[canonical] = name
+                # Bit copy through integer views: NaN payloads and -0.0 stay as they are.
+                int_view(dst).copy_(int_view(src.detach().contiguous()))
+                if src_hash is not None:
+                    self._hash_cache[canonical] = src_hash
+            missing = [c for c in self._tensors if c not in seen]
+            if missing:
+                raise MismatchError(
+                    f"load_state did not provide tensor {missing[0]!r} "
+                    f"({len(missing)} missing in all)"
+                )
+            _sync(self._devices)
+            self._checkpoint_names = order
+
+    # -- delta apply ---------------------------------------------------------------
+
+    def apply_delta(
+        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode = "touched"
+    ) -> ApplyReport:
+        """Check names/dtypes/shapes and the base, decode every patch, then write all of
+        them; a failed post-check restores the old contents at the patched positions."""
+        if verify not in ("touched", "all", "none"):
+            raise TargetError(f"unknown verify mode {verify!r}")
+        where = f"{manifest.run} v{manifest.version}"
+        with self.lock:
+            entries = self._check_manifest(manifest, where)
+            self._check_base(manifest, where)
+            specs = self.specs()
+            patches = decode_manifest(manifest, objects, self.tensor, specs)
+            # A tied weight carried under both names decodes twice: write it once.
+            touched: dict[str, TensorPatch] = {}
+            for patch in patches:
+                touched.setdefault(self._canonical[patch.name], patch)
+            # Untouched tensors do not change: check them now, before any write
+            # (fresh hashes for "all", the hashes known since their last change else).
+            for canonical, entry in entries.items():
+                if canonical in touched:
+                    continue
+                held = (
+                    content_hash(self._tensors[canonical])
+                    if verify == "all"
+                    else self._cached_hash(canonical)
+                )
+                if held != entry.hash:
+                    raise MismatchError(
+                        f"{where}: tensor {entry.name!r} is unchanged by the delta but its held "
+                        "content does not match the manifest (wrong base)"
+                    )
+            expected = (
+                None if verify == "none" else {p.name: entries[c].hash for c, p in touched.items()}
+            )
+            for canonical in touched:
+                self._hash_cache.pop(canonical, None)
+            start = time.perf_counter()
+            try:
+                new_hashes = apply_verified(list(touched.values()), self.tensor, expected).hashes
+            finally:
+                _sync(self._devices)
+            pause_s = time.perf_counter() - start
+            for canonical, patch in touched.items():
+                self._hash_cache[canonical] = new_hashes.get(patch.name, entries[canonical].hash)
+            self._checkpoint_names = [e.name for e in manifest.tensors]
+        changed = sum(int(p.positions.numel()) for p in touched.values())
+        log.debug("delta applied", run=manifest.run, version=manifest.version, changed=changed)
+        return ApplyReport(
+            version=manifest.version, tensors=len(touched), changed=changed, pause_s=pause_s
+        )
+
+    def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:
+        """Every manifest tensor is held with its dtype and shape; returns the entry per
+        held tensor (the two names of a tied weight must carry the same hash)."""
+        entries: dict[str, TensorEntry] = {}
+        for entry in manifest.tensors:
+            canonical = self._resolve(entry.name, where)
+            self._check_spec(entry.name, dtype_from_name(entry.dtype), tuple(entry.shape), where)
+            other = entries.setdefault(canonical, entry)
+            if other.hash != entry.hash:
+                raise MismatchError(
+                    f"{where}: tied tensors {other.name!r} and {entry.name!r} have different "
+                    "hashes in the manifest"
+                )
+        return entries
+
+    def _check_base(self, manifest: Manifest, where: str) -> None:
+        expected = getattr(manifest, "parent_state_hash", None)
+        if expected is None:
+            return
+        held = self.state_hash(e.name for e in manifest.tensors)
+        if held != expected:
+            raise MismatchError(
+                f"{where}: the held weights (state {held}) are not the delta's base "
+                f"v{manifest.parent} (state {expected})"
+            )
+
+    # -- export --------------------------------------------------------------------
+
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """CPU copies under the names the checkpoint carries."""
+        for name in list(self._checkpoint_names):
+            with self.lock:
+                copy = self._tensors[self._canonical[name]].to("cpu", copy=True)
+            yield name, copy
