@@ -1,0 +1,249 @@
+"""Decode and check a whole delta before any weight is written; apply it all or nothing.
+
+Shared by every target. The flow a target follows:
+
+1. ``check_objects(manifest, objects)``: every object the manifest names is present
+   and matches its size and sha256 (CorruptObjectError otherwise).
+2. ``decode_entries(entries, objects, base, specs)``: parse every delta object and
+   decode EVERY changed tensor against the target's held copy (``base(name)``),
+   checking names, dtypes, shapes and changed counts against the manifest and the
+   target's specs. Nothing is written; a MismatchError / CorruptObjectError names
+   the tensor at fault.
+3. ``apply_verified(patches, tensor, expected)``: write the patches into the held
+   tensors in place, hash the result, and roll every written element back if any
+   hash differs from the manifest. Only the old contents at the changed positions
+   are kept for the rollback, never a second copy of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
+from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
+from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.targets.base import TensorSpec
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _entry_dtype(entry: TensorEntry) -> torch.dtype:
+    try:
+        return dtype_from_name(entry.dtype)
+    except MismatchError:
+        raise MismatchError(f"tensor {entry.name}: unknown dtype {entry.dtype!r}") from None
+
+
+def int_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as integers of the same width (bit-exact comparisons)."""
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8)
+    return tensor.view(_INT_VIEW[tensor.element_size()])
+
+
+def check_objects(manifest: Manifest, objects: Mapping[str, bytes]) -> None:
+    """Every object the manifest names is present with the right size and sha256."""
+    for entry in manifest.objects:
+        data = objects.get(entry.key)
+        if data is None:
+            raise CorruptObjectError(
+                f"object {entry.key} of {manifest.run} v{manifest.version} was not supplied"
+            )
+        if len(data) != entry.size:
+            raise CorruptObjectError(
+                f"object {entry.key} of {manifest.run} v{manifest.version}: "
+                f"{len(data)} bytes, manifest says {entry.size}"
+            )
+        if sha256_bytes(data) != entry.sha256:
+            raise CorruptObjectError(
+                f"object {entry.key} of {manifest.run} v{manifest.version}: sha256 mismatch"
+            )
+
+
+def check_entry_spec(entry: TensorEntry, specs: Mapping[str, TensorSpec]) -> None:
+    """The manifest's dtype and shape of a tensor equal what the target holds."""
+    spec = specs.get(entry.name)
+    if spec is None:
+        raise MismatchError(f"tensor {entry.name} is not held by the target")
+    if _entry_dtype(entry) != spec.dtype:
+        raise MismatchError(
+            f"tensor {entry.name}: manifest dtype {entry.dtype}, "
+            f"target holds {dtype_name(spec.dtype)}"
+        )
+    if tuple(entry.shape) != spec.shape:
+        raise MismatchError(
+            f"tensor {entry.name}: manifest shape {list(entry.shape)}, "
+            f"target holds {list(spec.shape)}"
+        )
+
+
+def _parse(objects: Mapping[str, bytes], keys: Iterable[str]) -> dict[str, DeltaObject]:
+    parsed: dict[str, DeltaObject] = {}
+    for key in sorted(set(keys)):
+        data = objects.get(key)
+        if data is None:
+            raise CorruptObjectError(f"delta object {key} was not supplied")
+        try:
+            parsed[key] = read_delta(data, object_name=key)
+        except DeltasyncError:
+            raise
+        except Exception as exc:  # a damaged container may trip any parser error
+            raise CorruptObjectError(f"delta object {key}: {exc}") from exc
+    return parsed
+
+
+def decode_entries(
+    entries: Sequence[TensorEntry],
+    objects: Mapping[str, bytes],
+    base: Callable[[str], torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+) -> list[TensorPatch]:
+    """Decode every changed tensor of a delta against the held weights; write nothing.
+
+    ``entries`` are the manifest's tensor entries (all of them: unchanged ones are
+    checked against ``specs`` too). ``base(name)`` returns the held tensor in
+    checkpoint layout (its exact current contents). Raises MismatchError for a
+    name, dtype, shape or count that disagrees, CorruptObjectError for an object
+    that cannot be read or decoded.
+    """
+    names = [entry.name for entry in entries]
+    if len(set(names)) != len(names):
+        raise MismatchError("manifest lists a tensor twice")
+    for entry in entries:
+        check_entry_spec(entry, specs)
+    changed = [entry for entry in entries if entry.changed > 0]
+    parsed = _parse(objects, (entry.object for entry in changed))
+    listed = {entry.name for entry in changed}
+    for key, delta in parsed.items():
+        for stored in delta.tensors:
+            if stored.changed > 0 and stored.name not in listed:
+                raise MismatchError(
+                    f"tensor {stored.name} is changed in object {key} but not in the manifest"
+                )
+
+    patches: list[TensorPatch] = []
+    for entry in changed:
+        delta = parsed[entry.object]
+        info = next((item for item in delta.tensors if item.name == entry.name), None)
+        if info is None:
+            raise MismatchError(f"tensor {entry.name} is missing from object {entry.object}")
+        spec = specs[entry.name]
+        if info.dtype != spec.dtype or tuple(info.shape) != spec.shape:
+            raise MismatchError(
+                f"tensor {entry.name}: object {entry.object} holds "
+                f"{dtype_name(info.dtype)}{list(info.shape)}, "
+                f"target holds {dtype_name(spec.dtype)}{list(spec.shape)}"
+            )
+        if info.changed != entry.changed:
+            raise MismatchError(
+                f"tensor {entry.name}: object {entry.object} changes {info.changed} "
+                f"elements, manifest says {entry.changed}"
+            )
+        held = base(entry.name)
+        if held.dtype != spec.dtype or tuple(held.shape) != spec.shape:
+            raise MismatchError(f"tensor {entry.name}: held copy has the wrong dtype or shape")
+        try:
+            patch = delta.decode(entry.name, held)
+        except DeltasyncError:
+            raise
+        except Exception as exc:
+            raise CorruptObjectError(
+                f"tensor {entry.name} in object {entry.object}: {exc}"
+            ) from exc
+        _check_patch(patch, entry, spec)
+        patches.append(patch)
+    return patches
+
+
+def _check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> None:
+    count = patch.positions.numel()
+    if count != entry.changed or patch.values.numel() != count:
+        raise CorruptObjectError(
+            f"tensor {entry.name}: decoded {count} positions and "
+            f"{patch.values.numel()} values, manifest says {entry.changed}"
+        )
+    if patch.positions.dtype != torch.int64 or patch.positions.dim() != 1:
+        raise CorruptObjectError(f"tensor {entry.name}: decoded positions are not flat int64")
+    numel = 1
+    for size in spec.shape:
+        numel *= size
+    if count and (int(patch.positions.min()) < 0 or int(patch.positions.max()) >= numel):
+        raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
+
+
+def decode_manifest(
+    manifest: Manifest,
+    objects: Mapping[str, bytes],
+    base: Callable[[str], torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+) -> list[TensorPatch]:
+    """``check_objects`` then ``decode_entries`` over all of the manifest's tensors."""
+    if manifest.kind != "delta":
+        raise MismatchError(
+            f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
+        )
+    check_objects(manifest, objects)
+    return decode_entries(manifest.tensors, objects, base, specs)
+
+
+@dataclass(frozen=True)
+class _Undo:
+    name: str
+    positions: torch.Tensor
+    old: torch.Tensor
+
+
+@dataclass
+class AppliedPatches:
+    """Patches written into held tensors, with what is needed to take them back."""
+
+    patches: list[TensorPatch]
+    hashes: dict[str, str]  # new content hashes of the touched tensors (if verified)
+    _tensor: Callable[[str], torch.Tensor]
+    _undo: list[_Undo]
+
+    def rollback(self) -> None:
+        """Restore the old contents at every written position (idempotent)."""
+        for item in reversed(self._undo):
+            int_view(self._tensor(item.name)).view(-1).index_copy_(0, item.positions, item.old)
+        self._undo = []
+
+
+def apply_verified(
+    patches: Sequence[TensorPatch],
+    tensor: Callable[[str], torch.Tensor],
+    expected: Mapping[str, str] | None,
+) -> AppliedPatches:
+    """Apply all patches in place; with ``expected`` hashes, check each touched tensor
+    and roll every patch back if one differs (MismatchError naming it).
+
+    ``tensor(name)`` returns the held tensor to write (contiguous, checkpoint
+    layout). The result can still be rolled back (a later step failed) and carries
+    the new content hashes of the touched tensors (empty when ``expected`` is None).
+    """
+    applied = AppliedPatches(list(patches), {}, tensor, [])
+    try:
+        for patch in patches:
+            target = tensor(patch.name)
+            flat = int_view(target).view(-1)
+            positions = patch.positions.to(flat.device)
+            applied._undo.append(_Undo(patch.name, positions, flat.index_select(0, positions)))
+            apply_patch(target, patch)
+        if expected is not None:
+            for patch in patches:
+                digest = content_hash(tensor(patch.name))
+                want = expected.get(patch.name)
+                if digest != want:
+                    raise MismatchError(
+                        f"tensor {patch.name}: content hash after patching is {digest}, "
+                        f"manifest says {want} (wrong base version?)"
+                    )
+                applied.hashes[patch.name] = digest
+        return applied
+    except BaseException:
+        applied.rollback()
+        raise

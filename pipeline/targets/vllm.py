@@ -1,0 +1,201 @@
+"""A live vLLM engine as a deltasync target.
+
+``VllmTarget(llm)`` wraps an in-process ``vllm.LLM`` started with
+``worker_extension_cls="workers.vllm_extension.DeltasyncWorkerExtension"``. Every
+operation is a ``collective_rpc`` to the extension's ``deltasync_*`` methods with
+plain data only, so the same code drives single-process, multi-process and
+tensor-parallel engines. vllm itself is never imported here.
+
+Applying a delta is two-phase across workers: ``prepare`` decodes and verifies the
+delta against each worker's checkpoint-named shadow and writes the shadow (the
+model untouched); only when every worker prepared does ``commit`` push the changed
+tensors into the model, after which the prefix cache is reset. A failed prepare
+aborts the others, so no worker is left ahead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load, save
+
+from pipeline import errors
+from pipeline.errors import DeltasyncError, MismatchError, TargetError
+from pipeline.manifest import Manifest, dtype_from_name
+from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
+from pipeline.targets.patching import check_objects
+
+log = structlog.get_logger(__name__)
+
+EXTENSION_CLS = "workers.vllm_extension.DeltasyncWorkerExtension"
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def _raise(envelope: dict[str, Any]) -> None:
+    cls = getattr(errors, str(envelope.get("error")), None)
+    if not (isinstance(cls, type) and issubclass(cls, DeltasyncError)):
+        cls = TargetError
+    raise cls(str(envelope.get("message", "vLLM worker failed")))
+
+
+class VllmTarget:
+    """Checkpoint-named weights of a live vLLM engine (see module doc)."""
+
+    def __init__(self, llm: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if not hasattr(llm, "collective_rpc"):
+            raise TargetError(f"{type(llm).__name__} is not a vLLM LLM (no collective_rpc)")
+        self.llm = llm
+        self.chunk_bytes = chunk_bytes
+        self.version: int | None = None  # last applied version, when known
+        self._specs: dict[str, TensorSpec] | None = None
+
+    # --- RPC plumbing ---------------------------------------------------------------
+
+    def _envelopes(self, method: str, *args: object) -> list[dict[str, Any]]:
+        try:
+            answers = self.llm.collective_rpc(method, args=args)
+        except Exception as exc:
+            raise TargetError(f"vLLM collective_rpc {method} failed: {exc}") from exc
+        if not answers or not all(isinstance(a, dict) and "ok" in a for a in answers):
+            raise TargetError(
+                f"vLLM collective_rpc {method}: no deltasync answer (is the engine started "
+                f"with worker_extension_cls={EXTENSION_CLS!r}?)"
+            )
+        return list(answers)
+
+    def _call(self, method: str, *args: object) -> Any:
+        answers = self._envelopes(method, *args)
+        for answer in answers:
+            if not answer["ok"]:
+                _raise(answer)
+        return answers[0]["value"]
+
+    def _set_specs(self, plain: dict[str, list[Any]]) -> dict[str, TensorSpec]:
+        self._specs = {
+            name: TensorSpec(dtype_from_name(dtype), tuple(int(s) for s in shape))
+            for name, (dtype, shape) in plain.items()
+        }
+        return self._specs
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise TargetError("vLLM engine refused to reset its prefix cache (requests running?)")
+
+    # --- Target protocol -------------------------------------------------------------
+
+    def specs(self) -> dict[str, TensorSpec]:
+        if self._specs is None:
+            self._set_specs(self._call("deltasync_specs"))
+        assert self._specs is not None
+        return dict(self._specs)
+
+    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights and the workers' shadow with ``tensors`` (a
+        complete checkpoint in HF names), sent as safetensors chunks."""
+        self._call("deltasync_load_begin")
+        batch: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, tensor in tensors:
+            batch[name] = tensor.detach().to("cpu").contiguous()
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.chunk_bytes:
+                self._call("deltasync_load_chunk", save(batch))
+                batch, size = {}, 0
+        if batch:
+            self._call("deltasync_load_chunk", save(batch))
+        self._set_specs(self._call("deltasync_load_commit", True))
+        self._reset_prefix_cache()
+        self.version = None
+        log.info("vllm target loaded", tensors=len(self._specs or {}))
+
+    def load_model_files(self, version: int | None = None) -> None:
+        """Adopt the checkpoint files the engine was started from as the shadow.
+
+        Right only when the node knows which version those files hold: pass it,
+        and compare ``hashes()`` with that version's manifest before trusting it.
+        """
+        self._set_specs(self._call("deltasync_load_model_files"))
+        self.version = version
+
+    def apply_delta(
+        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+    ) -> ApplyReport:
+        if manifest.kind != "delta":
+            raise MismatchError(
+                f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
+            )
+        if self.version is not None and manifest.parent != self.version:
+            raise MismatchError(
+                f"delta {manifest.run} v{manifest.version} has parent {manifest.parent}, "
+                f"vLLM target holds v{self.version}"
+            )
+        check_objects(manifest, objects)
+        request = {
+            "version": manifest.version,
+            "verify": verify,
+            "parent_state_hash": manifest.parent_state_hash,
+            "entries": [
+                [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed]
+                for e in manifest.tensors
+            ],
+            "objects": {o.key: objects[o.key] for o in manifest.objects},
+        }
+        started = time.perf_counter()
+        prepared = self._envelopes("deltasync_prepare", request)
+        failed = [answer for answer in prepared if not answer["ok"]]
+        if failed:
+            if len(failed) < len(prepared):
+                self._envelopes("deltasync_abort")
+            _raise(failed[0])
+        self._call("deltasync_commit")
+        self._reset_prefix_cache()
+        pause = time.perf_counter() - started
+        summary = prepared[0]["value"]
+        self.version = manifest.version
+        log.info(
+            "vllm target applied delta",
+            run=manifest.run,
+            version=manifest.version,
+            tensors=summary["tensors"],
+            changed=summary["changed"],
+            pause_s=round(pause, 6),
+        )
+        return ApplyReport(
+            manifest.version, int(summary["tensors"]), int(summary["changed"]), pause
+        )
+
+    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        answer: dict[str, str] = self._call(
+            "deltasync_hashes", None if names is None else list(names)
+        )
+        return answer
+
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        specs = self.specs()
+        chunk: list[str] = []
+        size = 0
+        for name, spec in specs.items():
+            chunk.append(name)
+            size += spec.dtype.itemsize * _numel(spec.shape)
+            if size >= self.chunk_bytes:
+                yield from load(self._call("deltasync_export", chunk)).items()
+                chunk, size = [], 0
+        if chunk:
+            yield from load(self._call("deltasync_export", chunk)).items()
+
+    def read_parameter(self, name: str) -> torch.Tensor | None:
+        """The engine's own bits of ``name`` where they are a plain tensor (rank 0's
+        slice), else None. For checks: proves in-place writes reached the model."""
+        blob = self._call("deltasync_read_param", name)
+        return None if blob is None else load(blob)[name]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

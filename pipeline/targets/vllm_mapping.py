@@ -1,0 +1,232 @@
+"""Where checkpoint (HF) tensors live inside a loaded vLLM model, learnt from the model.
+
+vLLM renames, fuses (q/k/v -> qkv_proj, gate/up -> gate_up_proj), shards (tensor
+parallel) and pads parameters, each model in its own ``load_weights``. Rather than
+re-implementing those rules per architecture, this module asks the model:
+
+- Routing: every parameter's ``weight_loader`` is swapped for a recorder and the
+  model's own ``load_weights`` is run on the real checkpoint names with zero-stride
+  placeholder tensors; the recorder notes which parameter (and shard id) each
+  checkpoint name reaches, writing nothing.
+- Placement: for a parameter that is a plain tensor (GPU, and on CPU the
+  embeddings and norms), the original loader is run once against an integer probe
+  (flat index + 1 of every checkpoint element) written into a scratch integer
+  tensor of the parameter's shape. Where the probe lands is the exact map from
+  checkpoint coordinates to parameter coordinates on this rank, with packing
+  offsets, tensor-parallel slices and padding included. It is kept only when it is
+  a box (contiguous range per dimension), which is what narrow-and-copy loaders
+  produce; anything else falls back to the loading path.
+- A parameter that is not a plain tensor (CPU oneDNN-repacked linears show shape
+  (0,)) has no placement: such modules are refreshed through vLLM's
+  ``reload_weights`` with every checkpoint tensor that feeds the module (the whole
+  fused group), because a module reloaded from part of its inputs is corrupted.
+
+vllm is never imported here; the functions take the ``torch.nn.Module`` the worker
+holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from pipeline.errors import TargetError
+
+log = structlog.get_logger(__name__)
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which parameter a checkpoint tensor is loaded into (``None``: the model ignores it)."""
+
+    parameter: str | None
+    args: tuple[Any, ...]  # extra loader arguments, e.g. the shard id "q" / 0
+
+    @property
+    def module(self) -> str | None:
+        return None if self.parameter is None else self.parameter.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A box of a checkpoint tensor held at a box of a plain parameter on this rank."""
+
+    parameter: str
+    source_offset: tuple[int, ...]  # start of the box in checkpoint coordinates
+    target_offset: tuple[int, ...]  # start of the box in parameter coordinates
+    size: tuple[int, ...]  # box extent per dimension (0 somewhere: nothing on this rank)
+    target_shape: tuple[int, ...]
+
+
+class _Recorder:
+    """Stands in for a weight loader: notes what reached it, writes nothing."""
+
+    def __init__(self, parameter: str, hits: list[tuple[str, tuple[Any, ...]]]) -> None:
+        self.parameter = parameter
+        self.hits = hits
+
+    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, *args: Any) -> None:
+        self.hits.append((self.parameter, args))
+
+
+def route_names(
+    model: torch.nn.Module,
+    load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+    shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> dict[str, Route]:
+    """Checkpoint name -> Route, by running ``load_weights`` with recording loaders.
+
+    ``shapes`` gives dtype and shape of each checkpoint tensor; placeholders of
+    that dtype and shape are passed (expanded zero-stride views: no memory).
+    A name the model's loader rejects raises TargetError naming it.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    saved: dict[str, object] = {}
+    hits: list[tuple[str, tuple[Any, ...]]] = []
+    for name, param in params.items():
+        saved[name] = getattr(param, "weight_loader", _MISSING)
+        param.weight_loader = _Recorder(name, hits)  # type: ignore[attr-defined]
+    routes: dict[str, Route] = {}
+    try:
+        for hf_name, (dtype, shape) in shapes.items():
+            hits.clear()
+            placeholder = torch.zeros((), dtype=dtype).expand(shape)
+            try:
+                load_weights([(hf_name, placeholder)])
+            except Exception as exc:
+                raise TargetError(
+                    f"tensor {hf_name}: the vLLM model cannot place it ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''})"
+                ) from exc
+            if len(hits) > 1:
+                raise TargetError(
+                    f"tensor {hf_name}: the vLLM model loads it into {len(hits)} parameters"
+                )
+            routes[hf_name] = Route(*hits[0]) if hits else Route(None, ())
+    finally:
+        for name, param in params.items():
+            if saved[name] is _MISSING:
+                del param.weight_loader  # type: ignore[attr-defined]
+            else:
+                param.weight_loader = saved[name]  # type: ignore[attr-defined]
+    return routes
+
+
+def _box(mask: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Start and size of the smallest box holding every True of ``mask`` (None: empty)."""
+    starts: list[int] = []
+    sizes: list[int] = []
+    for dim in range(mask.dim()):
+        others = [d for d in range(mask.dim()) if d != dim]
+        line = mask.any(dim=others) if others else mask
+        hit = line.nonzero().view(-1)
+        if hit.numel() == 0:
+            return None
+        first, last = int(hit[0]), int(hit[-1])
+        starts.append(first)
+        sizes.append(last - first + 1)
+    return tuple(starts), tuple(sizes)
+
+
+def probe_placement(
+    model: torch.nn.Module,
+    hf_name: str,
+    route: Route,
+    hf_shape: tuple[int, ...],
+    loader: Callable[..., object],
+) -> Placement | None:
+    """Run ``loader`` on an index probe to find where ``hf_name`` lands; None if unplaceable.
+
+    The parameter's storage is swapped for a scratch integer tensor during the
+    probe and put back afterwards; the live weights are not read or written.
+    """
+    if route.parameter is None:
+        return None
+    param = model.get_parameter(route.parameter)
+    if param.is_meta or param.numel() == 0 or param.dim() != len(hf_shape):
+        return None
+    numel = math.prod(hf_shape)
+    index_dtype = torch.int32 if max(numel, param.numel()) < 2**31 - 1 else torch.int64
+    live = param.data
+    grad = param.requires_grad
+    try:
+        param.requires_grad_(False)  # integer storage cannot require grad
+        param.data = torch.full(live.shape, -1, dtype=index_dtype, device=live.device)
+        probe = torch.arange(1, numel + 1, dtype=index_dtype, device=live.device)
+        loader(param, probe.view(hf_shape), *route.args)
+        landed = param.data
+    except Exception as exc:  # a loader that needs real floats: use the loading path
+        log.debug("probe failed", tensor=hf_name, error=str(exc))
+        return None
+    finally:
+        param.data = live
+        param.requires_grad_(grad)
+    if landed.shape != live.shape or landed.dtype != index_dtype:
+        return None
+    mask = landed > 0
+    box = _box(mask)
+    if box is None:  # this rank holds none of it
+        zero = (0,) * len(hf_shape)
+        return Placement(route.parameter, zero, zero, zero, tuple(live.shape))
+    start, size = box
+    region = landed[tuple(slice(s, s + n) for s, n in zip(start, size, strict=True))]
+    first = int(region.reshape(-1)[0]) - 1
+    source: list[int] = []
+    for extent in reversed(hf_shape):
+        source.append(first % extent)
+        first //= extent
+    source.reverse()
+    if any(s + n > e for s, n, e in zip(source, size, hf_shape, strict=True)):
+        return None
+    expected = torch.ones(size, dtype=torch.int64, device=live.device)
+    stride = 1
+    for dim in reversed(range(len(hf_shape))):
+        shape = [1] * len(hf_shape)
+        shape[dim] = size[dim]
+        coords = torch.arange(source[dim], source[dim] + size[dim], device=live.device)
+        expected = expected + (coords * stride).view(shape)
+        stride *= hf_shape[dim]
+    if not torch.equal(region.to(torch.int64), expected):
+        return None
+    return Placement(route.parameter, tuple(source), start, size, tuple(live.shape))
+
+
+def scatter_positions(
+    placement: Placement, hf_shape: tuple[int, ...], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For flat checkpoint positions: (mask of those held on this rank, their flat
+    positions in the parameter)."""
+    coords = []
+    rest = positions
+    for extent in reversed(hf_shape):
+        coords.append(rest % extent)
+        rest = rest // extent
+    coords.reverse()
+    keep = torch.ones_like(positions, dtype=torch.bool)
+    flat = torch.zeros_like(positions)
+    for dim, coord in enumerate(coords):
+        lo = placement.source_offset[dim]
+        keep &= (coord >= lo) & (coord < lo + placement.size[dim])
+        flat = flat * placement.target_shape[dim] + (coord - lo + placement.target_offset[dim])
+    return keep, flat[keep]
+
+
+def gather_placed(param: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The box of the parameter that holds the placed checkpoint values."""
+    return param.data[
+        tuple(slice(s, s + n) for s, n in zip(placement.target_offset, placement.size, strict=True))
+    ]
+
+
+def source_box(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The box of the checkpoint tensor that this rank holds."""
+    return tensor[
+        tuple(slice(s, s + n) for s, n in zip(placement.source_offset, placement.size, strict=True))
+    ]

@@ -1,0 +1,420 @@
+"""deltasync methods added to every vLLM worker (``worker_extension_cls``).
+
+Start vLLM with ``worker_extension_cls="workers.vllm_extension.DeltasyncWorkerExtension"``
+and drive it with ``collective_rpc("deltasync_<method>", args=(...))``; the node side
+is ``pipeline.targets.vllm.VllmTarget``. Only plain data crosses the process
+boundary (bytes, str, int, float, lists, dicts), and every method answers with an
+envelope ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": class name,
+"message": ...}`` so that errors survive the trip whatever the executor.
+
+Each worker keeps a shadow: the full checkpoint-named (HF) weights on CPU, exactly
+as the trainer published them. Deltas are decoded against the shadow (the codec
+needs the exact base), verified, written into the shadow, and then pushed into the
+model. The shadow is also what ``hashes`` and ``export`` read, so they report the
+checkpoint the engine was given, never a re-derived kernel layout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load, save
+
+from pipeline.errors import DeltasyncError, MismatchError, TargetError
+from pipeline.hashing import content_hash, state_hash
+from pipeline.manifest import TensorEntry, dtype_name
+from pipeline.targets.base import TensorSpec
+from pipeline.targets.patching import (
+    AppliedPatches,
+    apply_verified,
+    decode_entries,
+)
+from pipeline.targets.vllm_mapping import (
+    Placement,
+    Route,
+    gather_placed,
+    probe_placement,
+    route_names,
+    scatter_positions,
+    source_box,
+)
+
+log = structlog.get_logger(__name__)
+
+Envelope = dict[str, Any]
+
+
+def _ok(value: object = None) -> Envelope:
+    return {"ok": True, "value": value}
+
+
+def _failed(exc: BaseException) -> Envelope:
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    name = type(exc).__name__ if isinstance(exc, DeltasyncError) else "TargetError"
+    if not isinstance(exc, DeltasyncError):
+        message = f"vLLM worker: {type(exc).__name__}: {message}"
+    return {"ok": False, "error": name, "message": message}
+
+
+def _enveloped(call: Callable[[], object]) -> Envelope:
+    try:
+        return _ok(call())
+    except Exception as exc:
+        log.warning("deltasync worker call failed", error=str(exc))
+        return _failed(exc)
+
+
+@dataclass
+class _Pending:
+    """A verified delta written to the shadow but not yet pushed into the model."""
+
+    version: int
+    applied: AppliedPatches
+    touched: list[str]
+
+
+@dataclass
+class _State:
+    shadow: dict[str, torch.Tensor] = field(default_factory=dict)
+    hashes: dict[str, str] = field(default_factory=dict)  # cache; missing = not computed
+    routes: dict[str, Route] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
+    staging: dict[str, torch.Tensor] | None = None
+    pending: _Pending | None = None
+    loaded: bool = False
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in self.shadow.items()}
+
+    def hash_of(self, name: str) -> str:
+        digest = self.hashes.get(name)
+        if digest is None:
+            digest = content_hash(self.shadow[name])
+            self.hashes[name] = digest
+        return digest
+
+
+class DeltasyncWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    # --- helpers (underscore names: never called over RPC) -----------------------
+
+    def _ds(self) -> _State:
+        state: _State | None = getattr(self, "_deltasync_state", None)
+        if state is None:
+            state = _State()
+            self._deltasync_state = state
+        return state
+
+    def _ds_model(self) -> torch.nn.Module:
+        model: torch.nn.Module = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return model
+
+    def _ds_loaded(self) -> _State:
+        state = self._ds()
+        if not state.loaded:
+            raise TargetError("vLLM worker holds no deltasync state: call load_state first")
+        return state
+
+    def _ds_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's own loading path (CPU repacking, TP slicing, fusing included)."""
+        self.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=list(tensors), is_checkpoint_format=True
+        )
+
+    def _ds_map(self, state: _State) -> None:
+        """Learn routes and plain-tensor placements of every shadow tensor."""
+        from vllm.model_executor.model_loader.weight_utils import (  # noqa: PLC0415
+            default_weight_loader,
+        )
+
+        model = self._ds_model()
+        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+        load_weights = model.load_weights  # type: ignore[assignment]
+        shapes = {n: (t.dtype, tuple(t.shape)) for n, t in state.shadow.items()}
+        with torch.no_grad():
+            state.routes = route_names(model, load_weights, shapes)
+            state.placements = {}
+            for name, route in state.routes.items():
+                if route.parameter is None:
+                    continue
+                param = model.get_parameter(route.parameter)
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                placement = probe_placement(model, name, route, shapes[name][1], loader)
+                if placement is None:
+                    continue
+                # Post-load processing (scales, permutes, repacking) would make raw
+                # checkpoint values wrong: keep a placement only where the parameter
+                # holds the checkpoint's exact bits.
+                held = gather_placed(param, placement)
+                want = source_box(state.shadow[name], placement).to(held.device)
+                if held.dtype == want.dtype and torch.equal(
+                    held.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+                ):
+                    state.placements[name] = placement
+        log.info(
+            "deltasync weight map",
+            tensors=len(state.routes),
+            in_place=len(state.placements),
+            ignored=sum(1 for r in state.routes.values() if r.parameter is None),
+        )
+
+    def _ds_group(self, state: _State, names: Iterable[str]) -> list[str]:
+        """Every shadow tensor feeding the modules that ``names`` reach (whole groups)."""
+        modules = {state.routes[n].module for n in names}
+        return sorted(n for n, r in state.routes.items() if r.module in modules)
+
+    def _ds_push(self, state: _State, names: list[str], patches: dict[str, Any]) -> None:
+        """Bring the model in line with the shadow for ``names``."""
+        model = self._ds_model()
+        reload: list[str] = []
+        with torch.no_grad():
+            for name in names:
+                route = state.routes[name]
+                if route.parameter is None:
+                    continue
+                placement = state.placements.get(name)
+                patch = patches.get(name)
+                if placement is None or patch is None:
+                    reload.append(name)
+                    continue
+                param = model.get_parameter(placement.parameter)
+                keep, flat = scatter_positions(
+                    placement, tuple(state.shadow[name].shape), patch.positions
+                )
+                if flat.numel() == 0:
+                    continue
+                values = patch.values[keep].view(state.shadow[name].dtype)
+                param.data.view(-1).index_copy_(
+                    0, flat.to(param.device), values.to(param.device, param.dtype)
+                )
+        if reload:
+            group = self._ds_group(state, reload)
+            self._ds_reload((n, state.shadow[n]) for n in group)
+
+    # --- RPC methods --------------------------------------------------------------
+
+    def deltasync_load_begin(self) -> Envelope:
+        """Start a load_state: following chunks replace the whole shadow."""
+
+        def run() -> None:
+            self._ds().staging = {}
+
+        return _enveloped(run)
+
+    def deltasync_load_chunk(self, data: bytes) -> Envelope:
+        """One safetensors blob of checkpoint tensors (part of a load_state)."""
+
+        def run() -> int:
+            state = self._ds()
+            if state.staging is None:
+                raise TargetError("vLLM worker: load chunk outside load_begin/load_commit")
+            tensors = load(bytes(data))
+            state.staging.update((n, t.contiguous()) for n, t in tensors.items())
+            return len(tensors)
+
+        return _enveloped(run)
+
+    def deltasync_load_commit(self, push: bool) -> Envelope:
+        """Adopt the staged tensors as the shadow; with ``push``, reload them all into
+        the model (the model then holds exactly the shadow)."""
+
+        def run() -> dict[str, list[Any]]:
+            state = self._ds()
+            if state.staging is None:
+                raise TargetError("vLLM worker: load_commit without load_begin")
+            state.shadow, state.staging = state.staging, None
+            state.hashes = {}
+            state.pending = None
+            state.loaded = True
+            self._ds_map(state)
+            if push:
+                self._ds_reload(state.shadow.items())
+            return _specs_plain(state.specs())
+
+        return _enveloped(run)
+
+    def deltasync_load_model_files(self) -> Envelope:
+        """Adopt the engine's own checkpoint files (``*.safetensors`` of the model
+        folder it was started from) as the shadow, without pushing anything."""
+
+        def run() -> dict[str, list[Any]]:
+            folder = Path(self.model_config.model)  # type: ignore[attr-defined]
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise TargetError(f"vLLM model folder {folder} holds no safetensors files")
+            self.deltasync_load_begin()
+            state = self._ds()
+            assert state.staging is not None
+            for file in files:
+                state.staging.update(load(file.read_bytes()))
+            state.shadow, state.staging = state.staging, None
+            state.hashes = {}
+            state.pending = None
+            state.loaded = True
+            self._ds_map(state)
+            return _specs_plain(state.specs())
+
+        return _enveloped(run)
+
+    def deltasync_specs(self) -> Envelope:
+        return _enveloped(lambda: _specs_plain(self._ds_loaded().specs()))
+
+    def deltasync_prepare(self, request: dict[str, Any]) -> Envelope:
+        """Decode, check and write a delta into the shadow; the model is not touched.
+
+        ``request``: version, verify ("touched" | "all" | "none"), parent_state_hash
+        (or None), entries (lists: name, dtype, shape, hash, object, changed) and
+        objects (key -> bytes). Any failure leaves the shadow as it was.
+        """
+
+        def run() -> dict[str, Any]:
+            state = self._ds_loaded()
+            if state.pending is not None:
+                raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
+            entries = [_entry(item) for item in request["entries"]]
+            verify = str(request["verify"])
+            objects: Mapping[str, bytes] = request["objects"]
+            specs = state.specs()
+            if verify != "none":
+                _check_base(state, entries, request.get("parent_state_hash"), verify)
+            patches = decode_entries(entries, objects, state.shadow.__getitem__, specs)
+            for patch in patches:
+                if state.routes.get(patch.name) is None:
+                    raise TargetError(f"tensor {patch.name}: no place for it in the vLLM model")
+            expected = None if verify == "none" else {e.name: e.hash for e in entries}
+            applied = apply_verified(patches, state.shadow.__getitem__, expected)
+            touched = [patch.name for patch in patches]
+            for name in touched:
+                state.hashes.pop(name, None)
+            state.hashes.update(applied.hashes)
+            state.pending = _Pending(int(request["version"]), applied, touched)
+            return {
+                "tensors": len(patches),
+                "changed": sum(int(p.positions.numel()) for p in patches),
+            }
+
+        return _enveloped(run)
+
+    def deltasync_commit(self) -> Envelope:
+        """Push the prepared delta into the model. On failure the shadow is rolled back
+        and the touched groups are pushed again from it."""
+
+        def run() -> float:
+            state = self._ds_loaded()
+            pending = state.pending
+            if pending is None:
+                raise TargetError("vLLM worker: commit without a prepared delta")
+            started = time.perf_counter()
+            patches = {p.name: p for p in pending.applied.patches}
+            try:
+                self._ds_push(state, pending.touched, patches)
+            except Exception:
+                pending.applied.rollback()
+                for name in pending.touched:
+                    state.hashes.pop(name, None)
+                state.pending = None
+                group = self._ds_group(state, pending.touched)
+                self._ds_reload((n, state.shadow[n]) for n in group)
+                raise
+            state.pending = None
+            return time.perf_counter() - started
+
+        return _enveloped(run)
+
+    def deltasync_abort(self) -> Envelope:
+        """Undo a prepared delta in the shadow (another worker failed to prepare)."""
+
+        def run() -> bool:
+            state = self._ds()
+            pending = state.pending
+            if pending is None:
+                return False
+            pending.applied.rollback()
+            for name in pending.touched:
+                state.hashes.pop(name, None)
+            state.pending = None
+            return True
+
+        return _enveloped(run)
+
+    def deltasync_hashes(self, names: list[str] | None) -> Envelope:
+        def run() -> dict[str, str]:
+            state = self._ds_loaded()
+            wanted = list(state.shadow) if names is None else list(names)
+            missing = [n for n in wanted if n not in state.shadow]
+            if missing:
+                raise MismatchError(f"tensor {missing[0]} is not held by the vLLM target")
+            return {n: state.hash_of(n) for n in wanted}
+
+        return _enveloped(run)
+
+    def deltasync_export(self, names: list[str]) -> Envelope:
+        """Shadow tensors as one safetensors blob."""
+
+        def run() -> bytes:
+            state = self._ds_loaded()
+            return save({n: state.shadow[n] for n in names})
+
+        return _enveloped(run)
+
+    def deltasync_read_param(self, hf_name: str) -> Envelope:
+        """The model's own bits of a checkpoint tensor, where a placement knows them
+        (tests and debugging: proves an in-place write reached the live parameter)."""
+
+        def run() -> bytes | None:
+            state = self._ds_loaded()
+            placement = state.placements.get(hf_name)
+            if placement is None:
+                return None
+            param = self._ds_model().get_parameter(placement.parameter)
+            box = gather_placed(param, placement).detach().cpu().contiguous()
+            return save({hf_name: box})
+
+        return _enveloped(run)
+
+
+def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
+    return {n: [dtype_name(s.dtype), list(s.shape)] for n, s in specs.items()}
+
+
+def _entry(item: list[Any]) -> TensorEntry:
+    name, dtype, shape, digest, key, changed = item
+    return TensorEntry(
+        str(name), str(dtype), tuple(int(s) for s in shape), str(digest), str(key), int(changed)
+    )
+
+
+def _check_base(
+    state: _State, entries: list[TensorEntry], parent_state_hash: object, verify: str
+) -> None:
+    """Catch a delta for another base before decoding: the unchanged tensors must
+    already hold their manifest hashes ("all": recomputed; "touched": cached)."""
+    for entry in entries:
+        if entry.changed:
+            continue
+        if entry.name not in state.shadow:
+            continue  # decode_entries reports it
+        spec_ok = dtype_name(state.shadow[entry.name].dtype) == entry.dtype
+        if not spec_ok:
+            continue
+        if verify == "all":
+            state.hashes.pop(entry.name, None)
+        if state.hash_of(entry.name) != entry.hash:
+            raise MismatchError(
+                f"tensor {entry.name}: held content hash differs from the manifest's "
+                "unchanged tensor (delta for another base version?)"
+            )
+    if isinstance(parent_state_hash, str) and parent_state_hash:
+        held = state_hash((n, state.hash_of(n)) for n in state.shadow)
+        if held != parent_state_hash:
+            raise MismatchError(
+                f"vLLM target state hash {held} is not the delta's parent state hash "
+                f"{parent_state_hash}"
+            )
