@@ -36,7 +36,6 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
 DOCKER_DIR = ROOT / "docker"
 DEPLOY_DOC = ROOT / "docs" / "DEPLOY.md"
-EXTENSION_CLASS = "workers.vllm_extension.DeltasyncWorkerExtension"
 # Variables a developer's shell may set; the tests pin them to known values instead.
 CONFIG_PREFIXES = ("DELTASYNC_", "AWS_", "HF_", "VLLM_", "TORCH_INDEX", "COMPOSE_")
 
@@ -277,10 +276,11 @@ def test_remote_store_and_credentials_come_from_the_environment(tmp_path: Path) 
         "DELTASYNC_RUN": "grpo-7",
         "DELTASYNC_STAGING": str(host_staging),
         "DELTASYNC_STAGING_VOLUME": str(host_staging),
-        "DELTASYNC_SIGNING_KEY": "signing",
-        "DELTASYNC_VERIFY_KEY": "verify",
+        "DELTASYNC_SIGNING_KEY": str(tmp_path / "keys" / "signing.key"),
+        "DELTASYNC_VERIFY_KEY": str(tmp_path / "keys" / "verify.pub"),
     }
-    services = deltasync_services(resolved(tmp_path, env))
+    config = resolved(tmp_path, env)
+    services = deltasync_services(config)
     for name, service in services.items():
         environment = service["environment"]
         for key in (
@@ -298,18 +298,43 @@ def test_remote_store_and_credentials_come_from_the_environment(tmp_path: Path) 
         assert staging and staging[0]["type"] == "bind", name
         assert staging[0]["source"] == str(host_staging), name
         assert "grpo-7" in service.get("command", []) or not name.startswith("rollout"), name
-    # Keys go where they are used: writers sign, readers verify.
-    assert services["diff-worker"]["environment"]["DELTASYNC_SIGNING_KEY"] == "signing"
-    assert services["compaction-worker"]["environment"]["DELTASYNC_SIGNING_KEY"] == "signing"
-    for name in ("rollout-torch", "rollout-vllm"):
-        assert services[name]["environment"]["DELTASYNC_VERIFY_KEY"] == "verify"
-        assert services[name]["environment"].get("DELTASYNC_SIGNING_KEY") is None
+    # Key files reach the containers as secrets, and only where they are used: writers
+    # sign, readers verify. The settings read them by their path inside the container.
+    secrets = {name: secret["file"] for name, secret in config["secrets"].items()}
+    mounted = {v: k for k, v in secrets.items()}
+    for name, key, host_var in (
+        ("diff-worker", "DELTASYNC_SIGNING_KEY", "DELTASYNC_SIGNING_KEY"),
+        ("compaction-worker", "DELTASYNC_SIGNING_KEY", "DELTASYNC_SIGNING_KEY"),
+        ("rollout-torch", "DELTASYNC_VERIFY_KEY", "DELTASYNC_VERIFY_KEY"),
+        ("rollout-vllm", "DELTASYNC_VERIFY_KEY", "DELTASYNC_VERIFY_KEY"),
+    ):
+        service = services[name]
+        secret = mounted[env[host_var]]
+        targets = {s["source"]: s["target"] for s in service["secrets"]}
+        assert service["environment"][key] == targets[secret] == f"/run/secrets/{secret}", name
+        assert len(targets) == 1, f"{name} receives a key it does not use"
 
 
 def test_unset_credentials_are_left_out_rather_than_empty(tmp_path: Path) -> None:
     for service in deltasync_services(resolved(tmp_path)).values():
         for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"):
             assert service["environment"].get(key) is None
+        # Without key files, the key settings are empty, which the settings read as unset.
+        for key in ("DELTASYNC_SIGNING_KEY", "DELTASYNC_VERIFY_KEY"):
+            assert not service["environment"].get(key)
+
+
+def test_every_service_environment_makes_valid_settings(tmp_path: Path) -> None:
+    settings_cls = importlib.import_module("pipeline.config").Settings
+    for name, service in deltasync_services(resolved(tmp_path)).items():
+        env = {k: v for k, v in service["environment"].items() if v is not None}
+        settings = settings_cls.from_env(env)
+        assert settings.store_url == "file:///data/store", name
+        assert str(settings.staging_dir) == "/data/staging", name
+        assert str(settings.cache_dir) == "/data/cache", name
+        assert settings.redis_url == "redis://redis:6379/0", name
+        assert settings.log_json is True, name
+        assert settings.signing_key_path is None and settings.verify_key_path is None, name
 
 
 # --- every command parses with the real CLI -------------------------------------------
@@ -402,21 +427,24 @@ def test_a_renamed_option_would_be_caught() -> None:
         parse_with_cli(["deltasync", "worker", "diffs"])
 
 
-def test_vllm_service_names_an_extension_class_that_exists(tmp_path: Path) -> None:
-    service = resolved(tmp_path)["services"]["rollout-vllm"]
-    named = [
-        value
-        for value in [*service.get("environment", {}).values(), *service.get("command", [])]
-        if isinstance(value, str) and value.startswith("workers.vllm_extension.")
-    ]
-    assert named == [EXTENSION_CLASS]
-    module_name, _, class_name = EXTENSION_CLASS.rpartition(".")
+def test_vllm_image_carries_the_extension_class_the_vllm_target_loads() -> None:
+    # The class path lives in the vLLM target, which passes it to vLLM's engine.
+    target = importlib.import_module("pipeline.targets.vllm")
+    class_path = target.EXTENSION_CLS
+    assert isinstance(class_path, str)
+    module_name, _, class_name = class_path.rpartition(".")
     # Read the source rather than importing it: the import pulls in vLLM.
     spec = importlib.util.find_spec(module_name)
     assert spec is not None and spec.origin is not None, f"{module_name} does not exist"
     tree = ast.parse(Path(spec.origin).read_text())
     classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
     assert class_name in classes, f"{module_name} defines no {class_name}"
+    # The image build proves the module imports next to the real vLLM.
+    runs = [
+        rest for kw, rest in dockerfile_instructions(DOCKER_DIR / "Dockerfile.vllm") if kw == "RUN"
+    ]
+    assert any(f"import {module_name}" in run for run in runs)
+    assert module_name.split(".")[0] in copy_sources(DOCKER_DIR / "Dockerfile.vllm")
 
 
 # --- the health check against a real Redis ----------------------------------------------
