@@ -347,9 +347,10 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
 
 
 def _header_bytes(entries: list[HeaderEntry], metadata: dict[str, str] | None) -> bytes:
-    doc: dict[str, Any] = {}
-    if metadata:
-        doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    # "format": "pt" is what transformers expects of a torch safetensors file.
+    doc: dict[str, Any] = {
+        "__metadata__": {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    }
     for e in entries:
         doc[e.name] = {
             "dtype": _SAFETENSORS_CODES[e.dtype],
@@ -455,8 +456,10 @@ def write_sharded(
     *,
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
+    extra_files: dict[str, Path] | None = None,
 ) -> Path:
-    """Write a sharded folder atomically: each shard is (file name, tensors), plus the index."""
+    """Write a sharded folder atomically: each shard is (file name, tensors), plus the index
+    and copies of ``extra_files`` (name -> source, e.g. a model's config.json)."""
     target = Path(path)
     if (target.exists() or target.is_symlink()) and not overwrite:
         raise ConfigError(f"{target} already exists")
@@ -486,6 +489,10 @@ def write_sharded(
             total += _write_file(tmp / file_name, mapped(tensors), metadata)
         index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        for name, source in (extra_files or {}).items():
+            if "/" in name or (tmp / name).exists():
+                raise ConfigError(f"extra file {name!r} clashes with the checkpoint's files")
+            shutil.copyfile(source, tmp / name)
         _fsync_dir(tmp)
         _publish(tmp, target, overwrite)
     except BaseException:

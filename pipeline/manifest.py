@@ -64,8 +64,8 @@ MAX_TENSOR_NAME = 1024
 MAX_MANIFEST_BYTES = 256 << 20
 
 SIGNATURE_ALG = "ed25519"
-PRIVATE_KEY_NAME = "deltasync-signing.key"
-PUBLIC_KEY_NAME = "deltasync-signing.pub"
+PRIVATE_KEY_NAME = "signing.key"
+PUBLIC_KEY_NAME = "verify.pub"
 
 # Every dtype deltasync moves, by its torch name without "torch.".
 DTYPES: dict[str, torch.dtype] = {
@@ -439,13 +439,13 @@ def parse_manifest(
         parent_state_hash=parent_state,
     )
     if expected_run is not None and run != expected_run:
-        raise MismatchError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")
+        raise CorruptObjectError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")
     if expected_version is not None and version != expected_version:
-        raise MismatchError(
+        raise CorruptObjectError(
             f"manifest {source} is for version {version}, expected {expected_version}"
         )
     if expected_kind is not None and kind != expected_kind:
-        raise MismatchError(f"manifest {source} is a {kind}, expected a {expected_kind}")
+        raise CorruptObjectError(f"manifest {source} is a {kind}, expected a {expected_kind}")
     return manifest
 
 
@@ -533,8 +533,9 @@ def key_id(public_key: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def sign(manifest: Manifest, private_key: Ed25519PrivateKey) -> Manifest:
+def sign(manifest: Manifest, private_key: Ed25519PrivateKey | bytes) -> Manifest:
     """Return the manifest with an Ed25519 signature over its canonical JSON."""
+    private_key = private_key_from(private_key)
     sig = private_key.sign(signing_payload(manifest))
     return replace(
         manifest,
@@ -546,8 +547,9 @@ def sign(manifest: Manifest, private_key: Ed25519PrivateKey) -> Manifest:
     )
 
 
-def verify_signature(manifest: Manifest, public_key: Ed25519PublicKey) -> None:
+def verify_signature(manifest: Manifest, public_key: Ed25519PublicKey | bytes) -> None:
     """SignatureError unless the manifest carries a valid signature by ``public_key``."""
+    public_key = public_key_from(public_key)
     name = f"{manifest.kind} {manifest.version} of run {manifest.run}"
     sig = manifest.signature
     if sig is None:
@@ -561,6 +563,32 @@ def verify_signature(manifest: Manifest, public_key: Ed25519PublicKey) -> None:
         public_key.verify(raw, signing_payload(manifest))
     except (InvalidSignature, binascii.Error, ValueError):
         raise SignatureError(f"{name} has an invalid signature") from None
+
+
+def private_key_from(key: Ed25519PrivateKey | bytes) -> Ed25519PrivateKey:
+    """A private key object from itself or from PEM bytes (as settings hold it)."""
+    if isinstance(key, Ed25519PrivateKey):
+        return key
+    try:
+        loaded = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"signing key is not a PEM private key: {e}") from None
+    if not isinstance(loaded, Ed25519PrivateKey):
+        raise ConfigError("signing key is not an Ed25519 key")
+    return loaded
+
+
+def public_key_from(key: Ed25519PublicKey | bytes) -> Ed25519PublicKey:
+    """A public key object from itself or from PEM bytes (as settings hold it)."""
+    if isinstance(key, Ed25519PublicKey):
+        return key
+    try:
+        loaded = serialization.load_pem_public_key(key)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"verify key is not a PEM public key: {e}") from None
+    if not isinstance(loaded, Ed25519PublicKey):
+        raise ConfigError("verify key is not an Ed25519 key")
+    return loaded
 
 
 def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:

@@ -1,0 +1,650 @@
+"""Publishing versions to a store: the core of the diff and compaction jobs.
+
+A version's tensors are split into parts of at most ``part_bytes`` of weights
+in checkpoint order. The run's first anchor fixes that partition and every
+later delta and anchor reuses it (each manifest names the object of every
+tensor), so parts can be diffed, stored, fetched and applied independently.
+Objects are ``part-00000.safetensors`` etc. inside the version folder.
+
+Every publish uploads all objects first and writes the manifest last, and is
+idempotent: an existing manifest is returned untouched. Crash points for
+fault-injection tests (see :mod:`pipeline.faults`): ``publish.after_read``,
+``publish.after_encode``, ``publish.after_upload``, ``publish.before_manifest``,
+``publish.after_manifest`` for deltas, and the same names under ``anchor.``
+for anchors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pipeline import chain, faults
+from pipeline.checkpoint import CheckpointReader, safetensors_bytes, write_sharded
+from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
+from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
+from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.manifest import (
+    CodecInfo,
+    Kind,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    check_run,
+    compute_state_hash,
+    dtype_name,
+    manifest_key,
+    now_iso,
+    sign,
+    to_json,
+    version_prefix,
+)
+from pipeline.store.base import ObjectStore
+from pipeline.targets.base import TensorSpec
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_PART_BYTES = 512 << 20
+ANCHOR_CODEC = CodecInfo(name="safetensors", version=1, level=0)
+
+PrivateKey = Ed25519PrivateKey | bytes
+Layout = list[tuple[str, list[str]]]  # (object key, tensor names) per part
+
+
+def part_key(index: int) -> str:
+    return f"part-{index:05d}.safetensors"
+
+
+def plan_parts(sizes: Iterable[tuple[str, int]], part_bytes: int = DEFAULT_PART_BYTES) -> Layout:
+    """Split (name, bytes) in order into parts of at most ``part_bytes`` (a larger tensor
+    gets a part of its own)."""
+    if part_bytes <= 0:
+        raise ConfigError(f"part_bytes must be positive, not {part_bytes}")
+    parts: Layout = []
+    size = 0
+    for name, n in sizes:
+        if not parts or (size + n > part_bytes and parts[-1][1]):
+            parts.append((part_key(len(parts)), []))
+            size = 0
+        parts[-1][1].append(name)
+        size += n
+    return parts
+
+
+@dataclass
+class PublishTimings:
+    """Seconds spent per phase of one publish."""
+
+    read_s: float = 0.0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "read_s": round(self.read_s, 4),
+            "encode_s": round(self.encode_s, 4),
+            "upload_s": round(self.upload_s, 4),
+        }
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.t = now - self.t, now
+        return elapsed
+
+
+def _existing(store: ObjectStore, run: str, kind: Kind, version: int) -> Manifest | None:
+    if not store.exists(manifest_key(run, kind, version)):
+        return None
+    return chain.load_manifest(store, run, kind, version)
+
+
+def _write_manifest(
+    store: ObjectStore, manifest: Manifest, signing_key: PrivateKey | None, fault: str
+) -> Manifest:
+    if signing_key is not None:
+        manifest = sign(manifest, signing_key)
+    data = to_json(manifest)
+    faults.point(f"{fault}.before_manifest")
+    store.put(manifest.key, data)
+    faults.point(f"{fault}.after_manifest")
+    return manifest
+
+
+def _entry(name: str, tensor: torch.Tensor, obj: str, changed: int = 0) -> TensorEntry:
+    return TensorEntry(
+        name=name,
+        dtype=dtype_name(tensor.dtype),
+        shape=tuple(tensor.shape),
+        hash=content_hash(tensor),
+        object=obj,
+        changed=changed,
+    )
+
+
+# ---------------------------------------------------------------- anchors
+
+
+def _parts_from(
+    tensors: CheckpointReader | Iterable[tuple[str, torch.Tensor]],
+    layout: Layout | None,
+    part_bytes: int,
+    timings: PublishTimings,
+) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """Group tensors into the run's parts, reading one part at a time."""
+    clock = _Clock()
+    if isinstance(tensors, CheckpointReader):
+        reader = tensors
+        layout = layout or plan_parts(((n, reader.nbytes(n)) for n in reader.names()), part_bytes)
+        for key, names in layout:
+            clock.lap()
+            part = [(n, reader.get(n)) for n in names]
+            timings.read_s += clock.lap()
+            yield key, part
+        return
+    stream = iter(tensors)
+    if layout is None:
+        group: list[tuple[str, torch.Tensor]] = []
+        size, index = 0, 0
+        for name, tensor in stream:
+            n = tensor.numel() * tensor.element_size()
+            if group and size + n > part_bytes:
+                timings.read_s += clock.lap()
+                yield part_key(index), group
+                clock.lap()
+                group, size, index = [], 0, index + 1
+            group.append((name, tensor))
+            size += n
+        if group:
+            timings.read_s += clock.lap()
+            yield part_key(index), group
+        return
+    for key, names in layout:
+        part = []
+        for expected in names:
+            item = next(stream, None)
+            if item is None or item[0] != expected:
+                got = None if item is None else item[0]
+                raise MismatchError(f"part {key}: expected tensor {expected!r}, got {got!r}")
+            part.append(item)
+        timings.read_s += clock.lap()
+        yield key, part
+        clock.lap()
+    extra = next(stream, None)
+    if extra is not None:
+        raise MismatchError(f"tensor {extra[0]!r} is not in the run's partition")
+
+
+def publish_anchor(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    tensors: CheckpointReader | Iterable[tuple[str, torch.Tensor]],
+    *,
+    parent: int | None,
+    reason: str,
+    signing_key: PrivateKey | None = None,
+    part_bytes: int = DEFAULT_PART_BYTES,
+    layout: Layout | None = None,
+    expected: Manifest | None = None,
+    parent_state_hash: str | None = None,
+    timings: PublishTimings | None = None,
+) -> Manifest:
+    """Publish a full version as plain safetensors parts (any safetensors reader loads
+    them). ``layout`` keeps an existing partition; ``expected`` is a manifest of the same
+    version whose tensor hashes the anchor must match before its manifest is written."""
+    found = _existing(store, run, "anchor", version)
+    if found is not None:
+        log.info("anchor exists, nothing to do", run=run, version=version)
+        return found
+    timings = timings or PublishTimings()
+    clock = _Clock()
+    want = {t.name: t for t in expected.tensors} if expected is not None else None
+    objects: list[ObjectEntry] = []
+    entries: list[TensorEntry] = []
+    for key, part in _parts_from(tensors, layout, part_bytes, timings):
+        faults.point("anchor.after_read")
+        clock.lap()
+        for name, tensor in part:
+            entry = _entry(name, tensor, key)
+            if want is not None:
+                w = want.get(name)
+                if w is None or (w.dtype, w.shape, w.hash) != (
+                    entry.dtype,
+                    entry.shape,
+                    entry.hash,
+                ):
+                    raise MismatchError(
+                        f"anchor {version} of run {run}: tensor {name!r} does not match "
+                        f"{expected.kind if expected else ''} {version}"
+                    )
+            entries.append(entry)
+        data = safetensors_bytes(part, metadata={"deltasync.run": run})
+        timings.encode_s += clock.lap()
+        faults.point("anchor.after_encode")
+        store.put(version_prefix(run, "anchor", version) + key, data)
+        objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
+        timings.upload_s += clock.lap()
+        del data, part
+        faults.point("anchor.after_upload")
+    digest = compute_state_hash(entries)
+    if expected is not None and digest != expected.state_hash:
+        raise MismatchError(
+            f"anchor {version} of run {run} does not hold the state of {expected.kind} {version}"
+        )
+    manifest = Manifest(
+        run=run,
+        version=version,
+        kind="anchor",
+        parent=parent,
+        anchor=version,
+        codec=ANCHOR_CODEC,
+        objects=tuple(objects),
+        tensors=tuple(entries),
+        state_hash=digest,
+        created=now_iso(),
+        extra={"reason": reason},
+        parent_state_hash=parent_state_hash,
+    )
+    manifest = _write_manifest(store, manifest, signing_key, "anchor")
+    log.info(
+        "anchor published",
+        run=run,
+        version=version,
+        reason=reason,
+        bytes=manifest.total_bytes,
+        tensors=len(entries),
+    )
+    return manifest
+
+
+# ---------------------------------------------------------------- deltas
+
+
+def check_against(manifest: Manifest, specs: dict[str, TensorSpec], what: str) -> None:
+    """MismatchError naming the first tensor whose name, dtype or shape differs."""
+    version = f"{manifest.kind} {manifest.version} of run {manifest.run}"
+    known = {t.name for t in manifest.tensors}
+    for t in manifest.tensors:
+        spec = specs.get(t.name)
+        if spec is None:
+            raise MismatchError(f"tensor {t.name!r} of {version} is missing from {what}")
+        if dtype_name(spec.dtype) != t.dtype or tuple(spec.shape) != t.shape:
+            raise MismatchError(
+                f"tensor {t.name!r} is {dtype_name(spec.dtype)}{list(spec.shape)} in {what} "
+                f"but {t.dtype}{list(t.shape)} in {version}"
+            )
+    for name in specs:
+        if name not in known:
+            raise MismatchError(f"tensor {name!r} of {what} is not in {version}")
+
+
+def publish_delta(  # noqa: PLR0917 (the documented positional signature)
+    store: ObjectStore,
+    run: str,
+    version: int,
+    base: CheckpointReader,
+    new: CheckpointReader,
+    parent: Manifest,
+    *,
+    level: int,
+    signing_key: PrivateKey | None = None,
+    timings: PublishTimings | None = None,
+) -> Manifest:
+    """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
+    as delta ``version``, part by part in the run's partition, manifest last."""
+    found = _existing(store, run, "delta", version)
+    if found is not None:
+        log.info("delta exists, nothing to do", run=run, version=version)
+        return found
+    head = chain.list_versions(store, run).head
+    if head is not None and version <= head:
+        raise ChainError(f"run {run}: step {version} is not newer than head {head}")
+    if parent.run != run or parent.version != head:
+        raise ChainError(
+            f"run {run}: delta {version} must follow head {head}, not version {parent.version}"
+        )
+    check_against(parent, new.specs(), f"checkpoint {new.path}")
+    check_against(parent, base.specs(), f"base {base.path}")
+    timings = timings or PublishTimings()
+    clock = _Clock()
+    parent_hashes = {t.name: t.hash for t in parent.tensors}
+    objects: list[ObjectEntry] = []
+    entries: list[TensorEntry] = []
+    for key, names in parent.parts():
+        clock.lap()
+        pairs = [(n, base.get(n), new.get(n)) for n in names]
+        timings.read_s += clock.lap()
+        for n, b, _ in pairs:
+            if content_hash(b) != parent_hashes[n]:
+                raise MismatchError(
+                    f"base tensor {n!r} in {base.path} does not match version {parent.version}"
+                )
+        faults.point("publish.after_read")
+        clock.lap()
+        data = encode_delta(pairs, level)
+        changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
+        entries.extend(_entry(n, t, key, changed[n]) for n, _, t in pairs)
+        timings.encode_s += clock.lap()
+        del pairs
+        faults.point("publish.after_encode")
+        store.put(version_prefix(run, "delta", version) + key, data)
+        objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
+        timings.upload_s += clock.lap()
+        del data
+        faults.point("publish.after_upload")
+    total = sum(e.numel for e in entries)
+    changed_total = sum(e.changed for e in entries)
+    manifest = Manifest(
+        run=run,
+        version=version,
+        kind="delta",
+        parent=parent.version,
+        anchor=parent.anchor,
+        codec=CodecInfo(name=CODEC_NAME, version=CODEC_VERSION, level=level),
+        objects=tuple(objects),
+        tensors=tuple(entries),
+        state_hash=compute_state_hash(entries),
+        created=now_iso(),
+        extra={"changed": changed_total, "elements": total},
+        parent_state_hash=parent.state_hash,
+    )
+    manifest = _write_manifest(store, manifest, signing_key, "publish")
+    log.info(
+        "delta published",
+        run=run,
+        version=version,
+        parent=parent.version,
+        bytes=manifest.total_bytes,
+        changed=changed_total,
+        elements=total,
+    )
+    return manifest
+
+
+# ---------------------------------------------------------------- the diff worker's cache
+
+
+class StateCache:
+    """The diff worker's local copy of a run's last published version.
+
+    ``<cache_dir>/<run>/state.json`` names the version, its state hash and the folder
+    holding its tensors (one safetensors file per part, with an index). A new folder is
+    written completely before ``state.json`` switches to it, so a crash leaves the old
+    state valid.
+    """
+
+    STATE = "state.json"
+
+    def __init__(self, cache_dir: str | os.PathLike[str], run: str) -> None:
+        self.run = run
+        self.root = Path(cache_dir) / check_run(run)
+
+    def _state(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads((self.root / self.STATE).read_text())
+        except (OSError, ValueError):
+            return None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("run") != self.run
+            or not isinstance(doc.get("version"), int)
+            or not isinstance(doc.get("state_hash"), str)
+            or not isinstance(doc.get("folder"), str)
+            or "/" in doc["folder"]
+        ):
+            return None
+        return doc
+
+    @property
+    def version(self) -> int | None:
+        state = self._state()
+        return None if state is None else int(state["version"])
+
+    @property
+    def folder(self) -> Path | None:
+        state = self._state()
+        return None if state is None else self.root / str(state["folder"])
+
+    def reader(self) -> CheckpointReader:
+        folder = self.folder
+        if folder is None:
+            raise ChainError(f"state cache {self.root} holds no version of run {self.run}")
+        return CheckpointReader(folder)
+
+    def is_valid_for(self, manifest: Manifest) -> bool:
+        """Does the cache hold exactly ``manifest``'s state (by version and state hash)?"""
+        state = self._state()
+        if state is None or state["version"] != manifest.version:
+            return False
+        if state["state_hash"] != manifest.state_hash:
+            return False
+        try:
+            with self.reader() as reader:
+                check_against(manifest, reader.specs(), f"state cache {self.root}")
+        except (ChainError, MismatchError, CorruptObjectError):
+            return False
+        return True
+
+    def _switch(self, folder: Path, manifest: Manifest) -> None:
+        doc = {
+            "run": self.run,
+            "version": manifest.version,
+            "state_hash": manifest.state_hash,
+            "folder": folder.name,
+        }
+        tmp = self.root / f".{self.STATE}.tmp"
+        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+        os.replace(tmp, self.root / self.STATE)
+        for other in self.root.iterdir():
+            if other.is_dir() and other.name != folder.name:
+                shutil.rmtree(other, ignore_errors=True)
+
+    def _folder_for(self, version: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root / f"v{version:010d}"
+
+    def rebuild(self, store: ObjectStore, run: str, version: int) -> Manifest:
+        """Rebuild ``version`` from the store (anchor + chain) into the cache."""
+        if run != self.run:
+            raise ConfigError(f"state cache {self.root} is for run {self.run}, not {run}")
+        folder = self._folder_for(version)
+        manifest = chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True)
+        self._switch(folder, manifest)
+        log.info("state cache rebuilt", run=run, version=version)
+        return manifest
+
+    def advance(self, new: CheckpointReader, manifest: Manifest) -> None:
+        """Make the cache hold ``new`` as ``manifest``'s version, checking every hash."""
+        entries = {t.name: t for t in manifest.tensors}
+
+        def part(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+            for n in names:
+                t = new.get(n)
+                if content_hash(t) != entries[n].hash:
+                    raise MismatchError(
+                        f"tensor {n!r} in {new.path} does not match version {manifest.version}"
+                    )
+                yield n, t
+
+        folder = self._folder_for(manifest.version)
+        write_sharded(
+            folder, ((key, part(names)) for key, names in manifest.parts()), overwrite=True
+        )
+        self._switch(folder, manifest)
+
+
+# ---------------------------------------------------------------- the diff job
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    run: str
+    version: int
+    status: Literal["published", "skipped"]
+    kind: Kind | None = None  # what was published
+    manifest: Manifest | None = None  # the version's manifest (None for a stale step)
+    head: int | None = None  # the head before this job
+    reason: str = ""
+    bytes: int = 0
+    changed: int = 0
+    total: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly summary (the rq job result)."""
+        return {
+            "run": self.run,
+            "version": self.version,
+            "status": self.status,
+            "kind": self.kind,
+            "head": self.head,
+            "reason": self.reason,
+            "bytes": self.bytes,
+            "changed": self.changed,
+            "total": self.total,
+            "timings": self.timings,
+        }
+
+
+def publish_step(
+    store: ObjectStore,
+    run: str,
+    step: int,
+    checkpoint_path: str | os.PathLike[str],
+    cache: StateCache,
+    *,
+    level: int,
+    signing_key: PrivateKey | None = None,
+    part_bytes: int = DEFAULT_PART_BYTES,
+) -> PublishResult:
+    """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``."""
+    index = chain.list_versions(store, run)
+    head = index.head
+    if head is not None and step <= head:
+        existing = None
+        if step in index.deltas:
+            existing = chain.load_manifest(store, run, "delta", step)
+        elif step in index.anchors:
+            existing = chain.load_manifest(store, run, "anchor", step)
+        reason = "already published" if existing else f"stale: head is {head}"
+        log.info("step skipped", run=run, step=step, reason=reason)
+        return PublishResult(run, step, "skipped", None, existing, head, reason)
+    timings = PublishTimings()
+    started = time.perf_counter()
+    with CheckpointReader(checkpoint_path) as new:
+        if head is None:
+            manifest = publish_anchor(
+                store,
+                run,
+                step,
+                new,
+                parent=None,
+                reason="first version",
+                signing_key=signing_key,
+                part_bytes=part_bytes,
+                timings=timings,
+            )
+        else:
+            parent_kind: Kind = "anchor" if head in index.anchors else "delta"
+            parent = chain.load_manifest(store, run, parent_kind, head)
+            if not cache.is_valid_for(parent):
+                log.info(
+                    "state cache is stale, rebuilding", run=run, head=head, cached=cache.version
+                )
+                cache.rebuild(store, run, head)
+            with cache.reader() as base:
+                manifest = publish_delta(
+                    store,
+                    run,
+                    step,
+                    base,
+                    new,
+                    parent,
+                    level=level,
+                    signing_key=signing_key,
+                    timings=timings,
+                )
+        cache.advance(new, manifest)
+    elapsed = {**timings.as_dict(), "total_s": round(time.perf_counter() - started, 4)}
+    return PublishResult(
+        run=run,
+        version=step,
+        status="published",
+        kind=manifest.kind,
+        manifest=manifest,
+        head=head,
+        bytes=manifest.total_bytes,
+        changed=sum(t.changed for t in manifest.tensors),
+        total=sum(t.numel for t in manifest.tensors),
+        timings=elapsed,
+    )
+
+
+# ---------------------------------------------------------------- compaction and GC
+
+
+def compact(
+    store: ObjectStore,
+    run: str,
+    version: int | None = None,
+    *,
+    signing_key: PrivateKey | None = None,
+) -> Manifest:
+    """Publish version ``version`` (default: the head) as an anchor, rebuilt from its
+    chain and checked against its delta manifest. Idempotent."""
+    index = chain.list_versions(store, run)
+    target = index.head if version is None else version
+    if target is None:
+        raise ChainError(f"run {run} has no published version to compact")
+    if target in index.anchors:
+        return chain.load_manifest(store, run, "anchor", target)
+    plan = chain.resolve(store, run, target, index=index)
+    delta = plan.target
+    manifest = publish_anchor(
+        store,
+        run,
+        target,
+        chain.reconstruct_tensors(store, run, target, plan=plan),
+        parent=delta.parent,
+        reason="compaction",
+        signing_key=signing_key,
+        layout=delta.parts(),
+        expected=delta,
+        parent_state_hash=delta.parent_state_hash,
+    )
+    return manifest
+
+
+def collect_garbage(
+    store: ObjectStore, run: str, keep_anchors: int, min_live_version: int | None
+) -> list[str]:
+    """Delete what no live replica and no bootstrap needs (see ``chain.gc_plan``), manifests
+    first; also the remains of crashed delta publishes below the head."""
+    index = chain.list_versions(store, run)
+    doomed = chain.gc_plan(index, keep_anchors, min_live_version)
+    orphans = chain.orphan_delta_folders(store, run, index.head) if index.head is not None else []
+    deleted = chain.delete_versions(store, doomed, orphans)
+    if deleted:
+        log.info(
+            "garbage collected",
+            run=run,
+            versions=len(doomed),
+            orphans=len(orphans),
+            keys=len(deleted),
+        )
+    return deleted
