@@ -57,3 +57,7 @@ class TargetError(DeltasyncError):
 
 class ServiceUnavailableError(DeltasyncError):
     """Redis or another service cannot be reached."""
+
+
+class LockError(DeltasyncError):
+    """A lock is held by someone else (after waiting as long as allowed)."""

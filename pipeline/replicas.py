@@ -1,0 +1,240 @@
+"""Replica heartbeats, per-run locks and once-only claims on Redis.
+
+A replica reports the version it holds to ``deltasync:run:<run>:replica:<node>``
+(a hash that expires unless renewed); garbage collection keeps what the oldest
+live replica still needs. Heartbeat times come from the Redis server's clock,
+so ages do not depend on clocks agreeing between machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+import structlog
+
+from pipeline.errors import ConfigError, LockError
+from pipeline.events import check_run_name
+from pipeline.redis_server import redis_errors
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_TTL_S = 600.0
+NODE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}")
+
+# Stamp with the server's clock, store, expire and index in one step.
+_REPORT = """
+local t = redis.call('TIME')
+local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+redis.call('HSET', KEYS[1], 'node', ARGV[1], 'version', ARGV[2], 'state_hash', ARGV[3],
+           'time', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[1])
+return now
+"""
+# Release or extend a lock only while it still holds our token.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+def check_node_name(node: str) -> str:
+    if not isinstance(node, str) or not NODE_PATTERN.fullmatch(node):
+        raise ConfigError(f"invalid node name {node!r}: use [A-Za-z0-9][A-Za-z0-9._:@-]{{0,255}}")
+    return node
+
+
+def replica_key(run: str, node: str) -> str:
+    return f"deltasync:run:{check_run_name(run)}:replica:{check_node_name(node)}"
+
+
+def replicas_key(run: str) -> str:
+    return f"deltasync:run:{check_run_name(run)}:replicas"
+
+
+def _ms(seconds: float) -> int:
+    if not seconds > 0:
+        raise ConfigError(f"a time-to-live must be positive, got {seconds}")
+    return max(1, round(seconds * 1000))
+
+
+# --------------------------------------------------------------------------- heartbeats
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    node: str
+    version: int
+    time: datetime  # when it last reported (the Redis server's clock)
+    age_s: float  # seconds since then
+    state_hash: str
+
+
+def report(
+    client: redis.Redis,
+    run: str,
+    node: str,
+    version: int,
+    state_hash: str,
+    *,
+    ttl_s: float = DEFAULT_TTL_S,
+) -> None:
+    """Record that ``node`` holds ``version`` of ``run``; forgotten after ``ttl_s`` silence."""
+    key = replica_key(run, node)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ConfigError(f"replica {node} of run {run}: invalid version {version!r}")
+    with redis_errors(client, f"reporting replica {node}"):
+        client.eval(_REPORT, 2, key, replicas_key(run), node, version, state_hash, _ms(ttl_s))
+
+
+def forget_replica(client: redis.Redis, run: str, node: str) -> None:
+    """Remove ``node``'s heartbeat (a replica shutting down cleanly)."""
+    with redis_errors(client, f"removing replica {node}"), client.pipeline() as pipe:
+        pipe.delete(replica_key(run, node))
+        pipe.srem(replicas_key(run), node)
+        pipe.execute()
+
+
+def list_replicas(client: redis.Redis, run: str) -> list[ReplicaInfo]:
+    """The replicas of ``run`` whose heartbeat has not expired, by node name."""
+    index = replicas_key(run)
+    with redis_errors(client, f"reading {index}"):
+        nodes = sorted(_text(n) for n in client.smembers(index))  # type: ignore[union-attr]
+        valid = [n for n in nodes if NODE_PATTERN.fullmatch(n)]
+        with client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            for node in valid:
+                pipe.hgetall(replica_key(run, node))
+            now_raw, *hashes = pipe.execute()
+        now = float(now_raw[0]) + float(now_raw[1]) / 1e6
+        infos: list[ReplicaInfo] = []
+        gone: list[str] = [n for n in nodes if n not in valid]
+        for node, raw in zip(valid, hashes, strict=True):
+            info = _info(node, raw, now)
+            if info is None:
+                gone.append(node)
+            else:
+                infos.append(info)
+        if gone:  # expired heartbeats leave their name in the index
+            client.srem(index, *gone)
+    return infos
+
+
+def _info(node: str, raw: dict[Any, Any], now: float) -> ReplicaInfo | None:
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    try:
+        stamp = float(fields["time"])
+        return ReplicaInfo(
+            node=node,
+            version=int(fields["version"]),
+            time=datetime.fromtimestamp(stamp, UTC),
+            age_s=max(0.0, now - stamp),
+            state_hash=fields.get("state_hash", ""),
+        )
+    except (KeyError, ValueError):
+        return None  # expired (empty) or not written by report()
+
+
+def min_live_version(client: redis.Redis, run: str, ttl_s: float = DEFAULT_TTL_S) -> int | None:
+    """The lowest version a replica heard from within ``ttl_s`` holds; None if none is live."""
+    versions = [r.version for r in list_replicas(client, run) if r.age_s <= ttl_s]
+    return min(versions, default=None)
+
+
+# --------------------------------------------------------------------------- locks
+
+
+class RunLock:
+    """A lock on ``deltasync:run:<run>:lock:<name>`` that expires after ``timeout_s``.
+
+    Taken with SET NX PX and a random token; released or extended only while
+    the token is still ours, so a holder whose lock expired (and was taken by
+    another) cannot release the new holder's lock.
+    """
+
+    def __init__(self, client: redis.Redis, run: str, name: str, timeout_s: float) -> None:
+        if not NODE_PATTERN.fullmatch(name):
+            raise ConfigError(f"invalid lock name {name!r}")
+        self.redis = client
+        self.key = f"deltasync:run:{check_run_name(run)}:lock:{name}"
+        self.timeout_ms = _ms(timeout_s)
+        self.token = secrets.token_hex(16)
+
+    def acquire(self, wait_s: float = 0.0) -> bool:
+        """Take the lock, polling for up to ``wait_s`` seconds; False if still held by another."""
+        deadline = time.monotonic() + wait_s
+        delay = 0.02
+        while True:
+            with redis_errors(self.redis, f"taking lock {self.key}"):
+                if self.redis.set(self.key, self.token, nx=True, px=self.timeout_ms):
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.5)
+
+    def release(self) -> bool:
+        """Release if still ours; False if it had expired (and maybe been taken by another)."""
+        with redis_errors(self.redis, f"releasing lock {self.key}"):
+            return bool(self.redis.eval(_RELEASE, 1, self.key, self.token))
+
+    def extend(self, timeout_s: float | None = None) -> bool:
+        """Restart the expiry (for long jobs); False if the lock is no longer ours."""
+        ms = self.timeout_ms if timeout_s is None else _ms(timeout_s)
+        with redis_errors(self.redis, f"extending lock {self.key}"):
+            return bool(self.redis.eval(_EXTEND, 1, self.key, self.token, ms))
+
+    def owned(self) -> bool:
+        with redis_errors(self.redis, f"reading lock {self.key}"):
+            return _text_or_none(self.redis.get(self.key)) == self.token
+
+
+@contextlib.contextmanager
+def run_lock(
+    client: redis.Redis,
+    run: str,
+    name: str,
+    timeout_s: float,
+    *,
+    wait_s: float | None = None,
+) -> Iterator[RunLock]:
+    """Hold the lock ``name`` of ``run`` for the block; LockError if it stays taken.
+
+    Waits for up to ``wait_s`` (default: ``timeout_s``, after which any
+    holder's lock has expired) before giving up.
+    """
+    lock = RunLock(client, run, name, timeout_s)
+    if not lock.acquire(timeout_s if wait_s is None else wait_s):
+        raise LockError(f"lock {lock.key} is held by another process")
+    try:
+        yield lock
+    finally:
+        if not lock.release():
+            log.warning("lock expired before release", lock=lock.key, timeout_s=timeout_s)
+
+
+def claim_once(client: redis.Redis, key: str, ttl_s: float, value: str = "1") -> bool:
+    """True for the first caller to claim ``key`` within ``ttl_s``; False for every later one."""
+    with redis_errors(client, f"claiming {key}"):
+        return bool(client.set(key, value, nx=True, px=_ms(ttl_s)))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else _text(value)
