@@ -241,12 +241,20 @@ def test_defaults_run_on_a_local_store_and_the_bundled_redis(tmp_path: Path) -> 
         assert env["DELTASYNC_REDIS_URL"] == "redis://redis:6379/0", name
         mounts = {v["target"]: v for v in service["volumes"]}
         assert mounts["/data/store"]["source"] == "store", name
-        assert mounts[env["DELTASYNC_STAGING"]]["source"] == "staging", name
         assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
         assert service["restart"] == "unless-stopped", name
-    # Scaled diff workers share the store, staging and cache folders.
-    shared = {v["target"] for v in services["diff-worker"]["volumes"]}
-    assert shared == {"/data/store", "/data/staging", "/data/cache"}
+    # Scaled diff workers share the store, staging and cache folders; replicas only read
+    # the store.
+    for name in ("diff-worker", "compaction-worker"):
+        volumes = {v["target"]: v["source"] for v in services[name]["volumes"]}
+        assert volumes == {
+            "/data/store": "store",
+            "/data/staging": "staging",
+            "/data/cache": "cache",
+        }
+    for name in ("rollout-torch", "rollout-vllm"):
+        targets = {v["target"] for v in services[name]["volumes"]}
+        assert "/data/staging" not in targets and "/data/cache" not in targets, name
 
 
 def test_diff_workers_scale(tmp_path: Path) -> None:
@@ -292,11 +300,12 @@ def test_remote_store_and_credentials_come_from_the_environment(tmp_path: Path) 
             "DELTASYNC_STAGING",
         ):
             assert environment[key] == env[key], f"{name}: {key}"
-        # A trainer outside compose writes checkpoints that events name by path: the
-        # containers must see them under the same path.
-        staging = [v for v in service["volumes"] if v["target"] == str(host_staging)]
-        assert staging and staging[0]["type"] == "bind", name
-        assert staging[0]["source"] == str(host_staging), name
+        if name in ("diff-worker", "compaction-worker"):
+            # A trainer outside compose writes checkpoints that events name by path: the
+            # workers must see them under the same path.
+            staging = [v for v in service["volumes"] if v["target"] == str(host_staging)]
+            assert staging and staging[0]["type"] == "bind", name
+            assert staging[0]["source"] == str(host_staging), name
         assert "grpo-7" in service.get("command", []) or not name.startswith("rollout"), name
     # Key files reach the containers as secrets, and only where they are used: writers
     # sign, readers verify. The settings read them by their path inside the container.
