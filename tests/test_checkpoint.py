@@ -1,0 +1,240 @@
+"""Checkpoints: lazy reading, validation on open, atomic writing (files and shards)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.checkpoint import (
+    INDEX_NAME,
+    CheckpointReader,
+    is_complete,
+    parse_header,
+    safetensors_bytes,
+    tensors_from_bytes,
+    write_checkpoint,
+)
+from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
+from pipeline.hashing import content_hash
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of the same width: compares NaN payloads and -0.0 exactly."""
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def special_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every dtype, with raw random bit patterns (NaN payloads, -0.0, infinities) and
+    awkward shapes (0-dim, empty)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def raw(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        width = torch.empty(0, dtype=dtype).element_size()
+        n = 1
+        for d in shape:
+            n *= d
+        r = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
+        return r.view(dtype).reshape(shape)
+
+    out = {
+        "bf16.weight": raw(torch.bfloat16, (33, 17)),
+        "fp16.weight": raw(torch.float16, (5, 7)),
+        "fp32.weight": raw(torch.float32, (64,)),
+        "fp64.scalar": raw(torch.float64, ()),
+        "fp8a.weight": raw(torch.float8_e4m3fn, (3, 9)),
+        "fp8b.weight": raw(torch.float8_e5m2, (11,)),
+        "i64.ids": torch.arange(-5, 5, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "empty.bias": torch.empty(0, 4, dtype=torch.bfloat16),
+    }
+    specials = torch.tensor([0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x7F81, 0x0001], dtype=torch.int32)
+    out["bf16.specials"] = specials.to(torch.int16).view(torch.bfloat16)
+    return out
+
+
+def test_file_round_trip_is_bit_exact_and_standard(tmp_path: Path) -> None:
+    tensors = special_tensors()
+    path = write_checkpoint(tmp_path / "m.safetensors", tensors.items(), metadata={"k": "v"})
+    reader = CheckpointReader(path)
+    assert reader.names() == list(tensors)  # file order is write order
+    assert not reader.sharded
+    assert reader.metadata["k"] == "v" and reader.metadata["format"] == "pt"
+    assert reader.total_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    for name, t in tensors.items():
+        assert reader.spec(name).dtype == t.dtype and reader.spec(name).shape == tuple(t.shape)
+        assert same_bits(reader.get(name), t), name
+    # Any safetensors reader loads what we write.
+    loaded = safetensors.torch.load_file(str(path))
+    assert all(same_bits(loaded[n], t) for n, t in tensors.items())
+    assert is_complete(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]  # no temp leftovers
+
+
+def test_get_returns_an_owned_copy(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "m.safetensors", [("w", torch.zeros(8))])
+    reader = CheckpointReader(path)
+    first = reader.get("w")
+    first.add_(1)  # patching in place must not leak into the file or later reads
+    assert torch.equal(bits(reader.get("w")), bits(torch.zeros(8)))
+    assert torch.equal(bits(CheckpointReader(path).get("w")), bits(torch.zeros(8)))
+
+
+def test_sharded_round_trip(tmp_path: Path) -> None:
+    tensors = special_tensors(1)
+    path = write_checkpoint(tmp_path / "ckpt", tensors.items(), max_shard_bytes=1200)
+    files = sorted(p.name for p in path.iterdir())
+    assert INDEX_NAME in files
+    shards = [f for f in files if f != INDEX_NAME]
+    assert len(shards) >= 2
+    assert all(f.endswith(f"-of-{len(shards):05d}.safetensors") for f in shards)
+    index = json.loads((path / INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    reader = CheckpointReader(path)
+    assert reader.sharded
+    assert reader.names() == list(tensors)
+    for name, t in tensors.items():
+        assert same_bits(reader.get(name), t), name
+    for fname, names in reader.shards():
+        size = sum(reader.nbytes(n) for n in names)
+        assert size <= 1200 or len(names) == 1, fname
+    assert is_complete(path)
+
+
+def test_reads_hf_style_sharded_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    a = {"model.embed.weight": torch.randn(4, 3).bfloat16()}
+    b = {"model.layers.0.w": torch.randn(2, 2).bfloat16(), "lm_head.weight": torch.randn(3)}
+    safetensors.torch.save_file(a, str(folder / "model-00001-of-00002.safetensors"))
+    safetensors.torch.save_file(b, str(folder / "model-00002-of-00002.safetensors"))
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in a}
+    weight_map.update({n: "model-00002-of-00002.safetensors" for n in b})
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text("{}")
+    reader = CheckpointReader(folder)
+    assert set(reader.names()) == set(weight_map)
+    for name, t in {**a, **b}.items():
+        assert same_bits(reader.get(name), t)
+
+
+def test_folder_without_index(tmp_path: Path) -> None:
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    safetensors.torch.save_file({"w": torch.ones(3)}, str(folder / "model.safetensors"))
+    reader = CheckpointReader(folder)
+    assert reader.names() == ["w"] and not reader.sharded
+
+
+def _truncate(path: Path, keep: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "short", "header_length", "not_json", "offsets", "empty"],
+)
+def test_damaged_file_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
+    path = write_checkpoint(tmp_path / "m.safetensors", special_tensors().items())
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    if damage == "truncated":
+        path.write_bytes(data[:-3])
+    elif damage == "short":
+        path.write_bytes(data[:5])
+    elif damage == "header_length":
+        path.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
+    elif damage == "not_json":
+        path.write_bytes(data[:8] + b"\xff" * n + data[8 + n :])
+    elif damage == "offsets":
+        header = json.loads(data[8 : 8 + n])
+        header["bf16.weight"]["data_offsets"][1] += 2
+        raw = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(CorruptObjectError, match=str(path.name)):
+        CheckpointReader(path)
+    assert not is_complete(path)
+
+
+def test_index_naming_a_missing_shard(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "ckpt", special_tensors().items(), max_shard_bytes=1200)
+    victim = sorted(p for p in path.iterdir() if p.name != INDEX_NAME)[-1]
+    victim.unlink()
+    with pytest.raises(CorruptObjectError, match=victim.name):
+        CheckpointReader(path)
+    assert not is_complete(path)
+
+
+def test_missing_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(CorruptObjectError, match="nope"):
+        CheckpointReader(tmp_path / "nope")
+    assert not is_complete(tmp_path / "nope")
+
+
+def _failing(n: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for i in range(n):
+        yield f"t{i}", torch.full((100,), float(i))
+    raise RuntimeError("source died")
+
+
+@pytest.mark.parametrize("shard", [None, 500])
+def test_write_is_atomic(tmp_path: Path, shard: int | None) -> None:
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="source died"):
+        write_checkpoint(target, _failing(5), max_shard_bytes=shard)
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a temp sibling
+
+
+def test_existing_output_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    target = write_checkpoint(tmp_path / "x", [("a", torch.zeros(2))], max_shard_bytes=10)
+    with pytest.raises(ConfigError, match="already exists"):
+        write_checkpoint(target, [("a", torch.ones(2))], max_shard_bytes=10)
+    write_checkpoint(target, [("b", torch.ones(3))], max_shard_bytes=10, overwrite=True)
+    assert CheckpointReader(target).names() == ["b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_duplicate_name_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(MismatchError, match="'a'"):
+        write_checkpoint(tmp_path / "d.safetensors", [("a", torch.zeros(1)), ("a", torch.ones(1))])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_in_memory_buffer_round_trip() -> None:
+    tensors = special_tensors(2)
+    data = safetensors_bytes(tensors.items())
+    back = dict(tensors_from_bytes(data, "buf"))
+    assert list(back) == list(tensors)
+    assert all(same_bits(back[n], t) for n, t in tensors.items())
+    assert all(content_hash(back[n]) == content_hash(t) for n, t in tensors.items())
+    back["bf16.weight"].add_(1)  # writable, owned
+    assert safetensors.torch.load(data).keys() == tensors.keys()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300), st.integers(min_value=0, max_value=300))
+def test_header_parser_never_crashes(garbage: bytes, claimed: int) -> None:
+    """Arbitrary bytes either parse or raise CorruptObjectError, never anything else."""
+    data = struct.pack("<Q", claimed) + garbage
+    try:
+        header = parse_header(data, len(data), "fuzz")
+    except CorruptObjectError as e:
+        assert "fuzz" in str(e)
+    else:
+        assert header.data_start == 8 + claimed
