@@ -1,0 +1,116 @@
+"""Logging: JSON lines off a terminal, console on one, stdlib records routed alike."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import structlog
+
+from pipeline.errors import ConfigError
+from pipeline.logs import bind_context, clear_context, configure_logging, get_logger
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        clear_context()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        structlog.reset_defaults()
+
+
+def lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_json_lines_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    configure_logging("info", stream=out)
+    bind_context(run="run-1", version=7, job_id="job-9")
+    get_logger("pipeline.test").info("delta published", bytes=123)
+    logging.getLogger("rq.worker").warning("job %s finished", "job-9")
+    get_logger("pipeline.test").debug("not shown at info")
+    logging.getLogger("rq.worker").debug("nor this")
+
+    records = lines(out)
+    assert len(records) == 2
+    ours, theirs = records
+    assert ours["event"] == "delta published"
+    assert ours["bytes"] == 123
+    assert ours["level"] == "info"
+    assert ours["logger"] == "pipeline.test"
+    assert theirs["event"] == "job job-9 finished"
+    assert theirs["level"] == "warning"
+    assert theirs["logger"] == "rq.worker"
+    for record in records:  # the same processors for both
+        assert (record["run"], record["version"], record["job_id"]) == ("run-1", 7, "job-9")
+        assert record["timestamp"].endswith("Z")
+
+    clear_context()
+    get_logger("pipeline.test").info("after clear")
+    assert "run" not in lines(out)[-1]
+
+
+def test_exceptions_render_as_data_without_locals() -> None:
+    out = io.StringIO()
+    configure_logging("info", json=True, stream=out)
+    secret_local = "hunter2"
+    try:
+        raise ValueError(f"bad {len(secret_local)}")
+    except ValueError:
+        get_logger("x").exception("failed")
+    (record,) = lines(out)
+    assert record["exception"][0]["exc_type"] == "ValueError"
+    assert "hunter2" not in out.getvalue()
+
+
+def test_console_on_a_terminal_and_when_forced() -> None:
+    tty = FakeTerminal()
+    configure_logging("debug", stream=tty)
+    get_logger("x").debug("hello console", answer=42)
+    text = tty.getvalue()
+    assert "hello console" in text and "answer" in text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text.splitlines()[0])
+
+    forced = io.StringIO()
+    configure_logging("info", json=False, stream=forced)
+    get_logger("x").info("plain text")
+    assert "plain text" in forced.getvalue()
+    assert not forced.getvalue().lstrip().startswith("{")
+
+    forced_json = FakeTerminal()
+    configure_logging("info", json=True, stream=forced_json)
+    get_logger("x").info("json on a terminal")
+    assert lines(forced_json)[0]["event"] == "json on a terminal"
+
+
+def test_reconfiguring_replaces_the_handler() -> None:
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging("info", stream=first)
+    logger = get_logger("x")  # made before the second configuration
+    configure_logging("warning", stream=second)
+    logger.info("dropped at warning")
+    logger.warning("once")
+    logging.getLogger("other").error("stdlib once")
+    assert first.getvalue() == ""
+    assert [r["event"] for r in lines(second)] == ["once", "stdlib once"]
+
+
+def test_bad_level_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="loud"):
+        configure_logging("loud")
