@@ -229,12 +229,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _create(self, bucket_id: str, body: bytes) -> None:
         payload = json.loads(body or b"{}")
         with self.standin.lock:
+            url = f"{self.standin.endpoint}/buckets/{bucket_id}"
             if bucket_id in self.standin.buckets:
-                self._error(409, "Conflict", f"Bucket {bucket_id} already exists")
+                message = f"Bucket {bucket_id} already exists"
+                self._send(409, {"error": message, "url": url}, {"X-Error-Message": message})
                 return
             private = payload.get("visibility") == "private"
             self.standin.buckets[bucket_id] = _Bucket(private=private, created=_now_iso())
-        self._send(200, {"url": f"{self.standin.endpoint}/buckets/{bucket_id}"})
+        self._send(200, {"url": url})
 
     def _info(self, bucket_id: str) -> None:
         with self.standin.lock:

@@ -50,6 +50,25 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _free_port_pair(offset: int, exclude: set[int]) -> int:
+    """A free port p below 65536 - offset such that p + offset is free too."""
+    for _ in range(200):
+        port = free_port()
+        pair = port + offset
+        if port < 65536 - offset and {port, pair}.isdisjoint(exclude) and _port_is_free(pair):
+            return port
+    raise RuntimeError(f"no free pair of ports {offset} apart")
+
+
 def port_accepts(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
@@ -241,9 +260,13 @@ class SeaweedS3Server(ServerProcess):
         names = [
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
             "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc", "webdav.port",
-            "admin.port", "admin.port.grpc",
         ]  # fmt: skip
         self.ports = dict(zip(names, free_ports(len(names)), strict=True))
+        # weed's built-in worker dials the admin at its http port + 10000, whatever
+        # admin.port.grpc says, so keep both that way and inside the port range.
+        admin = _free_port_pair(offset=10000, exclude=set(self.ports.values()))
+        self.ports["admin.port"] = admin
+        self.ports["admin.port.grpc"] = admin + 10000
 
     @property
     def endpoint(self) -> str:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import boto3
+import botocore.session
 import structlog
 from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
@@ -49,6 +51,26 @@ _UNREACHABLE = (
     ConnectTimeoutError,
     ReadTimeoutError,
 )
+
+
+_LOADER_LOCK = threading.Lock()
+_LOADER: Any = None
+
+
+def _new_session() -> boto3.session.Session:
+    """A fresh boto3 session (own credentials) sharing one parsed-service-model loader.
+
+    Parsing botocore's JSON models is most of the cost of a client; sharing the
+    loader makes opening a store cheap without sharing credential state.
+    """
+    global _LOADER  # noqa: PLW0603 - process-wide cache of immutable model data
+    core = botocore.session.get_session()
+    with _LOADER_LOCK:
+        if _LOADER is None:
+            _LOADER = core.get_component("data_loader")
+        else:
+            core.register_component("data_loader", _LOADER)
+    return boto3.session.Session(botocore_session=core)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -91,7 +113,7 @@ class S3Store:
             read_timeout=read_timeout,
         )
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        self._client: S3Client = boto3.session.Session().client(
+        self._client: S3Client = _new_session().client(
             "s3",
             endpoint_url=self.endpoint,
             region_name=region or "us-east-1",
