@@ -69,9 +69,9 @@ def parse_time(value: str) -> datetime:
     try:
         parsed = datetime.fromisoformat(value)
     except (TypeError, ValueError):
-        raise EventError(f"time {value!r} is not ISO 8601") from None
+        raise EventError(f"time {_short(value)} is not ISO 8601") from None
     if parsed.tzinfo is None:
-        raise EventError(f"time {value!r} has no time zone")
+        raise EventError(f"time {_short(value)} has no time zone")
     return parsed.astimezone(UTC)
 
 

@@ -291,7 +291,7 @@ def _write_config(folder: Path, port: int, password: str) -> Path:
         f"port {port}",
         "protected-mode yes",
         "daemonize no",
-        f'dir "{folder}"',
+        f"dir {_quote(str(folder))}",
         'logfile "redis.log"',
         'save ""',
         "appendonly yes",
@@ -304,6 +304,13 @@ def _write_config(folder: Path, port: int, password: str) -> Path:
     with os.fdopen(fd, "w") as out:
         out.write("\n".join(lines) + "\n")
     return path
+
+
+def _quote(value: str) -> str:
+    """A redis.conf string argument: quoted, with backslashes and quotes escaped."""
+    if any(ord(c) < 0x20 for c in value):
+        raise ConfigError(f"embedded redis: folder {value!r} has control characters")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _start(folder: Path, binary: str, timeout_s: float) -> ServerRecord:

@@ -93,6 +93,15 @@ def test_starts_once_and_is_reused(data_dir: Path) -> None:
         redis.Redis(host="127.0.0.1", port=record.port).get("marker")
 
 
+def test_folder_names_with_spaces_and_quotes(tmp_path: Path) -> None:
+    data_dir = tmp_path / 'odd "name" \\ here'
+    try:
+        client = redis_client(ensure_redis(data_dir))
+        assert client.config_get("dir")["dir"] == str((data_dir / "redis").resolve())
+    finally:
+        stop_redis(data_dir)
+
+
 def test_concurrent_starts_start_one_server(tmp_path: Path) -> None:
     data_dir = tmp_path / "home"
     try:
