@@ -115,14 +115,24 @@ def client_url(client: redis.Redis) -> str:
 
 @contextlib.contextmanager
 def redis_errors(client: redis.Redis, doing: str = "") -> Iterator[None]:
-    """Turn connection failures into ``ServiceUnavailableError`` naming the server."""
+    """Turn Redis failures into ``ServiceUnavailableError`` naming the server (no password).
+
+    Connection problems and timeouts read "unavailable"; errors the server
+    answers with (wrong type, read-only replica, out of memory) read "failed".
+    """
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except redis.RedisError as exc:
         what = f" while {doing}" if doing else ""
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        lines = str(exc).splitlines()
+        detail = lines[0] if lines else type(exc).__name__
+        state = (
+            "is unavailable"
+            if isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+            else "failed"
+        )
         raise ServiceUnavailableError(
-            f"redis at {client_url(client)} is unavailable{what}: {detail}"
+            f"redis at {client_url(client)} {state}{what}: {detail}"
         ) from exc
 
 

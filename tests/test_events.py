@@ -408,3 +408,12 @@ def test_unreachable_redis_names_the_url_without_password() -> None:
         assert "\n" not in message
     with pytest.raises(ServiceUnavailableError):
         list_runs(client)
+
+
+def test_server_side_errors_are_service_errors(client: redis.Redis) -> None:
+    stream = EventStream(client, RUN)
+    client.set(stream.key, "not a stream")
+    with pytest.raises(ServiceUnavailableError, match="failed while reading"):
+        stream.read()
+    with pytest.raises(ServiceUnavailableError, match="failed while publishing"):
+        stream.publish(_step(1))
