@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -295,9 +297,17 @@ def test_follow_skips_malformed_entries(client: redis.Redis) -> None:
     last = stream.publish(events[2])
     seen: list[tuple[str, Event]] = []
     with capture_logs():
-        for entry in stream.follow(block_ms=10, stop=lambda: bool(seen) and seen[-1][0] == last):
+        for entry in stream.follow(
+            block_ms=10, stop=until(lambda: bool(seen) and seen[-1][0] == last)
+        ):
             seen.append(entry)
     assert [event for _, event in seen] == events
+
+
+def until(done: Callable[[], bool], limit_s: float = 120.0) -> Callable[[], bool]:
+    """``done``, or a safety stop so that a lost event fails the test instead of hanging it."""
+    deadline = time.monotonic() + limit_s
+    return lambda: done() or time.monotonic() > deadline
 
 
 def _step(version: int) -> StepCompleted:
@@ -309,7 +319,7 @@ def test_follow_does_not_lose_events_written_between_reads(client: redis.Redis) 
     for version in range(3):
         stream.publish(_step(version))
     seen: list[int] = []
-    for _, event in stream.follow(block_ms=50, count=2, stop=lambda: len(seen) >= 10):
+    for _, event in stream.follow(block_ms=50, count=2, stop=until(lambda: len(seen) >= 10)):
         seen.append(event.version)
         if len(seen) == 1:  # the follower holds a batch; more arrive before its next read
             stream.publish(_step(3))
@@ -325,21 +335,28 @@ def test_follow_keeps_up_with_a_concurrent_writer(redis_url: str) -> None:
     start = reader.last_id()
     total = 300
 
+    failed: list[BaseException] = []
+
     def write() -> None:
-        writer = EventStream(redis_client(redis_url), RUN)
-        for version in range(total):
-            writer.publish(_step(version))
+        try:
+            writer = EventStream(redis_client(redis_url), RUN)
+            for version in range(total):
+                writer.publish(_step(version))
+        except BaseException as exc:
+            failed.append(exc)
+            raise
 
     thread = threading.Thread(target=write)
     thread.start()
     seen: list[int] = []
     try:
         for _, event in reader.follow(
-            start, block_ms=200, count=7, stop=lambda: len(seen) >= total
+            start, block_ms=200, count=7, stop=until(lambda: len(seen) >= total or bool(failed))
         ):
             seen.append(event.version)
     finally:
         thread.join()
+    assert not failed
     assert seen == list(range(total))
 
 
@@ -373,7 +390,7 @@ def test_trimmed_stream_is_detected(client: redis.Redis) -> None:
     gaps: list[str] = []
     got: list[int] = []
     for _, event in stream.follow(
-        consumer_position, block_ms=10, on_gap=gaps.append, stop=lambda: len(got) >= 5
+        consumer_position, block_ms=10, on_gap=gaps.append, stop=until(lambda: len(got) >= 5)
     ):
         got.append(event.version)
     assert gaps == [consumer_position]
