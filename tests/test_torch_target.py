@@ -249,7 +249,7 @@ def test_failed_post_verify_restores_every_patched_tensor() -> None:
     assert_bitwise_equal(held, new)
 
 
-def test_unknown_tensor_wrong_shape_wrong_dtype_corrupt_object_are_refused() -> None:
+def test_unknown_missing_misshapen_mistyped_tensors_and_corrupt_objects_are_refused() -> None:
     held = state("cpu")
     target = TorchTarget(held)
     new = next_state(held, seed=3)
@@ -268,6 +268,9 @@ def test_unknown_tensor_wrong_shape_wrong_dtype_corrupt_object_are_refused() -> 
     typed_new = dict(new, **{"c.scale": new["c.scale"].double()})
     manifest, objects = make_delta(typed_base, typed_new, with_parent_hash=False)
     _refused(target, held, manifest, objects, error=MismatchError, match=r"c\.scale.*dtype")
+
+    manifest, objects = make_delta(held, new, names=[n for n in held if n != "a.bias"])
+    _refused(target, held, manifest, objects, error=MismatchError, match=r"held tensor 'a\.bias'")
 
     manifest, objects = make_delta(held, new)
     ((key, data),) = objects.items()

@@ -247,8 +247,8 @@ class TorchTarget:
         )
 
     def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:
-        """Every manifest tensor is held with its dtype and shape; returns the entry per
-        held tensor (the two names of a tied weight must carry the same hash)."""
+        """Every manifest tensor is held with its dtype and shape and every held tensor is
+        named; returns the entry per held tensor (tied names must carry the same hash)."""
         entries: dict[str, TensorEntry] = {}
         for entry in manifest.tensors:
             canonical = self._resolve(entry.name, where)
@@ -259,6 +259,12 @@ class TorchTarget:
                     f"{where}: tied tensors {other.name!r} and {entry.name!r} have different "
                     "hashes in the manifest"
                 )
+        missing = [c for c in self._tensors if c not in entries]
+        if missing:
+            raise MismatchError(
+                f"{where}: the delta does not name held tensor {missing[0]!r} "
+                f"({len(missing)} missing in all)"
+            )
         return entries
 
     def _check_base(self, manifest: Manifest, where: str) -> None:

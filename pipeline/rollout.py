@@ -1,0 +1,637 @@
+"""The rollout node: keeps a target at the head of a run's version chain.
+
+The store is the truth and events are hints. The node bootstraps from the
+newest anchor at or below the head and replays the chain after it; then it
+follows ``delta-available`` events and also lists the store every
+``poll_interval_s``, so a lost event, a trimmed stream or a restarted Redis only
+delays it. Whatever fails, the target keeps the last version that applied and
+verified; the node reports the error and recovers from the store.
+
+An inference server embeds a :class:`RolloutNode` (``run`` in a thread);
+``workers/rollout.py`` is the process entry that wraps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from pipeline import chain, replicas
+from pipeline.checkpoint import tensors_from_bytes, write_checkpoint
+from pipeline.errors import (
+    ChainError,
+    CorruptObjectError,
+    DeltasyncError,
+    MismatchError,
+    ObjectNotFoundError,
+    SignatureError,
+)
+from pipeline.events import (
+    AnchorAvailable,
+    DeltaApplied,
+    DeltaAvailable,
+    Event,
+    EventStream,
+    ReplicaError,
+    StepCompleted,
+    parse_id,
+)
+from pipeline.hashing import content_hash
+from pipeline.manifest import Kind, Manifest, dtype_name
+from pipeline.store.base import ObjectStore
+from pipeline.targets.base import Target, VerifyMode
+
+log = structlog.get_logger(__name__)
+
+STATE_SCHEMA = 1
+_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for downloads larger than this
+_LATENCY_MEMORY = 256  # event times remembered for latency figures
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A version's objects, downloaded and checked (size and sha256)."""
+
+    manifest: Manifest
+    objects: dict[str, bytes]
+    fetch_s: float
+
+
+class RolloutNode:
+    """Brings ``target`` to the head of ``run`` in ``store`` and keeps it there."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        run: str,
+        target: Target,
+        *,
+        events: EventStream | None = None,
+        redis: Any = None,
+        node_id: str = "node",
+        verify: VerifyMode = "touched",
+        poll_interval_s: float = 2.0,
+        prefetch: bool = True,
+        prefetch_depth: int = 2,
+        public_key: Ed25519PublicKey | None = None,
+        state_path: Path | None = None,
+        heartbeat_interval_s: float = 5.0,
+        replica_ttl_s: float = 600.0,
+        max_backoff_s: float = 30.0,
+        progress: bool | None = None,
+    ) -> None:
+        self.store = store
+        self.run_name = run
+        self.target = target
+        self.events = events
+        self.redis = redis
+        self.node_id = node_id
+        self.verify: VerifyMode = verify
+        self.poll_interval_s = poll_interval_s
+        self.prefetch = prefetch
+        self.prefetch_depth = max(1, prefetch_depth)
+        self.public_key = public_key
+        self.state_path = state_path
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.replica_ttl_s = replica_ttl_s
+        self.max_backoff_s = max_backoff_s
+        self.progress = sys.stderr.isatty() if progress is None else progress
+
+        self._applied: int | None = None
+        self._state_hash: str | None = None
+        self._started = False
+        self._manifests: dict[tuple[Kind, int], Manifest] = {}  # write-once: safe to cache
+        self._event_times: dict[int, float] = {}  # version -> earliest event time (epoch s)
+        self._failures = 0
+        self._next_retry = 0.0  # monotonic time before which polling waits after a failure
+        self._need_bootstrap = False
+        self._stuck_on: tuple[int | None, int | None] | None = None  # (anchor, head) of a
+        # bootstrap that failed: the same store state is not bootstrapped again
+        self._last_heartbeat = 0.0
+        self.last_error: DeltasyncError | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- public ----------------------------------------------------------------------
+
+    @property
+    def applied_version(self) -> int | None:
+        """The version the target holds (verified), or None before the first one."""
+        return self._applied
+
+    @property
+    def applied_state_hash(self) -> str | None:
+        return self._state_hash
+
+    def start(self) -> int | None:
+        """Resume from the state file when the target's weights prove it, else leave
+        the target for the first sync to bootstrap. Idempotent."""
+        if not self._started:
+            self._started = True
+            self._resume()
+        return self._applied
+
+    def step_once(self) -> int | None:
+        """One sync with the store: bring the target to the head. Errors are reported
+        and remembered in ``last_error``, never raised. Returns the applied version."""
+        self.start()
+        try:
+            self._sync()
+        except DeltasyncError as exc:
+            self._on_error(exc)
+        else:
+            self._failures = 0
+            self._next_retry = 0.0
+            self.last_error = None
+        self._heartbeat_if_due()
+        return self._applied
+
+    def run(
+        self, until_version: int | None = None, stop: threading.Event | None = None
+    ) -> int | None:
+        """Follow the run until ``stop`` is set, or until ``until_version`` (or a later
+        one) has been applied. Returns the applied version."""
+        stop = stop or threading.Event()
+        after_id = self._stream_position()
+        self.start()
+        next_poll = 0.0
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= next_poll and now >= self._next_retry:
+                    self.step_once()
+                    next_poll = time.monotonic() + self.poll_interval_s
+                if self._reached(until_version):
+                    break
+                self._heartbeat_if_due()
+                wait_s = max(0.0, max(next_poll, self._next_retry) - time.monotonic())
+                woken, after_id = self._wait_for_events(after_id, wait_s, stop)
+                if woken:
+                    next_poll = 0.0
+                    self._next_retry = 0.0
+        finally:
+            self.close()
+        return self._applied
+
+    def dump(self, path: str | os.PathLike[str]) -> Path:
+        """Write the target's weights (checkpoint names) as a safetensors file."""
+        out = Path(path)
+        write_checkpoint(out, self.target.export())
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    # -- resume ----------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        recorded = self._read_state()
+        if recorded is None:
+            return
+        version, kind = recorded
+        try:
+            manifest = self._manifest(kind, version)
+            held = self.target.hashes([t.name for t in manifest.tensors])
+        except DeltasyncError as exc:
+            log.info("cannot resume, will bootstrap", version=version, error=str(exc))
+            return
+        bad = [t.name for t in manifest.tensors if held.get(t.name) != t.hash]
+        if bad:
+            log.info(
+                "held weights are not the recorded version, will bootstrap",
+                version=version,
+                first_mismatch=bad[0],
+                mismatches=len(bad),
+            )
+            return
+        self._set_applied(manifest)
+        log.info("resumed", run=self.run_name, version=version)
+
+    def _read_state(self) -> tuple[int, Kind] | None:
+        if self.state_path is None or not self.state_path.exists():
+            return None
+        try:
+            doc = json.loads(self.state_path.read_text())
+            if doc.get("schema") != STATE_SCHEMA or doc.get("run") != self.run_name:
+                return None
+            version, kind = doc["version"], doc["kind"]
+            if not isinstance(version, int) or kind not in ("delta", "anchor"):
+                return None
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            log.warning("ignoring unreadable node state", path=str(self.state_path), error=str(exc))
+            return None
+        return version, kind
+
+    def _write_state(self, manifest: Manifest) -> None:
+        if self.state_path is None:
+            return
+        doc = {
+            "schema": STATE_SCHEMA,
+            "run": self.run_name,
+            "node": self.node_id,
+            "version": manifest.version,
+            "kind": manifest.kind,
+            "state_hash": manifest.state_hash,
+        }
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, sort_keys=True))
+        os.replace(tmp, self.state_path)
+
+    def _forget_state(self) -> None:
+        self._applied = None
+        self._state_hash = None
+        if self.state_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.state_path.unlink()
+
+    # -- sync ------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        index = chain.list_versions(self.store, self.run_name)
+        head = index.head
+        if head is None:
+            return
+        if self._applied is None or self._need_bootstrap:
+            self._bootstrap(index)
+            return
+        if head <= self._applied:
+            return
+        path = self._plan(index, self._applied, head)
+        anchor = _newest_anchor(index, head)
+        if path is None or (
+            anchor is not None and anchor > self._applied and self._anchor_is_cheaper(anchor, path)
+        ):
+            self._bootstrap(index)
+            return
+        self._apply_chain(path)
+
+    def _plan(self, index: chain.VersionIndex, held: int, head: int) -> list[Manifest] | None:
+        """The delta manifests from ``held`` (exclusive) to ``head``, in chain order;
+        None when the chain does not lead back to ``held``."""
+        path: list[Manifest] = []
+        version: int | None = head
+        while version is not None and version > held:
+            if version not in index.deltas:
+                return None
+            manifest = self._manifest("delta", version)
+            path.append(manifest)
+            version = manifest.parent
+        if version != held:
+            return None
+        path.reverse()
+        return path
+
+    def _anchor_is_cheaper(self, anchor: int, path: list[Manifest]) -> bool:
+        anchor_bytes = sum(o.size for o in self._manifest("anchor", anchor).objects)
+        chain_bytes = sum(o.size for m in path for o in m.objects)
+        after_anchor = sum(o.size for m in path if m.version > anchor for o in m.objects)
+        return anchor_bytes + after_anchor < chain_bytes
+
+    def _bootstrap(self, index: chain.VersionIndex) -> None:
+        head = index.head
+        anchor = _newest_anchor(index, head)
+        if anchor is None:
+            raise ChainError(f"run {self.run_name}: no anchor at or below head v{head}")
+        if self._stuck_on == (anchor, head) and self._applied is not None:
+            # The same store state already failed to replay: keep what we hold.
+            raise self.last_error or ChainError(
+                f"run {self.run_name}: chain from anchor v{anchor} to v{head} does not apply"
+            )
+        manifest = self._manifest("anchor", anchor)
+        self._check_specs(manifest)
+        log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
+        self._stuck_on = (anchor, head)
+        started = time.perf_counter()
+        self._forget_state()  # mid-load the target holds no provable version
+        self.target.load_state(self._anchor_tensors(manifest))
+        load_s = time.perf_counter() - started
+        self._need_bootstrap = False
+        self._set_applied(manifest)
+        self._applied_event(manifest, fetch_s=0.0, apply_s=load_s, pause_s=load_s)
+        if head is not None and head > anchor:
+            path = self._plan(index, anchor, head)
+            if path is None:
+                raise ChainError(
+                    f"run {self.run_name}: no delta chain from anchor v{anchor} to head v{head}"
+                )
+            self._apply_chain(path)
+        self._stuck_on = None
+
+    def _check_specs(self, manifest: Manifest) -> None:
+        """Every tensor of the anchor is held with its dtype and shape (checked before
+        anything is written; the target checks that nothing it holds is left out)."""
+        specs = self.target.specs()
+        for entry in manifest.tensors:
+            spec = specs.get(entry.name)
+            where = f"anchor {self.run_name} v{manifest.version}"
+            if spec is None:
+                raise MismatchError(f"tensor {entry.name!r} of {where} is not in the target")
+            if entry.dtype != dtype_name(spec.dtype) or tuple(entry.shape) != spec.shape:
+                raise MismatchError(
+                    f"tensor {entry.name!r} of {where}: {entry.dtype}{list(entry.shape)}, "
+                    f"target holds {dtype_name(spec.dtype)}{list(spec.shape)}"
+                )
+
+    def _anchor_tensors(self, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+        """The anchor's tensors, part by part (the next part downloads meanwhile), each
+        checked against the manifest's content hash before it is handed over."""
+        expected = {t.name: t.hash for t in manifest.tensors}
+        entries = list(manifest.objects)
+        total = sum(e.size for e in entries)
+        with self._progress_bar(f"anchor v{manifest.version}", total) as advance:
+            pending: deque[Future[bytes]] = deque()
+            for entry in entries[: self.prefetch_depth if self.prefetch else 1]:
+                pending.append(self._submit(chain.fetch_object, self.store, manifest, entry))
+            for i, entry in enumerate(entries):
+                data = pending.popleft().result()
+                nxt = i + len(pending) + 1
+                if nxt < len(entries):
+                    pending.append(
+                        self._submit(chain.fetch_object, self.store, manifest, entries[nxt])
+                    )
+                advance(entry.size)
+                for name, tensor in tensors_from_bytes(data, entry.key):
+                    want = expected.get(name)
+                    if want is None:
+                        raise CorruptObjectError(
+                            f"object {entry.key} of anchor v{manifest.version} holds tensor "
+                            f"{name!r} that the manifest does not list"
+                        )
+                    if content_hash(tensor) != want:
+                        raise CorruptObjectError(
+                            f"tensor {name!r} of anchor v{manifest.version}: content hash "
+                            "does not match the manifest"
+                        )
+                    yield name, tensor
+
+    def _apply_chain(self, path: list[Manifest]) -> None:
+        """Apply deltas in order; downloads run ahead of the applies."""
+        pending: deque[Future[Fetched]] = deque()
+        todo = deque(path)
+        depth = self.prefetch_depth if self.prefetch else 1
+        try:
+            while todo or pending:
+                while todo and len(pending) < depth:
+                    pending.append(self._submit(self._fetch, todo.popleft()))
+                self._apply_one(pending.popleft().result())
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def _apply_one(self, fetched: Fetched) -> None:
+        manifest = fetched.manifest
+        if manifest.parent != self._applied:
+            raise ChainError(
+                f"run {self.run_name} v{manifest.version}: parent v{manifest.parent} is not "
+                f"the held v{self._applied}"
+            )
+        started = time.perf_counter()
+        try:
+            report = self.target.apply_delta(manifest, fetched.objects, self.verify)
+        except MismatchError:
+            self._need_bootstrap = True  # the held weights may be what is wrong
+            raise
+        apply_s = time.perf_counter() - started
+        self._set_applied(manifest)
+        log.info(
+            "applied",
+            run=self.run_name,
+            version=manifest.version,
+            tensors=report.tensors,
+            changed=report.changed,
+            fetch_s=round(fetched.fetch_s, 4),
+            apply_s=round(apply_s, 4),
+            pause_s=round(report.pause_s, 4),
+        )
+        self._applied_event(manifest, fetched.fetch_s, apply_s, report.pause_s)
+
+    def _fetch(self, manifest: Manifest) -> Fetched:
+        started = time.perf_counter()
+        objects: dict[str, bytes] = {}
+        total = sum(e.size for e in manifest.objects)
+        with self._progress_bar(f"delta v{manifest.version}", total) as advance:
+            for entry in manifest.objects:
+                objects[entry.key] = chain.fetch_object(self.store, manifest, entry)
+                advance(entry.size)
+        return Fetched(manifest, objects, time.perf_counter() - started)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if not self.prefetch:
+            future: Future[Any] = Future()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltasync-fetch")
+        return self._pool.submit(fn, *args)
+
+    def _manifest(self, kind: Kind, version: int) -> Manifest:
+        """A validated (and, with a public key, signature-checked) manifest; cached, as
+        manifests are write-once."""
+        key = (kind, version)
+        manifest = self._manifests.get(key)
+        if manifest is None:
+            manifest = chain.load_manifest(
+                self.store, self.run_name, kind, version, public_key=self.public_key
+            )
+            self._manifests[key] = manifest
+        return manifest
+
+    def _set_applied(self, manifest: Manifest) -> None:
+        self._applied = manifest.version
+        self._state_hash = manifest.state_hash
+        self._write_state(manifest)
+        self._heartbeat()
+
+    # -- failures --------------------------------------------------------------------
+
+    def _on_error(self, exc: DeltasyncError) -> None:
+        self.last_error = exc
+        self._failures += 1
+        backoff = min(self.max_backoff_s, self.poll_interval_s * 2 ** (self._failures - 1))
+        self._next_retry = time.monotonic() + backoff
+        self._manifests.clear()  # a repaired store may answer differently
+        if isinstance(exc, ChainError | ObjectNotFoundError):
+            self._need_bootstrap = True  # broken chain or collected delta
+        if isinstance(exc, SignatureError):
+            self._need_bootstrap = False
+        log.warning(
+            "sync failed",
+            run=self.run_name,
+            node=self.node_id,
+            held=self._applied,
+            error=str(exc),
+            error_type=type(exc).__name__,
+            retry_in_s=round(backoff, 2),
+        )
+        self._publish(
+            ReplicaError(
+                run=self.run_name,
+                version=self._applied if self._applied is not None else 0,
+                node=self.node_id,
+                error=f"{type(exc).__name__}: {exc}",
+                recovering=True,
+            )
+        )
+
+    # -- events and heartbeats -------------------------------------------------------
+
+    def _stream_position(self) -> str:
+        if self.events is None:
+            return "0-0"
+        try:
+            return self.events.last_id()
+        except DeltasyncError as exc:
+            log.warning("event stream unavailable, polling the store", error=str(exc))
+            return "0-0"
+
+    def _wait_for_events(
+        self, after_id: str, wait_s: float, stop: threading.Event
+    ) -> tuple[bool, str]:
+        """Wait up to ``wait_s`` for an event announcing a version newer than the held
+        one. Returns (woken, new stream position)."""
+        if self.events is None:
+            stop.wait(wait_s)
+            return False, after_id
+        try:
+            entries = self.events.read(after_id, block_ms=max(1, int(wait_s * 1000)))
+        except DeltasyncError as exc:
+            log.warning("event stream unavailable, polling the store", error=str(exc))
+            stop.wait(wait_s)
+            return False, after_id
+        if not entries:
+            return False, self._check_stream_reset(after_id)
+        woken = self._trimmed_past(after_id)
+        for entry_id, event in entries:
+            after_id = entry_id
+            if event is not None and self._note_event(event):
+                woken = True
+        return woken, after_id
+
+    def _trimmed_past(self, after_id: str) -> bool:
+        """Events after our position were trimmed away: some may have announced
+        versions, so sync with the store now."""
+        assert self.events is not None
+        try:
+            gap = self.events.check_gap(after_id)
+        except DeltasyncError:
+            return True
+        if gap:
+            log.info("event stream trimmed past our position, syncing", position=after_id)
+        return gap
+
+    def _check_stream_reset(self, after_id: str) -> str:
+        """A stream recreated by a Redis restart restarts its ids below our position:
+        read it from the start again (the store sync makes replays harmless)."""
+        assert self.events is not None
+        try:
+            last = self.events.last_id()
+        except DeltasyncError:
+            return after_id
+        if parse_id(last) < parse_id(after_id):
+            log.info("event stream was reset, reading it from the start", position=after_id)
+            return "0-0"
+        return after_id
+
+    def _note_event(self, event: Event) -> bool:
+        if event.run != self.run_name:
+            return False
+        if isinstance(event, StepCompleted | DeltaAvailable | AnchorAvailable):
+            with contextlib.suppress(DeltasyncError):
+                when = event.at.timestamp()
+                known = self._event_times.get(event.version)
+                self._event_times[event.version] = when if known is None else min(known, when)
+                while len(self._event_times) > _LATENCY_MEMORY:
+                    self._event_times.pop(min(self._event_times))
+        if isinstance(event, DeltaAvailable | AnchorAvailable):
+            return self._applied is None or event.version > self._applied
+        return False
+
+    def _applied_event(
+        self, manifest: Manifest, fetch_s: float, apply_s: float, pause_s: float
+    ) -> None:
+        since = self._event_times.pop(manifest.version, None)
+        latency = None if since is None else max(0.0, time.time() - since)
+        self._publish(
+            DeltaApplied(
+                run=self.run_name,
+                version=manifest.version,
+                node=self.node_id,
+                fetch_s=fetch_s,
+                apply_s=apply_s,
+                pause_s=pause_s,
+                latency_s=latency,
+                state_hash=manifest.state_hash,
+            )
+        )
+
+    def _publish(self, event: Event) -> None:
+        if self.events is None:
+            return
+        try:
+            self.events.publish(event)
+        except DeltasyncError as exc:
+            log.warning("cannot publish event", type=type(event).__name__, error=str(exc))
+
+    def _heartbeat(self) -> None:
+        self._last_heartbeat = time.monotonic()
+        if self.redis is None or self._applied is None or self._state_hash is None:
+            return
+        try:
+            replicas.report(
+                self.redis,
+                self.run_name,
+                self.node_id,
+                self._applied,
+                self._state_hash,
+                ttl_s=self.replica_ttl_s,
+            )
+        except DeltasyncError as exc:
+            log.warning("heartbeat failed", error=str(exc))
+
+    def _heartbeat_if_due(self) -> None:
+        if time.monotonic() - self._last_heartbeat >= self.heartbeat_interval_s:
+            self._heartbeat()
+
+    def _reached(self, until_version: int | None) -> bool:
+        return (
+            until_version is not None
+            and self._applied is not None
+            and self._applied >= until_version
+        )
+
+    @contextlib.contextmanager
+    def _progress_bar(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
+        if not self.progress or total < _PROGRESS_MIN_BYTES:
+            yield lambda _n: None
+            return
+        columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, transient=True) as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda n: bar.advance(task, n)
+
+
+def _newest_anchor(index: chain.VersionIndex, head: int | None) -> int | None:
+    if head is None:
+        return None
+    eligible = [v for v in index.anchors if v <= head]
+    return max(eligible) if eligible else None

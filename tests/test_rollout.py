@@ -1,0 +1,338 @@
+"""The rollout node against a real store, real publishing and a real redis-server.
+
+Every check of the weights is bitwise (integer views) and by content hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import chain
+from pipeline.checkpoint import CheckpointReader
+from pipeline.codec import encode_delta, read_delta
+from pipeline.errors import CorruptObjectError, MismatchError
+from pipeline.events import EventStream, ReplicaError
+from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.manifest import ObjectEntry, TensorEntry, compute_state_hash, manifest_key, to_json
+from pipeline.publish import StateCache, collect_garbage, compact, publish_anchor, publish_step
+from pipeline.redis_server import redis_client
+from pipeline.replicas import list_replicas
+from pipeline.rollout import RolloutNode
+from pipeline.store.file import FileStore
+from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.targets.patching import int_view
+from pipeline.targets.torch import TorchTarget
+
+RUN = "run1"
+PART_BYTES = 2 << 20  # several parts per version
+
+
+class Trainer:
+    """Realistic bf16 states published as a run, remembered by version."""
+
+    def __init__(self, store: FileStore, workdir: Path, lr: float = 1e-5) -> None:
+        self.store = store
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=lr, seed=0)
+        self.cache = StateCache(workdir / "cache", RUN)
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        self.current = self.generator.state()
+        self.step = 0
+
+    def checkpoint(self, version: int, state: Mapping[str, torch.Tensor]) -> Path:
+        path = self.workdir / f"step-{version}.safetensors"
+        save_state(dict(state), path)
+        return path
+
+    def publish(self, steps: int = 1) -> int:
+        """Train ``steps`` optimizer steps, publish the result; returns its version."""
+        if self.states:
+            for _ in range(steps):
+                self.current = self.generator.step()
+            self.step += steps
+        result = publish_step(
+            self.store,
+            RUN,
+            self.step,
+            self.checkpoint(self.step, self.current),
+            self.cache,
+            level=1,
+            part_bytes=PART_BYTES,
+        )
+        assert result.status == "published"
+        self.states[self.step] = {k: v.clone() for k, v in self.current.items()}
+        return self.step
+
+    def publish_anchor(self, steps: int = 1) -> int:
+        """Train and publish the result as an anchor (a full version)."""
+        head = chain.list_versions(self.store, RUN).head
+        for _ in range(steps):
+            self.current = self.generator.step()
+        self.step += steps
+        with CheckpointReader(self.checkpoint(self.step, self.current)) as reader:
+            publish_anchor(
+                self.store, RUN, self.step, reader, parent=head, reason="test",
+                part_bytes=PART_BYTES,
+            )  # fmt: skip
+        self.states[self.step] = {k: v.clone() for k, v in self.current.items()}
+        return self.step
+
+
+def empty_target(state: Mapping[str, torch.Tensor]) -> tuple[TorchTarget, dict[str, torch.Tensor]]:
+    held = {n: torch.zeros_like(t) for n, t in state.items()}
+    return TorchTarget(held), held
+
+
+def assert_holds(held: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> None:
+    assert sorted(held) == sorted(want)
+    for name, tensor in want.items():
+        got = held[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(int_view(got).view(-1), int_view(tensor).view(-1)), name
+        assert content_hash(got) == content_hash(tensor), name
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FileStore:
+    return FileStore(tmp_path / "store")
+
+
+@pytest.fixture
+def trainer(store: FileStore, tmp_path: Path) -> Trainer:
+    return Trainer(store, tmp_path / "trainer")
+
+
+@pytest.fixture
+def stream(redis_url: str) -> Iterator[EventStream]:
+    client = redis_client(redis_url)
+    yield EventStream(client, RUN)
+    client.close()
+
+
+def events_of(stream: EventStream, cls: type) -> list[object]:
+    return [e for _, e in stream.read("0-0", count=10_000) if isinstance(e, cls)]
+
+
+# -- following a run ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+def test_node_follows_a_run_bit_exact_through_compaction_and_gc(
+    trainer: Trainer, store: FileStore, prefetch: bool
+) -> None:
+    trainer.publish()  # v0: the first anchor
+    target, held = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target, prefetch=prefetch, node_id="early")
+    assert node.step_once() == 0
+    assert_holds(held, trainer.states[0])
+
+    for _ in range(3):
+        v = trainer.publish()
+        assert node.step_once() == v
+        assert_holds(held, trainer.states[v])
+        assert target.hashes() == {t.name: t.hash for t in chain.load_manifest(
+            store, RUN, "delta", v).tensors}  # fmt: skip
+
+    # Compaction in the middle, then garbage collection down to that anchor.
+    anchor = compact(store, RUN)
+    v = trainer.publish(steps=2)  # versions need not be contiguous
+    deleted = collect_garbage(store, RUN, keep_anchors=1, min_live_version=anchor.version)
+    assert deleted  # v0's anchor and the deltas before the new anchor are gone
+    assert node.step_once() == v
+    assert_holds(held, trainer.states[v])
+
+    # Two versions at once: the node replays both.
+    trainer.publish()
+    v = trainer.publish()
+    assert node.step_once() == v
+    assert_holds(held, trainer.states[v])
+
+    # A node that starts late bootstraps from the newest anchor and replays the chain.
+    late_target, late_held = empty_target(trainer.current)
+    late = RolloutNode(store, RUN, late_target, prefetch=prefetch, node_id="late")
+    assert late.step_once() == v
+    assert_holds(late_held, trainer.states[v])
+    assert late.applied_state_hash == node.applied_state_hash
+
+
+def test_node_behind_a_collected_chain_rebootstraps(trainer: Trainer, store: FileStore) -> None:
+    trainer.publish()
+    target, held = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target)
+    node.step_once()
+    trainer.publish()
+    trainer.publish()
+    anchor = compact(store, RUN)
+    collect_garbage(store, RUN, keep_anchors=1, min_live_version=None)
+    v = trainer.publish()
+    assert chain.list_versions(store, RUN).deltas[0] > 1  # v1 is gone: no chain from v0
+    assert node.step_once() == v
+    assert anchor.version < v
+    assert_holds(held, trainer.states[v])
+
+
+def test_dump_writes_the_held_weights(trainer: Trainer, store: FileStore, tmp_path: Path) -> None:
+    trainer.publish()
+    v = trainer.publish()
+    target, _ = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target)
+    node.step_once()
+    path = node.dump(tmp_path / "dump.safetensors")
+    with CheckpointReader(path) as reader:
+        assert_holds({n: reader.get(n) for n in reader.names()}, trainer.states[v])
+
+
+# -- bad versions --------------------------------------------------------------------------
+
+
+def _corrupt_object(trainer: Trainer, v: int) -> None:
+    store = trainer.store
+    manifest = chain.load_manifest(store, RUN, "delta", v)
+    key = manifest.object_key(manifest.objects[0].key)
+    data = bytearray(store.get(key))
+    data[len(data) // 2] ^= 0x55
+    store.put(key, bytes(data))
+
+
+def _rewrite_manifest(store: FileStore, v: int, tensors: tuple[TensorEntry, ...]) -> None:
+    manifest = chain.load_manifest(store, RUN, "delta", v)
+    bad = dataclasses.replace(manifest, tensors=tensors, state_hash=compute_state_hash(tensors))
+    store.put(manifest_key(RUN, "delta", v), to_json(bad))
+
+
+def _unknown_tensor(trainer: Trainer, v: int) -> None:
+    store = trainer.store
+    manifest = chain.load_manifest(store, RUN, "delta", v)
+    first = manifest.tensors[0]
+    extra = dataclasses.replace(first, name="model.extra.weight", changed=0)
+    _rewrite_manifest(store, v, (*manifest.tensors, extra))
+
+
+def _wrong_shape(trainer: Trainer, v: int) -> None:
+    store = trainer.store
+    manifest = chain.load_manifest(store, RUN, "delta", v)
+    first = manifest.tensors[0]
+    wrong = dataclasses.replace(first, shape=(first.shape[0] + 1, *first.shape[1:]))
+    _rewrite_manifest(store, v, (wrong, *manifest.tensors[1:]))
+
+
+def _wrong_base(trainer: Trainer, v: int) -> None:
+    """Re-encode delta ``v`` against weights no replica held (its manifest still names
+    the right parent and parent state hash)."""
+    store = trainer.store
+    manifest = chain.load_manifest(store, RUN, "delta", v)
+    base = trainer.states[manifest.parent]
+    new = trainer.states[v]
+    other = {n: t.clone() for n, t in base.items()}
+    int_view(other["model.embed_tokens.weight"]).view(-1)[:100] += 1
+    objects, changed = [], {}
+    for key, names in manifest.parts():
+        data = encode_delta([(n, other[n], new[n]) for n in names], level=1)
+        store.put(manifest.object_key(key), data)
+        objects.append(ObjectEntry(key, len(data), sha256_bytes(data)))
+        changed.update({i.name: i.changed for i in read_delta(data).tensors})
+    tensors = tuple(dataclasses.replace(t, changed=changed[t.name]) for t in manifest.tensors)
+    bad = dataclasses.replace(manifest, objects=tuple(objects), tensors=tensors)
+    store.put(manifest_key(RUN, "delta", v), to_json(bad))
+
+
+BREAKERS = {
+    "wrong-base": (_wrong_base, MismatchError),
+    "corrupt-object": (_corrupt_object, CorruptObjectError),
+    "unknown-tensor": (_unknown_tensor, MismatchError),
+    "wrong-shape": (_wrong_shape, MismatchError),
+}
+
+
+@pytest.mark.parametrize("breaker", list(BREAKERS))
+def test_bad_version_is_reported_weights_untouched_and_node_recovers(
+    trainer: Trainer, store: FileStore, stream: EventStream, breaker: str
+) -> None:
+    trainer.publish()
+    good = trainer.publish()
+    target, held = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target, events=stream, node_id="n1")
+    assert node.step_once() == good
+
+    bad = trainer.publish()
+    mutate, expected_error = BREAKERS[breaker]
+    mutate(trainer, bad)
+
+    hashes = target.hashes()
+    for attempt in range(2):  # the second attempt re-bootstraps and replays up to `bad`
+        assert node.step_once() == good, attempt
+        assert isinstance(node.last_error, expected_error)
+        assert target.hashes() == hashes
+        assert_holds(held, trainer.states[good])
+    errors = events_of(stream, ReplicaError)
+    assert errors and all(e.node == "n1" and e.recovering for e in errors)  # type: ignore[attr-defined]
+    assert expected_error.__name__ in errors[0].error  # type: ignore[attr-defined]
+
+    # A good version appears (a fresh anchor from the trainer): the node converges.
+    fixed = trainer.publish_anchor()
+    assert node.step_once() == fixed
+    assert node.last_error is None
+    assert_holds(held, trainer.states[fixed])
+
+
+# -- restart -------------------------------------------------------------------------------
+
+
+class CountingTarget(TorchTarget):
+    """A TorchTarget that counts full loads (to tell a resume from a bootstrap)."""
+
+    loads = 0
+
+    def load_state(self, tensors):  # type: ignore[no-untyped-def]
+        self.loads += 1
+        super().load_state(tensors)
+
+
+def test_restarted_node_resumes_when_its_weights_prove_out(
+    trainer: Trainer, store: FileStore, tmp_path: Path
+) -> None:
+    state_path = tmp_path / "node-state.json"
+    trainer.publish()
+    v = trainer.publish()
+    held = {n: torch.zeros_like(t) for n, t in trainer.current.items()}
+    first = RolloutNode(store, RUN, CountingTarget(held), state_path=state_path)
+    assert first.step_once() == v
+
+    # Same weights (the server kept its model), new node object: no bootstrap.
+    target = CountingTarget(held)
+    again = RolloutNode(store, RUN, target, state_path=state_path)
+    assert again.start() == v
+    v2 = trainer.publish()
+    assert again.step_once() == v2
+    assert target.loads == 0
+    assert_holds(held, trainer.states[v2])
+
+    # Weights that do not match the recorded version: bootstrap.
+    int_view(held["lm_head.weight"]).view(-1)[0] += 1
+    target = CountingTarget(held)
+    third = RolloutNode(store, RUN, target, state_path=state_path)
+    assert third.start() is None
+    assert third.step_once() == v2
+    assert target.loads == 1
+    assert_holds(held, trainer.states[v2])
+
+
+def test_heartbeats_report_the_applied_version(
+    trainer: Trainer, store: FileStore, redis_url: str
+) -> None:
+    client = redis_client(redis_url)
+    trainer.publish()
+    v = trainer.publish()
+    target, _ = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target, redis=client, node_id="hb-node")
+    node.step_once()
+    (info,) = list_replicas(client, RUN)
+    assert (info.node, info.version) == ("hb-node", v)
+    assert info.state_hash == chain.load_manifest(store, RUN, "delta", v).state_hash
+    client.close()
