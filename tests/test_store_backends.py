@@ -193,6 +193,17 @@ def test_s3_large_file_goes_up_as_multipart(
     assert head["ETag"].strip('"').endswith("-3")  # three parts, so multipart was used
 
 
+def test_s3_ensure_bucket_creates_it(s3_server: SeaweedS3Server) -> None:
+    name = f"deltasync-{fresh_name('b')}"
+    store = S3Store.from_url(f"s3://{name}/p")
+    with pytest.raises(StoreError):
+        store.get("k")
+    store.ensure_bucket()
+    store.ensure_bucket()  # exists already: fine
+    store.put("k", b"v")
+    assert s3_server.client().get_object(Bucket=name, Key="p/k")["Body"].read() == b"v"
+
+
 def test_s3_missing_bucket_is_named(s3_server: SeaweedS3Server) -> None:
     # (SeaweedFS creates buckets on a first PUT by an admin key, so read.)
     store = open_store("s3://no-such-bucket-deltasync/p")
@@ -203,9 +214,11 @@ def test_s3_missing_bucket_is_named(s3_server: SeaweedS3Server) -> None:
 
 
 def test_s3_outage_is_a_clear_error_then_recovers(
-    s3_url: str, s3_server: SeaweedS3Server, monkeypatch: pytest.MonkeyPatch
+    s3_url: str, s3_server: SeaweedS3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("DELTASYNC_S3_MAX_ATTEMPTS", "2")
+    local = tmp_path / "local"
+    local.write_bytes(b"local file")
     store = open_store(s3_url)
     store.put("survives/restart", b"persisted")
     s3_server.stop()
@@ -215,6 +228,8 @@ def test_s3_outage_is_a_clear_error_then_recovers(
             lambda: store.put("during/outage", b"x"),
             lambda: list(store.list("")),
             lambda: store.exists("survives/restart"),
+            lambda: store.put_file("during/outage", local),
+            lambda: store.get_file("survives/restart", tmp_path / "down"),
         ):
             with pytest.raises(StoreError) as caught:
                 action()
@@ -225,6 +240,7 @@ def test_s3_outage_is_a_clear_error_then_recovers(
             assert "\n" not in message
     finally:
         s3_server.restart()
+    assert not (tmp_path / "down").exists()
     assert store.get("survives/restart") == b"persisted"
     store.put("after/restart", b"ok")
     assert list(store.list("")) == ["after/restart", "survives/restart"]
@@ -278,8 +294,8 @@ def test_hf_missing_bucket_is_named(hf_bucket: HfBucketStandin) -> None:
 def test_hf_create_bucket(hf_bucket: HfBucketStandin) -> None:
     bucket_id = f"deltasync-tests/{fresh_name('b')}"
     store = HfBucketStore(bucket_id, "p", endpoint=hf_bucket.endpoint)
-    store.create_bucket()
-    store.create_bucket()  # exists already: fine
+    store.ensure_bucket()
+    store.ensure_bucket()  # exists already: fine
     store.put("k", b"v")
     assert list(store.list("")) == ["k"]
 
@@ -303,5 +319,5 @@ def test_hf_unreachable_endpoint_is_a_store_error() -> None:
     endpoint = f"http://127.0.0.1:{free_port()}"
     store = HfBucketStore("ns/name", "p", endpoint=endpoint)
     with pytest.raises(StoreError) as caught:
-        store.create_bucket()
+        store.ensure_bucket()
     assert str(caught.value).startswith(f"cannot reach the Hub at {endpoint}")

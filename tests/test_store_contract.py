@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import random
+import threading
 from pathlib import Path
 
 import pytest
 
 from pipeline.errors import ConfigError, ObjectNotFoundError
-from pipeline.store import ObjectStore, open_store
+from pipeline.store import ObjectStore, open_store, put_if_absent
 
 SMALL = b"deltasync \x00\xff object"
 
@@ -81,6 +82,34 @@ def test_overwrite_replaces_the_whole_object(store: ObjectStore) -> None:
     assert store.get("k/v") == b"short"
     assert store.size("k/v") == 5
     assert list(store.list("k")) == ["k/v"]
+
+
+def test_put_if_absent_creates_once(store: ObjectStore) -> None:
+    assert put_if_absent(store, "run/deltas/0000000003/manifest.json", b"first")
+    assert not put_if_absent(store, "run/deltas/0000000003/manifest.json", b"second")
+    assert store.get("run/deltas/0000000003/manifest.json") == b"first"
+    assert list(store.list("run")) == ["run/deltas/0000000003/manifest.json"]
+
+
+@pytest.mark.parametrize("store_url", ["file", "s3"], indirect=True)
+def test_concurrent_creators_have_exactly_one_winner(store: ObjectStore) -> None:
+    """On backends with an atomic create, racing writers cannot both publish."""
+    payloads = [f"writer {i} ".encode() * 1000 for i in range(8)]
+    barrier = threading.Barrier(len(payloads))
+    results: list[bool] = [False] * len(payloads)
+
+    def create(i: int) -> None:
+        barrier.wait()
+        results[i] = put_if_absent(store, "race/manifest.json", payloads[i])
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(len(payloads))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(results) == 1
+    assert store.get("race/manifest.json") == payloads[results.index(True)]
+    assert list(store.list("race")) == ["race/manifest.json"]
 
 
 # -- ranges ----------------------------------------------------------------------------

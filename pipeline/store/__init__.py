@@ -11,7 +11,7 @@ import importlib
 import re
 
 from pipeline.errors import ConfigError
-from pipeline.store.base import ObjectStore, check_key, check_prefix
+from pipeline.store.base import ObjectStore, check_key, check_prefix, put_if_absent
 
 __all__ = [
     "ObjectStore",
@@ -19,6 +19,7 @@ __all__ = [
     "check_prefix",
     "known_schemes",
     "open_store",
+    "put_if_absent",
     "register_store",
 ]
 

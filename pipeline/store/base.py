@@ -84,3 +84,19 @@ def join_key(root: str, key: str) -> str:
     """``root`` (a possibly empty folder prefix without trailing /) joined with a checked key."""
     check_key(key)
     return f"{root}/{key}" if root else key
+
+
+def put_if_absent(store: ObjectStore, key: str, data: bytes) -> bool:
+    """Write ``key`` unless it exists; True when this call created it.
+
+    Uses the backend's atomic create (``put_new``: file and S3) when it has one,
+    so that of several concurrent writers exactly one wins; otherwise falls
+    back to check-then-write, which is not race-free.
+    """
+    put_new = getattr(store, "put_new", None)
+    if put_new is not None:
+        return bool(put_new(key, data))
+    if store.exists(key):
+        return False
+    store.put(key, data)
+    return True

@@ -111,6 +111,37 @@ class FileStore:
     def put(self, key: str, data: bytes) -> None:
         self._write(key, bytes(data))
 
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist; False, writing nothing, if it does.
+
+        The complete temporary file is hard-linked to the key, which fails
+        atomically when the key exists, so concurrent creators cannot both win.
+        """
+        target = self._path(key)
+        for attempt in range(3):
+            temp = _temp_sibling(target)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(temp, "xb") as out:
+                    out.write(bytes(data))
+                    out.flush()
+                    os.fsync(out.fileno())
+                try:
+                    os.link(temp, target)
+                except FileExistsError:
+                    return False
+                _fsync_dir(target.parent)
+                return True
+            except FileNotFoundError as error:  # folder pruned by a concurrent delete
+                if attempt == 2:
+                    raise self._store_error("write", key, error) from error
+            except OSError as error:
+                raise self._store_error("write", key, error) from error
+            finally:
+                with contextlib.suppress(OSError):
+                    temp.unlink()
+        raise AssertionError("unreachable")
+
     def put_file(self, key: str, path: Path) -> None:
         try:
             source = open(path, "rb")  # noqa: SIM115 - closed below

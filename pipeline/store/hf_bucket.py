@@ -113,6 +113,14 @@ class HfBucketStore:
         except Exception as error:
             raise self._error("write", key, error) from error
 
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent. The bucket API has no conditional write, so
+        this checks then writes: two concurrent creators can both succeed."""
+        if self.exists(key):
+            return False
+        self.put(key, data)
+        return True
+
     def put_file(self, key: str, path: Path) -> None:
         name = self._key(key)
         if not Path(path).is_file():
@@ -132,7 +140,7 @@ class HfBucketStore:
         except Exception as error:
             raise self._error("delete", key, error) from error
 
-    def create_bucket(self, private: bool = True) -> None:
+    def ensure_bucket(self, private: bool = True) -> None:
         """Create the bucket if it does not exist (first-time setup and tests)."""
         try:
             self.api.create_bucket(self.bucket_id, private=private, exist_ok=True)

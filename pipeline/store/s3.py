@@ -11,6 +11,7 @@ multipart uploads, which also become visible only once complete.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import secrets
 import threading
@@ -152,6 +153,10 @@ class S3Store:
     def _error(self, action: str, key: str, error: Exception) -> StoreError:
         """Translate a botocore error into one line naming the key and the endpoint."""
         where = f"{self.url} at {self._where}"
+        if isinstance(error, S3UploadFailedError):
+            inner = error.__cause__ or error.__context__  # the transfer manager wraps it
+            if isinstance(inner, Exception):
+                error = inner
         if isinstance(error, ClientError):
             info: dict[str, Any] = dict(error.response.get("Error", {}))
             code = str(info.get("Code", ""))
@@ -175,10 +180,32 @@ class S3Store:
 
     def put(self, key: str, data: bytes) -> None:
         name = self._key(key)
+        body = bytes(data)
         try:
-            self._client.put_object(Bucket=self.bucket, Key=name, Body=bytes(data))
+            if len(body) > self._transfer.multipart_threshold:
+                self._client.upload_fileobj(
+                    io.BytesIO(body), self.bucket, name, Config=self._transfer
+                )
+            else:
+                self._client.put_object(Bucket=self.bucket, Key=name, Body=body)
         except self._botocore_errors() as error:
             raise self._error("write", key, error) from error
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist (a conditional PUT, atomic on the
+        server); return False, writing nothing, when it already exists."""
+        name = self._key(key)
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=name, Body=bytes(data), IfNoneMatch="*")
+        except ClientError as error:
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            if status == 412 or code == "PreconditionFailed":
+                return False
+            raise self._error("write", key, error) from error
+        except self._botocore_errors() as error:
+            raise self._error("write", key, error) from error
+        return True
 
     def put_file(self, key: str, path: Path) -> None:
         name = self._key(key)
@@ -187,10 +214,7 @@ class S3Store:
         try:
             self._client.upload_file(str(path), self.bucket, name, Config=self._transfer)
         except self._botocore_errors() as error:
-            cause = error.__cause__ or error.__context__
-            raise self._error(
-                "write", key, cause if isinstance(cause, Exception) else error
-            ) from error
+            raise self._error("write", key, error) from error
 
     def get(self, key: str) -> bytes:
         name = self._key(key)
