@@ -13,7 +13,7 @@ import torch
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import info_for, int_view_flat
 from pipeline.codec.records import TensorRecord, parse_record
-from pipeline.codec.tensorcodec import DamagedStreamError, decode_values, encode_tensor
+from pipeline.codec.tensorcodec import DamagedStreamError, decode_tensor, encode_tensor
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
 
 CODEC_NAME = "deltasync-bitdelta"
@@ -52,12 +52,12 @@ class DeltaObject:
         object_name: str,
         level: int,
         records: list[TensorRecord],
-        streams: dict[str, npt.NDArray[np.uint8]],
+        entries: dict[str, npt.NDArray[np.uint8]],
     ) -> None:
         self.object_name = object_name
         self.level = level
         self._records = {r.name: r for r in records}
-        self._streams = streams
+        self._entries = entries
         self.tensors = [
             EncodedTensorInfo(
                 name=r.name,
@@ -65,7 +65,7 @@ class DeltaObject:
                 shape=r.shape,
                 encoding=r.encoding,
                 changed=r.changed,
-                nbytes=sum(int(streams[k].size) for k in r.streams.values()),
+                nbytes=r.nbytes,
             )
             for r in records
         ]
@@ -90,9 +90,16 @@ class DeltaObject:
                 f"{record.info.dtype} {record.shape}"
             )
         base_flat = int_view_flat(base, record.info)
-        streams = {role: self._streams[key] for role, key in record.streams.items()}
+        blob = self._entries.get(name, np.zeros(0, np.uint8))
         try:
-            positions, values = decode_values(record, streams, base_flat)
+            positions, values = decode_tensor(
+                record.encoding,
+                record.changed,
+                record.split(blob),
+                record.params,
+                base_flat=base_flat,
+                info=record.info,
+            )
         except DamagedStreamError as exc:
             raise CorruptObjectError(f"{where}: {exc}") from None
         signed = values.view(_numpy_dtype(record.info.view))
@@ -116,12 +123,14 @@ def encode_delta(
     """One delta object for (name, base, new) pairs of equal dtype and shape."""
     if level not in LEVELS:
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
-    streams: dict[str, npt.NDArray[np.uint8]] = {}
+    entries: dict[str, npt.NDArray[np.uint8]] = {}
     records: list[dict[str, object]] = []
     seen: set[str] = set()
-    for index, (name, base, new) in enumerate(pairs):
+    for name, base, new in pairs:
         if name in seen:
             raise CodecError(f"tensor {name!r} appears twice in one delta")
+        if name == "__metadata__":
+            raise CodecError("a tensor cannot be named '__metadata__' in a safetensors container")
         seen.add(name)
         if base.dtype != new.dtype or base.shape != new.shape:
             raise MismatchError(
@@ -131,13 +140,11 @@ def encode_delta(
         info = info_for(base.dtype, name)
         new_flat = int_view_flat(new.to(base.device), info)
         encoded = encode_tensor(int_view_flat(base, info), new_flat, info, level)
-        keys: dict[str, str] = {}
-        for role, stream in encoded.streams.items():
-            key = f"{index}.{role}"
-            streams[key] = stream
-            keys[role] = key
+        sizes = {role: int(stream.size) for role, stream in encoded.streams.items()}
+        if encoded.streams:
+            entries[name] = np.concatenate(list(encoded.streams.values()))
         record = TensorRecord(
-            name, info, tuple(base.shape), encoded.encoding, encoded.changed, keys, encoded.params
+            name, info, tuple(base.shape), encoded.encoding, encoded.changed, sizes, encoded.params
         )
         records.append(record.to_json())
     metadata = {
@@ -146,7 +153,7 @@ def encode_delta(
         "level": str(level),
         "tensors": json.dumps(records, separators=(",", ":")),
     }
-    return write_container(streams, metadata)
+    return write_container(entries, metadata)
 
 
 def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
@@ -176,10 +183,10 @@ def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
     names = [r.name for r in records]
     if len(set(names)) != len(names):
         raise CorruptObjectError(f"delta object {object_name}: a tensor name appears twice")
-    used = [key for r in records for key in r.streams.values()]
-    if len(set(used)) != len(used) or set(used) != set(container.streams):
+    stray = set(container.streams) - set(names)
+    if stray:
         raise CorruptObjectError(
-            f"delta object {object_name}: streams and tensor records do not match one to one"
+            f"delta object {object_name}: entry {sorted(stray)[0]!r} belongs to no tensor record"
         )
     return DeltaObject(object_name, int(level_text), records, container.streams)
 

@@ -1,45 +1,46 @@
-"""Contents of changed elements: bit-pattern differences, zigzagged, byte planes, zstd.
+"""Contents of changed elements: bit-pattern differences new - base.
 
 Realistic updates move a bf16 element by one or two units in the last place, so
-the difference new - base of the integer views is tiny; zigzag maps it to a
-small unsigned number and splitting it into byte planes leaves the high planes
-all zero, which zstd squeezes to almost nothing.
+the difference of the integer views is tiny. Two methods, the smaller wins:
+
+- ``signmag``: the sign of each difference as one raw bit (signs are close to
+  fair coins, nothing compresses them); which magnitudes exceed one as
+  Rice-coded gaps; those magnitudes minus two as zstd byte planes.
+- ``planes``: zigzagged differences split into byte planes, one zstd frame.
+  Better when differences are large (fp32 contents, dense rewrites).
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from pipeline.codec import rice
+
 ZSTD_LEVEL = 3
+METHODS = ("planes", "signmag")
+ROLES = {"planes": ("values",), "signmag": ("sign", "big_unary", "big_fixed", "mags")}
 
 AnyUInt = npt.NDArray[np.unsignedinteger]
 U8 = npt.NDArray[np.uint8]
+I64 = npt.NDArray[np.int64]
 Frame = bytes | memoryview | U8
 
 
-def zigzag(diff: AnyUInt) -> AnyUInt:
-    """Two's-complement differences (as unsigned) -> small unsigned numbers."""
-    top = diff.dtype.itemsize * 8 - 1
-    sign = (diff >> top).astype(diff.dtype)
-    return cast(AnyUInt, (diff << 1) ^ (np.zeros_like(sign) - sign))
-
-
-def unzigzag(code: AnyUInt) -> AnyUInt:
-    low = (code & 1).astype(code.dtype)
-    return cast(AnyUInt, (code >> 1) ^ (np.zeros_like(low) - low))
+class ContentsError(Exception):
+    """Contents streams do not decode to what the record promises."""
 
 
 def _buffer(data: Frame) -> memoryview:
     return memoryview(data.data if isinstance(data, np.ndarray) else data)
 
 
-def compress(data: Frame) -> bytes:
+def compress(data: Frame) -> U8:
     compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
-    return compressor.compress(_buffer(data))
+    return np.frombuffer(compressor.compress(_buffer(data)), np.uint8)
 
 
 def frame_content_size(frame: Frame) -> int:
@@ -62,17 +63,108 @@ def decompress(frame: Frame, expected: int) -> bytes | None:
     return out if len(out) == expected else None
 
 
-def encode_codes(codes: AnyUInt) -> bytes:
-    """Zigzag codes -> byte planes (least significant first) -> one zstd frame."""
+def zigzag(diff: AnyUInt) -> AnyUInt:
+    """Two's-complement differences (as unsigned) -> small unsigned numbers."""
+    top = diff.dtype.itemsize * 8 - 1
+    sign = (diff >> top).astype(diff.dtype)
+    return cast(AnyUInt, (diff << 1) ^ (np.zeros_like(sign) - sign))
+
+
+def unzigzag(code: AnyUInt) -> AnyUInt:
+    low = (code & 1).astype(code.dtype)
+    return cast(AnyUInt, (code >> 1) ^ (np.zeros_like(low) - low))
+
+
+def encode_planes(codes: AnyUInt) -> U8:
+    """Unsigned numbers -> byte planes (least significant first) -> one zstd frame."""
     width = codes.dtype.itemsize
-    planes = codes.view(np.uint8).reshape(-1, width).T if width > 1 else codes.view(np.uint8)
-    return compress(np.ascontiguousarray(planes))
+    if width == 1:
+        return compress(codes.view(np.uint8))
+    return compress(np.ascontiguousarray(codes.view(np.uint8).reshape(-1, width).T))
 
 
-def decode_codes(frame: Frame, count: int, unsigned: type[np.unsignedinteger]) -> AnyUInt | None:
+def decode_planes(frame: Frame, count: int, unsigned: type[np.unsignedinteger]) -> AnyUInt:
     width = np.dtype(unsigned).itemsize
     raw = decompress(frame, count * width)
     if raw is None:
-        return None
+        raise ContentsError("contents frame does not decompress to the recorded size")
     planes = np.frombuffer(raw, np.uint8).reshape(width, count)
     return np.ascontiguousarray(planes.T).view(unsigned).reshape(count)
+
+
+def encode_contents(
+    diff: AnyUInt, method: str | None = None
+) -> tuple[dict[str, U8], dict[str, Any]]:
+    """Streams and params for non-zero differences; ``method`` None picks by size."""
+    if method is None:
+        # Sign-magnitude pays off when most differences are +-1; otherwise planes.
+        minus_one = np.iinfo(diff.dtype).max
+        ones = int(np.count_nonzero((diff == 1) | (diff == minus_one)))
+        method = "signmag" if 3 * ones >= 2 * diff.size else "planes"
+    if method == "planes":
+        return {"values": encode_planes(zigzag(diff))}, {"contents": "planes"}
+    top = diff.dtype.itemsize * 8 - 1
+    negative = (diff >> top).astype(np.uint8)
+    magnitude = np.where(negative.astype(bool), np.zeros_like(diff) - diff, diff)
+    big = np.flatnonzero(magnitude > 1)
+    gaps = rice.positions_to_gaps(big)
+    param, _ = rice.best_param(gaps)
+    big_unary, big_fixed = rice.encode_gaps(gaps, param)
+    mags = encode_planes(magnitude[big] - 2) if big.size else np.zeros(0, np.uint8)
+    streams = {
+        "sign": np.packbits(negative),
+        "big_unary": big_unary,
+        "big_fixed": big_fixed,
+        "mags": mags,
+    }
+    return streams, {"contents": "signmag", "big": int(big.size), "big_rice": param}
+
+
+def check_contents(
+    streams: dict[str, U8], params: dict[str, Any], count: int, width: int
+) -> str | None:
+    """Cheap consistency checks before decoding; a reason string when inconsistent."""
+    method = params.get("contents")
+    if method == "planes":
+        if frame_content_size(streams["values"]) != count * width:
+            return f"contents frame does not declare {count * width} bytes"
+        return None
+    big, param = params.get("big"), params.get("big_rice")
+    if type(big) is not int or not 0 <= big <= count:
+        return f"count of large differences {big!r} not within 0..{count}"
+    if type(param) is not int or not 0 <= param <= rice.MAX_PARAM:
+        return f"Rice parameter {param!r} out of range"
+    if streams["sign"].size != (count + 7) // 8:
+        return "sign stream has the wrong size"
+    if streams["big_fixed"].size != rice.fixed_nbytes(big, param):
+        return "fixed-width stream of large differences has the wrong size"
+    if streams["big_unary"].size > (big + (count >> param) + 7) // 8:
+        return "unary stream of large differences is too long"
+    mags = streams["mags"]
+    if (mags.size > 0) != (big > 0) or (big and frame_content_size(mags) != big * width):
+        return "magnitude frame does not match the count of large differences"
+    return None
+
+
+def decode_contents(
+    streams: dict[str, U8], params: dict[str, Any], count: int, unsigned: type[np.unsignedinteger]
+) -> AnyUInt:
+    """The non-zero differences (unsigned, wrapping) of ``count`` changed elements."""
+    if params["contents"] == "planes":
+        diff = unzigzag(decode_planes(streams["values"], count, unsigned))
+    else:
+        big_count, param = int(params["big"]), int(params["big_rice"])
+        gaps = rice.decode_gaps(streams["big_unary"], streams["big_fixed"], big_count, param)
+        if gaps is None:
+            raise ContentsError("large-difference stream does not hold the recorded count")
+        big = rice.gaps_to_positions(gaps)
+        if big.size and int(big[-1]) >= count:
+            raise ContentsError("large-difference position out of range")
+        magnitude = np.ones(count, unsigned)
+        if big.size:
+            magnitude[big] = decode_planes(streams["mags"], big.size, unsigned) + unsigned(2)
+        negative = np.unpackbits(streams["sign"], count=count).astype(bool)
+        diff = np.where(negative, np.zeros_like(magnitude) - magnitude, magnitude)
+    if not diff.all():
+        raise ContentsError("contents hold a zero difference for a changed element")
+    return diff

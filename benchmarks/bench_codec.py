@@ -1,0 +1,157 @@
+"""Codec size and speed on realistic updates from the synthetic generator.
+
+    python benchmarks/bench_codec.py [--preset medium] [--lr 1e-6] [--steps 3] [--reps 5]
+
+Takes ``--steps`` optimizer steps and measures the delta of the last one, so
+the optimizer is past its first, unusually dense step. Prints bytes per changed
+element for both codec levels and reference formats, ratios to the
+information bound, and timings against ``torch.clone`` of the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from pipeline.codec import apply_patch, encode_delta, read_delta
+from pipeline.codec.dtypes import BY_DTYPE
+from pipeline.synthetic import ModelConfig, UpdateGenerator
+
+State = dict[str, torch.Tensor]
+
+
+def log2_binomial(n: int, k: int) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+
+
+def entropy_bits(values: np.ndarray) -> float:  # type: ignore[type-arg]
+    if values.size == 0:
+        return 0.0
+    _, counts = np.unique(values, return_counts=True)
+    p = counts / values.size
+    return float(-(p * np.log2(p)).sum() * values.size)
+
+
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(BY_DTYPE[t.dtype].view).reshape(-1)
+
+
+def bound_and_references(base: State, new: State) -> dict[str, float]:
+    """Information bound and reference formats, in bytes for the whole state."""
+    bound_pos = bound_val = 0.0
+    raw_index = {}
+    gaps_bytes = 0
+    for name in base:
+        b, n = int_bits(base[name]), int_bits(new[name])
+        positions = torch.nonzero(b != n).view(-1)
+        k = positions.numel()
+        bound_pos += log2_binomial(b.numel(), k) / 8
+        diffs = (n[positions].numpy().astype(np.int64) - b[positions].numpy().astype(np.int64))
+        bound_val += entropy_bits(diffs) / 8
+        raw_index[f"{name}.index"] = positions.to(torch.int32)
+        raw_index[f"{name}.value"] = new[name].reshape(-1)[positions]
+        gaps = np.diff(positions.numpy(), prepend=-1) - 1
+        gaps_bytes += 2 * k + 4 * int((gaps >= 0xFFFF).sum()) + 2 * k
+    return {
+        "bound_positions": bound_pos,
+        "bound_contents": bound_val,
+        "raw_int32_bf16": float(len(safetensors.torch.save(raw_index))),
+        "gaps_u16_bf16": float(gaps_bytes),
+        "full_bf16": float(sum(2 * t.numel() for t in new.values())),
+    }
+
+
+def median_time(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="medium")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    gen = UpdateGenerator(ModelConfig.preset(args.preset), lr=args.lr, seed=args.seed)
+    base = gen.state()
+    new = base
+    for _ in range(args.steps):
+        base, new = new, gen.step()
+    numel = sum(t.numel() for t in new.values())
+    changed = sum(int((int_bits(base[k]) != int_bits(new[k])).sum()) for k in new)
+
+    refs = bound_and_references(base, new)
+    bound = refs["bound_positions"] + refs["bound_contents"]
+    pairs = [(name, base[name], new[name]) for name in new]
+    objects = {level: encode_delta(pairs, level=level) for level in (1, 2)}
+
+    def decode_apply(data: bytes, targets: State) -> None:
+        obj = read_delta(data, object_name="bench")
+        for name, tensor in targets.items():
+            apply_patch(tensor, obj.decode(name, base[name]))
+
+    # Correctness of what is timed.
+    for data in objects.values():
+        targets = {k: v.clone() for k, v in base.items()}
+        decode_apply(data, targets)
+        assert all(torch.equal(int_bits(targets[k]), int_bits(new[k])) for k in new)
+
+    reps = args.reps
+    t_clone = median_time(lambda: {k: v.clone() for k, v in new.items()}, reps)
+    t_encode = {lvl: median_time(lambda lvl=lvl: encode_delta(pairs, level=lvl), reps)  # type: ignore[misc]
+                for lvl in (1, 2)}
+    fresh = [{k: v.clone() for k, v in base.items()} for _ in range(reps)]
+    t_decode = {}
+    for lvl, data in objects.items():
+        it = iter(fresh)
+        t_decode[lvl] = median_time(lambda data=data, it=it: decode_apply(data, next(it)), reps)  # type: ignore[misc]
+        fresh = [{k: v.clone() for k, v in base.items()} for _ in range(reps)]
+
+    print(f"model: preset {args.preset}, {numel / 1e6:.1f}M parameters, lr {args.lr}, "
+          f"step {args.steps}; changed {changed} ({100 * changed / numel:.2f}%)")
+    print(f"machine: {platform.machine()}, torch threads {torch.get_num_threads()}, "
+          f"torch {torch.__version__}")
+    print()
+    print(f"{'format':<34}{'bytes':>12}{'B/changed':>11}{'x bound':>9}")
+    rows = [
+        ("level 1 (default)", float(len(objects[1]))),
+        ("level 2 (exponent classes)", float(len(objects[2]))),
+        ("int32 index + bf16, safetensors", refs["raw_int32_bf16"]),
+        ("uint16/uint32 gaps + bf16", refs["gaps_u16_bf16"]),
+        ("full bf16", refs["full_bf16"]),
+        ("information bound", bound),
+        ("  of which positions", refs["bound_positions"]),
+        ("  of which contents", refs["bound_contents"]),
+    ]
+    for label, size in rows:
+        print(f"{label:<34}{size:>12.0f}{size / changed:>11.3f}{size / bound:>9.3f}")
+    print()
+    print(f"{'timing (median of ' + str(reps) + ')':<34}{'seconds':>12}{'x clone':>11}")
+    timings = [
+        ("torch clone of all weights", t_clone),
+        ("diff+encode, level 1", t_encode[1]),
+        ("decode+apply, level 1", t_decode[1]),
+        ("diff+encode, level 2", t_encode[2]),
+        ("decode+apply, level 2", t_decode[2]),
+    ]
+    for label, seconds in timings:
+        print(f"{label:<34}{seconds:>12.4f}{seconds / t_clone:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
