@@ -128,46 +128,67 @@ class DeltasyncWorkerExtension:
             weights_iterator=list(tensors), is_checkpoint_format=True
         )
 
-    def _ds_map(self, state: _State) -> None:
-        """Learn routes and plain-tensor placements of every shadow tensor."""
+    def _ds_adopt(self, tensors: dict[str, torch.Tensor], push: bool) -> None:
+        """Make ``tensors`` the shadow; with ``push``, reload all of them into the model.
+
+        Every name is routed first, so a tensor the model cannot place fails the
+        call (TargetError naming it) before the shadow or the model change.
+        """
+        state = self._ds()
+        model = self._ds_model()
+        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+        load_weights = model.load_weights  # type: ignore[assignment]
+        shapes = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+        with torch.no_grad():
+            routes = route_names(model, load_weights, shapes)
+        state.pending = None
+        if push:
+            state.loaded = False  # a failed reload leaves the model unknown
+            self._ds_reload(tensors.items())
+        state.shadow = tensors
+        state.hashes = {}
+        state.routes = routes
+        state.placements = self._ds_placements(state)
+        state.loaded = True
+        log.info(
+            "deltasync weight map",
+            tensors=len(routes),
+            in_place=len(state.placements),
+            ignored=sum(1 for r in routes.values() if r.parameter is None),
+        )
+
+    def _ds_placements(self, state: _State) -> dict[str, Placement]:
+        """Plain-tensor placements of shadow tensors that the model holds bit for bit."""
         from vllm.model_executor.model_loader.weight_utils import (  # noqa: PLC0415
             default_weight_loader,
         )
 
         model = self._ds_model()
-        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
-        load_weights = model.load_weights  # type: ignore[assignment]
-        shapes = {n: (t.dtype, tuple(t.shape)) for n, t in state.shadow.items()}
+        placements: dict[str, Placement] = {}
         with torch.no_grad():
-            state.routes = route_names(model, load_weights, shapes)
-            state.placements = {}
             for name, route in state.routes.items():
-                if route.parameter is None:
+                if route.parameter is None or not _writable_in_place(model, route):
                     continue
                 param = model.get_parameter(route.parameter)
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                placement = probe_placement(model, name, route, shapes[name][1], loader)
+                shape = tuple(state.shadow[name].shape)
+                placement = probe_placement(model, name, route, shape, loader)
                 if placement is None:
                     continue
-                # Post-load processing (scales, permutes, repacking) would make raw
-                # checkpoint values wrong: keep a placement only where the parameter
+                # Post-load processing (scales, permutes) would make raw checkpoint
+                # values wrong in place: keep a placement only where the parameter
                 # holds the checkpoint's exact bits.
                 held = gather_placed(param, placement)
                 want = source_box(state.shadow[name], placement).to(held.device)
                 if held.dtype == want.dtype and torch.equal(
                     held.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
                 ):
-                    state.placements[name] = placement
-        log.info(
-            "deltasync weight map",
-            tensors=len(state.routes),
-            in_place=len(state.placements),
-            ignored=sum(1 for r in state.routes.values() if r.parameter is None),
-        )
+                    placements[name] = placement
+        return placements
 
     def _ds_group(self, state: _State, names: Iterable[str]) -> list[str]:
         """Every shadow tensor feeding the modules that ``names`` reach (whole groups)."""
-        modules = {state.routes[n].module for n in names}
+        modules = {state.routes[n].module for n in names} - {None}
         return sorted(n for n, r in state.routes.items() if r.module in modules)
 
     def _ds_push(self, state: _State, names: list[str], patches: dict[str, Any]) -> None:
@@ -229,13 +250,8 @@ class DeltasyncWorkerExtension:
             state = self._ds()
             if state.staging is None:
                 raise TargetError("vLLM worker: load_commit without load_begin")
-            state.shadow, state.staging = state.staging, None
-            state.hashes = {}
-            state.pending = None
-            state.loaded = True
-            self._ds_map(state)
-            if push:
-                self._ds_reload(state.shadow.items())
+            staged, state.staging = state.staging, None
+            self._ds_adopt(staged, push)
             return _specs_plain(state.specs())
 
         return _enveloped(run)
@@ -249,17 +265,11 @@ class DeltasyncWorkerExtension:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
                 raise TargetError(f"vLLM model folder {folder} holds no safetensors files")
-            self.deltasync_load_begin()
-            state = self._ds()
-            assert state.staging is not None
+            tensors: dict[str, torch.Tensor] = {}
             for file in files:
-                state.staging.update(load(file.read_bytes()))
-            state.shadow, state.staging = state.staging, None
-            state.hashes = {}
-            state.pending = None
-            state.loaded = True
-            self._ds_map(state)
-            return _specs_plain(state.specs())
+                tensors.update(load(file.read_bytes()))
+            self._ds_adopt(tensors, push=False)
+            return _specs_plain(self._ds().specs())
 
         return _enveloped(run)
 
@@ -378,6 +388,25 @@ class DeltasyncWorkerExtension:
             return save({hf_name: box})
 
         return _enveloped(run)
+
+
+_PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+
+def _writable_in_place(model: torch.nn.Module, route: Route) -> bool:
+    """Whether the module computes from the parameter itself, so that writing the
+    parameter is enough. Not so where vLLM derived a kernel copy at load time: the
+    CPU GEMM dispatch (``cpu_linear``) keeps a packed copy, even of lm_head whose
+    weight stays readable; quantized methods hold transformed values."""
+    assert route.module is not None
+    module = model.get_submodule(route.module)
+    if hasattr(module, "cpu_linear"):
+        return False
+    method = getattr(module, "quant_method", None)
+    if method is not None and type(method).__name__ not in _PLAIN_METHODS:
+        return False
+    param = model.get_parameter(route.parameter or "")
+    return bool(param.is_contiguous())
 
 
 def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:

