@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+import xxhash
 
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import info_for, int_view_flat
@@ -147,13 +148,27 @@ def encode_delta(
             name, info, tuple(base.shape), encoded.encoding, encoded.changed, sizes, encoded.params
         )
         records.append(record.to_json())
+    tensors_json = json.dumps(records, separators=(",", ":"))
     metadata = {
         "codec": CODEC_NAME,
         "codec_version": str(CODEC_VERSION),
         "level": str(level),
-        "tensors": json.dumps(records, separators=(",", ":")),
+        "tensors": tensors_json,
+        "checksum": _checksum(str(level), tensors_json, entries),
     }
     return write_container(entries, metadata)
+
+
+def _checksum(level: str, tensors_json: str, entries: dict[str, npt.NDArray[np.uint8]]) -> str:
+    """xxh3-128 over everything the decoder reads, so damage anywhere is caught up
+    front rather than decoded into wrong weights."""
+    h = xxhash.xxh3_128()
+    h.update(f"{level}\0{tensors_json}\0".encode())
+    for name in sorted(entries):
+        blob = entries[name]
+        h.update(f"{name}\0{blob.size}\0".encode())
+        h.update(memoryview(np.ascontiguousarray(blob).data))
+    return f"xxh3-128:{h.hexdigest()}"
 
 
 def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
@@ -169,10 +184,15 @@ def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
             f"delta object {object_name}: unsupported {CODEC_NAME} version {version!r}"
         )
     level_text = meta.get("level", "")
+    tensors_json = meta.get("tensors", "")
+    if meta.get("checksum") != _checksum(level_text, tensors_json, container.streams):
+        raise CorruptObjectError(
+            f"delta object {object_name}: checksum mismatch, object is damaged"
+        )
     if level_text not in {str(x) for x in LEVELS}:
         raise CorruptObjectError(f"delta object {object_name}: bad level {level_text!r}")
     try:
-        raw_records = json.loads(meta.get("tensors", ""))
+        raw_records = json.loads(tensors_json)
     except json.JSONDecodeError:
         raise CorruptObjectError(f"delta object {object_name}: tensor list is not JSON") from None
     if not isinstance(raw_records, list):
