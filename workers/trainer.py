@@ -1,0 +1,136 @@
+"""The trainer side: call after an optimizer step.
+
+    from workers.trainer import Emitter
+    emitter = Emitter(run="grpo-7")            # settings from DELTASYNC_* env
+    ...
+    optimizer.step()
+    emitter.emit_state(step, model)            # writes bf16 weights to staging, emits
+
+``emit_state`` writes the weights to the staging folder atomically, then in one
+Redis transaction appends ``step-completed`` to the run's stream and enqueues
+the diff job, so that neither happens without the other.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import chain
+from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.config import Settings
+from pipeline.errors import ChainError, ConfigError
+from pipeline.events import EventStream, StepCompleted, check_run_name
+from pipeline.logs import get_logger
+from workers import queues
+from workers.runtime import Runtime
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Emitted:
+    run: str
+    step: int
+    checkpoint: str
+    event_id: str | None  # None when the step was a duplicate and nothing was sent
+    job_id: str
+
+
+def _named_tensors(
+    weights: Mapping[str, torch.Tensor] | torch.nn.Module, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    items = (
+        weights.state_dict(keep_vars=False).items()
+        if isinstance(weights, torch.nn.Module)
+        else weights.items()
+    )
+    seen: set[int] = set()
+    for name, tensor in items:
+        t = tensor.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.cpu().contiguous()
+        # Tied weights share storage; safetensors wants each name as its own copy.
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            t = t.clone()
+        seen.add(ptr)
+        yield name, t
+
+
+class Emitter:
+    """Publishes a run's steps: one per optimizer step (or every k steps)."""
+
+    def __init__(self, run: str, *, settings: Settings | None = None) -> None:
+        self.run = check_run_name(run)
+        self.runtime = Runtime(settings or Settings.from_env())
+
+    @property
+    def settings(self) -> Settings:
+        return self.runtime.settings
+
+    def staging_path(self, step: int) -> Path:
+        return self.settings.staging_dir / self.run / f"step-{step:010d}"
+
+    def emit_state(
+        self,
+        step: int,
+        weights: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        dtype: torch.dtype | None = torch.bfloat16,
+        max_shard_bytes: int | None = None,
+    ) -> Emitted:
+        """Write ``weights`` (cast to ``dtype``) to staging, then emit the step."""
+        self._check_newer(step)
+        path = self.staging_path(step)
+        if path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_checkpoint(path, _named_tensors(weights, dtype), max_shard_bytes=max_shard_bytes)
+        return self._send(step, path, owned=True)
+
+    def emit_checkpoint(self, step: int, checkpoint: str | Path) -> Emitted:
+        """Emit a checkpoint the user wrote; deltasync never modifies or removes it."""
+        self._check_newer(step)
+        path = Path(checkpoint).resolve()
+        CheckpointReader(path)  # a missing or half-written checkpoint fails here, one line
+        return self._send(step, path, owned=False)
+
+    def _check_newer(self, step: int) -> None:
+        if step < 0:
+            raise ConfigError(f"step must be >= 0, got {step}")
+        head = chain.list_versions(self.runtime.store, self.run).head
+        if head is not None and step <= head:
+            raise ChainError(f"step {step} of run {self.run!r} is not newer than head {head}")
+
+    def _send(self, step: int, path: Path, *, owned: bool) -> Emitted:
+        r = self.runtime.redis
+        stream = EventStream(r, self.run)
+        event = StepCompleted.now(
+            run=self.run, version=step, checkpoint=str(path), owned=owned, level=None
+        )
+        kwargs = {
+            "run": self.run,
+            "step": step,
+            "checkpoint": str(path),
+            "owned": owned,
+        }
+        marker = f"deltasync:run:{self.run}:emitted:{step}"
+        if r.exists(marker):
+            # Best effort only: the diff job itself publishes each version once.
+            log.warning("step already emitted, not sent again", run=self.run, step=step)
+            return Emitted(self.run, step, str(path), None, queues.diff_job_id(self.run, step))
+        with r.pipeline(transaction=True) as pipe:
+            stream.publish(event, pipeline=pipe)
+            job_id = queues.enqueue_diff(r, kwargs, pipeline=pipe)
+            pipe.set(marker, 1, ex=7 * 24 * 3600)
+            results = pipe.execute()
+        event_id = results[0]
+        event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)
+        log.info("step emitted", run=self.run, step=step, checkpoint=str(path), job_id=job_id)
+        return Emitted(self.run, step, str(path), event_id, job_id)

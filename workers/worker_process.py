@@ -1,0 +1,41 @@
+"""rq worker processes for the diff and compaction queues."""
+
+from __future__ import annotations
+
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
+
+from pipeline.logs import get_logger
+from workers import queues
+from workers.runtime import Runtime
+
+log = get_logger(__name__)
+
+QUEUES = {"diff": queues.DIFF_QUEUE, "compact": queues.COMPACT_QUEUE}
+
+
+def run_worker(
+    runtime: Runtime, kind: str, *, burst: bool = False, name: str | None = None
+) -> bool:
+    """Work jobs of one kind until stopped (or, with ``burst``, until the queue is empty).
+
+    SimpleWorker runs each job in this process: forking after torch has started
+    its thread pools is unsafe, and the diff cache stays warm between jobs.
+    """
+    connection = runtime.redis
+    worker = SimpleWorker(
+        [queues.queue(connection, QUEUES[kind])],
+        name=name,
+        connection=connection,
+        serializer=JSONSerializer,
+    )
+    log.info(
+        "worker starting",
+        kind=kind,
+        queue=QUEUES[kind],
+        store=runtime.settings.store_url,
+        redis=runtime.redis_url_redacted,
+        burst=burst,
+    )
+    worked: bool = worker.work(burst=burst, with_scheduler=True, logging_level=None)
+    return worked
