@@ -61,6 +61,8 @@ log = structlog.get_logger(__name__)
 STATE_SCHEMA = 1
 _PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for downloads larger than this
 _LATENCY_MEMORY = 256  # event times remembered for latency figures
+_RECONNECT_S = 1.0  # how often an unreachable event stream is tried again
+_STOP_CHECK_S = 1.0  # longest wait between checks of the stop flag
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class RolloutNode:
         self._last_heartbeat = 0.0
         self.last_error: DeltasyncError | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._stream_down = False
 
     # -- public ----------------------------------------------------------------------
 
@@ -513,14 +516,20 @@ class RolloutNode:
             stop.wait(wait_s)
             return False, after_id
         try:
-            entries = self.events.read(after_id, block_ms=max(1, int(wait_s * 1000)))
+            # Short blocks keep ``stop`` responsive; the caller loops until its deadline.
+            block_ms = max(1, int(min(wait_s, _STOP_CHECK_S) * 1000))
+            entries = self.events.read(after_id, block_ms=block_ms)
         except DeltasyncError as exc:
-            log.warning("event stream unavailable, polling the store", error=str(exc))
-            stop.wait(wait_s)
+            if not self._stream_down:
+                log.warning("event stream unavailable, polling the store", error=str(exc))
+            self._stream_down = True
+            stop.wait(min(wait_s, _RECONNECT_S))
             return False, after_id
+        # Events sent while the stream was unreachable are lost: sync once it is back.
+        woken, self._stream_down = self._stream_down, False
         if not entries:
-            return False, self._check_stream_reset(after_id)
-        woken = self._trimmed_past(after_id)
+            return woken, self._check_stream_reset(after_id)
+        woken = self._trimmed_past(after_id) or woken
         for entry_id, event in entries:
             after_id = entry_id
             if event is not None and self._note_event(event):

@@ -6,6 +6,8 @@ Every check of the weights is bitwise (integer views) and by content hash.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -16,7 +18,13 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
 from pipeline.errors import CorruptObjectError, MismatchError
-from pipeline.events import EventStream, ReplicaError
+from pipeline.events import (
+    CompactionRequested,
+    DeltaApplied,
+    DeltaAvailable,
+    EventStream,
+    ReplicaError,
+)
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import ObjectEntry, TensorEntry, compute_state_hash, manifest_key, to_json
 from pipeline.publish import StateCache, collect_garbage, compact, publish_anchor, publish_step
@@ -27,6 +35,7 @@ from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.patching import int_view
 from pipeline.targets.torch import TorchTarget
+from tests.servers import RedisServer
 
 RUN = "run1"
 PART_BYTES = 2 << 20  # several parts per version
@@ -336,3 +345,136 @@ def test_heartbeats_report_the_applied_version(
     assert (info.node, info.version) == ("hb-node", v)
     assert info.state_hash == chain.load_manifest(store, RUN, "delta", v).state_hash
     client.close()
+
+
+# -- following events: gaps, duplicates, a Redis restart, a trimmed stream ------------------
+
+
+class GatedTarget(TorchTarget):
+    """A TorchTarget whose applies can be held at the door by the test."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__(weights)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def apply_delta(self, manifest, objects, verify="touched"):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().apply_delta(manifest, objects, verify)
+
+
+def wait_for_version(node: RolloutNode, version: int, thread: threading.Thread) -> None:
+    """Wait (bounded, generously) until the node holds ``version``."""
+    for _ in range(1200):
+        if node.applied_version is not None and node.applied_version >= version:
+            return
+        assert thread.is_alive(), "the node stopped"
+        time.sleep(0.05)
+    raise AssertionError(f"node holds {node.applied_version}, never reached {version}")
+
+
+def announce(stream: EventStream, store: FileStore, version: int) -> None:
+    kind = "anchor" if version in chain.list_versions(store, RUN).anchors else "delta"
+    manifest = chain.load_manifest(store, RUN, kind, version)
+    stream.publish(
+        DeltaAvailable(
+            run=RUN,
+            version=version,
+            kind=kind,
+            parent=manifest.parent,
+            anchor=manifest.anchor,
+            bytes=manifest.total_bytes,
+            changed=sum(t.changed for t in manifest.tensors),
+            total=sum(t.numel for t in manifest.tensors),
+            manifest=manifest.key,
+        )
+    )
+
+
+def test_node_follows_events_through_gaps_duplicates_restart_and_trim(
+    trainer: Trainer, store: FileStore, private_redis: RedisServer
+) -> None:
+    trainer_client = redis_client(private_redis.url)
+    node_client = redis_client(private_redis.url)
+    stream = EventStream(trainer_client, RUN)
+    trainer.publish()
+    held = {n: torch.zeros_like(t) for n, t in trainer.current.items()}
+    target = GatedTarget(held)
+    # Polling is off in practice (an hour): only events, and the gap check, wake the node.
+    node = RolloutNode(
+        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
+        node_id="follower", poll_interval_s=3600,
+    )  # fmt: skip
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
+    thread.start()
+    try:
+        wait_for_version(node, 0, thread)  # the start-up sync bootstraps
+
+        v1 = trainer.publish()
+        announce(stream, store, v1)
+        wait_for_version(node, v1, thread)
+        assert_holds(held, trainer.states[v1])
+
+        # A lost event: v2 is never announced; v3's event makes the node fill the gap.
+        trainer.publish()
+        v3 = trainer.publish()
+        announce(stream, store, v3)
+        wait_for_version(node, v3, thread)
+        assert_holds(held, trainer.states[v3])
+
+        # Duplicates and out-of-order events change nothing.
+        for v in (v1, v3, v1 + 1, v3):
+            announce(stream, store, v)
+        v4 = trainer.publish()
+        announce(stream, store, v4)
+        wait_for_version(node, v4, thread)
+        assert_holds(held, trainer.states[v4])
+        applied = [e for e in events_of(stream, DeltaApplied) if e.node == "follower"]  # type: ignore[attr-defined]
+        assert [e.version for e in applied] == [0, v1, v1 + 1, v3, v4]  # type: ignore[attr-defined]
+        assert applied[1].latency_s is not None  # type: ignore[attr-defined]
+
+        # Redis restarts without persistence: the stream and heartbeats are gone.
+        private_redis.restart()
+        v5 = trainer.publish()
+        announce(stream, store, v5)
+        wait_for_version(node, v5, thread)
+        assert_holds(held, trainer.states[v5])
+
+        # Trimmed past the node's position: while the node is busy applying v6, v7 is
+        # published and announced, then the stream is trimmed; the next (unrelated)
+        # event shows the gap and the node catches up from the store.
+        target.gate.clear()
+        target.entered.clear()
+        v6 = trainer.publish()
+        announce(stream, store, v6)
+        assert target.entered.wait(60)
+        v7 = trainer.publish()
+        announce(stream, store, v7)
+        stream.trim(0, approximate=False)
+        stream.publish(CompactionRequested(run=RUN, version=v7, reason="t", requested_by="t"))
+        target.gate.set()
+        wait_for_version(node, v7, thread)
+        assert_holds(held, trainer.states[v7])
+    finally:
+        target.gate.set()
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    applied = [e for e in events_of(stream, DeltaApplied) if e.node == "follower"]  # type: ignore[attr-defined]
+    assert [e.version for e in applied] == [v6, v7]  # type: ignore[attr-defined]
+    (replica,) = list_replicas(trainer_client, RUN)
+    assert replica.version == v7
+    trainer_client.close()
+    node_client.close()
+
+
+def test_run_until_version_returns_once_applied(trainer: Trainer, store: FileStore) -> None:
+    trainer.publish()
+    v = trainer.publish()
+    target, held = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target, poll_interval_s=0.05)
+    assert node.run(until_version=v) == v
+    assert_holds(held, trainer.states[v])
