@@ -415,3 +415,106 @@ def test_in_place_writes_reach_the_live_parameters(target: Any, engine: Any, cha
     assert patched != before
     target.load_state(nudged.items())  # vLLM's own full load of the same weights
     assert _generate(engine, PROMPTS) == patched
+
+
+def _probe_fused_layers(worker: Any) -> dict[str, Any]:
+    """Runs inside the worker: probe vLLM's own qkv and gate_up loaders on scratch
+    plain parameters (as they are on GPU), scatter every element of random
+    checkpoint tensors through the placements, and compare with the fused layout."""
+    from vllm.model_executor.utils import set_weight_attrs  # noqa: PLC0415
+
+    model = worker.model_runner.get_model()
+    layer_0 = model.model.layers[0]
+    cases = {
+        "qkv": (
+            layer_0.self_attn.qkv_proj,
+            [("q", tiny.Q_HEADS), ("k", tiny.KV_HEADS), ("v", tiny.KV_HEADS)],
+        ),
+        "gate_up": (layer_0.mlp.gate_up_proj, [(0, None), (1, None)]),
+    }
+    found: dict[str, Any] = {}
+    generator = torch.Generator().manual_seed(3)
+    for case, (layer, shards) in cases.items():
+        scratch = torch.nn.Module()
+        weight = torch.nn.Parameter(
+            torch.zeros(
+                layer.output_size_per_partition,
+                layer.input_size_per_partition,
+                dtype=torch.bfloat16,
+            ),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1})
+        scratch.weight = weight
+        parts = []
+        for shard, heads in shards:
+            rows = heads * tiny.HEAD_DIM if heads else tiny.INTERMEDIATE
+            source = torch.randn(rows, tiny.HIDDEN, generator=generator).to(torch.bfloat16)
+            placement = probe_placement(
+                scratch,
+                f"{case}.{shard}",
+                Route("weight", (shard,)),
+                tuple(source.shape),
+                layer.weight_loader,
+            )
+            assert placement is not None, f"{case} {shard}: no placement"
+            keep, flat = scatter_positions(
+                placement, tuple(source.shape), torch.arange(source.numel())
+            )
+            weight.data.view(-1).index_copy_(0, flat, source.reshape(-1)[keep])
+            found[f"{case}.{shard}"] = placement.target_offset
+            parts.append(source)
+        found[f"{case}.exact"] = torch.equal(
+            weight.data.view(torch.int16), torch.cat(parts).view(torch.int16)
+        )
+    return found
+
+
+@on_engine
+def test_probe_learns_vllm_fused_layouts(engine: Any) -> None:
+    (found,) = engine.collective_rpc(_probe_fused_layers)
+    q_rows = tiny.Q_HEADS * tiny.HEAD_DIM
+    kv_rows = tiny.KV_HEADS * tiny.HEAD_DIM
+    assert found["qkv.q"] == (0, 0)
+    assert found["qkv.k"] == (q_rows, 0)
+    assert found["qkv.v"] == (q_rows + kv_rows, 0)
+    assert found["gate_up.0"] == (0, 0)
+    assert found["gate_up.1"] == (tiny.INTERMEDIATE, 0)
+    assert found["qkv.exact"] and found["gate_up.exact"]
+
+
+@on_engine
+def test_json_requests_as_the_server_endpoint_sends_them(
+    target: Any, engine: Any, chain: Chain, tmp_path: Path
+) -> None:
+    """The JSON-only methods (what ``POST /collective_rpc`` can carry): load from
+    files, prepare from object files, commit."""
+    import json  # noqa: PLC0415
+
+    (answer,) = engine.collective_rpc(
+        "deltasync_load_files", args=([str(chain.versions[1].folder)], True)
+    )
+    assert answer["ok"], answer
+    assert target.hashes() == _hashes(chain.versions[1].weights)
+    manifest, objects = chain.deltas[1]
+    for key, data in objects.items():
+        (tmp_path / key).write_bytes(data)
+    request = {
+        "version": manifest.version,
+        "verify": "touched",
+        "parent_state_hash": manifest.parent_state_hash,
+        "entries": [
+            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
+        ],
+        "objects": {o.key: str(tmp_path / o.key) for o in manifest.objects},
+        "sha256": {o.key: o.sha256 for o in manifest.objects},
+    }
+    bad = {**request, "sha256": {manifest.objects[0].key: "0" * 64}}
+    (refused,) = engine.collective_rpc("deltasync_prepare_json", args=(json.dumps(bad),))
+    assert not refused["ok"] and refused["error"] == "CorruptObjectError"
+    (prepared,) = engine.collective_rpc("deltasync_prepare_json", args=(json.dumps(request),))
+    assert prepared["ok"], prepared
+    (committed,) = engine.collective_rpc("deltasync_commit")
+    assert committed["ok"], committed
+    assert engine.reset_prefix_cache()
+    assert target.hashes() == _hashes(chain.versions[2].weights)

@@ -16,6 +16,7 @@ checkpoint the engine was given, never a re-derived kernel layout.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ import structlog
 import torch
 from safetensors.torch import load, save
 
-from pipeline.errors import DeltasyncError, MismatchError, TargetError
-from pipeline.hashing import content_hash, state_hash
+from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError, TargetError
+from pipeline.hashing import content_hash, sha256_bytes, state_hash
 from pipeline.manifest import TensorEntry, dtype_name
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import (
@@ -256,19 +257,26 @@ class DeltasyncWorkerExtension:
 
         return _enveloped(run)
 
-    def deltasync_load_model_files(self) -> Envelope:
-        """Adopt the engine's own checkpoint files (``*.safetensors`` of the model
-        folder it was started from) as the shadow, without pushing anything."""
+    def deltasync_load_files(self, paths: list[str] | None, push: bool) -> Envelope:
+        """Adopt safetensors files readable by the worker as the shadow: ``paths``
+        (files or folders), or None for the folder the engine was started from.
+        With ``push`` the tensors are also reloaded into the model. JSON-safe
+        arguments, so it also works through the server's ``/collective_rpc``."""
 
         def run() -> dict[str, list[Any]]:
-            folder = Path(self.model_config.model)  # type: ignore[attr-defined]
-            files = sorted(folder.glob("*.safetensors"))
+            if paths is None:
+                sources = [Path(self.model_config.model)]  # type: ignore[attr-defined]
+            else:
+                sources = [Path(path) for path in paths]
+            files: list[Path] = []
+            for source in sources:
+                files.extend(sorted(source.glob("*.safetensors")) if source.is_dir() else [source])
             if not files:
-                raise TargetError(f"vLLM model folder {folder} holds no safetensors files")
+                raise TargetError(f"vLLM worker: no safetensors files in {sources[0]}")
             tensors: dict[str, torch.Tensor] = {}
             for file in files:
                 tensors.update(load(file.read_bytes()))
-            self._ds_adopt(tensors, push=False)
+            self._ds_adopt(tensors, push)
             return _specs_plain(self._ds().specs())
 
         return _enveloped(run)
@@ -280,8 +288,9 @@ class DeltasyncWorkerExtension:
         """Decode, check and write a delta into the shadow; the model is not touched.
 
         ``request``: version, verify ("touched" | "all" | "none"), parent_state_hash
-        (or None), entries (lists: name, dtype, shape, hash, object, changed) and
-        objects (key -> bytes). Any failure leaves the shadow as it was.
+        (or None), entries (lists: name, dtype, shape, hash, object, changed),
+        objects (key -> bytes) and optionally sha256 (key -> hex digest, checked
+        here). Any failure leaves the shadow as it was.
         """
 
         def run() -> dict[str, Any]:
@@ -291,6 +300,9 @@ class DeltasyncWorkerExtension:
             entries = [_entry(item) for item in request["entries"]]
             verify = str(request["verify"])
             objects: Mapping[str, bytes] = request["objects"]
+            for key, digest in (request.get("sha256") or {}).items():
+                if key not in objects or sha256_bytes(objects[key]) != digest:
+                    raise CorruptObjectError(f"delta object {key}: missing or sha256 mismatch")
             specs = state.specs()
             if verify != "none":
                 _check_base(state, entries, request.get("parent_state_hash"), verify)
@@ -311,6 +323,18 @@ class DeltasyncWorkerExtension:
             }
 
         return _enveloped(run)
+
+    def deltasync_prepare_json(self, request_json: str) -> Envelope:
+        """``deltasync_prepare`` for callers that can only send JSON text (the
+        server's ``/collective_rpc``): ``objects`` maps each key to a local file path
+        the worker can read, and ``sha256`` should be given."""
+        try:
+            request = json.loads(request_json)
+            paths: dict[str, str] = request["objects"]
+            request["objects"] = {key: Path(path).read_bytes() for key, path in paths.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return _failed(TargetError(f"vLLM worker: bad prepare request: {exc}"))
+        return self.deltasync_prepare(request)
 
     def deltasync_commit(self) -> Envelope:
         """Push the prepared delta into the model. On failure the shadow is rolled back

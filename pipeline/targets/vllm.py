@@ -118,7 +118,14 @@ class VllmTarget:
         Right only when the node knows which version those files hold: pass it,
         and compare ``hashes()`` with that version's manifest before trusting it.
         """
-        self._set_specs(self._call("deltasync_load_model_files"))
+        self._set_specs(self._call("deltasync_load_files", None, False))
+        self.version = version
+
+    def load_files(self, paths: Sequence[str], version: int | None = None) -> None:
+        """Replace the engine's weights with safetensors files (or folders of them)
+        that the workers can read; cheaper than ``load_state`` on the same host."""
+        self._set_specs(self._call("deltasync_load_files", [str(p) for p in paths], True))
+        self._reset_prefix_cache()
         self.version = version
 
     def apply_delta(
@@ -143,6 +150,7 @@ class VllmTarget:
                 for e in manifest.tensors
             ],
             "objects": {o.key: objects[o.key] for o in manifest.objects},
+            "sha256": {},  # checked here already; workers check it on the JSON path
         }
         started = time.perf_counter()
         prepared = self._envelopes("deltasync_prepare", request)
