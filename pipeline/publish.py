@@ -20,7 +20,9 @@ import json
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -107,6 +109,45 @@ class _Clock:
         return elapsed
 
 
+class _Uploader:
+    """Uploads a version's objects on one background thread, so the next part is read and
+    encoded while the previous one travels; at most ``depth`` finished parts wait."""
+
+    def __init__(self, store: ObjectStore, fault: str, timings: PublishTimings, depth: int = 1):
+        self.store, self.fault, self.timings, self.depth = store, fault, timings, depth
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-upload")
+        self.pending: deque[Future[float]] = deque()
+
+    def _put(self, key: str, data: bytes) -> float:
+        started = time.perf_counter()
+        self.store.put(key, data)
+        return time.perf_counter() - started
+
+    def _collect(self) -> None:
+        self.timings.upload_s += self.pending.popleft().result()
+        faults.point(f"{self.fault}.after_upload")
+
+    def submit(self, key: str, data: bytes) -> None:
+        self.pending.append(self.pool.submit(self._put, key, data))
+        while len(self.pending) > self.depth:
+            self._collect()
+
+    def finish(self) -> None:
+        """Wait for every upload; raises the first upload error."""
+        while self.pending:
+            self._collect()
+
+    def __enter__(self) -> _Uploader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _StaleBaseError(MismatchError):
+    """The diff base does not hold the parent's state (a damaged or outdated cache)."""
+
+
 def _existing(store: ObjectStore, run: str, kind: Kind, version: int) -> Manifest | None:
     if not store.exists(manifest_key(run, kind, version)):
         return None
@@ -189,6 +230,36 @@ def _parts_from(
         raise MismatchError(f"tensor {extra[0]!r} is not in the run's partition")
 
 
+def _anchor_part(
+    run: str,
+    version: int,
+    key: str,
+    part: list[tuple[str, torch.Tensor]],
+    want: dict[str, TensorEntry] | None,
+    entries: list[TensorEntry],
+    objects: list[ObjectEntry],
+    uploader: _Uploader,
+    timings: PublishTimings,
+) -> None:
+    faults.point("anchor.after_read")
+    clock = _Clock()
+    for name, tensor in part:
+        entry = _entry(name, tensor, key)
+        if want is not None:
+            w = want.get(name)
+            if w is None or (w.dtype, w.shape, w.hash) != (entry.dtype, entry.shape, entry.hash):
+                raise MismatchError(
+                    f"anchor {version} of run {run}: tensor {name!r} does not match the "
+                    "version it replaces"
+                )
+        entries.append(entry)
+    data = safetensors_bytes(part, metadata={"deltasync.run": run})
+    objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
+    timings.encode_s += clock.lap()
+    faults.point("anchor.after_encode")
+    uploader.submit(version_prefix(run, "anchor", version) + key, data)
+
+
 def publish_anchor(
     store: ObjectStore,
     run: str,
@@ -212,35 +283,13 @@ def publish_anchor(
         log.info("anchor exists, nothing to do", run=run, version=version)
         return found
     timings = timings or PublishTimings()
-    clock = _Clock()
     want = {t.name: t for t in expected.tensors} if expected is not None else None
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
-    for key, part in _parts_from(tensors, layout, part_bytes, timings):
-        faults.point("anchor.after_read")
-        clock.lap()
-        for name, tensor in part:
-            entry = _entry(name, tensor, key)
-            if want is not None:
-                w = want.get(name)
-                if w is None or (w.dtype, w.shape, w.hash) != (
-                    entry.dtype,
-                    entry.shape,
-                    entry.hash,
-                ):
-                    raise MismatchError(
-                        f"anchor {version} of run {run}: tensor {name!r} does not match "
-                        f"{expected.kind if expected else ''} {version}"
-                    )
-            entries.append(entry)
-        data = safetensors_bytes(part, metadata={"deltasync.run": run})
-        timings.encode_s += clock.lap()
-        faults.point("anchor.after_encode")
-        store.put(version_prefix(run, "anchor", version) + key, data)
-        objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
-        timings.upload_s += clock.lap()
-        del data, part
-        faults.point("anchor.after_upload")
+    with _Uploader(store, "anchor", timings) as uploader:
+        for key, part in _parts_from(tensors, layout, part_bytes, timings):
+            _anchor_part(run, version, key, part, want, entries, objects, uploader, timings)
+        uploader.finish()
     digest = compute_state_hash(entries)
     if expected is not None and digest != expected.state_hash:
         raise MismatchError(
@@ -293,7 +342,7 @@ def check_against(manifest: Manifest, specs: dict[str, TensorSpec], what: str) -
             raise MismatchError(f"tensor {name!r} of {what} is not in {version}")
 
 
-def publish_delta(  # noqa: PLR0917 (the documented positional signature)
+def publish_delta(
     store: ObjectStore,
     run: str,
     version: int,
@@ -325,28 +374,28 @@ def publish_delta(  # noqa: PLR0917 (the documented positional signature)
     parent_hashes = {t.name: t.hash for t in parent.tensors}
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
-    for key, names in parent.parts():
-        clock.lap()
-        pairs = [(n, base.get(n), new.get(n)) for n in names]
-        timings.read_s += clock.lap()
-        for n, b, _ in pairs:
-            if content_hash(b) != parent_hashes[n]:
-                raise MismatchError(
-                    f"base tensor {n!r} in {base.path} does not match version {parent.version}"
-                )
-        faults.point("publish.after_read")
-        clock.lap()
-        data = encode_delta(pairs, level)
-        changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
-        entries.extend(_entry(n, t, key, changed[n]) for n, _, t in pairs)
-        timings.encode_s += clock.lap()
-        del pairs
-        faults.point("publish.after_encode")
-        store.put(version_prefix(run, "delta", version) + key, data)
-        objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
-        timings.upload_s += clock.lap()
-        del data
-        faults.point("publish.after_upload")
+    with _Uploader(store, "publish", timings) as uploader:
+        for key, names in parent.parts():
+            clock.lap()
+            pairs = [(n, base.get(n), new.get(n)) for n in names]
+            timings.read_s += clock.lap()
+            for n, b, _ in pairs:
+                if content_hash(b) != parent_hashes[n]:
+                    raise _StaleBaseError(
+                        f"base tensor {n!r} in {base.path} does not match version {parent.version}"
+                    )
+            faults.point("publish.after_read")
+            clock.lap()
+            data = encode_delta(pairs, level)
+            changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
+            entries.extend(_entry(n, t, key, changed[n]) for n, _, t in pairs)
+            objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
+            timings.encode_s += clock.lap()
+            del pairs
+            faults.point("publish.after_encode")
+            uploader.submit(version_prefix(run, "delta", version) + key, data)
+            del data
+        uploader.finish()
     total = sum(e.numel for e in entries)
     changed_total = sum(e.changed for e in entries)
     manifest = Manifest(
@@ -521,6 +570,31 @@ class PublishResult:
         }
 
 
+def _delta_from_cache(
+    store: ObjectStore,
+    run: str,
+    step: int,
+    cache: StateCache,
+    new: CheckpointReader,
+    parent: Manifest,
+    level: int,
+    signing_key: PrivateKey | None,
+    timings: PublishTimings,
+) -> Manifest:
+    with cache.reader() as base:
+        return publish_delta(
+            store,
+            run,
+            step,
+            base,
+            new,
+            parent,
+            level=level,
+            signing_key=signing_key,
+            timings=timings,
+        )
+
+
 def publish_step(
     store: ObjectStore,
     run: str,
@@ -567,17 +641,16 @@ def publish_step(
                     "state cache is stale, rebuilding", run=run, head=head, cached=cache.version
                 )
                 cache.rebuild(store, run, head)
-            with cache.reader() as base:
-                manifest = publish_delta(
-                    store,
-                    run,
-                    step,
-                    base,
-                    new,
-                    parent,
-                    level=level,
-                    signing_key=signing_key,
-                    timings=timings,
+            try:
+                manifest = _delta_from_cache(
+                    store, run, step, cache, new, parent, level, signing_key, timings
+                )
+            except _StaleBaseError as e:
+                # The cache claimed the head's state but its bytes disagree: rebuild once.
+                log.warning("state cache is damaged, rebuilding", run=run, error=str(e))
+                cache.rebuild(store, run, head)
+                manifest = _delta_from_cache(
+                    store, run, step, cache, new, parent, level, signing_key, timings
                 )
         cache.advance(new, manifest)
     elapsed = {**timings.as_dict(), "total_s": round(time.perf_counter() - started, 4)}

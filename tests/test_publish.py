@@ -153,7 +153,7 @@ def test_wrong_base_is_refused(file_store: FileStore, tmp_path: Path) -> None:
     assert not file_store.exists(manifest_key(trainer.run, "delta", 2))
 
 
-@pytest.mark.parametrize("damage", ["deleted", "stale", "garbled"])
+@pytest.mark.parametrize("damage", ["deleted", "stale", "garbled", "bytes"])
 def test_cache_is_rebuilt_from_the_store(
     file_store: FileStore, tmp_path: Path, damage: str
 ) -> None:
@@ -167,9 +167,16 @@ def test_cache_is_rebuilt_from_the_store(
         doc = json.loads(state_file.read_text())
         doc["version"] = 0
         state_file.write_text(json.dumps(doc))
-    else:
+    elif damage == "garbled":
         state_file.write_text("{not json")
-    assert trainer.cache.version in (None, 0)
+    else:  # the cache claims version 1 but a weight's bytes rotted on disk
+        folder = trainer.cache.folder
+        assert folder is not None
+        part = sorted(folder.glob("part-*.safetensors"))[0]
+        data = bytearray(part.read_bytes())
+        data[-1] ^= 0x10
+        part.write_bytes(bytes(data))
+    assert trainer.cache.version in (None, 0, 1)
     result = trainer.publish(3)
     assert result.status == "published" and trainer.cache.version == 3
     assert len([p for p in trainer.cache.root.iterdir() if p.is_dir()]) == 1
