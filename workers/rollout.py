@@ -1,0 +1,228 @@
+"""Process entry of a rollout node: settings, logging, store, Redis, target, node.
+
+``deltasync rollout`` calls :func:`run_rollout`. The torch target's tensors come
+from a checkpoint given with ``model_path`` (a safetensors file or sharded
+folder: a node restarted with its own ``--dump`` resumes without a bootstrap),
+else they are allocated from the newest anchor's manifest and filled by the
+bootstrap. The vLLM target starts an in-process engine from ``model_path``
+with deltasync's worker extension (``load_format="dummy"`` when the folder
+holds no weights: the bootstrap loads them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+
+from pipeline import chain
+from pipeline.checkpoint import CheckpointReader
+from pipeline.config import Settings
+from pipeline.errors import ConfigError, DeltasyncError
+from pipeline.events import EventStream
+from pipeline.logs import bind_context, configure_logging
+from pipeline.manifest import dtype_from_name, load_public_key
+from pipeline.redis_server import ensure_redis, redact_url, redis_client
+from pipeline.rollout import RolloutNode
+from pipeline.store import open_store
+from pipeline.store.base import ObjectStore
+from pipeline.targets import target_class
+from pipeline.targets.base import Target, VerifyMode
+from pipeline.targets.vllm import EXTENSION_CLS
+from workers.runtime import current as current_runtime
+
+log = structlog.get_logger(__name__)
+
+TargetName = Literal["torch", "vllm"]
+_ANCHOR_WAIT_S = 2.0
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def state_path_for(data_dir: Path, run: str, node_id: str) -> Path:
+    """Where a node records the last version it applied (checked, never trusted)."""
+    return data_dir / "rollout" / run / f"{node_id}.json"
+
+
+def run_rollout(
+    *,
+    run: str,
+    target: str = "torch",
+    node_id: str | None = None,
+    store_url: str | None = None,
+    redis_url: str | None = None,
+    device: str = "cpu",
+    verify: str = "touched",
+    poll_interval_s: float = 2.0,
+    until_version: int | None = None,
+    dump_path: Path | None = None,
+    model_path: Path | None = None,
+    prefetch: bool = True,
+    settings: Settings | None = None,
+    vllm_options: Mapping[str, Any] | None = None,
+    stop: threading.Event | None = None,
+    configure_logs: bool = False,
+) -> int | None:
+    """Run a rollout node until ``stop`` (or SIGINT/SIGTERM), or until ``until_version``
+    is applied. Returns the applied version. ``store_url``/``redis_url`` override the
+    settings; without a Redis URL an embedded server in the data folder is used."""
+    if verify not in ("touched", "all", "none"):
+        raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
+    if poll_interval_s <= 0:
+        raise ConfigError(f"poll interval must be positive, got {poll_interval_s}")
+    target_class(target)  # an unknown name fails here, listing the known ones
+    # The CLI's settings (its --home and other root options) when it set them up.
+    settings = settings or current_runtime().settings
+    if configure_logs:
+        configure_logging(settings.log_level, json=settings.log_json)
+    node_id = node_id or default_node_id()
+    bind_context(run=run, node=node_id)
+    store = open_store(store_url or settings.store_url)
+    url = redis_url or settings.redis_url or ensure_redis(settings.data_dir)
+    client = redis_client(url)
+    log.info(
+        "rollout node starting",
+        target=target,
+        store=store.url,
+        redis=redact_url(url),
+        device=device,
+        verify=verify,
+    )
+    stop = stop or threading.Event()
+    with _signals_stop(stop):
+        built = _build_target(target, store, run, device, model_path, vllm_options, stop)
+        if built is None:
+            return None  # stopped while waiting for the run's first anchor
+        node = RolloutNode(
+            store,
+            run,
+            built,
+            events=EventStream(client, run),
+            redis=client,
+            node_id=node_id,
+            verify=_verify_mode(verify),
+            poll_interval_s=poll_interval_s,
+            prefetch=prefetch,
+            public_key=(
+                load_public_key(settings.verify_key_path) if settings.verify_key_path else None
+            ),
+            state_path=state_path_for(settings.data_dir, run, node_id),
+            replica_ttl_s=settings.replica_ttl_s,
+        )
+        try:
+            applied = node.run(until_version=until_version, stop=stop)
+        finally:
+            if dump_path is not None and node.applied_version is not None:
+                node.dump(dump_path)
+                log.info("weights dumped", path=str(dump_path), version=node.applied_version)
+            client.close()
+    log.info("rollout node stopped", version=applied)
+    return applied
+
+
+def _verify_mode(value: str) -> VerifyMode:
+    if value == "all":
+        return "all"
+    if value == "none":
+        return "none"
+    return "touched"
+
+
+def _build_target(
+    name: str,
+    store: ObjectStore,
+    run: str,
+    device: str,
+    model_path: Path | None,
+    vllm_options: Mapping[str, Any] | None,
+    stop: threading.Event,
+) -> Target | None:
+    cls = target_class(name)  # ConfigError listing the known targets
+    if name == "vllm":
+        if model_path is None:
+            raise ConfigError("--target vllm needs --model (a model folder with config.json)")
+        built: Target = cls(_start_vllm(model_path, vllm_options or {}))
+        return built
+    if name == "torch":
+        tensors = (
+            _tensors_from_checkpoint(model_path, device)
+            if model_path is not None
+            else _tensors_from_anchor(store, run, device, stop)
+        )
+        if tensors is None:
+            return None
+        built = cls(tensors)
+        return built
+    raise ConfigError(f"target {name!r} cannot be built by the rollout command")
+
+
+def _tensors_from_checkpoint(path: Path, device: str) -> dict[str, torch.Tensor]:
+    with CheckpointReader(path) as reader:
+        return {name: reader.get(name).to(device) for name in reader.names()}
+
+
+def _tensors_from_anchor(
+    store: ObjectStore, run: str, device: str, stop: threading.Event
+) -> dict[str, torch.Tensor] | None:
+    """Empty tensors shaped like the newest anchor (the bootstrap fills them); waits for
+    the run's first anchor if there is none yet."""
+    while not stop.is_set():
+        try:
+            index = chain.list_versions(store, run)
+            anchor = index.anchor_at_or_below(index.head) if index.head is not None else None
+            if anchor is not None:
+                manifest = chain.load_manifest(store, run, "anchor", anchor)
+                return {
+                    t.name: torch.empty(t.shape, dtype=dtype_from_name(t.dtype), device=device)
+                    for t in manifest.tensors
+                }
+            log.info("waiting for the run's first anchor", store=store.url)
+        except DeltasyncError as exc:
+            log.warning("cannot read the run's anchors yet", error=str(exc))
+        stop.wait(_ANCHOR_WAIT_S)
+    return None
+
+
+def _start_vllm(model_path: Path, options: Mapping[str, Any]) -> Any:
+    from vllm import LLM  # vLLM is optional and slow to import
+
+    folder = Path(model_path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"vLLM model folder {folder} has no config.json")
+    kwargs: dict[str, Any] = {"model": str(folder), "worker_extension_cls": EXTENSION_CLS}
+    if not any(folder.glob("*.safetensors")):
+        kwargs["load_format"] = "dummy"  # weights come from the run's anchor
+    kwargs.update(options)
+    return LLM(**kwargs)
+
+
+@contextmanager
+def _signals_stop(stop: threading.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM set ``stop`` (main thread only; elsewhere the caller stops us)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+__all__ = ["default_node_id", "run_rollout", "state_path_for"]
