@@ -198,8 +198,8 @@ def _generate(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[
     One request per call: batch composition changes the kernels' shapes and with
     them the last bits of the logprobs.
     """
-    from vllm import SamplingParams  # noqa: PLC0415
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, seed=0)
     result = []
@@ -240,7 +240,7 @@ def engine(chain: Chain, reference: dict[str, Any]) -> Iterator[Any]:
 @pytest.fixture
 def target(engine: Any, chain: Chain) -> Any:
     """The engine under test, reset to version 0 through load_state."""
-    from pipeline.targets.vllm import VllmTarget  # noqa: PLC0415
+    from pipeline.targets.vllm import VllmTarget
 
     target = VllmTarget(engine, chunk_bytes=256 << 10)  # several chunks even when tiny
     target.load_state(chain.versions[0].weights.items())
@@ -283,8 +283,8 @@ def test_chain_is_bit_exact_and_generates_like_a_fresh_engine(
 def test_prefix_cached_before_the_patch_is_not_served_after_it(
     target: Any, engine: Any, chain: Chain, reference: dict[str, Any]
 ) -> None:
-    from vllm import SamplingParams  # noqa: PLC0415
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     def cached_tokens() -> int:
         params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -421,7 +421,7 @@ def _probe_fused_layers(worker: Any) -> dict[str, Any]:
     """Runs inside the worker: probe vLLM's own qkv and gate_up loaders on scratch
     plain parameters (as they are on GPU), scatter every element of random
     checkpoint tensors through the placements, and compare with the fused layout."""
-    from vllm.model_executor.utils import set_weight_attrs  # noqa: PLC0415
+    from vllm.model_executor.utils import set_weight_attrs
 
     model = worker.model_runner.get_model()
     layer_0 = model.model.layers[0]
@@ -489,7 +489,7 @@ def test_json_requests_as_the_server_endpoint_sends_them(
 ) -> None:
     """The JSON-only methods (what ``POST /collective_rpc`` can carry): load from
     files, prepare from object files, commit."""
-    import json  # noqa: PLC0415
+    import json
 
     (answer,) = engine.collective_rpc(
         "deltasync_load_files", args=([str(chain.versions[1].folder)], True)

@@ -96,7 +96,7 @@ def engine(folder: Path, **overrides: Any) -> Any:
     """An in-process vLLM engine over ``folder`` with the deltasync worker extension."""
     for key, value in SINGLE_PROCESS_ENV.items():
         os.environ.setdefault(key, value)
-    from vllm import LLM  # noqa: PLC0415 - only where vllm is installed
+    from vllm import LLM
 
     options: dict[str, Any] = {
         "model": str(folder),

@@ -52,6 +52,8 @@ class VllmTarget:
         self.chunk_bytes = chunk_bytes
         self.version: int | None = None  # last applied version, when known
         self._specs: dict[str, TensorSpec] | None = None
+        # Seconds spent in each phase of the last apply_delta (prepare, commit, reset).
+        self.last_timings: dict[str, float] = {}
 
     # --- RPC plumbing ---------------------------------------------------------------
 
@@ -159,9 +161,16 @@ class VllmTarget:
             if len(failed) < len(prepared):
                 self._envelopes("deltasync_abort")
             _raise(failed[0])
+        decoded = time.perf_counter()
         self._call("deltasync_commit")
+        committed = time.perf_counter()
         self._reset_prefix_cache()
         pause = time.perf_counter() - started
+        self.last_timings = {
+            "prepare_s": decoded - started,
+            "commit_s": committed - decoded,
+            "reset_s": started + pause - committed,
+        }
         summary = prepared[0]["value"]
         self.version = manifest.version
         log.info(
