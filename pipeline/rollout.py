@@ -62,7 +62,20 @@ STATE_SCHEMA = 1
 _PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for downloads larger than this
 _LATENCY_MEMORY = 256  # event times remembered for latency figures
 _RECONNECT_S = 1.0  # how often an unreachable event stream is tried again
+_HISTORY = 1000  # applied versions remembered in RolloutNode.history
 _STOP_CHECK_S = 1.0  # longest wait between checks of the stop flag
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One version the node applied (newest last in ``RolloutNode.history``)."""
+
+    version: int
+    kind: str  # "anchor" (a bootstrap load) or "delta"
+    fetch_s: float  # download time (overlaps earlier applies when prefetching)
+    apply_s: float  # target call: decode, checks, write, verify
+    pause_s: float  # time the weights were being written (target unavailable)
+    latency_s: float | None  # since the version's first event, when one was seen
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,7 @@ class RolloutNode:
         self._last_heartbeat = 0.0
         self.last_error: DeltasyncError | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self.history: deque[Applied] = deque(maxlen=_HISTORY)
         self._stream_down = False
 
     # -- public ----------------------------------------------------------------------
@@ -580,6 +594,9 @@ class RolloutNode:
     ) -> None:
         since = self._event_times.pop(manifest.version, None)
         latency = None if since is None else max(0.0, time.time() - since)
+        self.history.append(
+            Applied(manifest.version, manifest.kind, fetch_s, apply_s, pause_s, latency)
+        )
         self._publish(
             DeltaApplied(
                 run=self.run_name,

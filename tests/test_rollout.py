@@ -17,7 +17,7 @@ import torch
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
-from pipeline.errors import CorruptObjectError, MismatchError
+from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
 from pipeline.events import (
     CompactionRequested,
     DeltaApplied,
@@ -26,7 +26,16 @@ from pipeline.events import (
     ReplicaError,
 )
 from pipeline.hashing import content_hash, sha256_bytes
-from pipeline.manifest import ObjectEntry, TensorEntry, compute_state_hash, manifest_key, to_json
+from pipeline.manifest import (
+    ObjectEntry,
+    TensorEntry,
+    compute_state_hash,
+    generate_keypair,
+    load_private_key,
+    load_public_key,
+    manifest_key,
+    to_json,
+)
 from pipeline.publish import StateCache, collect_garbage, compact, publish_anchor, publish_step
 from pipeline.redis_server import redis_client
 from pipeline.replicas import list_replicas
@@ -288,6 +297,28 @@ def test_bad_version_is_reported_weights_untouched_and_node_recovers(
     assert node.step_once() == fixed
     assert node.last_error is None
     assert_holds(held, trainer.states[fixed])
+
+
+def test_signed_run_needs_the_right_key(store: FileStore, tmp_path: Path) -> None:
+    private, public = generate_keypair(tmp_path / "keys")
+    _, other_public = generate_keypair(tmp_path / "other")
+    trainer = Trainer(store, tmp_path / "trainer")
+    key = load_private_key(private)
+    for step in range(2):
+        state = trainer.current if step == 0 else trainer.generator.step()
+        path = trainer.checkpoint(step, state)
+        publish_step(store, RUN, step, path, trainer.cache, level=1, signing_key=key)
+        trainer.states[step] = state
+
+    target, held = empty_target(trainer.states[0])
+    wrong = RolloutNode(store, RUN, target, public_key=load_public_key(other_public))
+    assert wrong.step_once() is None
+    assert isinstance(wrong.last_error, SignatureError)
+    assert all(not t.any() for t in held.values())  # nothing was loaded
+
+    right = RolloutNode(store, RUN, target, public_key=load_public_key(public))
+    assert right.step_once() == 1
+    assert_holds(held, trainer.states[1])
 
 
 # -- restart -------------------------------------------------------------------------------
