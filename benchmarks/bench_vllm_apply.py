@@ -47,7 +47,7 @@ from pipeline.manifest import (
     dtype_name,
     now_iso,
 )
-from pipeline.targets.vllm import EXTENSION_CLS, VllmTarget
+from pipeline.targets.vllm import EXTENSION_CLS, VllmTarget, start_engine
 
 
 def build(folder: Path, args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -113,9 +113,7 @@ def delta(
 
 
 def engine(folder: Path) -> Any:
-    from vllm import LLM
-
-    return LLM(
+    return start_engine(
         model=str(folder),
         dtype="bfloat16",
         enforce_eager=True,

@@ -96,7 +96,7 @@ def engine(folder: Path, **overrides: Any) -> Any:
     """An in-process vLLM engine over ``folder`` with the deltasync worker extension."""
     for key, value in SINGLE_PROCESS_ENV.items():
         os.environ.setdefault(key, value)
-    from vllm import LLM
+    from pipeline.targets.vllm import start_engine
 
     options: dict[str, Any] = {
         "model": str(folder),
@@ -110,4 +110,4 @@ def engine(folder: Path, **overrides: Any) -> Any:
         "worker_extension_cls": "workers.vllm_extension.DeltasyncWorkerExtension",
     }
     options.update(overrides)
-    return LLM(**options)
+    return start_engine(**options)

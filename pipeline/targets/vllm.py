@@ -15,6 +15,8 @@ aborts the others, so no worker is left ahead.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -33,6 +35,48 @@ log = structlog.get_logger(__name__)
 
 EXTENSION_CLS = "workers.vllm_extension.DeltasyncWorkerExtension"
 DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+@contextlib.contextmanager
+def _engine_start_guard() -> Iterator[None]:
+    """Work around vLLM 0.32's CPU start-up scan of every module namespace.
+
+    At engine start the CPU platform walks ``sys.modules`` and calls
+    ``vars(value).get(...)`` on every value that has a ``__dict__``. Objects that
+    answer any attribute (llvmlite's ``binding.ffi.lib``, loaded with numba, which
+    the codec uses for its kernels) return a non-mapping there and the engine fails
+    to start. Such values are taken out of their modules while the engine starts
+    and put back afterwards.
+    """
+    hidden: list[tuple[dict[str, Any], str, object]] = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            try:
+                odd = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+            except Exception:  # vars() itself refusing is harmless to vLLM's scan
+                odd = False
+            if odd:
+                hidden.append((namespace, attr, value))
+                del namespace[attr]
+    try:
+        yield
+    finally:
+        for namespace, attr, value in hidden:
+            namespace[attr] = value
+
+
+def start_engine(**llm_options: Any) -> Any:
+    """``vllm.LLM(**llm_options)`` with the deltasync worker extension (unless given)
+    and the start-up workaround above. Use it instead of ``LLM(...)`` in processes
+    that may already have used the codec."""
+    from vllm import LLM
+
+    llm_options.setdefault("worker_extension_cls", EXTENSION_CLS)
+    with _engine_start_guard():
+        return LLM(**llm_options)
 
 
 def _raise(envelope: dict[str, Any]) -> None:
