@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from safetensors import safe_open
 
@@ -90,6 +91,13 @@ def test_safe_open_can_inspect(good: bytes, tmp_path: Path) -> None:
     assert keys == {"layer.sparse", "layer.bitmap", "layer.dense"}
     names = [r["name"] for r in json.loads(meta["tensors"])]
     assert names == list(BASES)
+    loaded = safetensors.torch.load(good)
+    sizes = {t.name: t.nbytes for t in read_delta(good).tensors}
+    assert {k: v.numel() for k, v in loaded.items()} == {
+        k: v for k, v in sizes.items() if k != "layer.same"
+    }
+    assert all(v.dtype == torch.uint8 for v in loaded.values())
+    assert encode_delta(PAIRS, level=read_delta(good).level) == good  # deterministic
 
 
 @pytest.mark.parametrize("cut", [0, 3, 8, 20, -200, -1])

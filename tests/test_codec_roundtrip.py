@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from pipeline.codec import LEVELS, apply_patch, encode_delta, read_delta
+from pipeline.codec import LEVELS, apply_patch, encode_delta, kernels, read_delta
 from pipeline.codec.dtypes import BY_DTYPE
 
 DTYPES = [
@@ -95,17 +98,37 @@ def realistic_update(base: torch.Tensor, density: float, gen: np.random.Generato
     return flat.view(base.dtype).reshape(base.shape)
 
 
+@contextmanager
+def compiled_kernels(enabled: bool) -> Iterator[None]:
+    saved = kernels.ENABLED
+    kernels.ENABLED = enabled
+    try:
+        yield
+    finally:
+        kernels.ENABLED = saved
+
+
+PATHS = [True, False] if kernels.get() is not None else [False]
+
+
 def roundtrip(base: torch.Tensor, new: torch.Tensor, level: int) -> None:
-    data = encode_delta([("t", base, new)], level=level)
-    obj = read_delta(data, object_name="obj")
-    patch = obj.decode("t", base)
-    assert patch.positions.dtype == torch.int64
-    assert bool((patch.positions[1:] > patch.positions[:-1]).all())
+    """Through the compiled and the numpy path, which must agree byte for byte."""
+    objects = []
+    for enabled in PATHS:
+        with compiled_kernels(enabled):
+            objects.append(encode_delta([("t", base, new)], level=level))
+    assert all(data == objects[0] for data in objects)
     changed = int((bits(base) != bits(new)).sum())
-    assert obj.info("t").changed == changed == patch.positions.numel()
-    target = base.clone()
-    apply_patch(target, patch)
-    assert torch.equal(bits(target), bits(new))
+    for enabled in PATHS:
+        with compiled_kernels(enabled):
+            obj = read_delta(objects[0], object_name="obj")
+            patch = obj.decode("t", base)
+            assert patch.positions.dtype == torch.int64
+            assert bool((patch.positions[1:] > patch.positions[:-1]).all())
+            assert obj.info("t").changed == changed == patch.positions.numel()
+            target = base.clone()
+            apply_patch(target, patch)
+        assert torch.equal(bits(target), bits(new))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,6 +11,7 @@ import numpy.typing as npt
 import torch
 import xxhash
 
+from pipeline.codec import kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import info_for, int_view_flat
 from pipeline.codec.records import TensorRecord, parse_record
@@ -224,6 +225,16 @@ def apply_patch(tensor: torch.Tensor, patch: TensorPatch) -> None:
         return
     info = info_for(patch.dtype, patch.name)
     flat = tensor.detach().view(info.view).view(-1)
+    if flat.device.type == "cpu" and patch.positions.device.type == "cpu":
+        # Scattering through numpy (or a compiled loop) is several times faster
+        # than index_copy_ on CPU.
+        target, where, new = flat.numpy(), patch.positions.numpy(), patch.values.numpy()
+        compiled = kernels.get()
+        if compiled is not None and new.dtype == target.dtype:
+            compiled.scatter(target, where, new)
+        else:
+            target[where] = new
+        return
     positions = patch.positions.to(flat.device)
     values = patch.values.to(flat.device)
     flat.index_copy_(0, positions, values)

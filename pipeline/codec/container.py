@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-import safetensors.torch
-import torch
 
 from pipeline.errors import CorruptObjectError
 
@@ -29,12 +27,22 @@ class Container:
 
 
 def write_container(streams: dict[str, npt.NDArray[np.uint8]], metadata: dict[str, str]) -> bytes:
-    tensors = {
-        # torch wants writable memory even though nothing writes to it here.
-        key: torch.from_numpy(value if value.flags.writeable else value.copy())
-        for key, value in streams.items()
-    }
-    return safetensors.torch.save(tensors, metadata=metadata)
+    """A safetensors file of 1-d uint8 tensors, laid out deterministically (same
+    input, same bytes) so that re-encoding a version yields the same object."""
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for key, value in streams.items():
+        header[key] = {
+            "dtype": "U8",
+            "shape": [int(value.size)],
+            "data_offsets": [offset, offset + int(value.size)],
+        }
+        offset += int(value.size)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
+    parts = [struct.pack("<Q", len(raw)), raw]
+    parts.extend(np.ascontiguousarray(value).tobytes() for value in streams.values())
+    return b"".join(parts)
 
 
 def read_container(data: bytes | memoryview, object_name: str) -> Container:

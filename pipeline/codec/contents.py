@@ -107,9 +107,7 @@ def encode_contents(
     negative = (diff >> top).astype(np.uint8)
     magnitude = np.where(negative.astype(bool), np.zeros_like(diff) - diff, diff)
     big = np.flatnonzero(magnitude > 1)
-    gaps = rice.positions_to_gaps(big)
-    param, _ = rice.best_param(gaps)
-    big_unary, big_fixed = rice.encode_gaps(gaps, param)
+    big_unary, big_fixed, param = rice.encode_positions(big)
     mags = encode_planes(magnitude[big] - 2) if big.size else np.zeros(0, np.uint8)
     streams = {
         "sign": np.packbits(negative),
@@ -154,12 +152,11 @@ def decode_contents(
         diff = unzigzag(decode_planes(streams["values"], count, unsigned))
     else:
         big_count, param = int(params["big"]), int(params["big_rice"])
-        gaps = rice.decode_gaps(streams["big_unary"], streams["big_fixed"], big_count, param)
-        if gaps is None:
-            raise ContentsError("large-difference stream does not hold the recorded count")
-        big = rice.gaps_to_positions(gaps)
-        if big.size and int(big[-1]) >= count:
-            raise ContentsError("large-difference position out of range")
+        big = rice.decode_positions(
+            streams["big_unary"], streams["big_fixed"], big_count, param, count
+        )
+        if big is None:
+            raise ContentsError("large-difference streams do not hold the recorded count")
         magnitude = np.ones(count, unsigned)
         if big.size:
             magnitude[big] = decode_planes(streams["mags"], big.size, unsigned) + unsigned(2)

@@ -38,17 +38,17 @@ def to_numpy(t: torch.Tensor) -> npt.NDArray[Any]:
 
 
 def encode_sparse(positions: I64) -> tuple[dict[str, U8], dict[str, Any]]:
-    gaps = rice.positions_to_gaps(positions)
-    param, _ = rice.best_param(gaps)
-    unary, fixed = rice.encode_gaps(gaps, param)
+    unary, fixed, param = rice.encode_positions(positions)
     return {"unary": unary, "fixed": fixed}, {"rice": param}
 
 
-def decode_sparse(streams: dict[str, U8], params: dict[str, Any], changed: int) -> I64:
-    gaps = rice.decode_gaps(streams["unary"], streams["fixed"], changed, int(params["rice"]))
-    if gaps is None:
-        raise PositionsError("position stream does not hold the recorded number of gaps")
-    return rice.gaps_to_positions(gaps)
+def decode_sparse(streams: dict[str, U8], params: dict[str, Any], changed: int, numel: int) -> I64:
+    out = rice.decode_positions(
+        streams["unary"], streams["fixed"], changed, int(params["rice"]), numel
+    )
+    if out is None:
+        raise PositionsError("position streams do not hold the recorded gaps within the tensor")
+    return out
 
 
 # ----------------------------------------------------------------------------- bitmap
@@ -156,11 +156,14 @@ def decode_classed(
     parts: list[I64] = []
     q_off = f_off = 0
     for (cls, _, param, inverted), m in zip(table, coded, strict=True):
+        members = index.members(cls)
+        q = quotients[q_off : q_off + m]
+        if m and int(q.max()) > (members.size >> param):
+            raise PositionsError(f"exponent class {cls}: gap out of range")
         rem = rice.bits_to_ints(fixed_bits[f_off : f_off + m * param], m, param)
-        local = rice.gaps_to_positions((quotients[q_off : q_off + m] << param) | rem)
+        local = rice.gaps_to_positions((q << param) | rem)
         q_off += m
         f_off += m * param
-        members = index.members(cls)
         if local.size and int(local[-1]) >= members.size:
             raise PositionsError(f"exponent class {cls}: position out of range")
         if inverted:

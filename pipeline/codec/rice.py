@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.codec import kernels
+
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 
@@ -26,10 +28,9 @@ def best_param(gaps: I64) -> tuple[int, int]:
     """The Rice parameter with the fewest bits for these gaps, and that size."""
     if gaps.size == 0:
         return 0, 0
-    mean = float(gaps.mean())
-    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
+    first = max(0, _guess_param(gaps.size, int(gaps.sum())) - 1)
     best = (-1, -1)
-    for param in range(max(0, guess - 2), min(MAX_PARAM, guess + 3) + 1):
+    for param in range(first, min(MAX_PARAM, first + 2) + 1):
         cost = rice_cost_bits(gaps, param)
         if best[0] < 0 or cost < best[1]:
             best = (param, cost)
@@ -69,6 +70,16 @@ def pack_fixed(values: I64, width: int) -> U8:
         return values.astype(np.uint8)
     if width == 16:
         return values.astype(">u2").view(np.uint8)
+    if width < 8:
+        # Eight values make exactly ``width`` bytes: assemble them in one uint64.
+        groups = -(-values.size // 8)
+        padded = np.zeros(groups * 8, np.uint64)
+        padded[: values.size] = values
+        shifts = (width * np.arange(7, -1, -1)).astype(np.uint64)
+        combined = np.bitwise_or.reduce(padded.reshape(groups, 8) << shifts, axis=1)
+        packed = combined.astype(">u8").view(np.uint8).reshape(groups, 8)[:, 8 - width :]
+        out: U8 = packed.reshape(-1)[: fixed_nbytes(values.size, width)]
+        return out
     shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
     bits = ((values[:, None] >> shifts) & 1).astype(np.uint8)
     return np.packbits(bits.reshape(-1))
@@ -81,6 +92,18 @@ def unpack_fixed(stream: U8, count: int, width: int) -> I64:
         return stream[:count].astype(np.int64)
     if width == 16:
         return stream[: 2 * count].view(">u2").astype(np.int64)
+    if width < 8:
+        groups = -(-count // 8)
+        buf = np.zeros((groups, 8), np.uint8)
+        body = np.zeros(groups * width, np.uint8)
+        used = min(stream.size, body.size)
+        body[:used] = stream[:used]
+        buf[:, 8 - width :] = body.reshape(groups, width)
+        combined = buf.view(">u8").reshape(groups).astype(np.uint64)
+        shifts = (width * np.arange(7, -1, -1)).astype(np.uint64)
+        parts = (combined[:, None] >> shifts) & np.uint64((1 << width) - 1)
+        out8: I64 = parts.reshape(-1)[:count].astype(np.int64)
+        return out8
     bits = np.unpackbits(stream, count=count * width).reshape(count, width)
     shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
     out: I64 = (bits.astype(np.int64) << shifts).sum(axis=1)
@@ -133,4 +156,57 @@ def bits_to_ints(bits: U8, count: int, width: int) -> I64:
         return np.zeros(count, np.int64)
     shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
     out: I64 = (bits.reshape(-1, width).astype(np.int64) << shifts).sum(axis=1)
+    return out
+
+
+def _guess_param(count: int, span: int) -> int:
+    """Rice parameter near the optimum for ``count`` gaps summing to ``span``."""
+    mean = span / max(count, 1)
+    return max(0, min(MAX_PARAM, int(np.log2(mean * 0.69 + 1.0))))
+
+
+def encode_positions(positions: I64) -> tuple[U8, U8, int]:
+    """Strictly increasing non-negative positions -> (unary, fixed, parameter),
+    with the parameter that gives the fewest bits."""
+    if positions.size == 0:
+        return np.zeros(0, np.uint8), np.zeros(0, np.uint8), 0
+    compiled = kernels.get()
+    if compiled is None:
+        gaps = positions_to_gaps(positions)
+        param, _ = best_param(gaps)
+        unary, fixed = encode_gaps(gaps, param)
+        return unary, fixed, param
+    count = positions.size
+    first = max(0, _guess_param(count, int(positions[-1]) + 1 - count) - 1)
+    costs = compiled.rice_costs(positions, first, min(3, MAX_PARAM + 1 - first))
+    param = first + int(np.argmin(costs))
+    unary_bits_total = int(costs[param - first]) - count * param
+    unary = np.zeros((unary_bits_total + 7) // 8, np.uint8)
+    fixed = np.zeros(fixed_nbytes(count, param), np.uint8)
+    compiled.rice_encode(positions, param, unary, fixed)
+    return unary, fixed, param
+
+
+def decode_positions(unary: U8, fixed: U8, count: int, param: int, limit: int) -> I64 | None:
+    """Positions from ``encode_positions``' streams, or None when the streams do not
+    hold exactly ``count`` codes (with zero padding) or a position reaches ``limit``."""
+    if count == 0:
+        return np.zeros(0, np.int64) if unary.size == 0 and fixed.size == 0 else None
+    if fixed.size != fixed_nbytes(count, param):
+        return None
+    compiled = kernels.get()
+    if compiled is None:
+        quotients = unpack_unary(unary, count)
+        if quotients is None or int(quotients.max()) > (limit >> param):
+            return None
+        out = gaps_to_positions((quotients << param) | unpack_fixed(fixed, count, param))
+    else:
+        out = np.empty(count, np.int64)
+        used = int(compiled.rice_decode(unary, fixed, param, limit, out))
+        if used < 0 or (used + 7) // 8 != unary.size:
+            return None
+        if used & 7 and unary[-1] & (0xFF >> (used & 7)):
+            return None
+    if int(out[-1]) >= limit:
+        return None
     return out

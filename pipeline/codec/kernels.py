@@ -1,0 +1,189 @@
+"""Compiled inner loops for the hot paths, when numba is importable.
+
+The numpy code in rice.py and tensorcodec.py is the reference and the
+fallback; these loops produce byte-identical streams in one pass over the
+data instead of several, which is what makes diffing and patching cost about
+a copy of the weights. Compiled on first use and cached on disk.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import numpy as np
+
+# Tests switch this off to exercise the numpy reference path.
+ENABLED = True
+
+# Leading zero bits of each non-zero byte (the compiled code sees it as a constant).
+LEADING_ZEROS = np.array([8] + [7 - int(v).bit_length() + 1 for v in range(1, 256)], np.int64)
+
+
+def get() -> Any | None:
+    """The compiled kernels, or None when disabled or numba is missing."""
+    return _build() if ENABLED else None
+
+
+@functools.cache
+def _build() -> Any | None:
+    try:
+        numba = importlib.import_module("numba")
+    except ImportError:
+        return None
+    jit = numba.njit(cache=True, nogil=True)
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def find_changes(
+        base_words: Any,
+        new_words: Any,
+        base: Any,
+        new: Any,
+        lanes: int,
+        scratch: Any,
+        out_pos: Any,
+        out_base: Any,
+        out_new: Any,
+        start_word: int,
+    ) -> tuple[int, int]:
+        """Changed elements from ``start_word`` on, block by block, until the outputs
+        could overflow: (elements written, next word to scan).
+
+        Branch-free compaction: first the indices of differing 8-byte words of a
+        block, then the differing elements inside them. An if per word would
+        mispredict on every changed word."""
+        block = scratch.size
+        k = 0
+        lo = start_word
+        while lo < base_words.size:
+            hi = min(lo + block, base_words.size)
+            if k + (hi - lo) * lanes > out_pos.size:
+                return k, lo
+            m = 0
+            for j in range(lo, hi):
+                scratch[m] = j
+                m += base_words[j] != new_words[j]
+            for i in range(m):
+                first = scratch[i] * lanes
+                for e in range(first, first + lanes):
+                    a = base[e]
+                    b = new[e]
+                    out_pos[k] = e
+                    out_base[k] = a
+                    out_new[k] = b
+                    k += a != b
+            lo = hi
+        return k, base_words.size
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def rice_costs(positions: Any, first_param: int, count: int) -> Any:
+        """Bits needed for the gaps of ``positions`` with parameters
+        first_param .. first_param + count - 1."""
+        costs = np.zeros(count, np.int64)
+        prev = -1
+        for p in positions:
+            gap = p - prev - 1
+            prev = p
+            for c in range(count):
+                costs[c] += gap >> (first_param + c)
+        for c in range(count):
+            costs[c] += positions.size * (1 + first_param + c)
+        return costs
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def rice_encode(positions: Any, param: int, unary: Any, fixed: Any) -> None:
+        """Gaps of strictly increasing positions into zeroed, exactly sized streams."""
+        prev = -1
+        ubit = 0
+        acc = 0
+        nacc = 0
+        fbyte = 0
+        mask = (1 << param) - 1
+        for p in positions:
+            gap = p - prev - 1
+            prev = p
+            ubit += gap >> param
+            unary[ubit >> 3] |= 0x80 >> (ubit & 7)
+            ubit += 1
+            if param:
+                acc = ((acc << param) | (gap & mask)) & 0xFFFFFFFFFFFF
+                nacc += param
+                while nacc >= 8:
+                    nacc -= 8
+                    fixed[fbyte] = (acc >> nacc) & 0xFF
+                    fbyte += 1
+        if nacc:
+            fixed[fbyte] = (acc << (8 - nacc)) & 0xFF
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def rice_decode(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
+        """Decode ``out.size`` positions; the unary bits consumed, or -1 when the
+        streams run out or a gap reaches ``limit``."""
+        ubit = 0
+        nbits = unary.size * 8
+        fbyte = 0
+        acc = 0
+        nacc = 0
+        mask = (1 << param) - 1
+        pos = -1
+        for i in range(out.size):
+            q = 0
+            while True:
+                if ubit >= nbits:
+                    return -1
+                offset = ubit & 7
+                rest = unary[ubit >> 3] & (0xFF >> offset)
+                if rest == 0:
+                    q += 8 - offset
+                    ubit += 8 - offset
+                    continue
+                skip = LEADING_ZEROS[rest] - offset
+                q += skip
+                ubit += skip + 1
+                break
+            if q > (limit >> param):
+                return -1
+            rem = 0
+            if param:
+                while nacc < param:
+                    if fbyte >= fixed.size:
+                        return -1
+                    acc = ((acc << 8) | fixed[fbyte]) & 0xFFFFFFFFFFFFFF
+                    fbyte += 1
+                    nacc += 8
+                nacc -= param
+                rem = (acc >> nacc) & mask
+            pos += ((q << param) | rem) + 1
+            out[i] = pos
+        return ubit
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def gather_add(base: Any, positions: Any, diff: Any, out: Any) -> None:
+        """out = base[positions] + diff, wrapping in the unsigned width."""
+        for i in range(positions.size):
+            out[i] = base[positions[i]] + diff[i]
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def scatter(target: Any, positions: Any, values: Any) -> None:
+        for i in range(positions.size):
+            target[positions[i]] = values[i]
+
+    return _Kernels(
+        find_changes=find_changes,
+        rice_costs=rice_costs,
+        rice_encode=rice_encode,
+        rice_decode=rice_decode,
+        gather_add=gather_add,
+        scatter=scatter,
+    )
+
+
+class _Kernels:
+    def __init__(self, **functions: Any) -> None:
+        self.find_changes = functions["find_changes"]
+        self.rice_costs = functions["rice_costs"]
+        self.rice_encode = functions["rice_encode"]
+        self.rice_decode = functions["rice_decode"]
+        self.gather_add = functions["gather_add"]
+        self.scatter = functions["scatter"]
