@@ -232,7 +232,9 @@ def reference(chain: Chain) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine(chain: Chain, reference: dict[str, Any]) -> Iterator[Any]:
-    llm = tiny.engine(chain.versions[0].folder)
+    # Random weights, as a rollout node starts before it has any: every test
+    # fills the engine through load_state first.
+    llm = tiny.engine(chain.versions[0].folder, load_format="dummy")
     yield llm
     _shutdown(llm)
 
