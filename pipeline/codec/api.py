@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,15 +16,16 @@ import xxhash
 
 from pipeline.codec import kernels
 from pipeline.codec.container import read_container, write_container
-from pipeline.codec.dtypes import info_for, int_view_flat
+from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.records import TensorRecord, parse_record
-from pipeline.codec.tensorcodec import DamagedStreamError, decode_tensor, encode_tensor
+from pipeline.codec.tensorcodec import DamagedStreamError, Encoded, decode_tensor, encode_tensor
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
 LEVELS = (1, 2)
 DEFAULT_LEVEL = 1
+ENCODE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -128,27 +132,42 @@ def encode_delta(
     entries: dict[str, npt.NDArray[np.uint8]] = {}
     records: list[dict[str, object]] = []
     seen: set[str] = set()
-    for name, base, new in pairs:
-        if name in seen:
-            raise CodecError(f"tensor {name!r} appears twice in one delta")
-        if name == "__metadata__":
-            raise CodecError("a tensor cannot be named '__metadata__' in a safetensors container")
-        seen.add(name)
-        if base.dtype != new.dtype or base.shape != new.shape:
-            raise MismatchError(
-                f"tensor {name!r}: base is {base.dtype} {tuple(base.shape)}, new is "
-                f"{new.dtype} {tuple(new.shape)}"
-            )
-        info = info_for(base.dtype, name)
-        new_flat = int_view_flat(new.to(base.device), info)
-        encoded = encode_tensor(int_view_flat(base, info), new_flat, info, level)
+    pending: deque[tuple[str, DtypeInfo, tuple[int, ...], Future[Encoded]]] = deque()
+
+    def finish_oldest() -> None:
+        name, info, shape, future = pending.popleft()
+        encoded = future.result()
         sizes = {role: int(stream.size) for role, stream in encoded.streams.items()}
         if encoded.streams:
             entries[name] = np.concatenate(list(encoded.streams.values()))
         record = TensorRecord(
-            name, info, tuple(base.shape), encoded.encoding, encoded.changed, sizes, encoded.params
+            name, info, shape, encoded.encoding, encoded.changed, sizes, encoded.params
         )
         records.append(record.to_json())
+
+    # Tensors are encoded on a few threads (the compiled loops and zstd release the
+    # GIL); at most ENCODE_THREADS + 1 pairs are held at once.
+    with ThreadPoolExecutor(max_workers=ENCODE_THREADS) as pool:
+        for name, base, new in pairs:
+            if name in seen:
+                raise CodecError(f"tensor {name!r} appears twice in one delta")
+            if name == "__metadata__":
+                raise CodecError("a tensor cannot be named '__metadata__' in a safetensors file")
+            seen.add(name)
+            if base.dtype != new.dtype or base.shape != new.shape:
+                raise MismatchError(
+                    f"tensor {name!r}: base is {base.dtype} {tuple(base.shape)}, new is "
+                    f"{new.dtype} {tuple(new.shape)}"
+                )
+            info = info_for(base.dtype, name)
+            base_flat = int_view_flat(base, info)
+            new_flat = int_view_flat(new.to(base.device), info)
+            future = pool.submit(encode_tensor, base_flat, new_flat, info, level)
+            pending.append((name, info, tuple(base.shape), future))
+            if len(pending) > ENCODE_THREADS:
+                finish_oldest()
+        while pending:
+            finish_oldest()
     tensors_json = json.dumps(records, separators=(",", ":"))
     metadata = {
         "codec": CODEC_NAME,
