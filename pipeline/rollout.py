@@ -135,8 +135,9 @@ class RolloutNode:
         self._failures = 0
         self._next_retry = 0.0  # monotonic time before which polling waits after a failure
         self._need_bootstrap = False
-        self._stuck_on: tuple[int | None, int | None] | None = None  # (anchor, head) of a
-        # bootstrap that failed: the same store state is not bootstrapped again
+        # (anchor, head, head's creation time) of a bootstrap whose replay failed: the
+        # same store state is not bootstrapped again.
+        self._stuck_on: tuple[int, int | None, str] | None = None
         self._last_heartbeat = 0.0
         self.last_error: DeltasyncError | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -326,15 +327,17 @@ class RolloutNode:
         anchor = _newest_anchor(index, head)
         if anchor is None:
             raise ChainError(f"run {self.run_name}: no anchor at or below head v{head}")
-        if self._stuck_on == (anchor, head) and self._applied is not None:
-            # The same store state already failed to replay: keep what we hold.
+        store_state = (anchor, head, self._head_identity(index))
+        if self._stuck_on == store_state and self._applied is not None:
+            # The same store state already failed to replay: keep what we hold, and
+            # do not download the anchor again until the store changes.
             raise self.last_error or ChainError(
                 f"run {self.run_name}: chain from anchor v{anchor} to v{head} does not apply"
             )
         manifest = self._manifest("anchor", anchor)
         self._check_specs(manifest)
         log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
-        self._stuck_on = (anchor, head)
+        self._stuck_on = store_state
         started = time.perf_counter()
         self._forget_state()  # mid-load the target holds no provable version
         self.target.load_state(self._anchor_tensors(manifest))
@@ -350,6 +353,14 @@ class RolloutNode:
                 )
             self._apply_chain(path)
         self._stuck_on = None
+
+    def _head_identity(self, index: chain.VersionIndex) -> str:
+        """Tells a republished head apart from the one that failed."""
+        head = index.head
+        if head is None:
+            return ""
+        kind: Kind = "delta" if head in index.deltas else "anchor"
+        return self._manifest(kind, head).created
 
     def _check_specs(self, manifest: Manifest) -> None:
         """Every tensor of the anchor is held with its dtype and shape (checked before
