@@ -69,7 +69,9 @@ def diff_job(
             signing_key=settings.signing_key(),
         )
     if result.manifest is not None and result.manifest.version == step:
+        # Also after a crash between the manifest and the event: announce once.
         announce(runtime, result.manifest)
+    if result.status == "published":
         reason = compaction_reason(
             runtime.store, run, step, settings.max_chain, settings.max_delta_fraction
         )
@@ -93,8 +95,11 @@ def request_compaction(
         run=run, version=version, reason=reason, requested_by=requested_by
     )
     with r.pipeline(transaction=True) as pipe:
+        # rq opens the transaction itself, so the job goes first.
+        job_id = queues.enqueue_compaction(
+            r, run, version, reason, requested_by=requested_by, pipeline=pipe
+        )
         EventStream(r, run).publish(event, pipeline=pipe)
-        job_id = queues.enqueue_compaction(r, run, version, reason, pipeline=pipe)
         pipe.execute()
     log.info("compaction requested", run=run, reason=reason, job_id=job_id)
     return job_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any
 
 import redis
@@ -24,12 +26,20 @@ def queue(connection: redis.Redis, name: str) -> Queue:
     return Queue(name, connection=connection, serializer=JSONSerializer)
 
 
+def _id_part(text: str) -> str:
+    """rq job ids take letters, digits, _ and -; run names may also hold dots."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", text)
+    if safe != text:
+        safe += "_" + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return safe
+
+
 def diff_job_id(run: str, step: int) -> str:
-    return f"diff-{run}-{step}"
+    return f"diff-{_id_part(run)}-{step}"
 
 
-def compact_job_id(run: str, version: int, reason: str) -> str:
-    return f"compact-{run}-{version}-{reason}"
+def compact_job_id(run: str, version: int, requested_by: str) -> str:
+    return f"compact-{_id_part(run)}-{version}-{_id_part(requested_by)}"
 
 
 def enqueue_diff(
@@ -57,9 +67,10 @@ def enqueue_compaction(
     version: int,
     reason: str,
     *,
+    requested_by: str,
     pipeline: redis.client.Pipeline | None = None,
 ) -> str:
-    job_id = compact_job_id(run, version, reason)
+    job_id = compact_job_id(run, version, requested_by)
     queue(connection, COMPACT_QUEUE).enqueue_call(
         COMPACT_JOB,
         kwargs={"run": run, "version": version, "reason": reason},

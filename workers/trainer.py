@@ -126,11 +126,13 @@ class Emitter:
             log.warning("step already emitted, not sent again", run=self.run, step=step)
             return Emitted(self.run, step, str(path), None, queues.diff_job_id(self.run, step))
         with r.pipeline(transaction=True) as pipe:
-            stream.publish(event, pipeline=pipe)
+            # rq opens the transaction itself, so the job goes first.
             job_id = queues.enqueue_diff(r, kwargs, pipeline=pipe)
+            at = len(pipe.command_stack)
+            stream.publish(event, pipeline=pipe)
             pipe.set(marker, 1, ex=7 * 24 * 3600)
             results = pipe.execute()
-        event_id = results[0]
+        event_id = results[at]
         event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)
         log.info("step emitted", run=self.run, step=step, checkpoint=str(path), job_id=job_id)
         return Emitted(self.run, step, str(path), event_id, job_id)

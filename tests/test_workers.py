@@ -1,0 +1,183 @@
+"""The event pipeline end to end: real redis-server, real rq workers in their own
+processes, real safetensors checkpoints, realistic updates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import chain, replicas, synthetic
+from pipeline.config import Settings
+from pipeline.errors import ChainError
+from pipeline.events import EventStream
+from pipeline.redis_server import redis_client
+from pipeline.store import open_store
+from tests.pipeline_helpers import (
+    assert_same_state,
+    cli,
+    deltasync_env,
+    processes,
+    wait_for,
+)
+from workers import diff
+from workers.runtime import Runtime, set_current
+from workers.trainer import Emitter
+
+pytestmark = pytest.mark.slow
+
+STEPS = 11
+
+
+def _events(redis_url: str, run: str) -> list[tuple[str, object]]:
+    stream = EventStream(redis_client(redis_url), run)
+    out: list[tuple[str, object]] = []
+    last = "0-0"
+    while batch := stream.read(after_id=last, count=500):
+        out.extend(batch)
+        last = batch[-1][0]
+    return out
+
+
+def test_emit_diff_compact_tail_status(redis_url: str, tmp_path: Path) -> None:
+    run = "e2e"
+    env = deltasync_env(
+        redis_url, tmp_path, DELTASYNC_COMPACT_MAX_CHAIN="4", DELTASYNC_KEEP_ANCHORS="100"
+    )
+    settings = Settings.from_env(env)
+    set_current(Runtime(settings))
+    emitter = Emitter(run, settings=settings)
+    generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), lr=1e-5, seed=3)
+    trainer: dict[int, dict[str, torch.Tensor]] = {}
+    store = open_store(settings.store_url)
+    r = redis_client(redis_url)
+    # A replica still at version 0: garbage collection must keep all it needs.
+    replicas.report(r, run, "slow-node", 0, "-", ttl_s=3600)
+
+    with processes(
+        env,
+        tmp_path / "logs",
+        diff=["worker", "diff"],
+        compact=["worker", "compact"],
+    ):
+        state = generator.state()
+        for step in range(STEPS):
+            if step:
+                state = generator.step()
+            trainer[step] = {n: t.clone() for n, t in state.items()}
+            emitted = emitter.emit_state(step, state)
+            assert emitted.event_id is not None
+        wait_for(lambda: chain.list_versions(store, run).head == STEPS - 1, "the head")
+        # By policy: a chain of 4 deltas becomes an anchor.
+        wait_for(lambda: len(chain.list_versions(store, run).anchors) >= 2, "a policy anchor")
+
+        # A step that is not newer than the head is refused with a clear error.
+        with pytest.raises(ChainError, match="not newer than head"):
+            emitter.emit_state(STEPS - 1, state)
+
+        # The same job run again publishes nothing new.
+        again = diff.diff_job(run, 3, str(tmp_path / "gone"), owned=False)
+        assert again["status"] == "skipped"
+
+        # By hand, through the real CLI, waiting for the worker.
+        done = cli(env, "compact", "--run", run, "--version", "7", "--wait", "--timeout", "200")
+        assert done.returncode == 0, done.stderr
+        assert 7 in chain.list_versions(store, run).anchors
+        assert json.loads(done.stdout[done.stdout.index("{") :])["anchor"] == 7
+
+    index = chain.list_versions(store, run)
+    assert index.versions == tuple(range(STEPS))
+    for version, expected in trainer.items():
+        rebuilt = dict(chain.reconstruct_tensors(store, run, version))
+        assert_same_state(rebuilt, expected, f"version {version}")
+
+    # Once the slow replica is gone, compaction collects what nobody needs.
+    replicas.forget_replica(r, run, "slow-node")
+    env["DELTASYNC_KEEP_ANCHORS"] = "1"
+    with processes(env, tmp_path / "logs2", compact=["worker", "compact"]):
+        done = cli(env, "compact", "--run", run, "--wait", "--timeout", "200")
+        assert done.returncode == 0, done.stderr
+    after = chain.list_versions(store, run)
+    assert after.head == STEPS - 1 and STEPS - 1 in after.anchors
+    assert 1 not in after.deltas and 0 not in after.anchors
+    assert_same_state(
+        dict(chain.reconstruct_tensors(store, run, STEPS - 1)), trainer[STEPS - 1], "head"
+    )
+
+    # Staging copies deltasync wrote are gone once published; nothing else is touched.
+    assert not any((settings.staging_dir / run).glob("step-*"))
+
+    events = _events(redis_url, run)
+    assert all(event is not None for _, event in events)
+    kinds = [(e.type, e.version) for _, e in events]  # type: ignore[attr-defined]
+    steps = [v for t, v in kinds if t == "step-completed"]
+    assert steps == list(range(STEPS))
+    available = [v for t, v in kinds if t == "delta-available"]
+    assert sorted(available) == list(range(STEPS)), "each version announced exactly once"
+    assert ("anchor-available", 7) in kinds
+    assert any(t == "compaction-requested" for t, _ in kinds)
+    ids = [event_id for event_id, _ in events]
+    assert ids == sorted(ids, key=lambda i: tuple(int(x) for x in i.split("-")))
+
+    # tail shows every event, in order, as JSON lines and as text.
+    tailed = cli(env, "tail", "--run", run, "--json")
+    assert tailed.returncode == 0, tailed.stderr
+    lines = [json.loads(line) for line in tailed.stdout.splitlines()]
+    assert [line["id"] for line in lines] == ids
+    only = cli(env, "tail", "--run", run, "--type", "delta-available")
+    assert len(only.stdout.splitlines()) == STEPS
+    assert all("delta-available" in line for line in only.stdout.splitlines())
+
+    status = cli(env, "status", "--run", run, "--json")
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["head"] == STEPS - 1
+    assert report["anchors"] == [STEPS - 1]
+    assert report["queues"]["deltasync:diff"]["failed"] == 0
+    assert report["chain"]["anchor"] in report["anchors"]
+    text = cli(env, "status", "--run", run)
+    assert text.returncode == 0 and f"head {STEPS - 1}" in text.stdout
+
+
+def test_user_checkpoint_is_never_removed(redis_url: str, tmp_path: Path) -> None:
+    run = "byhand"
+    env = deltasync_env(redis_url, tmp_path)
+    generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), seed=1)
+    from pipeline.checkpoint import write_checkpoint
+
+    paths = []
+    state = generator.state()
+    for step in (10, 20):
+        if step == 20:
+            state = generator.step()
+        path = tmp_path / "ckpt" / f"model-{step}.safetensors"
+        path.parent.mkdir(exist_ok=True)
+        write_checkpoint(path, state.items())
+        paths.append(path)
+        out = cli(env, "emit", "--run", run, "--step", str(step), "--checkpoint", str(path))
+        assert out.returncode == 0, out.stderr
+    before = [p.read_bytes() for p in paths]
+    worked = cli(env, "worker", "diff", "--burst")
+    assert worked.returncode == 0, worked.stderr
+    assert [p.read_bytes() for p in paths] == before
+    store = open_store(Settings.from_env(env).store_url)
+    assert chain.list_versions(store, run).versions == (10, 20)
+    rebuilt = dict(chain.reconstruct_tensors(store, run, 20))
+    assert_same_state(rebuilt, state, "version 20")
+
+
+def test_cli_errors_are_one_line(redis_url: str, tmp_path: Path) -> None:
+    env = deltasync_env(redis_url, tmp_path)
+    missing = cli(env, "emit", "--run", "r", "--step", "1", "--checkpoint", str(tmp_path))
+    assert missing.returncode != 0
+    assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    bad_run = tmp_path / "x.safetensors"
+    bad_run.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    out = cli(env, "emit", "--run", "../evil", "--step", "1", "--checkpoint", str(bad_run))
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    unreachable = deltasync_env("redis://127.0.0.1:1/0", tmp_path)
+    out = cli(unreachable, "tail", "--run", "r")
+    assert out.returncode != 0
+    assert "127.0.0.1:1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
