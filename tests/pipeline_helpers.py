@@ -38,6 +38,7 @@ def cli(
     return subprocess.run(
         [sys.executable, "-m", "workers", *args],
         env=dict(env),
+        check=False,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -58,6 +59,7 @@ def processes(
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "workers", *args],
                 env=dict(env),
+        check=False,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
