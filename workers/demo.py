@@ -17,9 +17,16 @@ from rich.table import Table
 
 from pipeline import synthetic
 from pipeline.checkpoint import CheckpointReader
-from pipeline.events import DeltaApplied, DeltaAvailable, EventStream, ReplicaError, StepCompleted
+from pipeline.events import (
+    AnchorAvailable,
+    DeltaApplied,
+    DeltaAvailable,
+    EventStream,
+    ReplicaError,
+    StepCompleted,
+)
 from pipeline.hashing import content_hash, state_hash
-from pipeline.logs import get_logger
+from pipeline.logs import configure_logging, get_logger
 from pipeline.replicas import list_replicas
 from workers.runtime import Runtime
 from workers.trainer import Emitter
@@ -78,6 +85,7 @@ class Demo:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.nodes: list[str] = []
         self.last_event = "0-0"
+        self.anchors: dict[int, str] = {}  # version -> why it was made
 
     # processes --------------------------------------------------------------
     def _env(self) -> dict[str, str]:
@@ -135,6 +143,8 @@ class Demo:
                 row.emitted_at = _event_time(event.time)
             elif isinstance(event, DeltaAvailable):
                 row.kind, row.bytes = event.kind, event.bytes
+            elif isinstance(event, AnchorAvailable):
+                self.anchors[event.version] = event.reason
             elif isinstance(event, DeltaApplied):
                 row.applied[event.node] = _event_time(event.time)
                 row.matched[event.node] = event.state_hash == row.trainer_hash
@@ -154,6 +164,9 @@ class Demo:
     # the run ----------------------------------------------------------------
     def execute(self) -> bool:
         opts = self.options
+        if "DELTASYNC_LOG_LEVEL" not in os.environ:
+            # The live view is the demo's output; the trainer's own logs would interleave.
+            configure_logging("warning")
         self.folder.mkdir(parents=True, exist_ok=True)
         config = synthetic.ModelConfig.preset(opts.model_size)
         generator = synthetic.UpdateGenerator(config, lr=opts.lr, seed=opts.seed)
@@ -213,24 +226,30 @@ class Demo:
         ok = True
         full_bytes = sum(t.numel() * t.element_size() for t in final_state.values())
         table = Table(title=f"run {self.run}: per version")
-        for col in ("version", "kind", "changed %", "bytes", "vs full", "vs raw int32+bf16",
-                    "sync s", "replicas exact"):
+        for col in ("version", "kind", "changed", "bytes", "/full", "/raw", "sync s", "exact"):
             table.add_column(col, justify="right")
         for v in sorted(self.rows):
             row = self.rows[v]
-            pct = f"{100 * row.changed / row.total:.2f}" if row.total and v else "-"
+            pct = f"{100 * row.changed / row.total:.2f}%" if row.total and v else "-"
             raw = 6 * row.changed
-            vs_raw = f"{row.bytes / raw:.3f}x" if raw and row.kind == "delta" else "-"
+            vs_raw = f"{row.bytes / raw:.3f}" if raw and row.kind == "delta" else "-"
             sync = "-"
             if row.emitted_at is not None and row.applied:
                 sync = f"{max(row.applied.values()) - row.emitted_at:.2f}"
             exact = f"{sum(row.matched.values())}/{len(row.matched)}" if row.matched else "-"
             if row.matched and not all(row.matched.values()):
                 ok = False
-            table.add_row(str(v), row.kind, pct, f"{row.bytes:,}",
-                          f"{row.bytes / full_bytes:.4f}x" if full_bytes else "-",
+            kind = row.kind + ("+anchor" if v in self.anchors and row.kind == "delta" else "")
+            table.add_row(str(v), kind, pct, f"{row.bytes:,}",
+                          f"{row.bytes / full_bytes:.4f}" if full_bytes else "-",
                           vs_raw, sync, exact)
         self.console.print(table)
+        self.console.print(
+            "changed: elements that differ from the previous step; /full: bytes over the full "
+            "bf16 checkpoint; /raw: over int32 index + bf16 value per changed element; sync: "
+            "step-completed to the last replica applied; exact: replicas whose weights hashed "
+            "equal to the trainer's after applying that version."
+        )
         for name in self.nodes:
             dump = self.folder / "dumps" / f"{name}.safetensors"
             if not dump.exists():
@@ -245,9 +264,10 @@ class Demo:
             self.console.print(f"{name}: final weights "
                                f"{'[green]bit-identical[/]' if same else '[red]DIFFER[/]'} "
                                f"to the trainer's")
-        anchors = [v for v, r in self.rows.items() if r.kind == "anchor"]
-        compacted = [v for v in anchors if v != 0]
-        self.console.print(f"anchors: {sorted(anchors)} (compactions: {len(compacted)})")
+        for version, reason in sorted(self.anchors.items()):
+            self.console.print(f"compaction: anchor at version {version} ({reason})")
+        if not self.anchors:
+            self.console.print("no compaction ran (fewer steps than --compact-every)")
         for error in self.errors:
             self.console.print(f"[yellow]replica error (recovered or reported):[/] {error}")
         home = self.runtime.settings.data_dir
