@@ -11,9 +11,12 @@ information bound, and timings against ``torch.clone`` of the same weights.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import platform
 import statistics
+import struct
 import time
 from collections.abc import Callable
 
@@ -21,7 +24,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from pipeline.codec import apply_patch, encode_delta, read_delta
+from pipeline.codec import apply_patch, encode_delta, kernels, read_delta
 from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.synthetic import ModelConfig, UpdateGenerator
 
@@ -54,7 +57,7 @@ def bound_and_references(base: State, new: State) -> dict[str, float]:
         positions = torch.nonzero(b != n).view(-1)
         k = positions.numel()
         bound_pos += log2_binomial(b.numel(), k) / 8
-        diffs = (n[positions].numpy().astype(np.int64) - b[positions].numpy().astype(np.int64))
+        diffs = n[positions].numpy().astype(np.int64) - b[positions].numpy().astype(np.int64)
         bound_val += entropy_bits(diffs) / 8
         raw_index[f"{name}.index"] = positions.to(torch.int32)
         raw_index[f"{name}.value"] = new[name].reshape(-1)[positions]
@@ -69,13 +72,31 @@ def bound_and_references(base: State, new: State) -> dict[str, float]:
     }
 
 
-def median_time(fn: Callable[[], object], reps: int) -> float:
-    times = []
+def split_sizes(data: bytes) -> tuple[int, int]:
+    """(position bytes, contents bytes) of a delta object, from its metadata."""
+    (header_len,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
+    position_roles = {"unary", "fixed", "mask"}
+    pos = cont = 0
+    for record in json.loads(meta["tensors"]):
+        for role, size in record["streams"].items():
+            if role in position_roles:
+                pos += size
+            else:
+                cont += size
+    return pos, cont
+
+
+def interleaved_times(tasks: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Seconds per run of each task; the tasks take turns, so that a busy machine
+    slows them alike."""
+    times: dict[str, list[float]] = {label: [] for label in tasks}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for label, task in tasks.items():
+            start = time.perf_counter()
+            task()
+            times[label].append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -112,25 +133,57 @@ def main() -> None:
         assert all(torch.equal(int_bits(targets[k]), int_bits(new[k])) for k in new)
 
     reps = args.reps
-    t_clone = median_time(lambda: {k: v.clone() for k, v in new.items()}, reps)
-    t_encode = {lvl: median_time(lambda lvl=lvl: encode_delta(pairs, level=lvl), reps)  # type: ignore[misc]
-                for lvl in (1, 2)}
-    fresh = [{k: v.clone() for k, v in base.items()} for _ in range(reps)]
-    t_decode = {}
-    for lvl, data in objects.items():
-        it = iter(fresh)
-        t_decode[lvl] = median_time(lambda data=data, it=it: decode_apply(data, next(it)), reps)  # type: ignore[misc]
-        fresh = [{k: v.clone() for k, v in base.items()} for _ in range(reps)]
+    spare = [{k: v.clone() for k, v in base.items()} for _ in range(4 * reps)]
 
-    print(f"model: preset {args.preset}, {numel / 1e6:.1f}M parameters, lr {args.lr}, "
-          f"step {args.steps}; changed {changed} ({100 * changed / numel:.2f}%)")
-    print(f"machine: {platform.machine()}, torch threads {torch.get_num_threads()}, "
-          f"torch {torch.__version__}")
+    def decode_task(data: bytes) -> Callable[[], object]:
+        return lambda: decode_apply(data, spare.pop())
+
+    def encode_task(level: int) -> Callable[[], object]:
+        return lambda: encode_delta(pairs, level=level)
+
+    tasks: dict[str, Callable[[], object]] = {
+        "torch clone of all weights": lambda: {k: v.clone() for k, v in new.items()},
+    }
+    for compiled in (True, False):
+        path = "compiled" if compiled else "numpy"
+
+        def switched(task: Callable[[], object], on: bool = compiled) -> Callable[[], object]:
+            def run() -> object:
+                kernels.ENABLED = on
+                try:
+                    return task()
+                finally:
+                    kernels.ENABLED = True
+
+            return run
+
+        if compiled and kernels.get() is None:
+            continue
+        tasks[f"diff+encode, level 1, {path}"] = switched(encode_task(1))
+        tasks[f"decode+apply, level 1, {path}"] = switched(decode_task(objects[1]))
+    tasks["diff+encode, level 2"] = encode_task(2)
+    tasks["decode+apply, level 2"] = decode_task(objects[2])
+    times = interleaved_times(tasks, reps)
+    t_clone = statistics.median(times["torch clone of all weights"])
+
+    print(
+        f"model: preset {args.preset}, {numel / 1e6:.1f}M parameters, lr {args.lr}, "
+        f"step {args.steps}; changed {changed} ({100 * changed / numel:.2f}%)"
+    )
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}, compiled kernels "
+        f"{'on' if kernels.get() is not None else 'unavailable'}"
+    )
     print()
     print(f"{'format':<34}{'bytes':>12}{'B/changed':>11}{'x bound':>9}")
     rows = [
         ("level 1 (default)", float(len(objects[1]))),
+        ("  of which positions", float(split_sizes(objects[1])[0])),
+        ("  of which contents", float(split_sizes(objects[1])[1])),
         ("level 2 (exponent classes)", float(len(objects[2]))),
+        ("  of which positions", float(split_sizes(objects[2])[0])),
+        ("  of which contents", float(split_sizes(objects[2])[1])),
         ("int32 index + bf16, safetensors", refs["raw_int32_bf16"]),
         ("uint16/uint32 gaps + bf16", refs["gaps_u16_bf16"]),
         ("full bf16", refs["full_bf16"]),
@@ -141,16 +194,10 @@ def main() -> None:
     for label, size in rows:
         print(f"{label:<34}{size:>12.0f}{size / changed:>11.3f}{size / bound:>9.3f}")
     print()
-    print(f"{'timing (median of ' + str(reps) + ')':<34}{'seconds':>12}{'x clone':>11}")
-    timings = [
-        ("torch clone of all weights", t_clone),
-        ("diff+encode, level 1", t_encode[1]),
-        ("decode+apply, level 1", t_decode[1]),
-        ("diff+encode, level 2", t_encode[2]),
-        ("decode+apply, level 2", t_decode[2]),
-    ]
-    for label, seconds in timings:
-        print(f"{label:<34}{seconds:>12.4f}{seconds / t_clone:>11.2f}")
+    print(f"{'timing, ' + str(reps) + ' runs':<36}{'median s':>10}{'x clone':>9}{'min s':>10}")
+    for label, runs in times.items():
+        median = statistics.median(runs)
+        print(f"{label:<36}{median:>10.4f}{median / t_clone:>9.2f}{min(runs):>10.4f}")
 
 
 if __name__ == "__main__":

@@ -162,3 +162,21 @@ def test_arbitrary_bits_to_arbitrary_bits(dtype: torch.dtype, level: int) -> Non
     base = special_values((257, 3), dtype, gen)
     new = special_values((257, 3), dtype, gen)
     roundtrip(base, new, level)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64])
+def test_large_dense_changes_grow_the_scan_buffers(dtype: torch.dtype) -> None:
+    gen = np.random.default_rng(3)
+    base = random_bits((300_001,), dtype, gen)
+    new = realistic_update(base, 0.6, gen)
+    roundtrip(base, new, 1)
+
+
+@pytest.mark.parametrize("offset", [1, 3])
+def test_unaligned_storage(offset: int) -> None:
+    gen = np.random.default_rng(4)
+    big_base = random_bits((10_000,), torch.bfloat16, gen)
+    big_new = realistic_update(big_base, 0.05, gen)
+    base, new = big_base[offset:], big_new[offset:]
+    assert base.data_ptr() % 8 != 0
+    roundtrip(base, new, 1)
