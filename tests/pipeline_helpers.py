@@ -59,7 +59,6 @@ def processes(
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "workers", *args],
                 env=dict(env),
-        check=False,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
