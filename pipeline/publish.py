@@ -353,14 +353,16 @@ def publish_delta(
     level: int,
     signing_key: PrivateKey | None = None,
     timings: PublishTimings | None = None,
+    index: chain.VersionIndex | None = None,
 ) -> Manifest:
     """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
-    as delta ``version``, part by part in the run's partition, manifest last."""
+    as delta ``version``, part by part in the run's partition, manifest last. ``index``
+    saves a listing when the caller has just made one."""
     found = _existing(store, run, "delta", version)
     if found is not None:
         log.info("delta exists, nothing to do", run=run, version=version)
         return found
-    head = chain.list_versions(store, run).head
+    head = (index or chain.list_versions(store, run)).head
     if head is not None and version <= head:
         raise ChainError(f"run {run}: step {version} is not newer than head {head}")
     if parent.run != run or parent.version != head:
@@ -570,31 +572,6 @@ class PublishResult:
         }
 
 
-def _delta_from_cache(
-    store: ObjectStore,
-    run: str,
-    step: int,
-    cache: StateCache,
-    new: CheckpointReader,
-    parent: Manifest,
-    level: int,
-    signing_key: PrivateKey | None,
-    timings: PublishTimings,
-) -> Manifest:
-    with cache.reader() as base:
-        return publish_delta(
-            store,
-            run,
-            step,
-            base,
-            new,
-            parent,
-            level=level,
-            signing_key=signing_key,
-            timings=timings,
-        )
-
-
 def publish_step(
     store: ObjectStore,
     run: str,
@@ -641,17 +618,29 @@ def publish_step(
                     "state cache is stale, rebuilding", run=run, head=head, cached=cache.version
                 )
                 cache.rebuild(store, run, head)
+
+            def delta(parent: Manifest = parent, head: int = head) -> Manifest:
+                with cache.reader() as base:
+                    return publish_delta(
+                        store,
+                        run,
+                        step,
+                        base,
+                        new,
+                        parent,
+                        level=level,
+                        signing_key=signing_key,
+                        timings=timings,
+                        index=index,
+                    )
+
             try:
-                manifest = _delta_from_cache(
-                    store, run, step, cache, new, parent, level, signing_key, timings
-                )
+                manifest = delta()
             except _StaleBaseError as e:
                 # The cache claimed the head's state but its bytes disagree: rebuild once.
                 log.warning("state cache is damaged, rebuilding", run=run, error=str(e))
                 cache.rebuild(store, run, head)
-                manifest = _delta_from_cache(
-                    store, run, step, cache, new, parent, level, signing_key, timings
-                )
+                manifest = delta()
         cache.advance(new, manifest)
     elapsed = {**timings.as_dict(), "total_s": round(time.perf_counter() - started, 4)}
     return PublishResult(
