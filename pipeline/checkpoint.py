@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import uuid
@@ -187,6 +188,25 @@ def _from_buffer(buf: memoryview, e: HeaderEntry) -> torch.Tensor:
 
 # ---------------------------------------------------------------- reading
 
+_NUMBERED_SHARD = re.compile(r"^(.*)-(\d+)-of-(\d+)\.safetensors$")
+
+
+def _check_numbered_shards(folder: Path, names: list[str]) -> None:
+    """Without an index, ``x-00001-of-00003.safetensors`` still says how many shards
+    make the whole: a folder still being written must not look complete."""
+    groups: dict[tuple[str, int], set[int]] = {}
+    for name in names:
+        m = _NUMBERED_SHARD.match(name)
+        if m:
+            groups.setdefault((m.group(1), int(m.group(3))), set()).add(int(m.group(2)))
+    for (prefix, count), present in groups.items():
+        missing = sorted(set(range(1, count + 1)) - present)
+        if missing:
+            raise CorruptObjectError(
+                f"checkpoint folder {folder} lacks shard {missing[0]} of {count} ({prefix}-*) "
+                f"and has no {INDEX_NAME}"
+            )
+
 
 class CheckpointReader:
     """A safetensors file or sharded folder, read lazily one tensor at a time.
@@ -252,6 +272,7 @@ class CheckpointReader:
             if not files:
                 raise CorruptObjectError(f"checkpoint folder {self.path} has no safetensors files")
             self.sharded = len(files) > 1
+            _check_numbered_shards(self.path, [f.name for f in files])
             for f in files:
                 self._add_file(f)
 

@@ -139,9 +139,19 @@ def test_folder_without_index(tmp_path: Path) -> None:
     assert reader.names() == ["w"] and not reader.sharded
 
 
-def _truncate(path: Path, keep: int) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[:keep])
+def test_folder_still_being_written_is_incomplete(tmp_path: Path) -> None:
+    """A trainer's save writes shards one by one and the index last."""
+    folder = tmp_path / "saving"
+    folder.mkdir()
+    first = folder / "model-00001-of-00002.safetensors"
+    safetensors.torch.save_file({"a": torch.ones(2)}, str(first))
+    assert not is_complete(folder)
+    with pytest.raises(CorruptObjectError, match="lacks shard 2 of 2"):
+        CheckpointReader(folder)
+    safetensors.torch.save_file(
+        {"b": torch.ones(3)}, str(folder / "model-00002-of-00002.safetensors")
+    )
+    assert CheckpointReader(folder).names() == ["a", "b"]
 
 
 @pytest.mark.parametrize(
