@@ -1,10 +1,11 @@
-"""Vectorised Rice coding of non-negative gaps.
+"""Rice coding of strictly increasing positions as gaps.
 
-Each gap g is split into q = g >> r and the r low bits. The quotients go to a
-unary stream (q zeros then a one) and the low bits to a fixed-width stream; the
-two streams are packed separately so that both directions are a handful of
-numpy passes (cumsum, packbits / unpackbits, flatnonzero) with no per-element
-Python work.
+Each gap g (slots skipped since the previous position) is split into
+q = g >> r and its r low bits. The quotients go to a unary stream (q zeros then
+a one, MSB first) and the low bits to a fixed-width stream. Keeping the two
+streams apart makes the numpy path a handful of whole-array passes (cumsum,
+packbits / unpackbits, flatnonzero); the compiled path (kernels.py) writes the
+same bytes in one loop. The parameter r is chosen per call for the fewest bits.
 """
 
 from __future__ import annotations
@@ -35,10 +36,6 @@ def best_param(gaps: I64) -> tuple[int, int]:
         if best[0] < 0 or cost < best[1]:
             best = (param, cost)
     return best
-
-
-def unary_nbits(gaps: I64, param: int) -> int:
-    return int((gaps >> param).sum()) + gaps.size
 
 
 def pack_unary(quotients: I64) -> U8:
@@ -116,13 +113,6 @@ def fixed_nbytes(count: int, width: int) -> int:
 
 def encode_gaps(gaps: I64, param: int) -> tuple[U8, U8]:
     return pack_unary(gaps >> param), pack_fixed(gaps & ((1 << param) - 1), param)
-
-
-def decode_gaps(unary: U8, fixed: U8, count: int, param: int) -> I64 | None:
-    quotients = unpack_unary(unary, count)
-    if quotients is None:
-        return None
-    return (quotients << param) | unpack_fixed(fixed, count, param)
 
 
 def positions_to_gaps(positions: I64) -> I64:
