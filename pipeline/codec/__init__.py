@@ -14,6 +14,19 @@ Public API (stable; other modules code against exactly this):
   sorted) and new contents in the integer view of the dtype, computed from the
   stored bit-pattern differences and ``base`` (which must be the exact base).
 - ``apply_patch(tensor, patch)``: in place, on any device.
+
+Format (codec ``deltasync-bitdelta`` version 1): a safetensors file. Its
+metadata holds ``codec``, ``codec_version``, ``level``, ``tensors`` (a JSON
+list of records: name, dtype, shape, encoding, changed, streams as role ->
+byte size in stored order, params) and ``checksum`` (xxh3-128 over the level,
+the records and every entry). Each tensor with changes has one 1-d uint8 entry
+named after it holding its streams back to back. Tensors are compared in the
+integer view of their width; contents are the differences new - base of those
+integers (wrapping), so decoding needs the exact base. Encodings: ``same``,
+``sparse`` (Rice-coded gaps), ``classed`` (gaps per exponent class of the base
+value, level 2), ``bitmap`` (zstd of the change mask), ``dense`` (zstd byte
+planes of every difference); contents ``signmag`` or ``planes``. Encoding is
+deterministic: the same inputs give the same bytes.
 """
 
 from pipeline.codec.api import (
