@@ -2,12 +2,15 @@
 
 - ``redis_server`` (session): a real redis-server; ``redis_url`` (per test) flushes it
   and returns ``redis://127.0.0.1:P/0``; ``private_redis`` gives a test its own server
-  (to stop or restart without disturbing others).
+  to ``stop()`` / ``restart()`` (same port, data lost) without disturbing others.
 - ``s3_server`` (session): SeaweedFS ``weed mini`` with a bucket; its endpoint and
   credentials are put in ``os.environ`` so stores and child processes find them.
-  ``s3_url`` (per test) is a fresh ``s3://bucket/prefix``.
+  ``s3_url`` (per test) is a fresh ``s3://bucket/prefix``. ``s3_server.stop()`` /
+  ``restart()`` keep the data folder and ports; later tests restart it if needed.
 - ``hf_bucket`` (session): the local Hub bucket stand-in (``HF_ENDPOINT`` points at
   it); ``hf_url`` (per test) is a fresh ``hf://buckets/<ns>/<bucket>/<prefix>``.
+  Xet transfers from several processes at the same moment do not work against the
+  stand-in (see its docstring): concurrent multi-process tests should use file or s3.
 - ``store`` (per test, parametrised file/s3/hf): an ObjectStore with a fresh root;
   ``store_url`` is the same for code that opens stores from URLs (subprocesses).
 """

@@ -11,11 +11,19 @@ with a ``local:///<dir>`` CAS URL, which the real ``hf_xet`` client accepts and
 uses as a content-addressed store on disk. So an upload really chunks, hashes
 and writes xorbs and shards, and a download really reconstructs the file from
 them; only the Hub's metadata service is stood in for.
+
+Limit: hf_xet's local CAS holds an exclusive lock on its dedup database while a
+transfer is in flight, and a copy of the folder without that database cannot
+serve reads, so Xet transfers from several PROCESSES at the same moment fail
+("Database already open"). Sequential processes (a forked or spawned child
+while the parent waits) and any number of threads in one process work. Tests
+that run concurrent worker processes should use the file or S3 backends.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,8 +32,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
-
-import hf_xet
 
 # What hf_xet reports for a zero-length upload.
 EMPTY_FILE_XET_HASH = "0" * 64
@@ -68,7 +74,8 @@ class HfBucketStandin:
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._size_lock = threading.Lock()
-        self._xet_session: Any = None
+        self._sizes: dict[str, int] = {}
+        self._shards_read: set[Path] = set()
 
     @property
     def endpoint(self) -> str:
@@ -106,29 +113,57 @@ class HfBucketStandin:
         self.stop()
 
     def xet_file_size(self, xet_hash: str) -> int | None:
-        """The size of a file in the local CAS, found by reconstructing it (the Hub
-        learns it from the CAS too; the batch call carries only the hash)."""
-        if len(xet_hash) != 64 or any(c not in "0123456789abcdef" for c in xet_hash):
-            return None
+        """The size of an uploaded file, read from the shards in the local CAS.
+
+        The Hub learns it from its CAS too (the batch call carries only the hash).
+        The shards are parsed here rather than opened through hf_xet, because the
+        local CAS keeps an exclusive lock while a client process has it open.
+        """
+        if xet_hash == EMPTY_FILE_XET_HASH:
+            return 0
         with self._size_lock:
-            if self._xet_session is None:
-                self._xet_session = hf_xet.XetSession()
-            group = self._xet_session.new_download_stream_group(
-                endpoint=self.cas_url,
-                token="standin",
-                token_expiry_unix_secs=int(time.time()) + 3600,
-            )
-        size = sum(
-            len(chunk) for chunk in group.download_stream(hf_xet.XetFileInfo(xet_hash, None))
-        )
-        # An unknown hash reconstructs to nothing; the empty file has a known hash.
-        if size == 0 and xet_hash != EMPTY_FILE_XET_HASH:
-            return None
-        return size
+            if xet_hash not in self._sizes:
+                for shard in sorted(self.cas_dir.rglob("*.mdb")):
+                    if shard not in self._shards_read:
+                        self._sizes.update(_shard_file_sizes(shard.read_bytes()))
+                        self._shards_read.add(shard)
+            return self._sizes.get(xet_hash)
 
     def create_bucket(self, bucket_id: str, private: bool = False) -> None:
         with self.lock:
             self.buckets.setdefault(bucket_id, _Bucket(private=private, created=_now_iso()))
+
+
+# Xet "MDB" shard layout (little endian): a 48-byte header, then the file-info
+# section: per file a 48-byte header (hash as 4 u64, flags u32, entry count u32),
+# that many 48-byte segment entries (xorb hash, flags u32, unpacked bytes u32, ...),
+# optional verification entries and metadata, and a bookend of 0xff bytes.
+_SHARD_RECORD = 48
+_FLAG_VERIFICATION = 1 << 31
+_FLAG_METADATA_EXT = 1 << 30
+
+
+def _shard_file_sizes(shard: bytes) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    offset = _SHARD_RECORD
+    while offset + _SHARD_RECORD <= len(shard):
+        raw_hash = shard[offset : offset + 32]
+        if raw_hash == b"\xff" * 32:
+            break
+        flags, count = struct.unpack_from("<II", shard, offset + 32)
+        words = struct.unpack("<4Q", raw_hash)
+        size = 0
+        for index in range(count):
+            entry = offset + _SHARD_RECORD * (index + 1)
+            size += struct.unpack_from("<I", shard, entry + 36)[0]
+        records = 1 + count
+        if flags & _FLAG_VERIFICATION:
+            records += count
+        if flags & _FLAG_METADATA_EXT:
+            records += 1
+        sizes["".join(f"{word:016x}" for word in words)] = size
+        offset += _SHARD_RECORD * records
+    return sizes
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -258,9 +293,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         expires = int(time.time()) + 3600
         token = "standin-xet-token"
-        body = {"accessToken": token, "exp": expires, "casUrl": self.standin.cas_url}
+        cas_url = self.standin.cas_url
+        body = {"accessToken": token, "exp": expires, "casUrl": cas_url}
         headers = {
-            "X-Xet-Cas-Url": self.standin.cas_url,
+            "X-Xet-Cas-Url": cas_url,
             "X-Xet-Access-Token": token,
             "X-Xet-Token-Expiration": str(expires),
         }

@@ -8,6 +8,7 @@ real Xet storage underneath.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import random
 import threading
 from pathlib import Path
@@ -110,6 +111,24 @@ def test_concurrent_creators_have_exactly_one_winner(store: ObjectStore) -> None
     assert sum(results) == 1
     assert store.get("race/manifest.json") == payloads[results.index(True)]
     assert list(store.list("race")) == ["race/manifest.json"]
+
+
+def _write_in_child(store: ObjectStore, key: str, data: bytes) -> None:
+    store.put(key, data)
+    assert store.get(key) == data
+
+
+def test_store_works_in_a_forked_child(store: ObjectStore) -> None:
+    """rq's default worker forks per job: a store opened before the fork must still work."""
+    store.put("fork/parent", b"before fork")  # the parent's connections are now live
+    child = multiprocessing.get_context("fork").Process(
+        target=_write_in_child, args=(store, "fork/child", b"from the child")
+    )
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    assert store.get("fork/child") == b"from the child"
+    assert store.get("fork/parent") == b"before fork"
 
 
 # -- ranges ----------------------------------------------------------------------------

@@ -107,19 +107,17 @@ class S3Store:
         self.prefix = check_prefix(prefix) if prefix else ""
         self.endpoint = endpoint or None
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        config = Config(
+        self._config = Config(
             s3={"addressing_style": "path"},
             retries={"mode": "standard", "max_attempts": max_attempts},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
         )
-        region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        self._client: S3Client = _new_session().client(
-            "s3",
-            endpoint_url=self.endpoint,
-            region_name=region or "us-east-1",
-            config=config,
-        )
+        env_region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        self.region = region or env_region or "us-east-1"
+        self._client_lock = threading.Lock()
+        self._client_pid = 0
+        self._s3: S3Client | None = None
         self._transfer = TransferConfig(
             multipart_threshold=part_size, multipart_chunksize=part_size, use_threads=True
         )
@@ -142,6 +140,22 @@ class S3Store:
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint={self._where!r})"
+
+    @property
+    def _client(self) -> S3Client:
+        # A forked child must not share its parent's connection pool: make its own.
+        client, pid = self._s3, os.getpid()
+        if client is not None and self._client_pid == pid:
+            return client
+        if self._client_pid != pid:
+            self._client_lock = threading.Lock()  # the parent's may have been held at fork
+        with self._client_lock:
+            if self._s3 is None or self._client_pid != os.getpid():
+                self._s3 = _new_session().client(
+                    "s3", endpoint_url=self.endpoint, region_name=self.region, config=self._config
+                )
+                self._client_pid = os.getpid()
+            return self._s3
 
     @property
     def _where(self) -> str:
