@@ -39,7 +39,7 @@ _HF_HOME: str | None = None
 def pytest_configure(config: pytest.Config) -> None:
     # huggingface_hub reads these at import: keep its caches out of the user's home
     # and its progress bars out of test output.
-    global _HF_HOME  # noqa: PLW0603 - one process-wide setting for the test session
+    global _HF_HOME
     if "HF_HOME" not in os.environ:
         _HF_HOME = tempfile.mkdtemp(prefix="deltasync-hf-home-")
         os.environ["HF_HOME"] = _HF_HOME

@@ -64,7 +64,7 @@ def _new_session() -> boto3.session.Session:
     Parsing botocore's JSON models is most of the cost of a client; sharing the
     loader makes opening a store cheap without sharing credential state.
     """
-    global _LOADER  # noqa: PLW0603 - process-wide cache of immutable model data
+    global _LOADER  # a process-wide cache of immutable model data
     core = botocore.session.get_session()
     with _LOADER_LOCK:
         if _LOADER is None:
