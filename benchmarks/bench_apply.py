@@ -198,18 +198,20 @@ median {100 * density:.2f}% of elements changed per version; delta
 {table}
 
 What the figures say: the version moved as {delta_mb:.2f} MB instead of {full_mb:.1f} MB
-({full_mb / delta_mb:.0f}x less); that, not the local apply, is where a delta wins when
-the store is remote. Locally, with the full checkpoint already in the page cache, a
-full reload on this CPU costs about as much as decode + apply; the model itself is
-paused for {pause / reload:.2f}x of a reload.
+({full_mb / delta_mb:.0f}x less), and that is where a delta wins once the store is
+remote. Locally, with the full checkpoint already in the page cache, a full reload
+is bound by memory bandwidth and cheap on this CPU: decode + apply costs
+{apply / reload:.1f}x of it, and the model is paused for {pause / reload:.2f}x of it.
 
 The pause is what a live model waits: the target holds its lock only while it
 writes the patched positions (saving the old values for undo) and hashes the
-touched tensors. Decoding and every pre-write check run before the pause, and
-with prefetch on, downloads overlap the previous apply. The full reload copies
-(and `load_state` also hashes) every tensor, so its cost grows with the model,
-while the pause grows with the number of changed elements and the size of the
-touched tensors (hashing them is most of the pause; `--verify none` skips it).
+touched tensors. At about 1.5% density almost every tensor has some change, so
+hashing them is most of the pause (`--verify none` skips it; the hashes of the
+untouched tensors are known from before). Decoding and every pre-write check run
+before the pause, and with prefetch on (the node's default) downloads overlap
+the previous apply. The full reload copies (and `load_state` also hashes) every
+tensor, so its cost grows with the model; the pause grows with the changed
+elements and the size of the touched tensors.
 
 GPU (not measured here: no GPU on this machine): run the same command with
 `--device cuda`; the target synchronises the device before taking times, the
