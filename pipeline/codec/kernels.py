@@ -118,30 +118,32 @@ def _build() -> Any | None:
 
     @jit  # type: ignore[untyped-decorator,misc]
     def rice_decode(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
-        """Decode ``out.size`` positions; the unary bits consumed, or -1 when the
-        streams run out or a gap reaches ``limit``."""
-        ubit = 0
-        nbits = unary.size * 8
+        """Decode ``out.size`` positions; the unary bits used, or -1 when the streams
+        do not hold exactly that many codes or a gap reaches ``limit``."""
+        count = out.size
+        # First where each unary code ends (its one bit), byte by byte.
+        k = 0
+        for index in range(unary.size):
+            byte = unary[index]
+            while byte:
+                if k >= count:
+                    return -1
+                lead = LEADING_ZEROS[byte]
+                out[k] = index * 8 + lead
+                k += 1
+                byte &= ~(0x80 >> lead)
+        if k != count:
+            return -1
+        # Then quotient = distance between ends, low bits from the fixed stream.
+        end = -1
+        pos = -1
         fbyte = 0
         acc = 0
         nacc = 0
         mask = (1 << param) - 1
-        pos = -1
-        for i in range(out.size):
-            q = 0
-            while True:
-                if ubit >= nbits:
-                    return -1
-                offset = ubit & 7
-                rest = unary[ubit >> 3] & (0xFF >> offset)
-                if rest == 0:
-                    q += 8 - offset
-                    ubit += 8 - offset
-                    continue
-                skip = LEADING_ZEROS[rest] - offset
-                q += skip
-                ubit += skip + 1
-                break
+        for i in range(count):
+            q = out[i] - end - 1
+            end = out[i]
             if q > (limit >> param):
                 return -1
             rem = 0
@@ -156,7 +158,7 @@ def _build() -> Any | None:
                 rem = (acc >> nacc) & mask
             pos += ((q << param) | rem) + 1
             out[i] = pos
-        return ubit
+        return end + 1
 
     @jit  # type: ignore[untyped-decorator,misc]
     def gather_add(base: Any, positions: Any, diff: Any, out: Any) -> None:
