@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from pipeline.codec import CODEC_NAME, apply_patch, encode_delta, read_delta
+from pipeline.codec import CODEC_NAME, apply_patch, contents, encode_delta, kernels, read_delta
 from pipeline.codec.api import _checksum
 from pipeline.codec.container import read_container, write_container
 from pipeline.errors import (
@@ -243,3 +243,36 @@ def test_encode_input_errors() -> None:
 def test_all_codec_errors_are_deltasync_errors() -> None:
     for cls in (CodecError, CorruptObjectError, MismatchError, TargetError):
         assert issubclass(cls, DeltasyncError)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_magnitude_wrapping_to_zero_is_caught(compiled: bool) -> None:
+    base = torch.arange(4000, dtype=torch.int16).to(torch.bfloat16)
+    index = torch.arange(4000)
+    step = torch.where(index % 50 == 0, 3, torch.where(index % 3 == 0, 1, 0))
+    new = (base.view(torch.int16) + step).to(torch.int16)
+    data = encode_delta([("w", base, new.view(torch.bfloat16))])
+
+    def wrap(meta: dict[str, str], records: list[dict[str, object]]) -> None:
+        streams = records[0]["streams"]
+        assert isinstance(streams, dict)
+        streams["mags"] = int(wrapped.size)
+
+    def replace_mags(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
+        blob = entries["w"]
+        entries["w"] = np.concatenate([blob[: blob.size - mags_size], wrapped])
+
+    record = json.loads(read_container(data, "x").metadata["tensors"])[0]
+    assert record["params"]["contents"] == "signmag"
+    mags_size = record["streams"]["mags"]
+    big = record["params"]["big"]
+    wrapped = contents.encode_planes(np.full(big, 0xFFFE, np.uint16))  # + 2 wraps to 0
+    damaged = rebuild(data, wrap, replace_mags)
+    saved = kernels.ENABLED
+    kernels.ENABLED = compiled
+    try:
+        obj = read_delta(damaged, object_name="obj")
+        with pytest.raises(CorruptObjectError, match="zero difference"):
+            obj.decode("w", base)
+    finally:
+        kernels.ENABLED = saved

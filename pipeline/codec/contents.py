@@ -144,6 +144,18 @@ def check_contents(
     return None
 
 
+def signmag_parts(
+    streams: dict[str, U8], params: dict[str, Any], count: int, unsigned: type[np.unsignedinteger]
+) -> tuple[U8, I64, AnyUInt]:
+    """Packed sign bits, indices of magnitudes above one, and those magnitudes - 2."""
+    big_count, param = int(params["big"]), int(params["big_rice"])
+    big = rice.decode_positions(streams["big_unary"], streams["big_fixed"], big_count, param, count)
+    if big is None:
+        raise ContentsError("large-difference streams do not hold the recorded count")
+    mags = decode_planes(streams["mags"], big.size, unsigned) if big.size else np.zeros(0, unsigned)
+    return streams["sign"], big, mags
+
+
 def decode_contents(
     streams: dict[str, U8], params: dict[str, Any], count: int, unsigned: type[np.unsignedinteger]
 ) -> AnyUInt:
@@ -151,16 +163,10 @@ def decode_contents(
     if params["contents"] == "planes":
         diff = unzigzag(decode_planes(streams["values"], count, unsigned))
     else:
-        big_count, param = int(params["big"]), int(params["big_rice"])
-        big = rice.decode_positions(
-            streams["big_unary"], streams["big_fixed"], big_count, param, count
-        )
-        if big is None:
-            raise ContentsError("large-difference streams do not hold the recorded count")
+        signs, big, mags = signmag_parts(streams, params, count, unsigned)
         magnitude = np.ones(count, unsigned)
-        if big.size:
-            magnitude[big] = decode_planes(streams["mags"], big.size, unsigned) + unsigned(2)
-        negative = np.unpackbits(streams["sign"], count=count).astype(bool)
+        magnitude[big] = mags + unsigned(2)
+        negative = np.unpackbits(signs, count=count).astype(bool)
         diff = np.where(negative, np.zeros_like(magnitude) - magnitude, magnitude)
     if not diff.all():
         raise ContentsError("contents hold a zero difference for a changed element")

@@ -167,6 +167,29 @@ def _build() -> Any | None:
             out[i] = base[positions[i]] + diff[i]
 
     @jit  # type: ignore[untyped-decorator,misc]
+    def signmag_values(
+        signs: Any, big: Any, mags: Any, base: Any, positions: Any, out: Any, top: int
+    ) -> int:
+        """out = base[positions] -+ magnitude, magnitudes 1 except at ``big`` where
+        they are mags + 2, all modulo top + 1 (elements of at most 4 bytes); -1
+        when a magnitude wraps to zero."""
+        j = 0
+        for i in range(positions.size):
+            magnitude = np.int64(1)
+            if j < big.size and big[j] == i:
+                magnitude = (np.int64(mags[j]) + 2) & top
+                if magnitude == 0:
+                    return -1
+                j += 1
+            value = np.int64(base[positions[i]])
+            if (signs[i >> 3] >> (7 - (i & 7))) & 1:
+                value -= magnitude
+            else:
+                value += magnitude
+            out[i] = value & top
+        return 0
+
+    @jit  # type: ignore[untyped-decorator,misc]
     def scatter(target: Any, positions: Any, values: Any) -> None:
         for i in range(positions.size):
             target[positions[i]] = values[i]
@@ -177,6 +200,7 @@ def _build() -> Any | None:
         rice_encode=rice_encode,
         rice_decode=rice_decode,
         gather_add=gather_add,
+        signmag_values=signmag_values,
         scatter=scatter,
     )
 
@@ -188,4 +212,5 @@ class _Kernels:
         self.rice_encode = functions["rice_encode"]
         self.rice_decode = functions["rice_decode"]
         self.gather_add = functions["gather_add"]
+        self.signmag_values = functions["signmag_values"]
         self.scatter = functions["scatter"]

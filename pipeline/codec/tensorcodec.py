@@ -221,6 +221,23 @@ def decode_tensor(
                 raise DamagedStreamError(
                     f"position {int(where[-1])} is out of range for {numel} elements"
                 )
+            compiled = kernels.get()
+            if (
+                compiled is not None
+                and base_flat.device.type == "cpu"
+                and params["contents"] == "signmag"
+                and info.width <= 4
+            ):
+                # Differences and base in one pass, without materialising either.
+                signs, big, mags = contents.signmag_parts(streams, params, changed, unsigned)
+                out = np.empty(changed, unsigned)
+                top = (1 << (8 * info.width)) - 1
+                base_np = base_flat.numpy().view(unsigned)
+                if compiled.signmag_values(signs, big, mags, base_np, where, out, top) < 0:
+                    raise DamagedStreamError(
+                        "contents hold a zero difference for a changed element"
+                    )
+                return where, out
             diff = contents.decode_contents(streams, params, changed, unsigned)
     except (positions.PositionsError, contents.ContentsError) as exc:
         raise DamagedStreamError(str(exc)) from None
