@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from pipeline.codec import rice
+from pipeline.codec import kernels, rice
 
 ZSTD_LEVEL = 3
 METHODS = ("planes", "signmag")
@@ -92,28 +92,40 @@ def decode_planes(frame: Frame, count: int, unsigned: type[np.unsignedinteger]) 
     return np.ascontiguousarray(planes.T).view(unsigned).reshape(count)
 
 
-def encode_contents(
-    diff: AnyUInt, method: str | None = None
-) -> tuple[dict[str, U8], dict[str, Any]]:
-    """Streams and params for non-zero differences; ``method`` None picks by size."""
-    if method is None:
-        # Sign-magnitude pays off when most differences are +-1; otherwise planes.
-        minus_one = np.iinfo(diff.dtype).max
-        ones = int(np.count_nonzero((diff == 1) | (diff == minus_one)))
-        method = "signmag" if 3 * ones >= 2 * diff.size else "planes"
-    if method == "planes":
+def encode_contents(base_vals: AnyUInt, new_vals: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
+    """Streams and params for the contents of changed elements (unsigned views).
+
+    Sign-magnitude when at least two thirds of the differences are +-1, where it
+    pays off; byte planes otherwise."""
+    count = base_vals.size
+    compiled = kernels.get()
+    if compiled is not None and base_vals.itemsize <= 4:
+        signs = np.zeros((count + 7) // 8, np.uint8)
+        big_buf = np.empty(count, np.int64)
+        mags_buf = np.empty(count, base_vals.dtype)
+        top = (1 << (8 * base_vals.itemsize)) - 1
+        ones, nbig = compiled.signmag_split(base_vals, new_vals, top, signs, big_buf, mags_buf)
+        if 3 * ones >= 2 * count:
+            return _signmag_streams(signs, big_buf[:nbig], mags_buf[:nbig])
+        return {"values": encode_planes(zigzag(new_vals - base_vals))}, {"contents": "planes"}
+    diff = new_vals - base_vals
+    minus_one = np.iinfo(diff.dtype).max
+    ones = int(np.count_nonzero((diff == 1) | (diff == minus_one)))
+    if 3 * ones < 2 * count:
         return {"values": encode_planes(zigzag(diff))}, {"contents": "planes"}
-    top = diff.dtype.itemsize * 8 - 1
-    negative = (diff >> top).astype(np.uint8)
+    negative = (diff >> (diff.dtype.itemsize * 8 - 1)).astype(np.uint8)
     magnitude = np.where(negative.astype(bool), np.zeros_like(diff) - diff, diff)
     big = np.flatnonzero(magnitude > 1)
+    return _signmag_streams(np.packbits(negative), big, magnitude[big] - 2)
+
+
+def _signmag_streams(signs: U8, big: I64, mags: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
     big_unary, big_fixed, param = rice.encode_positions(big)
-    mags = encode_planes(magnitude[big] - 2) if big.size else np.zeros(0, np.uint8)
     streams = {
-        "sign": np.packbits(negative),
+        "sign": signs,
         "big_unary": big_unary,
         "big_fixed": big_fixed,
-        "mags": mags,
+        "mags": encode_planes(mags) if big.size else np.zeros(0, np.uint8),
     }
     return streams, {"contents": "signmag", "big": int(big.size), "big_rice": param}
 

@@ -167,6 +167,30 @@ def _build() -> Any | None:
             out[i] = base[positions[i]] + diff[i]
 
     @jit  # type: ignore[untyped-decorator,misc]
+    def signmag_split(
+        base: Any, new: Any, top: int, signs: Any, big: Any, mags: Any
+    ) -> tuple[int, int]:
+        """Sign bits (into zeroed ``signs``), indices of magnitudes above one and
+        those magnitudes - 2, of new - base modulo top + 1 (elements of at most 4
+        bytes): (count of magnitude one, count above one)."""
+        half = (top >> 1) + 1
+        ones = 0
+        nbig = 0
+        for i in range(base.size):
+            diff = (np.int64(new[i]) - np.int64(base[i])) & top
+            magnitude = diff
+            if diff >= half:
+                magnitude = top + 1 - diff
+                signs[i >> 3] |= 0x80 >> (i & 7)
+            if magnitude == 1:
+                ones += 1
+            else:
+                big[nbig] = i
+                mags[nbig] = magnitude - 2
+                nbig += 1
+        return ones, nbig
+
+    @jit  # type: ignore[untyped-decorator,misc]
     def signmag_values(
         signs: Any, big: Any, mags: Any, base: Any, positions: Any, out: Any, top: int
     ) -> int:
@@ -200,6 +224,7 @@ def _build() -> Any | None:
         rice_encode=rice_encode,
         rice_decode=rice_decode,
         gather_add=gather_add,
+        signmag_split=signmag_split,
         signmag_values=signmag_values,
         scatter=scatter,
     )
@@ -212,5 +237,6 @@ class _Kernels:
         self.rice_encode = functions["rice_encode"]
         self.rice_decode = functions["rice_decode"]
         self.gather_add = functions["gather_add"]
+        self.signmag_split = functions["signmag_split"]
         self.signmag_values = functions["signmag_values"]
         self.scatter = functions["scatter"]

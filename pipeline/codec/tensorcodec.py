@@ -153,7 +153,7 @@ def encode_tensor(
     changed = where.size
     if changed == 0:
         return Encoded("same", 0)
-    content_streams, content_params = contents.encode_contents(new_vals - base_vals)
+    content_streams, content_params = contents.encode_contents(base_vals, new_vals)
 
     candidates: list[Encoded] = []
     if changed < numel:
