@@ -12,7 +12,15 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from pipeline.codec import CODEC_NAME, apply_patch, contents, encode_delta, kernels, read_delta
+from pipeline.codec import (
+    CODEC_NAME,
+    TensorPatch,
+    apply_patch,
+    contents,
+    encode_delta,
+    kernels,
+    read_delta,
+)
 from pipeline.codec.api import _checksum
 from pipeline.codec.container import read_container, write_container
 from pipeline.errors import (
@@ -274,5 +282,29 @@ def test_magnitude_wrapping_to_zero_is_caught(compiled: bool) -> None:
         obj = read_delta(damaged, object_name="obj")
         with pytest.raises(CorruptObjectError, match="zero difference"):
             obj.decode("w", base)
+    finally:
+        kernels.ENABLED = saved
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_apply_patch_refuses_malformed_patches(compiled: bool) -> None:
+    target = torch.zeros(10, dtype=torch.bfloat16)
+    good_values = torch.ones(2, dtype=torch.int16)
+    saved = kernels.ENABLED
+    kernels.ENABLED = compiled
+    try:
+        for positions in ([3, 10], [-1, 2]):
+            patch = TensorPatch("w", torch.bfloat16, (10,), torch.tensor(positions), good_values)
+            with pytest.raises(CodecError, match="out of range"):
+                apply_patch(target, patch)
+            assert not target.view(torch.int16).any()  # nothing written
+        wrong_dtype = TensorPatch(
+            "w", torch.bfloat16, (10,), torch.tensor([1]), good_values[:1].int()
+        )
+        with pytest.raises(CodecError, match="malformed"):
+            apply_patch(target, wrong_dtype)
+        too_many = TensorPatch("w", torch.bfloat16, (10,), torch.tensor([1]), good_values)
+        with pytest.raises(CodecError, match="malformed"):
+            apply_patch(target, too_many)
     finally:
         kernels.ENABLED = saved

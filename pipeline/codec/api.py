@@ -240,20 +240,33 @@ def apply_patch(tensor: torch.Tensor, patch: TensorPatch) -> None:
         )
     if not tensor.is_contiguous():
         raise TargetError(f"tensor {patch.name!r}: cannot patch a non-contiguous tensor in place")
-    if patch.positions.numel() == 0:
-        return
     info = info_for(patch.dtype, patch.name)
+    count = patch.positions.numel()
+    if (
+        patch.positions.dtype != torch.int64
+        or patch.positions.dim() != 1
+        or patch.values.dtype != info.view
+        or tuple(patch.values.shape) != (count,)
+    ):
+        raise CodecError(f"tensor {patch.name!r}: malformed patch")
+    if count == 0:
+        return
     flat = tensor.detach().view(info.view).view(-1)
+    out_of_range = CodecError(f"tensor {patch.name!r}: patch position out of range")
     if flat.device.type == "cpu" and patch.positions.device.type == "cpu":
         # Scattering through numpy (or a compiled loop) is several times faster
         # than index_copy_ on CPU.
         target, where, new = flat.numpy(), patch.positions.numpy(), patch.values.numpy()
         compiled = kernels.get()
-        if compiled is not None and new.dtype == target.dtype:
-            compiled.scatter(target, where, new)
-        else:
-            target[where] = new
+        if compiled is not None:
+            if compiled.scatter(target, where, new) < 0:
+                raise out_of_range
+            return
+        if int(where.min()) < 0 or int(where.max()) >= target.size:
+            raise out_of_range
+        target[where] = new
         return
     positions = patch.positions.to(flat.device)
-    values = patch.values.to(flat.device)
-    flat.index_copy_(0, positions, values)
+    if int(positions.min()) < 0 or int(positions.max()) >= flat.numel():
+        raise out_of_range
+    flat.index_copy_(0, positions, patch.values.to(flat.device))

@@ -214,9 +214,15 @@ def _build() -> Any | None:
         return 0
 
     @jit  # type: ignore[untyped-decorator,misc]
-    def scatter(target: Any, positions: Any, values: Any) -> None:
+    def scatter(target: Any, positions: Any, values: Any) -> int:
+        """target[positions] = values; -1 and nothing written when a position is
+        out of range (compiled code does not check bounds by itself)."""
+        for i in range(positions.size):
+            if positions[i] < 0 or positions[i] >= target.size:
+                return -1
         for i in range(positions.size):
             target[positions[i]] = values[i]
+        return 0
 
     return _Kernels(
         find_changes=find_changes,
