@@ -146,6 +146,7 @@ def _changes(
 def encode_tensor(
     base_flat: torch.Tensor, new_flat: torch.Tensor, info: DtypeInfo, level: int
 ) -> Encoded:
+    """The smallest encoding of the change from base to new (flat integer views)."""
     numel = base_flat.numel()
     if numel == 0:
         return Encoded("same", 0)
@@ -161,7 +162,6 @@ def encode_tensor(
         candidates.append(Encoded("sparse", changed, streams, params))
         if level >= 2 and info.exponent is not None:
             index = ClassIndex.build(base_flat, info)
-            assert info.exponent is not None
             shift, top = info.exponent
             classes = ((base_vals >> shift) & top).astype(np.int64)
             streams, params = positions.encode_classed(where, classes, index)
