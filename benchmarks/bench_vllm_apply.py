@@ -112,7 +112,7 @@ def delta(
     return manifest, {key: data}
 
 
-def engine(folder: Path) -> Any:
+def engine(folder: Path, plain: bool) -> Any:
     return start_engine(
         model=str(folder),
         dtype="bfloat16",
@@ -123,7 +123,27 @@ def engine(folder: Path) -> Any:
         skip_tokenizer_init=True,
         distributed_executor_backend="uni",
         worker_extension_cls=EXTENSION_CLS,
+        cpu_plain_linear=plain,
     )
+
+
+def decode_tokens_per_s(llm: Any, vocab: int, batch: int = 4, tokens: int = 32) -> float:
+    """Greedy decode speed on ``batch`` short prompts (median of three runs)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [
+        TokensPrompt(prompt_token_ids=[(7 * i + j) % vocab for j in range(16)])
+        for i in range(batch)
+    ]
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(3):
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        rates.append(batch * tokens / (time.perf_counter() - started))
+    return statistics.median(rates)
 
 
 def main() -> None:
@@ -134,6 +154,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--changed", type=float, default=0.02)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--cpu-linear",
+        choices=["plain", "packed"],
+        default="plain",
+        help="plain: linear weights kept as tensors, deltas written in place (the "
+        "default of start_engine); packed: vLLM's prepacked CPU GEMM weights",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
 
@@ -146,28 +173,34 @@ def main() -> None:
         changed = sum(e.changed for e in forward[0].tensors)
 
         started = time.perf_counter()
-        llm = engine(folder)
+        llm = engine(folder, args.cpu_linear == "plain")
         engine_start = time.perf_counter() - started
         target = VllmTarget(llm)
         target.load_model_files(version=0)
+        decode_rate = decode_tokens_per_s(llm, args.vocab)
 
-        delta_pauses = []
+        # Delta and full reload alternate, so both see the same load on a shared
+        # machine; each pair gives one ratio.
+        delta_pauses: list[float] = []
+        reload_pauses: list[float] = []
+        ratios: list[float] = []
         phases: dict[str, list[float]] = {}
         for i in range(args.repeats):
-            manifest, objects = forward if i % 2 == 0 else back
-            target.version = None
-            delta_pauses.append(target.apply_delta(manifest, objects, "touched").pause_s)
-            for phase, seconds in target.last_timings.items():
-                phases.setdefault(phase, []).append(seconds)
-
-        reload_pauses = []
-        for _ in range(args.repeats):
             started = time.perf_counter()
             llm.collective_rpc(
                 "reload_weights", kwargs={"weights_path": str(folder), "is_checkpoint_format": True}
             )
             llm.reset_prefix_cache()
             reload_pauses.append(time.perf_counter() - started)
+            # Deltas 0 -> 1 and 1 -> 0 in turn, from the target's shadow; the model
+            # was reset to version 0 by the reload, which changes nothing in the
+            # work a delta does (the same elements are written).
+            manifest, objects = forward if i % 2 == 0 else back
+            target.version = None
+            delta_pauses.append(target.apply_delta(manifest, objects, "touched").pause_s)
+            ratios.append(delta_pauses[-1] / reload_pauses[-1])
+            for phase, seconds in target.last_timings.items():
+                phases.setdefault(phase, []).append(seconds)
 
         load_files = []
         for _ in range(max(1, args.repeats // 2)):
@@ -180,6 +213,7 @@ def main() -> None:
         gc.collect()
 
     result = {
+        "cpu_linear": args.cpu_linear,
         "model": {
             "hidden": args.hidden,
             "layers": args.layers,
@@ -197,7 +231,10 @@ def main() -> None:
             "phases_s_median": {k: round(statistics.median(v), 5) for k, v in phases.items()},
         },
         "reload_weights_s_median": statistics.median(reload_pauses),
+        "reload_weights_s_all": [round(p, 5) for p in reload_pauses],
+        "pause_over_reload_median": round(statistics.median(ratios), 4),
         "load_files_s_median": statistics.median(load_files),
+        "decode_tokens_per_s": round(decode_rate, 1),
         "engine_start_s": round(engine_start, 3),
         "torch_threads": torch.get_num_threads(),
     }

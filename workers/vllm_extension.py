@@ -35,7 +35,10 @@ from pipeline.targets.patching import (
     AppliedPatches,
     apply_verified,
     decode_entries,
+    int_view,
 )
+from pipeline.targets.vllm_cpu import computes_from_weight
+from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm_mapping import (
     Placement,
     Route,
@@ -43,10 +46,15 @@ from pipeline.targets.vllm_mapping import (
     probe_placement,
     route_names,
     scatter_positions,
+    scatter_rows,
     source_box,
 )
 
 log = structlog.get_logger(__name__)
+
+# vLLM imports this module in each worker before loading the model: the hook must be
+# in place by then to keep CPU linear weights plain (enabled by environment).
+install_cpu_linear_hook()
 
 Envelope = dict[str, Any]
 
@@ -207,14 +215,19 @@ class DeltasyncWorkerExtension:
                     reload.append(name)
                     continue
                 param = model.get_parameter(placement.parameter)
-                keep, flat = scatter_positions(
-                    placement, tuple(state.shadow[name].shape), patch.positions
-                )
+                shape = tuple(state.shadow[name].shape)
+                rows = scatter_rows(placement, shape, patch.positions)
+                if rows is not None:
+                    held, flat = rows
+                    values = patch.values[held]
+                else:
+                    keep, flat = scatter_positions(placement, shape, patch.positions)
+                    values = patch.values[keep]
                 if flat.numel() == 0:
                     continue
-                values = patch.values[keep].view(state.shadow[name].dtype)
-                param.data.view(-1).index_copy_(
-                    0, flat.to(param.device), values.to(param.device, param.dtype)
+                # Integer views on both sides: the bits move, nothing is converted.
+                int_view(param.data).view(-1).index_copy_(
+                    0, flat.to(param.device), int_view(values).to(param.device)
                 )
         if reload:
             group = self._ds_group(state, reload)
@@ -420,11 +433,12 @@ _PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 def _writable_in_place(model: torch.nn.Module, route: Route) -> bool:
     """Whether the module computes from the parameter itself, so that writing the
     parameter is enough. Not so where vLLM derived a kernel copy at load time: the
-    CPU GEMM dispatch (``cpu_linear``) keeps a packed copy, even of lm_head whose
+    CPU GEMM dispatch (``cpu_linear``) keeps a packed copy unless the plain-linear
+    hook kept the weight (``pipeline.targets.vllm_cpu``), even of lm_head whose
     weight stays readable; quantized methods hold transformed values."""
     assert route.module is not None
     module = model.get_submodule(route.module)
-    if hasattr(module, "cpu_linear"):
+    if not computes_from_weight(module):
         return False
     method = getattr(module, "quant_method", None)
     if method is not None and type(method).__name__ not in _PLAIN_METHODS:

@@ -16,6 +16,7 @@ aborts the others, so no worker is left ahead.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,6 +31,8 @@ from pipeline.errors import DeltasyncError, MismatchError, TargetError
 from pipeline.manifest import Manifest, dtype_from_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import check_objects
+from pipeline.targets.vllm_cpu import PLAIN_LINEAR_ENV
+from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
 
 log = structlog.get_logger(__name__)
 
@@ -68,12 +71,20 @@ def _engine_start_guard() -> Iterator[None]:
             namespace[attr] = value
 
 
-def start_engine(**llm_options: Any) -> Any:
+def start_engine(*, cpu_plain_linear: bool = True, **llm_options: Any) -> Any:
     """``vllm.LLM(**llm_options)`` with the deltasync worker extension (unless given)
     and the start-up workaround above. Use it instead of ``LLM(...)`` in processes
-    that may already have used the codec."""
+    that may already have used the codec.
+
+    ``cpu_plain_linear`` (CPU build only): keep linear weights as plain tensors
+    instead of prepacked kernel copies, so a delta is written in place rather than
+    reloading whole layers (``pipeline.targets.vllm_cpu``). It is passed to worker
+    processes through the environment, so it holds for the rest of this process.
+    """
     from vllm import LLM
 
+    os.environ[PLAIN_LINEAR_ENV] = "1" if cpu_plain_linear else "0"
+    install_cpu_linear_hook()  # in-process workers; spawned ones install it on import
     llm_options.setdefault("worker_extension_cls", EXTENSION_CLS)
     with _engine_start_guard():
         return LLM(**llm_options)

@@ -230,3 +230,34 @@ def source_box(tensor: torch.Tensor, placement: Placement) -> torch.Tensor:
     return tensor[
         tuple(slice(s, s + n) for s, n in zip(placement.source_offset, placement.size, strict=True))
     ]
+
+
+def scatter_rows(
+    placement: Placement, hf_shape: tuple[int, ...], positions: torch.Tensor
+) -> tuple[slice, torch.Tensor] | None:
+    """Fast form of ``scatter_positions`` for sorted positions when the box keeps whole
+    rows (every dimension after the first is full and unshifted, as in fused and
+    row-sharded linears, embeddings and norms): (slice of the positions held on this
+    rank, their flat positions in the parameter). None when the box is not of that form.
+    """
+    if len(hf_shape) == 0:
+        return None
+    for dim in range(1, len(hf_shape)):
+        if not (
+            placement.source_offset[dim] == 0
+            and placement.target_offset[dim] == 0
+            and placement.size[dim] == hf_shape[dim] == placement.target_shape[dim]
+        ):
+            return None
+    row = math.prod(hf_shape[1:])
+    low = placement.source_offset[0] * row
+    high = low + placement.size[0] * row
+    if positions.numel() and low <= int(positions[0]) and int(positions[-1]) < high:
+        first, last = 0, positions.numel()  # the common case: all of it on this rank
+    else:
+        bounds = torch.searchsorted(positions, torch.tensor([low, high], device=positions.device))
+        first, last = int(bounds[0]), int(bounds[1])
+    held = slice(first, last)
+    shift = placement.target_offset[0] * row - low
+    flat = positions[held] if shift == 0 else positions[held] + shift
+    return held, flat
