@@ -20,6 +20,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pipeline import faults
 from pipeline.checkpoint import (
     CheckpointReader,
     tensors_from_bytes,
@@ -485,6 +486,19 @@ def orphan_delta_folders(store: ObjectStore, run: str, below: int) -> list[str]:
     ]
 
 
+def orphan_anchor_folders(store: ObjectStore, run: str, below: int) -> list[str]:
+    """Anchor folders under ``below`` holding objects but no manifest: remains of a
+    compaction or a garbage collection that crashed. Only safe to collect while holding
+    the run's compaction lock (no anchor is being written then)."""
+    folders = _scan(store, run, "anchor")
+    published = set(_with_manifest(folders))
+    return [
+        version_prefix(run, "anchor", v)
+        for v in sorted(folders)
+        if v < below and v not in published
+    ]
+
+
 def delete_versions(
     store: ObjectStore, manifest_keys: Iterable[str], folders: Iterable[str]
 ) -> list[str]:
@@ -495,6 +509,7 @@ def delete_versions(
     for key in keys:
         store.delete(key)
         deleted.append(key)
+    faults.point("gc.after_manifests")
     for prefix in [k.rsplit("/", 1)[0] + "/" for k in keys] + list(folders):
         for key in list(store.list(prefix)):
             try:

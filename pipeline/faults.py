@@ -1,23 +1,72 @@
 """Crash points for fault-injection tests.
 
 Code calls ``point("publish.before_manifest")`` at places where a crash must
-leave a consistent store. Nothing happens unless the environment variable
-``DELTASYNC_FAULT`` names that point; then the process kills itself with
-SIGKILL, exactly as an out-of-memory kill or a pulled plug would, without
-running ``finally`` blocks or atexit handlers.
+leave a consistent store. Nothing happens unless a fault is armed for that
+point; then the process kills itself with SIGKILL, exactly as an
+out-of-memory kill or a pulled plug would, without running ``finally`` blocks
+or atexit handlers.
+
+A fault is armed by naming the point, optionally with ``@N`` to die the N-th
+time the point is reached in this process (``publish.after_upload@2``: after
+the second object upload):
+
+- ``DELTASYNC_FAULT``: for the whole life of the process;
+- ``DELTASYNC_FAULT_FILE``: a file holding the name, read at each point and
+  removed when the fault fires, so a long-lived process (a worker restarted
+  after each kill) can be armed again and again from outside.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections import Counter
+from pathlib import Path
 
 FAULT_ENV = "DELTASYNC_FAULT"
+FAULT_FILE_ENV = "DELTASYNC_FAULT_FILE"
+
+_passes: Counter[str] = Counter()  # per point, since the process started
+_file_passes: Counter[tuple[str, int, int]] = Counter()  # per arming of the fault file
+
+
+def _split(armed: str) -> tuple[str, int]:
+    name, _, nth = armed.strip().partition("@")
+    return name, int(nth) if nth.isdigit() else 1
+
+
+def _armed_in_file(name: str) -> bool:
+    path = Path(os.environ.get(FAULT_FILE_ENV, ""))
+    try:
+        armed = path.read_text()
+        stat = path.stat()
+    except OSError:
+        return False
+    point_name, nth = _split(armed)
+    if point_name != name:
+        return False
+    # Passes count from the moment the file was (re)written, not from process start.
+    arming = (armed, stat.st_mtime_ns, stat.st_ino)
+    _file_passes[arming] += 1
+    if _file_passes[arming] != nth:
+        return False
+    with contextlib.suppress(OSError):
+        path.unlink()  # fire once: the restarted process runs clean
+    return True
 
 
 def point(name: str) -> None:
-    """Die here, abruptly, when ``DELTASYNC_FAULT`` equals ``name``."""
-    if os.environ.get(FAULT_ENV) != name:
+    """Die here, abruptly, when a fault is armed for ``name`` (see the module doc)."""
+    env = os.environ.get(FAULT_ENV)
+    fire = False
+    if env is not None:
+        _passes[name] += 1
+        point_name, nth = _split(env)
+        fire = point_name == name and _passes[name] == nth
+    if not fire and os.environ.get(FAULT_FILE_ENV):
+        fire = _armed_in_file(name)
+    if not fire:
         return
     try:
         os.kill(os.getpid(), signal.SIGKILL)

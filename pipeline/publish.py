@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -379,7 +380,8 @@ def publish_delta(
     with _Uploader(store, "publish", timings) as uploader:
         for key, names in parent.parts():
             clock.lap()
-            pairs = [(n, base.get(n), new.get(n)) for n in names]
+            # Read-only views of the mapped files: the codec and the hashes only read.
+            pairs = [(n, base.view(n), new.view(n)) for n in names]
             timings.read_s += clock.lap()
             for n, b, _ in pairs:
                 if content_hash(b) != parent_hashes[n]:
@@ -520,7 +522,58 @@ class StateCache:
         return manifest
 
     def advance(self, new: CheckpointReader, manifest: Manifest) -> None:
-        """Make the cache hold ``new`` as ``manifest``'s version, checking every hash."""
+        """Make the cache hold ``new`` as ``manifest``'s version, checking every hash.
+
+        When the cache holds the same tensors (names, dtypes, shapes), their bytes are
+        overwritten in place in the cached files: no new files, no second hash pass
+        over ``new``, and only resident page-cache pages are touched. The state file is
+        removed first, so a crash midway leaves a cache that is rebuilt, never trusted.
+        """
+        folder = self.folder
+        if folder is not None and folder.is_dir():
+            try:
+                self._advance_in_place(folder, new, manifest)
+                return
+            except (ChainError, CorruptObjectError) as e:
+                log.info("state cache cannot be updated in place, rewriting", error=str(e))
+        self._rewrite(new, manifest)
+
+    def _advance_in_place(self, folder: Path, new: CheckpointReader, manifest: Manifest) -> None:
+        with CheckpointReader(folder) as cached:
+            specs = cached.specs()
+            if specs != new.specs() or set(specs) != {t.name for t in manifest.tensors}:
+                raise ChainError(f"state cache {self.root} holds other tensors than {new.path}")
+            locations = {n: cached.location(n) for n in specs}
+        (self.root / self.STATE).unlink(missing_ok=True)
+        maps: dict[Path, np.memmap[Any, Any]] = {}
+        try:
+            for entry in manifest.tensors:
+                path, offset, size = locations[entry.name]
+                if size == 0:
+                    continue
+                if path not in maps:
+                    maps[path] = np.memmap(path, dtype=np.uint8, mode="r+")
+                dst = torch.from_numpy(maps[path][offset : offset + size])
+                src = new.view(entry.name).reshape(-1).view(torch.uint8)
+                dst.copy_(src)
+                # Hash what the cache now holds: the source may change under us.
+                if content_hash(dst) != entry.hash:
+                    raise MismatchError(
+                        f"tensor {entry.name!r} in {new.path} does not match version "
+                        f"{manifest.version}"
+                    )
+            for mm in maps.values():
+                mm.flush()
+        finally:
+            maps.clear()
+        renamed = self._folder_for(manifest.version)
+        if renamed != folder:
+            if renamed.exists():  # left by a crashed rewrite
+                shutil.rmtree(renamed)
+            os.replace(folder, renamed)
+        self._switch(renamed, manifest)
+
+    def _rewrite(self, new: CheckpointReader, manifest: Manifest) -> None:
         entries = {t.name: t for t in manifest.tensors}
 
         def part(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -696,10 +749,15 @@ def collect_garbage(
     store: ObjectStore, run: str, keep_anchors: int, min_live_version: int | None
 ) -> list[str]:
     """Delete what no live replica and no bootstrap needs (see ``chain.gc_plan``), manifests
-    first; also the remains of crashed delta publishes below the head."""
+    first; also the remains of crashed delta publishes below the head, and of crashed
+    compactions or collections below the newest anchor (callers hold the run's
+    compaction lock, so no anchor is being written)."""
     index = chain.list_versions(store, run)
     doomed = chain.gc_plan(index, keep_anchors, min_live_version)
     orphans = chain.orphan_delta_folders(store, run, index.head) if index.head is not None else []
+    newest_anchor = max(index.anchors, default=None)
+    if newest_anchor is not None:
+        orphans += chain.orphan_anchor_folders(store, run, newest_anchor)
     deleted = chain.delete_versions(store, doomed, orphans)
     if deleted:
         log.info(

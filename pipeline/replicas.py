@@ -9,18 +9,21 @@ so ages do not depend on clocks agreeing between machines.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import redis
 import structlog
 
-from pipeline.errors import ConfigError, LockError
+from pipeline.errors import ConfigError, DeltasyncError, LockError
 from pipeline.events import check_run_name
 from pipeline.redis_server import redis_errors
 
@@ -46,6 +49,14 @@ return 0
 """
 _EXTEND = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+# Take a lock over from a holder known to be dead, only if it still holds it.
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
 return 0
 """
 
@@ -156,12 +167,43 @@ def min_live_version(client: redis.Redis, run: str, ttl_s: float = DEFAULT_TTL_S
 # --------------------------------------------------------------------------- locks
 
 
+def _process_identity(pid: int) -> str | None:
+    """``boot:pid-namespace:pid:start-time`` of a live process on this kernel (Linux), or
+    None. The start time tells a reused pid apart; boot id and pid namespace tell
+    processes in other containers or on other machines apart."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    if len(fields) < 20:
+        return None
+    return f"{boot}:{namespace}:{pid}:{fields[19]}"
+
+
+def _holder_is_dead(token: str) -> bool:
+    """True only when ``token`` names a process of this kernel and pid namespace that no
+    longer exists; any doubt (another machine, no /proc) answers False."""
+    parts = token.split(":")
+    mine = _process_identity(os.getpid())
+    if len(parts) != 5 or mine is None or not parts[2].isdigit():
+        return False
+    boot, namespace = mine.split(":")[:2]
+    if parts[0] != boot or parts[1] != namespace:
+        return False
+    return _process_identity(int(parts[2])) != ":".join(parts[:4])
+
+
 class RunLock:
     """A lock on ``deltasync:run:<run>:lock:<name>`` that expires after ``timeout_s``.
 
-    Taken with SET NX PX and a random token; released or extended only while
-    the token is still ours, so a holder whose lock expired (and was taken by
-    another) cannot release the new holder's lock.
+    Taken with SET NX PX and a token naming the holding process; released or
+    extended only while the token is still ours, so a holder whose lock expired
+    (and was taken by another) cannot release the new holder's lock. A lock
+    whose holder died on this machine (a killed worker) is taken over at once
+    instead of waiting for it to expire.
     """
 
     def __init__(self, client: redis.Redis, run: str, name: str, timeout_s: float) -> None:
@@ -170,7 +212,8 @@ class RunLock:
         self.redis = client
         self.key = f"deltasync:run:{check_run_name(run)}:lock:{name}"
         self.timeout_ms = _ms(timeout_s)
-        self.token = secrets.token_hex(16)
+        me = _process_identity(os.getpid()) or f"-:-:{os.getpid()}:-"
+        self.token = f"{me}:{secrets.token_hex(16)}"
 
     def acquire(self, wait_s: float = 0.0) -> bool:
         """Take the lock, polling for up to ``wait_s`` seconds; False if still held by another."""
@@ -180,11 +223,22 @@ class RunLock:
             with redis_errors(self.redis, f"taking lock {self.key}"):
                 if self.redis.set(self.key, self.token, nx=True, px=self.timeout_ms):
                     return True
+                if self._take_over_dead_holder():
+                    return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.5)
+
+    def _take_over_dead_holder(self) -> bool:
+        holder = _text_or_none(self.redis.get(self.key))
+        if holder is None or not _holder_is_dead(holder):
+            return False
+        taken = bool(self.redis.eval(_TAKE_OVER, 1, self.key, holder, self.token, self.timeout_ms))
+        if taken:
+            log.warning("lock taken over from a dead holder", lock=self.key, holder=holder)
+        return taken
 
     def release(self) -> bool:
         """Release if still ours; False if it had expired (and maybe been taken by another)."""
@@ -202,6 +256,34 @@ class RunLock:
             return _text_or_none(self.redis.get(self.key)) == self.token
 
 
+class _Renewer:
+    """Extends a lock every ``every_s`` on a daemon thread until stopped, so a short
+    lease covers a long job and lapses soon after its holder vanishes."""
+
+    def __init__(self, lock: RunLock, every_s: float) -> None:
+        self.lock = lock
+        self.every_s = every_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="deltasync-lock", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            try:
+                if not self.lock.extend():
+                    log.warning("lock lost while held", lock=self.lock.key)
+                    return
+            except DeltasyncError as exc:  # Redis away for a moment: try again
+                log.warning("cannot extend lock", lock=self.lock.key, error=str(exc))
+
+    def __enter__(self) -> _Renewer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
 @contextlib.contextmanager
 def run_lock(
     client: redis.Redis,
@@ -210,20 +292,32 @@ def run_lock(
     timeout_s: float,
     *,
     wait_s: float | None = None,
+    renew_every_s: float | None = None,
 ) -> Iterator[RunLock]:
     """Hold the lock ``name`` of ``run`` for the block; LockError if it stays taken.
 
     Waits for up to ``wait_s`` (default: ``timeout_s``, after which any
-    holder's lock has expired) before giving up.
+    holder's lock has expired) before giving up. With ``renew_every_s`` the
+    lock is extended in the background while the block runs, so ``timeout_s``
+    can be a short lease rather than the longest job.
     """
     lock = RunLock(client, run, name, timeout_s)
     if not lock.acquire(timeout_s if wait_s is None else wait_s):
         raise LockError(f"lock {lock.key} is held by another process")
     try:
-        yield lock
+        if renew_every_s is None:
+            yield lock
+        else:
+            with _Renewer(lock, renew_every_s):
+                yield lock
     finally:
-        if not lock.release():
-            log.warning("lock expired before release", lock=lock.key, timeout_s=timeout_s)
+        try:
+            released = lock.release()
+        except DeltasyncError as exc:  # it expires on its own
+            log.warning("cannot release lock", lock=lock.key, error=str(exc))
+        else:
+            if not released:
+                log.warning("lock expired before release", lock=lock.key, timeout_s=timeout_s)
 
 
 def claim_once(client: redis.Redis, key: str, ttl_s: float, value: str = "1") -> bool:

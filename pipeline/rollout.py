@@ -31,7 +31,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from pipeline import chain, replicas
+from pipeline import chain, faults, replicas
 from pipeline.checkpoint import tensors_from_bytes, write_checkpoint
 from pipeline.errors import (
     ChainError,
@@ -337,10 +337,16 @@ class RolloutNode:
         manifest = self._manifest("anchor", anchor)
         self._check_specs(manifest)
         log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
-        self._stuck_on = store_state
         started = time.perf_counter()
+        tensors: Iterator[tuple[str, torch.Tensor]] = self._anchor_tensors(manifest)
+        if self._applied is not None:
+            # Serving a version: prove the whole anchor (sizes, sha256, tensor hashes)
+            # before the first weight is overwritten, so a damaged anchor leaves the
+            # served version intact rather than a mix of two versions.
+            tensors = iter(list(tensors))
+        self._stuck_on = store_state
         self._forget_state()  # mid-load the target holds no provable version
-        self.target.load_state(self._anchor_tensors(manifest))
+        self.target.load_state(tensors)
         load_s = time.perf_counter() - started
         self._need_bootstrap = False
         self._set_applied(manifest)
@@ -408,6 +414,7 @@ class RolloutNode:
                             "does not match the manifest"
                         )
                     yield name, tensor
+                    faults.point("rollout.mid_bootstrap")
 
     def _apply_chain(self, path: list[Manifest]) -> None:
         """Apply deltas in order; downloads run ahead of the applies."""
@@ -437,6 +444,7 @@ class RolloutNode:
             self._need_bootstrap = True  # the held weights may be what is wrong
             raise
         apply_s = time.perf_counter() - started
+        faults.point("rollout.after_apply")
         self._set_applied(manifest)
         log.info(
             "applied",
@@ -458,6 +466,7 @@ class RolloutNode:
             for entry in manifest.objects:
                 objects[entry.key] = chain.fetch_object(self.store, manifest, entry)
                 advance(entry.size)
+                faults.point("rollout.mid_fetch")
         return Fetched(manifest, objects, time.perf_counter() - started)
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:

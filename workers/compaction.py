@@ -6,6 +6,7 @@ from typing import Any
 
 from rq import get_current_job
 
+from pipeline import faults
 from pipeline.events import AnchorAvailable, EventStream
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import manifest_key
@@ -15,7 +16,10 @@ from workers.runtime import current
 
 log = get_logger(__name__)
 
-LOCK_TIMEOUT_S = 6 * 3600
+# See workers/diff.py: a short lease, renewed while the job runs.
+LOCK_LEASE_S = 60.0
+LOCK_RENEW_S = 15.0
+LOCK_WAIT_S = 6 * 3600.0
 
 
 def compact_job(run: str, version: int | None = None, reason: str = "manual") -> dict[str, Any]:
@@ -24,8 +28,16 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
     settings = runtime.settings
     job = get_current_job()
     bind_context(run=run, version=version, job_id=job.id if job else None)
-    with run_lock(runtime.redis, run, "compact", timeout_s=LOCK_TIMEOUT_S):
+    with run_lock(
+        runtime.redis,
+        run,
+        "compact",
+        timeout_s=LOCK_LEASE_S,
+        wait_s=LOCK_WAIT_S,
+        renew_every_s=LOCK_RENEW_S,
+    ):
         manifest = compact(runtime.store, run, version, signing_key=settings.signing_key())
+        faults.point("compact.before_event")
         r = runtime.redis
         marker = f"deltasync:run:{run}:anchored:{manifest.version}"
         if not r.exists(marker):
@@ -41,6 +53,7 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
                 EventStream(r, run).publish(event, pipeline=pipe)
                 pipe.set(marker, 1, ex=30 * 24 * 3600)
                 pipe.execute()
+        faults.point("compact.before_gc")
         live = min_live_version(r, run, settings.replica_ttl_s)
         deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
     log.info("compaction done", anchor=manifest.version, deleted=len(deleted), oldest_live=live)

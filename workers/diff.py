@@ -8,6 +8,7 @@ from typing import Any
 
 from rq import get_current_job
 
+from pipeline import faults
 from pipeline.events import CompactionRequested, DeltaAvailable, EventStream
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
@@ -19,7 +20,11 @@ from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
 
-LOCK_TIMEOUT_S = 3600
+# A short lease renewed while the job runs: a worker that dies stops holding the run
+# within a minute (at once on the same machine), not after the longest job.
+LOCK_LEASE_S = 60.0
+LOCK_RENEW_S = 15.0
+LOCK_WAIT_S = 3600.0
 
 
 def announce(runtime: Runtime, manifest: Manifest) -> None:
@@ -57,7 +62,14 @@ def diff_job(
     runtime = current()
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
-    with run_lock(runtime.redis, run, "diff", timeout_s=LOCK_TIMEOUT_S):
+    with run_lock(
+        runtime.redis,
+        run,
+        "diff",
+        timeout_s=LOCK_LEASE_S,
+        wait_s=LOCK_WAIT_S,
+        renew_every_s=LOCK_RENEW_S,
+    ):
         cache = StateCache(settings.cache_dir, run)
         result: PublishResult = publish_step(
             runtime.store,
@@ -68,9 +80,11 @@ def diff_job(
             level=level or settings.level,
             signing_key=settings.signing_key(),
         )
+    faults.point("diff.before_announce")
     if result.manifest is not None and result.manifest.version == step:
         # Also after a crash between the manifest and the event: announce once.
         announce(runtime, result.manifest)
+    faults.point("diff.after_announce")
     if result.status == "published":
         reason = compaction_reason(
             runtime.store, run, step, settings.max_chain, settings.max_delta_fraction

@@ -9,10 +9,14 @@ Shared by every target. The flow a target follows:
    checking names, dtypes, shapes and changed counts against the manifest and the
    target's specs. Nothing is written; a MismatchError / CorruptObjectError names
    the tensor at fault.
-3. ``apply_verified(patches, tensor, expected)``: write the patches into the held
-   tensors in place, hash the result, and roll every written element back if any
-   hash differs from the manifest. Only the old contents at the changed positions
-   are kept for the rollback, never a second copy of the weights.
+3. ``hash_patched(patches, tensor, expected)``: build each touched tensor's new
+   content on a scratch copy (one tensor at a time, so memory stays bounded by the
+   largest tensor) and check its hash against the manifest, still before any
+   write, so a target can keep hashing out of the time its weights are locked.
+4. ``apply_verified(patches, tensor, expected)``: write the patches into the held
+   tensors in place, optionally hash the result, and roll every written element
+   back if any hash differs from the manifest. Only the old contents at the
+   changed positions are kept for the rollback, never a second copy of the weights.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import xxhash
 
+from pipeline import faults
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.hashing import content_hash, sha256_bytes
@@ -171,7 +178,8 @@ def _check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> No
     numel = 1
     for size in spec.shape:
         numel *= size
-    if count and (int(patch.positions.min()) < 0 or int(patch.positions.max()) >= numel):
+    # Positions are sorted ascending: the ends bound them all.
+    if count and (int(patch.positions[0]) < 0 or int(patch.positions[-1]) >= numel):
         raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
 
 
@@ -188,6 +196,62 @@ def decode_manifest(
         )
     check_objects(manifest, objects)
     return decode_entries(manifest.tensors, objects, base, specs)
+
+
+_HASH_CHUNK_BYTES = 4 << 20  # scratch for hashing patched CPU tensors (stays in cache)
+
+
+def _hash_patched_cpu(held: torch.Tensor, patch: TensorPatch) -> str:
+    """xxh3-128 of ``held`` with ``patch`` applied, built chunk by chunk in a small
+    scratch buffer: the same digest as hashing a patched full copy."""
+    flat = int_view(held.detach()).reshape(-1)
+    if flat.numel() == 0:
+        return content_hash(held)
+    source = flat.numpy()
+    where, values = patch.positions.numpy(), patch.values.numpy().view(source.dtype)
+    step = max(1, _HASH_CHUNK_BYTES // source.itemsize)
+    scratch = np.empty(min(step, source.size), dtype=source.dtype)
+    bounds = np.searchsorted(where, np.arange(0, source.size + step, step)).tolist()
+    hasher = xxhash.xxh3_128()
+    for k, start in enumerate(range(0, source.size, step)):
+        end = min(start + step, source.size)
+        buf = scratch[: end - start]
+        np.copyto(buf, source[start:end])
+        lo, hi = bounds[k], bounds[k + 1]
+        if hi > lo:
+            buf[where[lo:hi] - start] = values[lo:hi]
+        hasher.update(buf.data)
+    return hasher.hexdigest()
+
+
+def hash_patched(
+    patches: Sequence[TensorPatch],
+    tensor: Callable[[str], torch.Tensor],
+    expected: Mapping[str, str],
+) -> dict[str, str]:
+    """Content hash of every touched tensor as it will be after its patch, computed
+    without writing the held tensor (CPU: in a small scratch buffer, chunk by chunk;
+    other devices: on a scratch copy, one tensor at a time). MismatchError names the
+    first tensor whose result differs from ``expected``. The held tensors must not
+    change between this call and the write, or the hashes prove nothing."""
+    hashes: dict[str, str] = {}
+    for patch in patches:
+        held = tensor(patch.name)
+        if held.device.type == "cpu" and patch.positions.device.type == "cpu":
+            digest = _hash_patched_cpu(held, patch)
+        else:
+            scratch = held.detach().clone()
+            apply_patch(scratch, patch)
+            digest = content_hash(scratch)
+            del scratch
+        want = expected.get(patch.name)
+        if digest != want:
+            raise MismatchError(
+                f"tensor {patch.name}: content hash after patching is {digest}, "
+                f"manifest says {want} (wrong base version?)"
+            )
+        hashes[patch.name] = digest
+    return hashes
 
 
 @dataclass(frozen=True)
@@ -233,6 +297,7 @@ def apply_verified(
             positions = patch.positions.to(flat.device)
             applied._undo.append(_Undo(patch.name, positions, flat.index_select(0, positions)))
             apply_patch(target, patch)
+            faults.point("target.mid_write")
         if expected is not None:
             for patch in patches:
                 digest = content_hash(tensor(patch.name))
