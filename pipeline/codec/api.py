@@ -14,11 +14,18 @@ import numpy.typing as npt
 import torch
 import xxhash
 
-from pipeline.codec import kernels
+from pipeline.codec import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.records import TensorRecord, parse_record
-from pipeline.codec.tensorcodec import DamagedStreamError, Encoded, decode_tensor, encode_tensor
+from pipeline.codec.tensorcodec import (
+    DamagedStreamError,
+    Encoded,
+    decode_tensor,
+    encode_tensor,
+    walk_applies,
+    walk_sparse,
+)
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
 
 CODEC_NAME = "deltasync-bitdelta"
@@ -86,15 +93,8 @@ class DeltaObject:
     def decode(self, name: str, base: torch.Tensor) -> TensorPatch:
         """The patch that turns ``base`` (the exact base version of this tensor) into
         the new version; positions and values live on ``base``'s device."""
-        record = self._records.get(name)
-        if record is None:
-            raise MismatchError(f"delta object {self.object_name} has no tensor {name!r}")
+        record = self._record(name, base)
         where = f"delta object {self.object_name}: tensor {name!r}"
-        if base.dtype != record.info.dtype or tuple(base.shape) != record.shape:
-            raise MismatchError(
-                f"{where}: base is {base.dtype} {tuple(base.shape)}, delta expects "
-                f"{record.info.dtype} {record.shape}"
-            )
         base_flat = int_view_flat(base, record.info)
         blob = self._entries.get(name, np.zeros(0, np.uint8))
         try:
@@ -117,6 +117,68 @@ class DeltaObject:
             positions=torch.from_numpy(positions).to(device),
             values=torch.from_numpy(signed).to(device),
         )
+
+    def apply_to(
+        self, name: str, tensor: torch.Tensor, *, undo: bool = False
+    ) -> TensorPatch | None:
+        """Turn ``tensor`` (holding the exact base version of this tensor) into the new
+        version in place, decoding straight into it where that is possible (CPU
+        tensors, the common encodings): the same result as
+        ``apply_patch(tensor, self.decode(name, tensor))`` in about one pass.
+
+        With ``undo``, returns the patch that restores the base (positions and old
+        contents), e.g. for a rollback log. A damaged stream raises
+        CorruptObjectError and leaves ``tensor`` as it was."""
+        record = self._record(name, tensor)
+        info = record.info
+        walker = fused.get() if tensor.device.type == "cpu" else None
+        if walker is None or not walk_applies(record.encoding, record.params, info):
+            patch = self.decode(name, tensor)
+            restore = None
+            if undo:
+                flat = tensor.detach().view(info.view).view(-1)
+                held = flat.index_select(0, patch.positions.to(flat.device))
+                restore = TensorPatch(name, info.dtype, record.shape, patch.positions, held)
+            apply_patch(tensor, patch)
+            return restore
+        if not tensor.is_contiguous():
+            raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
+        target = tensor.detach().view(info.view).view(-1).numpy().view(info.unsigned)
+        try:
+            where, old_np = walk_sparse(
+                walker,
+                record.split(self._entries[name]),
+                record.params,
+                record.changed,
+                target,
+                info,
+                fused.APPLY,
+                record=undo,
+            )
+        except DamagedStreamError as exc:
+            raise CorruptObjectError(
+                f"delta object {self.object_name}: tensor {name!r}: {exc}"
+            ) from None
+        if not undo:
+            return None
+        return TensorPatch(
+            name=name,
+            dtype=info.dtype,
+            shape=record.shape,
+            positions=torch.from_numpy(where),
+            values=torch.from_numpy(old_np.view(_numpy_dtype(info.view))),
+        )
+
+    def _record(self, name: str, base: torch.Tensor) -> TensorRecord:
+        record = self._records.get(name)
+        if record is None:
+            raise MismatchError(f"delta object {self.object_name} has no tensor {name!r}")
+        if base.dtype != record.info.dtype or tuple(base.shape) != record.shape:
+            raise MismatchError(
+                f"delta object {self.object_name}: tensor {name!r}: base is {base.dtype} "
+                f"{tuple(base.shape)}, delta expects {record.info.dtype} {record.shape}"
+            )
+        return record
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from pipeline.codec import kernels, rice
+from pipeline.codec import fused, rice
 
 ZSTD_LEVEL = 3
 METHODS = ("planes", "signmag")
@@ -92,23 +92,23 @@ def decode_planes(frame: Frame, count: int, unsigned: type[np.unsignedinteger]) 
     return np.ascontiguousarray(planes.T).view(unsigned).reshape(count)
 
 
-def encode_contents(base_vals: AnyUInt, new_vals: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
-    """Streams and params for the contents of changed elements (unsigned views).
+def encode_contents(diff: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
+    """Streams and params for the differences new - base (unsigned, wrapping) of
+    the changed elements.
 
     Sign-magnitude when at least two thirds of the differences are +-1, where it
     pays off; byte planes otherwise."""
-    count = base_vals.size
-    compiled = kernels.get()
-    if compiled is not None and base_vals.itemsize <= 4:
+    count = diff.size
+    compiled = fused.get()
+    if compiled is not None and diff.itemsize <= 4:
         signs = np.zeros((count + 7) // 8, np.uint8)
         big_buf = np.empty(count, np.int64)
-        mags_buf = np.empty(count, base_vals.dtype)
-        top = (1 << (8 * base_vals.itemsize)) - 1
-        ones, nbig = compiled.signmag_split(base_vals, new_vals, top, signs, big_buf, mags_buf)
+        mags_buf = np.empty(count, diff.dtype)
+        top = (1 << (8 * diff.itemsize)) - 1
+        ones, nbig = compiled.signmag_diffs(diff, top, signs, big_buf, mags_buf)
         if 3 * ones >= 2 * count:
             return _signmag_streams(signs, big_buf[:nbig], mags_buf[:nbig])
-        return {"values": encode_planes(zigzag(new_vals - base_vals))}, {"contents": "planes"}
-    diff = new_vals - base_vals
+        return {"values": encode_planes(zigzag(diff))}, {"contents": "planes"}
     minus_one = np.iinfo(diff.dtype).max
     ones = int(np.count_nonzero((diff == 1) | (diff == minus_one)))
     if 3 * ones < 2 * count:

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pipeline.codec import contents, kernels, positions
+from pipeline.codec import contents, fused, kernels, positions, rice
 from pipeline.codec.dtypes import DtypeInfo
 from pipeline.codec.positions import ClassIndex, to_numpy
 
@@ -30,7 +30,6 @@ AnyUInt = npt.NDArray[np.unsignedinteger]
 ENCODINGS = ("same", "sparse", "classed", "bitmap", "dense")
 BITMAP_MIN_DENSITY = 1 / 32
 DENSE_MIN_DENSITY = 1 / 4
-SCAN_BLOCK_WORDS = 1 << 14
 
 
 class DamagedStreamError(Exception):
@@ -61,86 +60,65 @@ def roles(encoding: str, params: dict[str, Any]) -> tuple[str, ...] | None:
     return positions.ROLES[encoding] + contents.ROLES[method]
 
 
-def find_changes(base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt, AnyUInt]:
-    """Positions where two flat arrays differ, and both contents there.
+def find_changes(base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
+    """Positions where two flat arrays differ, and the differences new - base there
+    (wrapping).
 
-    Compares 8-byte words first and looks inside the few words that differ:
-    with a few percent of elements changed this writes and scans a quarter of
-    the mask an element-wise comparison would (for 2-byte elements)."""
+    Compiled: one vectorised pass (fused.scan_diffs). numpy: compares 8-byte
+    words first and looks inside the few words that differ; with a few percent
+    of elements changed this writes and scans a quarter of the mask an
+    element-wise comparison would (for 2-byte elements)."""
+    compiled = fused.get()
+    if compiled is not None:
+        return _scan_compiled(compiled, base, new)
     lanes = 8 // base.itemsize
     aligned = base.ctypes.data % 8 == 0 and new.ctypes.data % 8 == 0
     if base.size < 64 or not aligned:
         where = np.flatnonzero(base != new)
-        return where, base[where], new[where]
+        return where, new[where] - base[where]
     main = base.size - base.size % lanes
-    compiled = kernels.get()
-    if compiled is not None:
-        where, base_vals, new_vals = _find_changes_compiled(compiled, base, new, main, lanes)
-    else:
-        where, base_vals, new_vals = _find_changes_numpy(base, new, main, lanes)
-    if main < base.size:
-        tail = np.flatnonzero(base[main:] != new[main:]) + main
-        where = np.concatenate([where, tail])
-        base_vals = np.concatenate([base_vals, base[tail]])
-        new_vals = np.concatenate([new_vals, new[tail]])
-    return where, base_vals, new_vals
-
-
-def _find_changes_compiled(
-    compiled: Any, base: AnyUInt, new: AnyUInt, main: int, lanes: int
-) -> tuple[I64, AnyUInt, AnyUInt]:
-    base_words = base[:main].view(np.uint64)
-    new_words = new[:main].view(np.uint64)
-    scratch = np.empty(min(base_words.size, SCAN_BLOCK_WORDS), np.int64)
-    # Room for ~6% changed; grow and resume from where the scan stopped if needed.
-    capacity = main // 16 + scratch.size * lanes
-    pieces: list[tuple[I64, AnyUInt, AnyUInt]] = []
-    word = 0
-    while True:
-        out_pos = np.empty(capacity, np.int64)
-        out_base = np.empty(capacity, base.dtype)
-        out_new = np.empty(capacity, base.dtype)
-        count, word = compiled.find_changes(
-            base_words, new_words, base, new, lanes, scratch, out_pos, out_base, out_new, word
-        )
-        pieces.append((out_pos[:count], out_base[:count], out_new[:count]))
-        if word >= base_words.size:
-            break
-        capacity *= 2
-    if len(pieces) == 1:
-        return pieces[0]
-    return (
-        np.concatenate([p[0] for p in pieces]),
-        np.concatenate([p[1] for p in pieces]),
-        np.concatenate([p[2] for p in pieces]),
-    )
-
-
-def _find_changes_numpy(
-    base: AnyUInt, new: AnyUInt, main: int, lanes: int
-) -> tuple[I64, AnyUInt, AnyUInt]:
     words = np.flatnonzero(base[:main].view(np.uint64) != new[:main].view(np.uint64))
     base_lanes = base[:main].view(np.uint64)[words].view(base.dtype)
     new_lanes = new[:main].view(np.uint64)[words].view(base.dtype)
     inner = np.flatnonzero(base_lanes != new_lanes)
     shift = lanes.bit_length() - 1
     where = (words[inner >> shift] << shift) | (inner & (lanes - 1))
-    return where, base_lanes[inner], new_lanes[inner]
+    diff = new_lanes[inner] - base_lanes[inner]
+    if main < base.size:
+        tail = np.flatnonzero(base[main:] != new[main:]) + main
+        where = np.concatenate([where, tail])
+        diff = np.concatenate([diff, new[tail] - base[tail]])
+    return where, diff
+
+
+def _scan_compiled(compiled: Any, base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
+    # Room for ~6% changed; grow and resume from where the scan stopped if needed.
+    capacity = base.size // 16 + 2 * fused.LANES
+    pieces: list[tuple[I64, AnyUInt]] = []
+    start = 0
+    while True:
+        out_pos = np.empty(capacity, np.int64)
+        out_diff = np.empty(capacity, base.dtype)
+        count, start = compiled.scan_diffs(base, new, out_pos, out_diff, start)
+        pieces.append((out_pos[:count], out_diff[:count]))
+        if start >= base.size:
+            break
+        capacity = min(2 * capacity, base.size - start + 2 * fused.LANES)
+    if len(pieces) == 1:
+        return pieces[0]
+    return np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces])
 
 
 def _changes(
     base_flat: torch.Tensor, new_flat: torch.Tensor, info: DtypeInfo
-) -> tuple[I64, AnyUInt, AnyUInt]:
-    """Positions of changed elements, and base and new contents there (unsigned)."""
+) -> tuple[I64, AnyUInt]:
+    """Positions of changed elements and the differences new - base there (unsigned)."""
     unsigned = info.unsigned
     if base_flat.device.type == "cpu":
         return find_changes(base_flat.numpy().view(unsigned), new_flat.numpy().view(unsigned))
     where_t = torch.nonzero(torch.ne(base_flat, new_flat)).view(-1)
-    return (
-        to_numpy(where_t),
-        to_numpy(base_flat[where_t]).view(unsigned),
-        to_numpy(new_flat[where_t]).view(unsigned),
-    )
+    base_vals = to_numpy(base_flat[where_t]).view(unsigned)
+    return to_numpy(where_t), to_numpy(new_flat[where_t]).view(unsigned) - base_vals
 
 
 def encode_tensor(
@@ -150,11 +128,11 @@ def encode_tensor(
     numel = base_flat.numel()
     if numel == 0:
         return Encoded("same", 0)
-    where, base_vals, new_vals = _changes(base_flat, new_flat, info)
+    where, diff = _changes(base_flat, new_flat, info)
     changed = where.size
     if changed == 0:
         return Encoded("same", 0)
-    content_streams, content_params = contents.encode_contents(base_vals, new_vals)
+    content_streams, content_params = contents.encode_contents(diff)
 
     candidates: list[Encoded] = []
     if changed < numel:
@@ -163,6 +141,7 @@ def encode_tensor(
         if level >= 2 and info.exponent is not None:
             index = ClassIndex.build(base_flat, info)
             shift, top = info.exponent
+            base_vals = to_numpy(base_flat).view(info.unsigned)[where]
             classes = ((base_vals >> shift) & top).astype(np.int64)
             streams, params = positions.encode_classed(where, classes, index)
             candidates.append(Encoded("classed", changed, streams, params))
@@ -210,6 +189,10 @@ def decode_tensor(
                 )
             diff = diff[where]
         else:
+            walker = fused.get() if base_flat.device.type == "cpu" else None
+            if walker is not None and walk_applies(encoding, params, info):
+                base_np = base_flat.numpy().view(unsigned)
+                return walk_sparse(walker, streams, params, changed, base_np, info, fused.DECODE)
             if encoding == "sparse":
                 where = positions.decode_sparse(streams, params, changed, numel)
             elif encoding == "bitmap":
@@ -251,3 +234,69 @@ def decode_tensor(
     else:
         base_vals = to_numpy(base_flat[torch.from_numpy(where).to(base_flat.device)]).view(unsigned)
     return where, base_vals + diff
+
+
+def walk_applies(encoding: str, params: dict[str, Any], info: DtypeInfo) -> bool:
+    """Whether ``walk_sparse`` handles a record (the common case)."""
+    return encoding == "sparse" and params.get("contents") == "signmag" and info.width <= 4
+
+
+def walk_sparse(
+    walker: Any,
+    streams: dict[str, U8],
+    params: dict[str, Any],
+    changed: int,
+    target: AnyUInt,
+    info: DtypeInfo,
+    mode: int,
+    *,
+    record: bool = True,
+) -> tuple[I64, AnyUInt]:
+    """Positions and contents of a sparse / signmag record in one pass over
+    ``target`` (the base; fused.APPLY writes the new contents into it and returns
+    the old ones, fused.DECODE returns the new ones). Damaged streams raise
+    DamagedStreamError with ``target`` unchanged."""
+    unsigned = info.unsigned
+    try:
+        signs, big, mags = contents.signmag_parts(streams, params, changed, unsigned)
+    except contents.ContentsError as exc:
+        raise DamagedStreamError(str(exc)) from None
+    unary, fixed, param = streams["unary"], streams["fixed"], int(params["rice"])
+    # The walk reads these unchecked: their sizes must be what the counts say.
+    if fixed.size != rice.fixed_nbytes(changed, param) or signs.size != (changed + 7) // 8:
+        raise DamagedStreamError("position or sign stream has the wrong size")
+    top = (1 << (8 * info.width)) - 1
+    if big.size and bool((mags == top - 1).any()):
+        raise DamagedStreamError("contents hold a zero difference for a changed element")
+    # Sentinels past the end keep the walk free of bounds checks on them.
+    big_ends = np.empty(big.size + 1, np.int64)
+    big_ends[:-1] = big
+    big_ends[-1] = -1
+    mags_ends = np.zeros(big.size + 1, unsigned)
+    mags_ends[:-1] = mags
+    size = changed if record else 0
+    out_pos = np.empty(size, np.int64)
+    out_val = np.empty(size, unsigned)
+    done, status = walker.walk_sparse(
+        unary, fixed, param, changed, signs, big_ends, mags_ends, target, mode, out_pos, out_val
+    )
+    if status != fused.DONE:
+        if mode == fused.APPLY and done:
+            empty_pos, empty_val = np.empty(0, np.int64), np.empty(0, unsigned)
+            walker.walk_sparse(
+                unary,
+                fixed,
+                param,
+                done,
+                signs,
+                big_ends,
+                mags_ends,
+                target,
+                fused.UNDO,
+                empty_pos,
+                empty_val,
+            )
+        if status == fused.BAD_POSITION:
+            raise DamagedStreamError(f"a position is out of range for {target.size} elements")
+        raise DamagedStreamError("position streams do not hold the recorded gaps")
+    return out_pos, out_val

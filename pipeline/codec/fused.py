@@ -1,0 +1,298 @@
+"""Fused compiled kernels for the common case: few changes, small differences.
+
+- ``scan_diffs``: one pass over base and new that compares 64 elements at a time
+  as vectors (a bit mask of the differing lanes) and writes only the changed
+  positions and their differences new - base; no mask, no word index.
+- ``signmag_diffs``: the sign-magnitude split of those differences.
+- ``walk_sparse``: walks the Rice-coded gaps and the sign-magnitude contents of
+  a ``sparse`` / ``signmag`` record together and either writes new = base + diff
+  straight into the target (apply, recording the old contents if asked), only
+  records positions and new contents (decode), or takes a prefix of an apply
+  back (undo).
+
+They produce and consume exactly the streams of rice.py and contents.py. A few
+LLVM intrinsics (vector compare to a bit mask, count leading / trailing zeros,
+big-endian 8-byte loads) are defined here with numba's ``intrinsic``; they are
+what lets one core keep up with memory. Everything is built on first use and
+cached on disk like kernels.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from pipeline.codec import kernels
+
+LANES = 64  # elements compared per step; the mask of a step is one uint64
+BATCH = 256  # elements decoded ahead of their writes
+
+# walk_sparse modes
+APPLY = 0
+DECODE = 1
+UNDO = 2
+
+# walk_sparse outcomes
+DONE = 0
+BAD_UNARY = 1  # the unary stream ends early or holds more or fewer codes
+BAD_POSITION = 2  # a gap leads past the end of the tensor
+
+
+def get() -> Any | None:
+    """The fused kernels, or None when compiled kernels are off or unavailable."""
+    if kernels.get() is None:
+        return None
+    return _build()
+
+
+@functools.cache
+def _build() -> Any | None:
+    try:
+        numba = importlib.import_module("numba")
+        types = importlib.import_module("numba.core.types")
+        intrinsic = importlib.import_module("numba.extending").intrinsic
+        ir = importlib.import_module("llvmlite.ir")
+        cgutils = importlib.import_module("numba.core.cgutils")
+    except ImportError:
+        return None
+    np = importlib.import_module("numpy")
+    jit = numba.njit(cache=True, nogil=True)
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def neq_mask(typingctx: Any, a: Any, b: Any, start: Any) -> Any:
+        """Bit j set where a[start + j] != b[start + j], j < 64 (one vector compare)."""
+        signature = types.uint64(a, b, start)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            vector = ir.VectorType(context.get_data_type(sig.args[0].dtype), LANES)
+            loaded = []
+            for array_type, value in zip(sig.args[:2], args[:2], strict=True):
+                array = context.make_array(array_type)(context, builder, value=value)
+                pointer = builder.bitcast(builder.gep(array.data, [args[2]]), vector.as_pointer())
+                loaded.append(builder.load(pointer, align=1))
+            differ = builder.icmp_unsigned("!=", loaded[0], loaded[1])
+            return builder.bitcast(differ, ir.IntType(64))
+
+        return signature, codegen
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def trailing_zeros(typingctx: Any, x: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+
+        return types.uint64(types.uint64), codegen
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def leading_zeros(typingctx: Any, x: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
+
+        return types.uint64(types.uint64), codegen
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def load_be64(typingctx: Any, stream: Any, index: Any) -> Any:
+        """Bytes index .. index + 7 of a uint8 array as a big-endian uint64 (unchecked)."""
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            array = context.make_array(sig.args[0])(context, builder, value=args[0])
+            word = ir.IntType(64)
+            pointer = builder.bitcast(builder.gep(array.data, [args[1]]), word.as_pointer())
+            return builder.bswap(builder.load(pointer, align=1))
+
+        return types.uint64(stream, index), codegen
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def prefetch_write(typingctx: Any, array: Any, index: Any) -> Any:
+        """Hint that array[index] is about to be written (no effect on results)."""
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            byte_pointer = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
+                "llvm.prefetch.p0",
+            )
+            address = builder.bitcast(builder.gep(data, [args[1]]), byte_pointer)
+            # write, high temporal locality, data cache
+            builder.call(
+                function, [address, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+            )
+            return context.get_dummy_value()
+
+        return types.none(array, index), codegen
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def peek(stream: Any, bit: int) -> Any:
+        """The 64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end
+        (at least 57 of them are stream bits when the stream is that long)."""
+        index = bit >> 3
+        if index + 8 <= stream.size:
+            word = load_be64(stream, index)
+        else:
+            word = np.uint64(0)
+            for j in range(8):
+                word <<= np.uint64(8)
+                if index + j < stream.size:
+                    word |= np.uint64(stream[index + j])
+        return word << np.uint64(bit & 7)
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def scan_diffs(base: Any, new: Any, out_pos: Any, out_diff: Any, start: int) -> Any:
+        """Changed elements from ``start`` on (a multiple of 64): positions and
+        new - base (wrapping), until the outputs could overflow: (elements
+        written, where to resume).
+
+        Each 64-lane mask is compacted into four output slots without branches
+        (a branch per lane or per mask mispredicts at a few percent changed);
+        the rare mask with more than four bits set finishes in a loop."""
+        n = base.size
+        main = n - n % LANES
+        cap = out_pos.size
+        k = 0
+        i = start
+        one = np.uint64(1)
+        last = np.uint64(LANES - 1)
+        while i < main:
+            if k + LANES > cap:
+                return k, i
+            mask = neq_mask(base, new, i)
+            for _ in range(3):
+                p = i + min(trailing_zeros(mask), last)
+                out_pos[k] = p
+                out_diff[k] = new[p] - base[p]
+                k += mask != 0
+                mask &= mask - one
+            while mask:
+                p = i + trailing_zeros(mask)
+                out_pos[k] = p
+                out_diff[k] = new[p] - base[p]
+                k += 1
+                mask &= mask - one
+            i += LANES
+        if k + LANES > cap:
+            return k, i
+        for p in range(i, n):
+            out_pos[k] = p
+            out_diff[k] = new[p] - base[p]
+            k += base[p] != new[p]
+        return k, n
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def signmag_diffs(diff: Any, top: int, signs: Any, big: Any, mags: Any) -> Any:
+        """Sign bits (into zeroed ``signs``), indices of magnitudes above one and
+        those magnitudes - 2, of differences modulo top + 1 (elements of at most 4
+        bytes): (count of magnitude one, count above one)."""
+        half = (top >> 1) + 1
+        ones = 0
+        nbig = 0
+        for i in range(diff.size):
+            d = np.int64(diff[i])
+            negative = d >= half
+            magnitude = top + 1 - d if negative else d
+            signs[i >> 3] |= negative << (7 - (i & 7))
+            big[nbig] = i
+            mags[nbig] = magnitude - 2
+            ones += magnitude == 1
+            nbig += magnitude != 1
+        return ones, nbig
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def walk_sparse(
+        unary: Any,
+        fixed: Any,
+        param: int,
+        count: int,
+        signs: Any,
+        big: Any,
+        mags: Any,
+        target: Any,
+        mode: int,
+        out_pos: Any,
+        out_val: Any,
+    ) -> Any:
+        """Walk ``count`` Rice-coded positions (unary + fixed streams, parameter
+        ``param``) with their sign-magnitude contents (sign bits, ascending indices
+        of magnitudes above one ending in a sentinel -1, those magnitudes - 2; each
+        below top - 1, checked by the caller) over ``target``, the base contents.
+
+        APPLY writes target[p] += diff and, when ``out_pos`` is not empty, records
+        positions and old contents; DECODE writes nothing and records positions
+        and new contents; UNDO takes back the first ``count`` elements of an APPLY.
+
+        Works in batches: decode a batch of positions and differences into small
+        buffers, prefetching the target lines they touch, then read-modify-write
+        them. Kept in one loop, the long chain of bit-stream arithmetic per
+        element would leave few cache misses in flight.
+
+        Returns (elements done, DONE | BAD_UNARY | BAD_POSITION). On damage an
+        APPLY has written exactly the elements done; its caller UNDOes them."""
+        numel = target.size
+        record = out_pos.size > 0
+        unary_bits = unary.size * 8
+        ubit = 0
+        fbit = 0
+        pos = -1
+        j = 0
+        one = np.uint64(1)
+        low = np.uint64(63 - param)
+        flip = np.int64(1 if mode == UNDO else 0)
+        batch_pos = np.empty(BATCH, np.int64)
+        batch_diff = np.empty(BATCH, np.int64)
+        for first in range(0, count, BATCH):
+            size = min(BATCH, count - first)
+            for b in range(size):
+                i = first + b
+                quotient = 0
+                word = peek(unary, ubit)
+                while word == 0:
+                    quotient += 56
+                    ubit += 56
+                    if ubit >= unary_bits:
+                        return first, BAD_UNARY
+                    word = peek(unary, ubit)
+                lead = np.int64(leading_zeros(word))
+                quotient += lead
+                ubit += lead + 1
+                if ubit > unary_bits or quotient > (numel >> param):
+                    return first, BAD_UNARY
+                rem = np.int64((peek(fixed, fbit) >> one) >> low)
+                fbit += param
+                pos += (quotient << param) + rem + 1
+                if pos >= numel:
+                    return first, BAD_POSITION
+                prefetch_write(target, pos)
+                is_big = big[j] == i
+                magnitude = 1 + is_big * (np.int64(mags[j]) + 1)
+                j += is_big
+                negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
+                batch_pos[b] = pos
+                batch_diff[b] = (magnitude ^ -negative) + negative
+            for b in range(size):
+                p = batch_pos[b]
+                old = target[p]
+                value = old + batch_diff[b]
+                if mode != DECODE:
+                    target[p] = value
+                if record:
+                    out_pos[first + b] = p
+                    out_val[first + b] = value if mode == DECODE else old
+        # Exactly ``count`` codes, then zero padding, nothing more.
+        if (ubit + 7) >> 3 != unary.size or (ubit & 7 and unary[-1] & (0xFF >> (ubit & 7))):
+            return count, BAD_UNARY
+        return count, DONE
+
+    return _Fused(
+        scan_diffs=scan_diffs,
+        signmag_diffs=signmag_diffs,
+        walk_sparse=walk_sparse,
+    )
+
+
+class _Fused:
+    def __init__(self, **functions: Any) -> None:
+        self.scan_diffs = functions["scan_diffs"]
+        self.signmag_diffs = functions["signmag_diffs"]
+        self.walk_sparse = functions["walk_sparse"]
