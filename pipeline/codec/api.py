@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +33,9 @@ CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
 LEVELS = (1, 2)
 DEFAULT_LEVEL = 1
-ENCODE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# The scan for changes is bound by memory bandwidth: a second thread on a two-CPU
+# machine measured slower than one (hand-offs, a busy neighbour core).
+ENCODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,8 @@ def encode_delta(
 
     # Tensors are encoded on a few threads (the compiled loops and zstd release the
     # GIL); at most ENCODE_THREADS + 1 pairs are held at once.
-    with ThreadPoolExecutor(max_workers=ENCODE_THREADS) as pool:
+    pool = _encode_pool() if ENCODE_THREADS > 1 else None
+    try:
         for name, base, new in pairs:
             if name in seen:
                 raise CodecError(f"tensor {name!r} appears twice in one delta")
@@ -224,12 +228,22 @@ def encode_delta(
             info = info_for(base.dtype, name)
             base_flat = int_view_flat(base, info)
             new_flat = int_view_flat(new.to(base.device), info)
-            future = pool.submit(encode_tensor, base_flat, new_flat, info, level)
+            future: Future[Encoded] = Future()
+            if pool is None:
+                future.set_result(encode_tensor(base_flat, new_flat, info, level))
+            else:
+                future = pool.submit(encode_tensor, base_flat, new_flat, info, level)
             pending.append((name, info, tuple(base.shape), future))
             if len(pending) > ENCODE_THREADS:
                 finish_oldest()
         while pending:
             finish_oldest()
+    finally:
+        for *_, future in pending:
+            future.cancel()
+        for *_, future in pending:
+            if not future.cancelled():
+                future.exception()  # wait: the caller may free the tensors next
     tensors_json = json.dumps(records, separators=(",", ":"))
     metadata = {
         "codec": CODEC_NAME,
@@ -239,6 +253,20 @@ def encode_delta(
         "checksum": _checksum(str(level), tensors_json, entries),
     }
     return write_container(entries, metadata)
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _encode_pool() -> ThreadPoolExecutor:
+    """One long-lived pool per process: its threads keep their scratch buffers and
+    zstd contexts warm between deltas (a fresh pool would fault them in again)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():  # threads do not survive fork
+            _pool = (os.getpid(), ThreadPoolExecutor(ENCODE_THREADS, "deltasync-encode"))
+        return _pool[1]
 
 
 def _checksum(level: str, tensors_json: str, entries: dict[str, npt.NDArray[np.uint8]]) -> str:

@@ -12,6 +12,7 @@ the difference of the integer views is tiny. Two methods, the smaller wins:
 
 from __future__ import annotations
 
+import threading
 from typing import Any, cast
 
 import numpy as np
@@ -38,9 +39,39 @@ def _buffer(data: Frame) -> memoryview:
     return memoryview(data.data if isinstance(data, np.ndarray) else data)
 
 
+_local = threading.local()
+
+
+def scratch(role: str, size: int, dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+    """A per-thread buffer of at least ``size`` elements, reused across calls (fresh
+    large arrays cost a page fault per 4 KiB on first touch). The returned view is
+    valid until the next call for the same role on the same thread."""
+    buffers: dict[str, npt.NDArray[Any]] | None = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    key = f"{role}:{np.dtype(dtype).str}"
+    buffer = buffers.get(key)
+    if buffer is None or buffer.size < size:
+        buffer = buffers[key] = np.empty(max(size, 1 << 12), dtype)
+    return buffer[:size]
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    """Per-thread zstd contexts: creating one per frame costs more than a small frame.
+    Reuse does not change the output."""
+    pair: tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor] | None = getattr(
+        _local, "zstd", None
+    )
+    if pair is None:
+        pair = _local.zstd = (
+            zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True),
+            zstandard.ZstdDecompressor(),
+        )
+    return pair
+
+
 def compress(data: Frame) -> U8:
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
-    return np.frombuffer(compressor.compress(_buffer(data)), np.uint8)
+    return np.frombuffer(_zstd()[0].compress(_buffer(data)), np.uint8)
 
 
 def frame_content_size(frame: Frame) -> int:
@@ -57,7 +88,7 @@ def decompress(frame: Frame, expected: int) -> bytes | None:
     if frame_content_size(frame) != expected:
         return None
     try:
-        out = zstandard.ZstdDecompressor().decompress(_buffer(frame), max_output_size=expected)
+        out = _zstd()[1].decompress(_buffer(frame), max_output_size=expected)
     except zstandard.ZstdError:
         return None
     return out if len(out) == expected else None
@@ -101,9 +132,9 @@ def encode_contents(diff: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
     count = diff.size
     compiled = fused.get()
     if compiled is not None and diff.itemsize <= 4:
-        signs = np.zeros((count + 7) // 8, np.uint8)
-        big_buf = np.empty(count, np.int64)
-        mags_buf = np.empty(count, diff.dtype)
+        signs = np.empty((count + 7) // 8, np.uint8)
+        big_buf = scratch("big", count, np.int64)
+        mags_buf = scratch("mags", count, diff.dtype)
         top = (1 << (8 * diff.itemsize)) - 1
         ones, nbig = compiled.signmag_diffs(diff, top, signs, big_buf, mags_buf)
         if 3 * ones >= 2 * count:

@@ -124,6 +124,58 @@ def _build() -> Any | None:
 
         return types.none(array, index), codegen
 
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def store_be64(typingctx: Any, stream: Any, index: Any, value: Any) -> Any:
+        """Store ``value`` big-endian at bytes index .. index + 7 of a uint8 array
+        (unchecked)."""
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            array = context.make_array(sig.args[0])(context, builder, value=args[0])
+            word = ir.IntType(64)
+            pointer = builder.bitcast(builder.gep(array.data, [args[1]]), word.as_pointer())
+            builder.store(builder.bswap(args[2]), pointer, align=1)
+            return context.get_dummy_value()
+
+        return types.none(stream, index, types.uint64), codegen
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def put_bits(stream: Any, acc: Any, held: int, index: int, value: Any, width: int) -> Any:
+        """Append the ``width`` (<= 40) low bits of ``value`` to a bit writer that holds
+        ``held`` bits in ``acc`` and stores whole 8-byte words at ``index``."""
+        if held + width < 64:
+            return (acc << np.uint64(width)) | value, held + width, index
+        spill = held + width - 64
+        word = (acc << np.uint64(64 - held)) | (value >> np.uint64(spill))
+        store_be64(stream, index, word)
+        return value & ((np.uint64(1) << np.uint64(spill)) - np.uint64(1)), spill, index + 8
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def rice_write(positions: Any, param: int, unary: Any, fixed: Any) -> None:
+        """Rice codes of the gaps of strictly increasing positions, MSB first, into
+        streams sized to whole 8-byte words (the caller trims them)."""
+        prev = -1
+        uacc = facc = np.uint64(0)
+        uheld = fheld = 0
+        uindex = findex = 0
+        mask = np.uint64((1 << param) - 1)
+        one = np.uint64(1)
+        for p in positions:
+            gap = p - prev - 1
+            prev = p
+            quotient = gap >> param
+            while quotient >= 32:
+                uacc, uheld, uindex = put_bits(unary, uacc, uheld, uindex, np.uint64(0), 32)
+                quotient -= 32
+            uacc, uheld, uindex = put_bits(unary, uacc, uheld, uindex, one, quotient + 1)
+            if param:
+                facc, fheld, findex = put_bits(
+                    fixed, facc, fheld, findex, np.uint64(gap) & mask, param
+                )
+        if uheld:
+            store_be64(unary, uindex, uacc << np.uint64(64 - uheld))
+        if fheld:
+            store_be64(fixed, findex, facc << np.uint64(64 - fheld))
+
     @jit  # type: ignore[untyped-decorator,misc]
     def peek(stream: Any, bit: int) -> Any:
         """The 64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end
@@ -182,21 +234,29 @@ def _build() -> Any | None:
 
     @jit  # type: ignore[untyped-decorator,misc]
     def signmag_diffs(diff: Any, top: int, signs: Any, big: Any, mags: Any) -> Any:
-        """Sign bits (into zeroed ``signs``), indices of magnitudes above one and
+        """Sign bits (into ``signs``), indices of magnitudes above one and
         those magnitudes - 2, of differences modulo top + 1 (elements of at most 4
         bytes): (count of magnitude one, count above one)."""
         half = (top >> 1) + 1
         ones = 0
         nbig = 0
+        byte = 0
         for i in range(diff.size):
             d = np.int64(diff[i])
-            negative = d >= half
-            magnitude = top + 1 - d if negative else d
-            signs[i >> 3] |= negative << (7 - (i & 7))
+            negative = np.int64(d >= half)
+            # Branch-free: signs are fair coins, a branch on them mispredicts half the time.
+            magnitude = ((d ^ -negative) + negative) & top
+            # Sign bits gather in a register, a byte is stored every eighth element.
+            byte = (byte << 1) | negative
+            if i & 7 == 7:
+                signs[i >> 3] = byte
+                byte = 0
             big[nbig] = i
             mags[nbig] = magnitude - 2
             ones += magnitude == 1
             nbig += magnitude != 1
+        if diff.size & 7:
+            signs[diff.size >> 3] = byte << (8 - (diff.size & 7))
         return ones, nbig
 
     @jit  # type: ignore[untyped-decorator,misc]
@@ -287,6 +347,7 @@ def _build() -> Any | None:
     return _Fused(
         scan_diffs=scan_diffs,
         signmag_diffs=signmag_diffs,
+        rice_write=rice_write,
         walk_sparse=walk_sparse,
     )
 
@@ -295,4 +356,5 @@ class _Fused:
     def __init__(self, **functions: Any) -> None:
         self.scan_diffs = functions["scan_diffs"]
         self.signmag_diffs = functions["signmag_diffs"]
+        self.rice_write = functions["rice_write"]
         self.walk_sparse = functions["walk_sparse"]

@@ -35,86 +35,28 @@ def _build() -> Any | None:
     jit = numba.njit(cache=True, nogil=True)
 
     @jit  # type: ignore[untyped-decorator,misc]
-    def find_changes(
-        base_words: Any,
-        new_words: Any,
-        base: Any,
-        new: Any,
-        lanes: int,
-        scratch: Any,
-        out_pos: Any,
-        out_base: Any,
-        out_new: Any,
-        start_word: int,
-    ) -> tuple[int, int]:
-        """Changed elements from ``start_word`` on, block by block, until the outputs
-        could overflow: (elements written, next word to scan).
-
-        Branch-free compaction: first the indices of differing 8-byte words of a
-        block, then the differing elements inside them. An if per word would
-        mispredict on every changed word."""
-        block = scratch.size
-        k = 0
-        lo = start_word
-        while lo < base_words.size:
-            hi = min(lo + block, base_words.size)
-            if k + (hi - lo) * lanes > out_pos.size:
-                return k, lo
-            m = 0
-            for j in range(lo, hi):
-                scratch[m] = j
-                m += base_words[j] != new_words[j]
-            for i in range(m):
-                first = scratch[i] * lanes
-                for e in range(first, first + lanes):
-                    a = base[e]
-                    b = new[e]
-                    out_pos[k] = e
-                    out_base[k] = a
-                    out_new[k] = b
-                    k += a != b
-            lo = hi
-        return k, base_words.size
-
-    @jit  # type: ignore[untyped-decorator,misc]
     def rice_costs(positions: Any, first_param: int, count: int) -> Any:
         """Bits needed for the gaps of ``positions`` with parameters
-        first_param .. first_param + count - 1."""
+        first_param .. first_param + count - 1 (count <= 3)."""
+        shift0 = first_param
+        shift1 = min(first_param + 1, 63)
+        shift2 = min(first_param + 2, 63)
+        sum0 = sum1 = sum2 = 0
+        # Gaps from neighbours, three independent sums: the loop vectorises.
+        if positions.size:
+            sum0 = positions[0] >> shift0
+            sum1 = positions[0] >> shift1
+            sum2 = positions[0] >> shift2
+        for i in range(1, positions.size):
+            gap = positions[i] - positions[i - 1] - 1
+            sum0 += gap >> shift0
+            sum1 += gap >> shift1
+            sum2 += gap >> shift2
+        sums = (sum0, sum1, sum2)
         costs = np.zeros(count, np.int64)
-        prev = -1
-        for p in positions:
-            gap = p - prev - 1
-            prev = p
-            for c in range(count):
-                costs[c] += gap >> (first_param + c)
         for c in range(count):
-            costs[c] += positions.size * (1 + first_param + c)
+            costs[c] = sums[c] + positions.size * (1 + first_param + c)
         return costs
-
-    @jit  # type: ignore[untyped-decorator,misc]
-    def rice_encode(positions: Any, param: int, unary: Any, fixed: Any) -> None:
-        """Gaps of strictly increasing positions into zeroed, exactly sized streams."""
-        prev = -1
-        ubit = 0
-        acc = 0
-        nacc = 0
-        fbyte = 0
-        mask = (1 << param) - 1
-        for p in positions:
-            gap = p - prev - 1
-            prev = p
-            ubit += gap >> param
-            unary[ubit >> 3] |= 0x80 >> (ubit & 7)
-            ubit += 1
-            if param:
-                acc = ((acc << param) | (gap & mask)) & 0xFFFFFFFFFFFF
-                nacc += param
-                while nacc >= 8:
-                    nacc -= 8
-                    fixed[fbyte] = (acc >> nacc) & 0xFF
-                    fbyte += 1
-        if nacc:
-            fixed[fbyte] = (acc << (8 - nacc)) & 0xFF
 
     @jit  # type: ignore[untyped-decorator,misc]
     def rice_decode(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
@@ -167,30 +109,6 @@ def _build() -> Any | None:
             out[i] = base[positions[i]] + diff[i]
 
     @jit  # type: ignore[untyped-decorator,misc]
-    def signmag_split(
-        base: Any, new: Any, top: int, signs: Any, big: Any, mags: Any
-    ) -> tuple[int, int]:
-        """Sign bits (into zeroed ``signs``), indices of magnitudes above one and
-        those magnitudes - 2, of new - base modulo top + 1 (elements of at most 4
-        bytes): (count of magnitude one, count above one)."""
-        half = (top >> 1) + 1
-        ones = 0
-        nbig = 0
-        for i in range(base.size):
-            diff = (np.int64(new[i]) - np.int64(base[i])) & top
-            magnitude = diff
-            if diff >= half:
-                magnitude = top + 1 - diff
-                signs[i >> 3] |= 0x80 >> (i & 7)
-            if magnitude == 1:
-                ones += 1
-            else:
-                big[nbig] = i
-                mags[nbig] = magnitude - 2
-                nbig += 1
-        return ones, nbig
-
-    @jit  # type: ignore[untyped-decorator,misc]
     def signmag_values(
         signs: Any, big: Any, mags: Any, base: Any, positions: Any, out: Any, top: int
     ) -> int:
@@ -225,12 +143,9 @@ def _build() -> Any | None:
         return 0
 
     return _Kernels(
-        find_changes=find_changes,
         rice_costs=rice_costs,
-        rice_encode=rice_encode,
         rice_decode=rice_decode,
         gather_add=gather_add,
-        signmag_split=signmag_split,
         signmag_values=signmag_values,
         scatter=scatter,
     )
@@ -238,11 +153,8 @@ def _build() -> Any | None:
 
 class _Kernels:
     def __init__(self, **functions: Any) -> None:
-        self.find_changes = functions["find_changes"]
         self.rice_costs = functions["rice_costs"]
-        self.rice_encode = functions["rice_encode"]
         self.rice_decode = functions["rice_decode"]
         self.gather_add = functions["gather_add"]
-        self.signmag_split = functions["signmag_split"]
         self.signmag_values = functions["signmag_values"]
         self.scatter = functions["scatter"]

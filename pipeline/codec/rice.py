@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.codec import kernels
+from pipeline.codec import fused, kernels
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -161,7 +161,7 @@ def encode_positions(positions: I64) -> tuple[U8, U8, int]:
     if positions.size == 0:
         return np.zeros(0, np.uint8), np.zeros(0, np.uint8), 0
     compiled = kernels.get()
-    if compiled is None:
+    if compiled is None or fused.get() is None:
         gaps = positions_to_gaps(positions)
         param, _ = best_param(gaps)
         unary, fixed = encode_gaps(gaps, param)
@@ -171,10 +171,11 @@ def encode_positions(positions: I64) -> tuple[U8, U8, int]:
     costs = compiled.rice_costs(positions, first, min(3, MAX_PARAM + 1 - first))
     param = first + int(np.argmin(costs))
     unary_bits_total = int(costs[param - first]) - count * param
-    unary = np.zeros((unary_bits_total + 7) // 8, np.uint8)
-    fixed = np.zeros(fixed_nbytes(count, param), np.uint8)
-    compiled.rice_encode(positions, param, unary, fixed)
-    return unary, fixed, param
+    # The writer stores whole 8-byte words: room for them, then trimmed views.
+    unary = np.empty(-(-unary_bits_total // 64) * 8, np.uint8)
+    fixed = np.empty(-(-count * param // 64) * 8, np.uint8)
+    fused.get().rice_write(positions, param, unary, fixed)
+    return unary[: (unary_bits_total + 7) // 8], fixed[: fixed_nbytes(count, param)], param
 
 
 def decode_positions(unary: U8, fixed: U8, count: int, param: int, limit: int) -> I64 | None:

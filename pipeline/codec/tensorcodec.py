@@ -92,20 +92,22 @@ def find_changes(base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
 
 
 def _scan_compiled(compiled: Any, base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
+    """Views into per-thread scratch buffers (contents.scratch): encode_tensor
+    consumes them before it scans the next tensor."""
     # Room for ~6% changed; grow and resume from where the scan stopped if needed.
     capacity = base.size // 16 + 2 * fused.LANES
-    pieces: list[tuple[I64, AnyUInt]] = []
-    start = 0
-    while True:
+    out_pos = contents.scratch("positions", capacity, np.int64)
+    out_diff = contents.scratch("diffs", capacity, base.dtype)
+    count, start = compiled.scan_diffs(base, new, out_pos, out_diff, 0)
+    if start >= base.size:
+        return out_pos[:count], out_diff[:count]
+    pieces = [(out_pos[:count].copy(), out_diff[:count].copy())]
+    while start < base.size:
+        capacity = min(2 * capacity, base.size - start + 2 * fused.LANES)
         out_pos = np.empty(capacity, np.int64)
         out_diff = np.empty(capacity, base.dtype)
         count, start = compiled.scan_diffs(base, new, out_pos, out_diff, start)
         pieces.append((out_pos[:count], out_diff[:count]))
-        if start >= base.size:
-            break
-        capacity = min(2 * capacity, base.size - start + 2 * fused.LANES)
-    if len(pieces) == 1:
-        return pieces[0]
     return np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces])
 
 
