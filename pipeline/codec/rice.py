@@ -160,8 +160,8 @@ def encode_positions(positions: I64) -> tuple[U8, U8, int]:
     with the parameter that gives the fewest bits."""
     if positions.size == 0:
         return np.zeros(0, np.uint8), np.zeros(0, np.uint8), 0
-    compiled = kernels.get()
-    if compiled is None or fused.get() is None:
+    compiled, writer = kernels.get(), fused.get()
+    if compiled is None or writer is None:
         gaps = positions_to_gaps(positions)
         param, _ = best_param(gaps)
         unary, fixed = encode_gaps(gaps, param)
@@ -174,7 +174,7 @@ def encode_positions(positions: I64) -> tuple[U8, U8, int]:
     # The writer stores whole 8-byte words: room for them, then trimmed views.
     unary = np.empty(-(-unary_bits_total // 64) * 8, np.uint8)
     fixed = np.empty(-(-count * param // 64) * 8, np.uint8)
-    fused.get().rice_write(positions, param, unary, fixed)
+    writer.rice_write(positions, param, unary, fixed)
     return unary[: (unary_bits_total + 7) // 8], fixed[: fixed_nbytes(count, param)], param
 
 
