@@ -134,6 +134,11 @@ class DeltaObject:
         CorruptObjectError and leaves ``tensor`` as it was."""
         record = self._record(name, tensor)
         info = record.info
+        if record.changed == 0:
+            if not undo:
+                return None
+            nothing = torch.zeros(0, dtype=torch.int64, device=tensor.device)
+            return TensorPatch(name, info.dtype, record.shape, nothing, nothing.to(info.view))
         walker = fused.get() if tensor.device.type == "cpu" else None
         if walker is None or not walk_applies(record.encoding, record.params, info):
             patch = self.decode(name, tensor)

@@ -37,6 +37,7 @@ UNDO = 2
 DONE = 0
 BAD_UNARY = 1  # the unary stream ends early or holds more or fewer codes
 BAD_POSITION = 2  # a gap leads past the end of the tensor
+BAD_CONTENTS = 3  # a magnitude wraps to zero
 
 
 def get() -> Any | None:
@@ -87,6 +88,13 @@ def _build() -> Any | None:
     def leading_zeros(typingctx: Any, x: Any) -> Any:
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
             return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
+
+        return types.uint64(types.uint64), codegen
+
+    @intrinsic  # type: ignore[untyped-decorator,misc]
+    def bit_reverse(typingctx: Any, x: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.bitreverse(args[0])
 
         return types.uint64(types.uint64), codegen
 
@@ -260,6 +268,19 @@ def _build() -> Any | None:
         return ones, nbig
 
     @jit  # type: ignore[untyped-decorator,misc]
+    def unary_word(unary: Any, index: int) -> Any:
+        """Bytes index .. index + 7 of the unary stream (zeros past its end) with bit k
+        holding stream bit 8 * index + k, so ends of codes come out of trailing zeros."""
+        if index + 8 <= unary.size:
+            return bit_reverse(load_be64(unary, index))
+        word = np.uint64(0)
+        for j in range(8):
+            word <<= np.uint64(8)
+            if index + j < unary.size:
+                word |= np.uint64(unary[index + j])
+        return bit_reverse(word)
+
+    @jit  # type: ignore[untyped-decorator,misc]
     def walk_sparse(
         unary: Any,
         fixed: Any,
@@ -267,56 +288,67 @@ def _build() -> Any | None:
         count: int,
         signs: Any,
         big: Any,
-        mags: Any,
+        planes: Any,
         target: Any,
         mode: int,
         out_pos: Any,
         out_val: Any,
     ) -> Any:
         """Walk ``count`` Rice-coded positions (unary + fixed streams, parameter
-        ``param``) with their sign-magnitude contents (sign bits, ascending indices
-        of magnitudes above one ending in a sentinel -1, those magnitudes - 2; each
-        below top - 1, checked by the caller) over ``target``, the base contents.
+        ``param``) with their sign-magnitude contents over ``target``, the base
+        contents: sign bits, ascending indices of magnitudes above one followed by a
+        sentinel >= count, and those magnitudes - 2 as byte planes (``planes``, least
+        significant plane first, as many planes as target's element width).
 
         APPLY writes target[p] += diff and, when ``out_pos`` is not empty, records
         positions and old contents; DECODE writes nothing and records positions
         and new contents; UNDO takes back the first ``count`` elements of an APPLY.
 
-        Works in batches: decode a batch of positions and differences into small
-        buffers, prefetching the target lines they touch, then read-modify-write
-        them. Kept in one loop, the long chain of bit-stream arithmetic per
-        element would leave few cache misses in flight.
+        Works in batches, each in three short loops: find where the batch's unary
+        codes end (trailing zeros of bit-reversed words: one cheap dependency per
+        element instead of a load-shift-count chain), then turn ends and fixed bits
+        into positions and differences while prefetching the target lines, then
+        read-modify-write the target (many cache misses in flight).
 
-        Returns (elements done, DONE | BAD_UNARY | BAD_POSITION). On damage an
-        APPLY has written exactly the elements done; its caller UNDOes them."""
+        Returns (elements done, DONE | BAD_*). On damage an APPLY has written
+        exactly the elements done; its caller UNDOes them."""
         numel = target.size
+        width = target.itemsize
+        nbig = big.size - 1
+        top = (1 << (8 * width)) - 1
         record = out_pos.size > 0
-        unary_bits = unary.size * 8
-        ubit = 0
-        fbit = 0
-        pos = -1
-        j = 0
         one = np.uint64(1)
         low = np.uint64(63 - param)
         flip = np.int64(1 if mode == UNDO else 0)
+        word = np.uint64(0)
+        word_bit = 0  # stream bit of the word's bit 0
+        next_byte = 0
+        prev_end = -1
+        fbit = 0
+        pos = -1
+        j = 0
         batch_pos = np.empty(BATCH, np.int64)
         batch_diff = np.empty(BATCH, np.int64)
         for first in range(0, count, BATCH):
             size = min(BATCH, count - first)
+            b = 0
+            while b < size:
+                if word == 0:
+                    if next_byte >= unary.size:
+                        return first, BAD_UNARY
+                    word = unary_word(unary, next_byte)
+                    word_bit = 8 * next_byte
+                    next_byte += 8
+                    continue
+                batch_pos[b] = word_bit + np.int64(trailing_zeros(word))
+                word &= word - one
+                b += 1
             for b in range(size):
                 i = first + b
-                quotient = 0
-                word = peek(unary, ubit)
-                while word == 0:
-                    quotient += 56
-                    ubit += 56
-                    if ubit >= unary_bits:
-                        return first, BAD_UNARY
-                    word = peek(unary, ubit)
-                lead = np.int64(leading_zeros(word))
-                quotient += lead
-                ubit += lead + 1
-                if ubit > unary_bits or quotient > (numel >> param):
+                end = batch_pos[b]
+                quotient = end - prev_end - 1
+                prev_end = end
+                if quotient > (numel >> param):
                     return first, BAD_UNARY
                 rem = np.int64((peek(fixed, fbit) >> one) >> low)
                 fbit += param
@@ -324,12 +356,19 @@ def _build() -> Any | None:
                 if pos >= numel:
                     return first, BAD_POSITION
                 prefetch_write(target, pos)
-                is_big = big[j] == i
-                magnitude = 1 + is_big * (np.int64(mags[j]) + 1)
-                j += is_big
-                negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
                 batch_pos[b] = pos
-                batch_diff[b] = (magnitude ^ -negative) + negative
+                negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
+                batch_diff[b] = (1 ^ -negative) + negative
+            while big[j] < first + size:
+                i = big[j]
+                magnitude = 2
+                for plane in range(width):
+                    magnitude += np.int64(planes[plane * nbig + j]) << (8 * plane)
+                if magnitude & top == 0:
+                    return first, BAD_CONTENTS
+                negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
+                batch_diff[i - first] = (magnitude ^ -negative) + negative
+                j += 1
             for b in range(size):
                 p = batch_pos[b]
                 old = target[p]
@@ -339,8 +378,8 @@ def _build() -> Any | None:
                 if record:
                     out_pos[first + b] = p
                     out_val[first + b] = value if mode == DECODE else old
-        # Exactly ``count`` codes, then zero padding, nothing more.
-        if (ubit + 7) >> 3 != unary.size or (ubit & 7 and unary[-1] & (0xFF >> (ubit & 7))):
+        # Exactly ``count`` codes, the last in the last byte, then zero padding.
+        if word != 0 or (prev_end >> 3) != unary.size - 1:
             return count, BAD_UNARY
         return count, DONE
 

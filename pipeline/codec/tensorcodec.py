@@ -259,28 +259,32 @@ def walk_sparse(
     the old ones, fused.DECODE returns the new ones). Damaged streams raise
     DamagedStreamError with ``target`` unchanged."""
     unsigned = info.unsigned
-    try:
-        signs, big, mags = contents.signmag_parts(streams, params, changed, unsigned)
-    except contents.ContentsError as exc:
-        raise DamagedStreamError(str(exc)) from None
     unary, fixed, param = streams["unary"], streams["fixed"], int(params["rice"])
+    signs = streams["sign"]
     # The walk reads these unchecked: their sizes must be what the counts say.
     if fixed.size != rice.fixed_nbytes(changed, param) or signs.size != (changed + 7) // 8:
         raise DamagedStreamError("position or sign stream has the wrong size")
-    top = (1 << (8 * info.width)) - 1
-    if big.size and bool((mags == top - 1).any()):
-        raise DamagedStreamError("contents hold a zero difference for a changed element")
-    # Sentinels past the end keep the walk free of bounds checks on them.
-    big_ends = np.empty(big.size + 1, np.int64)
-    big_ends[:-1] = big
-    big_ends[-1] = -1
-    mags_ends = np.zeros(big.size + 1, unsigned)
-    mags_ends[:-1] = mags
+    nbig, big_param = int(params["big"]), int(params["big_rice"])
+    # Indices of large magnitudes, then a sentinel that keeps the walk off their end.
+    big_ends = np.empty(nbig + 1, np.int64)
+    big = rice.decode_positions(
+        streams["big_unary"], streams["big_fixed"], nbig, big_param, changed
+    )
+    if big is None:
+        raise DamagedStreamError("large-difference streams do not hold the recorded count")
+    big_ends[:nbig] = big
+    big_ends[nbig] = changed
+    planes: U8 = np.zeros(0, np.uint8)
+    if nbig:
+        raw = contents.decompress(streams["mags"], nbig * info.width)
+        if raw is None:
+            raise DamagedStreamError("contents frame does not decompress to the recorded size")
+        planes = np.frombuffer(raw, np.uint8)
     size = changed if record else 0
     out_pos = np.empty(size, np.int64)
     out_val = np.empty(size, unsigned)
     done, status = walker.walk_sparse(
-        unary, fixed, param, changed, signs, big_ends, mags_ends, target, mode, out_pos, out_val
+        unary, fixed, param, changed, signs, big_ends, planes, target, mode, out_pos, out_val
     )
     if status != fused.DONE:
         if mode == fused.APPLY and done:
@@ -292,7 +296,7 @@ def walk_sparse(
                 done,
                 signs,
                 big_ends,
-                mags_ends,
+                planes,
                 target,
                 fused.UNDO,
                 empty_pos,
@@ -300,5 +304,7 @@ def walk_sparse(
             )
         if status == fused.BAD_POSITION:
             raise DamagedStreamError(f"a position is out of range for {target.size} elements")
+        if status == fused.BAD_CONTENTS:
+            raise DamagedStreamError("contents hold a zero difference for a changed element")
         raise DamagedStreamError("position streams do not hold the recorded gaps")
     return out_pos, out_val
