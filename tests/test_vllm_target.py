@@ -522,3 +522,48 @@ def test_json_requests_as_the_server_endpoint_sends_them(
     assert committed["ok"], committed
     assert engine.reset_prefix_cache()
     assert target.hashes() == _hashes(chain.versions[2].weights)
+
+
+def _request(manifest: Manifest, objects: dict[str, bytes]) -> dict[str, Any]:
+    return {
+        "version": manifest.version,
+        "verify": "touched",
+        "parent_state_hash": manifest.parent_state_hash,
+        "entries": [
+            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
+        ],
+        "objects": objects,
+        "sha256": {o.key: o.sha256 for o in manifest.objects},
+    }
+
+
+@on_engine
+def test_engine_serves_the_old_version_while_a_delta_is_prepared(
+    target: Any, engine: Any, chain: Chain, reference: dict[str, Any]
+) -> None:
+    """A background prepare leaves the model alone: the engine generates with the old
+    weights until the commit; a second prepare is refused until then."""
+    for manifest, objects in chain.deltas[:-1]:
+        target.apply_delta(manifest, objects, "touched")
+    old = _generate(engine, PROMPTS)
+    manifest, objects = chain.deltas[-1]
+    (started,) = engine.collective_rpc(
+        "deltasync_prepare_start", args=(_request(manifest, objects),)
+    )
+    assert started["ok"], started
+    assert _generate(engine, PROMPTS) == old  # served while (or after) preparing
+    while True:
+        (result,) = engine.collective_rpc("deltasync_prepare_result")
+        if not result["ok"] or result["value"] is not None:
+            break
+    assert result["ok"], result
+    assert _generate(engine, PROMPTS) == old  # prepared, not committed: still the old model
+    (second,) = engine.collective_rpc(
+        "deltasync_prepare_start", args=(_request(manifest, objects),)
+    )
+    assert not second["ok"] and "neither committed nor aborted" in second["message"]
+    (committed,) = engine.collective_rpc("deltasync_commit")
+    assert committed["ok"], committed
+    assert engine.reset_prefix_cache()
+    assert target.hashes() == _hashes(chain.versions[-1].weights)
+    assert _generate(engine, PROMPTS) == reference["prompts"]

@@ -17,6 +17,7 @@ checkpoint the engine was given, never a re-derived kernel layout.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -97,6 +98,15 @@ class _State:
     staging: dict[str, torch.Tensor] | None = None
     pending: _Pending | None = None
     loaded: bool = False
+    # A prepare running on a thread of its own while the engine keeps serving.
+    preparing: threading.Thread | None = None
+    prepared: Envelope | None = None
+
+    def check_idle(self) -> None:
+        """Refuse to read or change the shadow while a background prepare writes it."""
+        thread = self.preparing
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            raise TargetError("vLLM worker: a delta is being prepared (wait for its result)")
 
     def specs(self) -> dict[str, TensorSpec]:
         return {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in self.shadow.items()}
@@ -127,6 +137,7 @@ class DeltasyncWorkerExtension:
 
     def _ds_loaded(self) -> _State:
         state = self._ds()
+        state.check_idle()
         if not state.loaded:
             raise TargetError("vLLM worker holds no deltasync state: call load_state first")
         return state
@@ -144,6 +155,7 @@ class DeltasyncWorkerExtension:
         call (TargetError naming it) before the shadow or the model change.
         """
         state = self._ds()
+        state.check_idle()
         model = self._ds_model()
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
         load_weights = model.load_weights  # type: ignore[assignment]
@@ -360,6 +372,38 @@ class DeltasyncWorkerExtension:
 
         return _enveloped(run)
 
+    def deltasync_prepare_start(self, request: dict[str, Any]) -> Envelope:
+        """``deltasync_prepare`` on a thread of its own; answers at once, so the engine
+        keeps serving while the delta is decoded and verified (the model is not
+        touched). Collect the outcome with ``deltasync_prepare_result``."""
+
+        def run() -> bool:
+            state = self._ds_loaded()
+            if state.pending is not None or state.prepared is not None:
+                raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
+
+            def work() -> None:
+                state.prepared = self.deltasync_prepare(request)
+
+            state.preparing = threading.Thread(target=work, name="deltasync-prepare", daemon=True)
+            state.preparing.start()
+            return True
+
+        return _enveloped(run)
+
+    def deltasync_prepare_result(self) -> Envelope:
+        """``{"ok": True, "value": None}`` while a background prepare runs, then the
+        prepare's own envelope (once; its value is never None)."""
+        state = self._ds()
+        thread = state.preparing
+        if thread is None:
+            return _failed(TargetError("vLLM worker: no delta is being prepared"))
+        if thread.is_alive():
+            return _ok(None)
+        state.preparing = None
+        answer, state.prepared = state.prepared, None
+        return answer or _failed(TargetError("vLLM worker: background prepare gave no answer"))
+
     def deltasync_prepare_json(self, request_json: str) -> Envelope:
         """``deltasync_prepare`` for callers that can only send JSON text (the
         server's ``/collective_rpc``): ``objects`` maps each key to a local file path
@@ -403,6 +447,7 @@ class DeltasyncWorkerExtension:
 
         def run() -> bool:
             state = self._ds()
+            state.check_idle()
             pending = state.pending
             if pending is None:
                 return False

@@ -105,6 +105,7 @@ class VllmTarget:
         llm: Any,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         expected_specs: Mapping[str, TensorSpec] | None = None,
+        background_prepare: bool = True,
     ) -> None:
         """``expected_specs``: the checkpoint tensors an engine that holds no deltasync
         state yet (started on dummy weights) is to take; ``specs()`` answers them, once
@@ -114,6 +115,9 @@ class VllmTarget:
         self.llm = llm
         self.chunk_bytes = chunk_bytes
         self.expected_specs = dict(expected_specs) if expected_specs is not None else None
+        # Decode and verify deltas on a worker thread while the engine serves (the
+        # pause is then the commit alone); False: one blocking prepare RPC.
+        self.background_prepare = background_prepare
         self.version: int | None = None  # last applied version, when known
         self._specs: dict[str, TensorSpec] | None = None
         # Seconds spent in each phase of the last apply_delta (prepare, commit, reset).
@@ -226,7 +230,7 @@ class VllmTarget:
             "sha256": {},  # checked here already; workers check it on the JSON path
         }
         started = time.perf_counter()
-        prepared = self._envelopes("deltasync_prepare", request)
+        prepared = self._prepare(request)
         failed = [answer for answer in prepared if not answer["ok"]]
         if failed:
             if len(failed) < len(prepared):
@@ -236,11 +240,14 @@ class VllmTarget:
         self._call("deltasync_commit")
         committed = time.perf_counter()
         self._reset_prefix_cache()
-        pause = time.perf_counter() - started
+        finished = time.perf_counter()
+        # In the background mode the engine keeps serving while workers prepare:
+        # it is unavailable only from the commit on.
+        pause = finished - (decoded if self.background_prepare else started)
         self.last_timings = {
             "prepare_s": decoded - started,
             "commit_s": committed - decoded,
-            "reset_s": started + pause - committed,
+            "reset_s": finished - committed,
         }
         summary = prepared[0]["value"]
         self.version = manifest.version
@@ -255,6 +262,33 @@ class VllmTarget:
         return ApplyReport(
             manifest.version, int(summary["tensors"]), int(summary["changed"]), pause
         )
+
+    def _prepare(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker's prepare envelope: in one blocking RPC, or started on a
+        worker thread and polled, so the engine serves in between."""
+        if not self.background_prepare:
+            return self._envelopes("deltasync_prepare", request)
+        started = self._envelopes("deltasync_prepare_start", request)
+        results = self._wait_prepared(len(started))
+        failed = [answer for answer in started if not answer["ok"]]
+        if failed:
+            # The workers that did start have finished: undo them, report why.
+            self._envelopes("deltasync_abort")
+            _raise(failed[0])
+        return results
+
+    def _wait_prepared(self, workers: int) -> list[dict[str, Any]]:
+        """Poll until every worker's background prepare has answered."""
+        results: dict[int, dict[str, Any]] = {}
+        wait = 0.0005
+        while len(results) < workers:
+            for index, answer in enumerate(self._envelopes("deltasync_prepare_result")):
+                if index not in results and (not answer["ok"] or answer["value"] is not None):
+                    results[index] = answer
+            if len(results) < workers:
+                time.sleep(wait)
+                wait = min(wait * 2, 0.005)
+        return [results[index] for index in range(workers)]
 
     def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
         answer: dict[str, str] = self._call(
