@@ -4,10 +4,13 @@ Builds a Qwen3 model of the given size locally (no download), starts one in-proc
 vLLM engine with the deltasync worker extension, and measures in the same run:
 
 - delta: ``VllmTarget.apply_delta`` of a delta changing ``--changed`` of all
-  elements by one bf16 unit (the typical RL step), pause = prepare + commit RPCs +
-  prefix-cache reset, as ApplyReport.pause_s;
+  elements by one bf16 unit (the typical RL step): pause = commit RPC + prefix-cache
+  reset, as ApplyReport.pause_s (the prepare, decoding and verifying on a worker
+  thread, runs while the engine could serve); apply = prepare + pause;
 - reload: vLLM's own ``reload_weights`` of the whole checkpoint from the local
-  safetensors folder, plus the prefix-cache reset;
+  safetensors folder, plus the prefix-cache reset (alternating with the deltas, so
+  both see the same load on a shared machine);
+- decode speed of the engine (``--cpu-linear plain`` or ``packed`` weights);
 - load_files: ``VllmTarget.load_files`` (full reload through deltasync, which also
   rebuilds the shadow and weight map);
 - engine start: a fresh ``LLM(...)`` on the checkpoint (once).
@@ -184,6 +187,7 @@ def main() -> None:
         delta_pauses: list[float] = []
         reload_pauses: list[float] = []
         ratios: list[float] = []
+        applies: list[float] = []
         phases: dict[str, list[float]] = {}
         for i in range(args.repeats):
             started = time.perf_counter()
@@ -199,6 +203,7 @@ def main() -> None:
             target.version = None
             delta_pauses.append(target.apply_delta(manifest, objects, "touched").pause_s)
             ratios.append(delta_pauses[-1] / reload_pauses[-1])
+            applies.append(sum(target.last_timings.values()))
             for phase, seconds in target.last_timings.items():
                 phases.setdefault(phase, []).append(seconds)
 
@@ -226,7 +231,10 @@ def main() -> None:
             "changed_elements": changed,
             "changed_fraction": round(changed / params, 5),
             "object_bytes": forward[0].objects[0].size,
+            # Engine unavailable: the commit and the prefix-cache reset (the prepare
+            # runs on a worker thread while the engine serves).
             "pause_s_median": statistics.median(delta_pauses),
+            "apply_s_median": round(statistics.median(applies), 5),
             "pause_s_all": [round(p, 5) for p in delta_pauses],
             "phases_s_median": {k: round(statistics.median(v), 5) for k, v in phases.items()},
         },
