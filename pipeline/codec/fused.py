@@ -281,6 +281,29 @@ def _build() -> Any | None:
         return bit_reverse(word)
 
     @jit  # type: ignore[untyped-decorator,misc]
+    def write_batch(
+        target: Any,
+        positions: Any,
+        diffs: Any,
+        size: int,
+        first: int,
+        mode: int,
+        out_pos: Any,
+        out_val: Any,
+    ) -> None:
+        """target[positions] += diffs for one batch of walk_sparse (see there)."""
+        record = out_pos.size > 0
+        for b in range(size):
+            p = positions[b]
+            old = target[p]
+            value = old + diffs[b]
+            if mode != DECODE:
+                target[p] = value
+            if record:
+                out_pos[first + b] = p
+                out_val[first + b] = value if mode == DECODE else old
+
+    @jit  # type: ignore[untyped-decorator,misc]
     def walk_sparse(
         unary: Any,
         fixed: Any,
@@ -304,11 +327,12 @@ def _build() -> Any | None:
         positions and old contents; DECODE writes nothing and records positions
         and new contents; UNDO takes back the first ``count`` elements of an APPLY.
 
-        Works in batches, each in three short loops: find where the batch's unary
-        codes end (trailing zeros of bit-reversed words: one cheap dependency per
-        element instead of a load-shift-count chain), then turn ends and fixed bits
-        into positions and differences while prefetching the target lines, then
-        read-modify-write the target (many cache misses in flight).
+        Works in batches, each in short loops: find where the batch's unary codes
+        end (trailing zeros of bit-reversed words: one cheap dependency per element
+        instead of a load-shift-count chain), then turn ends and fixed bits into
+        positions and differences while prefetching the target lines, then fix up
+        the large magnitudes; the batch is written (many cache misses in flight)
+        after the next one is decoded.
 
         Returns (elements done, DONE | BAD_*). On damage an APPLY has written
         exactly the elements done; its caller UNDOes them."""
@@ -316,7 +340,6 @@ def _build() -> Any | None:
         width = target.itemsize
         nbig = big.size - 1
         top = (1 << (8 * width)) - 1
-        record = out_pos.size > 0
         one = np.uint64(1)
         low = np.uint64(63 - param)
         flip = np.int64(1 if mode == UNDO else 0)
@@ -327,15 +350,20 @@ def _build() -> Any | None:
         fbit = 0
         pos = -1
         j = 0
-        batch_pos = np.empty(BATCH, np.int64)
-        batch_diff = np.empty(BATCH, np.int64)
+        # Two batches in flight: one is decoded (prefetching its lines) while the
+        # previous one, whose lines had a batch's time to arrive, is written.
+        pos_buffers = np.empty((2, BATCH), np.int64)
+        diff_buffers = np.empty((2, BATCH), np.int64)
         for first in range(0, count, BATCH):
             size = min(BATCH, count - first)
+            batch_pos = pos_buffers[(first // BATCH) & 1]
+            batch_diff = diff_buffers[(first // BATCH) & 1]
+            written = max(first - BATCH, 0)  # the previous batch is not written yet
             b = 0
             while b < size:
                 if word == 0:
                     if next_byte >= unary.size:
-                        return first, BAD_UNARY
+                        return written, BAD_UNARY
                     word = unary_word(unary, next_byte)
                     word_bit = 8 * next_byte
                     next_byte += 8
@@ -349,12 +377,12 @@ def _build() -> Any | None:
                 quotient = end - prev_end - 1
                 prev_end = end
                 if quotient > (numel >> param):
-                    return first, BAD_UNARY
+                    return written, BAD_UNARY
                 rem = np.int64((peek(fixed, fbit) >> one) >> low)
                 fbit += param
                 pos += (quotient << param) + rem + 1
                 if pos >= numel:
-                    return first, BAD_POSITION
+                    return written, BAD_POSITION
                 prefetch_write(target, pos)
                 batch_pos[b] = pos
                 negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
@@ -365,19 +393,35 @@ def _build() -> Any | None:
                 for plane in range(width):
                     magnitude += np.int64(planes[plane * nbig + j]) << (8 * plane)
                 if magnitude & top == 0:
-                    return first, BAD_CONTENTS
+                    return written, BAD_CONTENTS
                 negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
                 batch_diff[i - first] = (magnitude ^ -negative) + negative
                 j += 1
-            for b in range(size):
-                p = batch_pos[b]
-                old = target[p]
-                value = old + batch_diff[b]
-                if mode != DECODE:
-                    target[p] = value
-                if record:
-                    out_pos[first + b] = p
-                    out_val[first + b] = value if mode == DECODE else old
+            if first:
+                previous = ((first // BATCH) - 1) & 1
+                write_batch(
+                    target,
+                    pos_buffers[previous],
+                    diff_buffers[previous],
+                    BATCH,
+                    first - BATCH,
+                    mode,
+                    out_pos,
+                    out_val,
+                )
+        if count:
+            last = ((count - 1) // BATCH) * BATCH
+            slot = (last // BATCH) & 1
+            write_batch(
+                target,
+                pos_buffers[slot],
+                diff_buffers[slot],
+                count - last,
+                last,
+                mode,
+                out_pos,
+                out_val,
+            )
         # Exactly ``count`` codes, the last in the last byte, then zero padding.
         if word != 0 or (prev_end >> 3) != unary.size - 1:
             return count, BAD_UNARY
