@@ -219,6 +219,7 @@ class CheckpointReader:
         self.path = Path(path)
         self.sharded = False
         self._files: list[Path] = []
+        self._data_start: list[int] = []  # per file: where its data section begins
         self._entries: dict[str, tuple[int, HeaderEntry]] = {}
         self._order: list[str] = []
         self._handles: dict[int, Any] = {}
@@ -280,6 +281,7 @@ class CheckpointReader:
         header = read_file_header(path)
         i = len(self._files)
         self._files.append(path)
+        self._data_start.append(header.data_start)
         if not self.metadata:
             self.metadata = header.metadata
         for e in header.entries:
@@ -326,8 +328,7 @@ class CheckpointReader:
             out[self._entries[name][0]][1].append(name)
         return out
 
-    def get(self, name: str) -> torch.Tensor:
-        i, e = self._entry(name)
+    def _handle(self, i: int) -> Any:
         handle = self._handles.get(i)
         if handle is None:
             try:
@@ -335,11 +336,26 @@ class CheckpointReader:
             except Exception as ex:  # safetensors raises its own error types
                 raise CorruptObjectError(f"checkpoint file {self._files[i]}: {ex}") from None
             self._handles[i] = handle
-        # safe_open hands out views of one private mapping: copy, so patching is safe.
-        tensor: torch.Tensor = handle.get_tensor(name).clone()
+        return handle
+
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as a zero-copy view of the memory-mapped file: for reading only
+        (never write it), valid while the file is unchanged. Saves a copy of every byte
+        where the caller only compares or hashes."""
+        i, e = self._entry(name)
+        tensor: torch.Tensor = self._handle(i).get_tensor(name)
         if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
             raise CorruptObjectError(f"checkpoint file {self._files[i]}: tensor {name!r} misread")
         return tensor
+
+    def get(self, name: str) -> torch.Tensor:
+        # safe_open hands out views of one private mapping: copy, so patching is safe.
+        return self.view(name).clone()
+
+    def location(self, name: str) -> tuple[Path, int, int]:
+        """(file, byte offset of the tensor's data in it, byte length)."""
+        i, e = self._entry(name)
+        return self._files[i], self._data_start[i] + e.begin, e.end - e.begin
 
     def tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self._order if names is None else names:

@@ -25,7 +25,7 @@ from pipeline.errors import MismatchError, TargetError
 from pipeline.hashing import content_hash, state_hash
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
-from pipeline.targets.patching import apply_verified, decode_manifest, int_view
+from pipeline.targets.patching import apply_verified, decode_manifest, hash_patched, int_view
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +59,8 @@ class TorchTarget:
             source: Mapping[str, torch.Tensor] = weights.state_dict(keep_vars=True)
         else:
             source = weights
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # held while weights are written
+        self._write_lock = threading.RLock()  # serialises writers (apply, load)
         self._tensors: dict[str, torch.Tensor] = {}  # canonical name -> tensor
         self._canonical: dict[str, str] = {}  # every name -> canonical name
         self._names: list[str] = []  # every name, in source order
@@ -160,7 +161,7 @@ class TorchTarget:
         part way leaves a mix: callers must treat the target as holding no version."""
         seen: dict[str, str] = {}  # canonical -> first name given
         order: list[str] = []
-        with self.lock:
+        with self._write_lock, self.lock:
             self._hash_cache.clear()
             for name, src in tensors:
                 canonical = self._resolve(name, "load_state")
@@ -197,12 +198,17 @@ class TorchTarget:
     def apply_delta(
         self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode = "touched"
     ) -> ApplyReport:
-        """Check names/dtypes/shapes and the base, decode every patch, then write all of
-        them; a failed post-check restores the old contents at the patched positions."""
+        """Check names/dtypes/shapes and the base, decode every patch and prove each
+        touched tensor's result against the manifest on a scratch copy, then take
+        ``lock`` only to write the patches. ``verify="all"`` also rehashes every tensor:
+        the untouched ones before writing, the touched ones again after (a mismatch then
+        restores the old contents at the patched positions)."""
         if verify not in ("touched", "all", "none"):
             raise TargetError(f"unknown verify mode {verify!r}")
         where = f"{manifest.run} v{manifest.version}"
-        with self.lock:
+        # Only writers take _write_lock, so the held weights stay as checked until the
+        # write below, while readers holding ``lock`` keep running meanwhile.
+        with self._write_lock:
             entries = self._check_manifest(manifest, where)
             self._check_base(manifest, where)
             specs = self.specs()
@@ -226,20 +232,26 @@ class TorchTarget:
                         f"{where}: tensor {entry.name!r} is unchanged by the delta but its held "
                         "content does not match the manifest (wrong base)"
                     )
-            expected = (
-                None if verify == "none" else {p.name: entries[c].hash for c, p in touched.items()}
-            )
-            for canonical in touched:
-                self._hash_cache.pop(canonical, None)
-            start = time.perf_counter()
-            try:
-                new_hashes = apply_verified(list(touched.values()), self.tensor, expected).hashes
-            finally:
-                _sync(self._devices)
-            pause_s = time.perf_counter() - start
-            for canonical, patch in touched.items():
-                self._hash_cache[canonical] = new_hashes.get(patch.name, entries[canonical].hash)
-            self._checkpoint_names = [e.name for e in manifest.tensors]
+            expected = {p.name: entries[c].hash for c, p in touched.items()}
+            new_hashes: dict[str, str] = {}
+            if verify != "none":
+                new_hashes = hash_patched(list(touched.values()), self.tensor, expected)
+            with self.lock:
+                for canonical in touched:
+                    self._hash_cache.pop(canonical, None)
+                start = time.perf_counter()
+                try:
+                    apply_verified(
+                        list(touched.values()), self.tensor, expected if verify == "all" else None
+                    )
+                finally:
+                    _sync(self._devices)
+                pause_s = time.perf_counter() - start
+                for canonical, patch in touched.items():
+                    self._hash_cache[canonical] = new_hashes.get(
+                        patch.name, entries[canonical].hash
+                    )
+                self._checkpoint_names = [e.name for e in manifest.tensors]
         changed = sum(int(p.positions.numel()) for p in touched.values())
         log.debug("delta applied", run=manifest.run, version=manifest.version, changed=changed)
         return ApplyReport(

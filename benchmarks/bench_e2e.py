@@ -1,0 +1,242 @@
+"""End-to-end sync latency: step-completed to every replica applied, real processes.
+
+    python benchmarks/bench_e2e.py [--params 0.6e9] [--versions 4] [--replicas 2]
+                                   [--density 0.02] [--reps 3] [--work DIR]
+
+A Qwen2.5-0.5B-shaped bf16 state (``--params``) gets new versions from the
+update emulator (benchmarks/emulator.py, calibrated on real AdamW steps of the
+synthetic ``small`` preset and tuned to ``--density``). Real parts: a
+redis-server, one ``deltasync worker diff`` process, ``--replicas`` ``deltasync
+rollout --target torch`` processes, a local folder store. For each version the
+benchmark writes the checkpoint (untimed, the trainer's cost), copies it once
+with ``shutil.copyfile`` (the reference, page cache warm, best of ``--reps``),
+then emits ``step-completed`` and waits for every replica's ``delta-applied``.
+Times come from the Redis stream ids (one clock), the diff job's phase timings
+and the nodes' events; the replicas' final weights are compared bit for bit
+with the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.emulator import (
+    UpdateEmulator,
+    calibrated_profile,
+    make_state,
+    qwen_like_shapes,
+)
+from pipeline.checkpoint import CheckpointReader
+from pipeline.events import ENTRY_FIELD, stream_key
+from pipeline.synthetic import save_state
+from tests.pipeline_helpers import REPO, bits, deltasync_env, processes, wait_for
+from tests.servers import RedisServer
+
+RUN = "e2e"
+
+
+def stream_events(r: redis.Redis, run: str) -> list[tuple[float, dict[str, Any]]]:
+    """(server time in s from the entry id, event fields) of every event of the run."""
+    out = []
+    for entry_id, fields in r.xrange(stream_key(run)):
+        ms = int(entry_id.decode().split("-")[0])
+        out.append((ms / 1000, json.loads(fields[ENTRY_FIELD.encode()])))
+    return out
+
+
+def applied_nodes(
+    r: redis.Redis, run: str, version: int
+) -> dict[str, tuple[float, dict[str, Any]]]:
+    return {
+        str(doc["node"]): (t, doc)
+        for t, doc in stream_events(r, run)
+        if doc.get("type") == "delta-applied" and int(doc["version"]) == version
+    }
+
+
+def copy_reference(src: Path, scratch: Path, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        shutil.copyfile(src, scratch)
+        times.append(time.perf_counter() - start)
+        scratch.unlink()
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=0.6e9)
+    parser.add_argument("--versions", type=int, default=4)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--density", type=float, default=0.02)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args()
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"work folder {work}; load {os.getloadavg()}", flush=True)
+    state = make_state(qwen_like_shapes(args.params), seed=0)
+    params = sum(t.numel() for t in state.values())
+    profile = calibrated_profile("small").tuned_for(state.values(), args.density)
+    emulator = UpdateEmulator(profile, seed=1)
+    ckpts = work / "ckpt"
+    ckpts.mkdir(exist_ok=True)
+
+    def write(step: int) -> Path:
+        path = ckpts / f"step-{step:06d}.safetensors"
+        save_state(state, path)
+        return path
+
+    rows: list[dict[str, Any]] = []
+    with RedisServer(work / "redis") as server:
+        assert isinstance(server, RedisServer)
+        env = deltasync_env(
+            server.url,
+            work,
+            DELTASYNC_COMPACT_MAX_CHAIN="1000",
+            DELTASYNC_COMPACT_MAX_FRACTION="100",
+            OMP_NUM_THREADS="2",
+        )
+        os.environ.update({k: v for k, v in env.items() if k.startswith("DELTASYNC_")})
+        from workers.trainer import Emitter
+
+        r = redis.Redis.from_url(server.url)
+        emitter = Emitter(RUN)
+        nodes = {f"node-{i}": i for i in range(args.replicas)}
+        last = args.versions
+        commands: dict[str, list[str]] = {"diff": ["worker", "diff"]}
+        for name in nodes:
+            commands[name] = [
+                "rollout", "--run", RUN, "--target", "torch", "--node-id", name,
+                "--until", str(last), "--dump", str(work / f"{name}.safetensors"),
+                "--poll", "30",
+            ]  # fmt: skip
+        path = write(0)
+        emitter.emit_checkpoint(0, path)
+        with processes(env, work / "logs", **commands) as procs:
+            wait_for(
+                lambda: len(applied_nodes(r, RUN, 0)) == len(nodes), "bootstrap", timeout_s=900
+            )
+            previous = path
+            for step in range(1, last + 1):
+                changed = emulator.step_(state)
+                path = write(step)
+                copy_s = copy_reference(path, work / "copy.tmp", args.reps)
+                previous.unlink()  # keep two checkpoints on disk at most
+                previous = path
+                emitted = emitter.emit_checkpoint(step, path)
+                wait_for(
+                    lambda step=step: len(applied_nodes(r, RUN, step)) == len(nodes),
+                    f"v{step} on every replica",
+                    timeout_s=900,
+                )
+                events = stream_events(r, RUN)
+                t_step = next(
+                    t for t, d in events
+                    if d.get("type") == "step-completed" and int(d["version"]) == step
+                )  # fmt: skip
+                t_avail = next(
+                    t for t, d in events
+                    if d.get("type") == "delta-available" and int(d["version"]) == step
+                )  # fmt: skip
+                applied = applied_nodes(r, RUN, step)
+                job = Job.fetch(emitted.job_id, connection=r, serializer=JSONSerializer)
+                result = job.return_value() or {}
+                timings = result.get("timings", {})
+                row = {
+                    "version": step,
+                    "changed": changed,
+                    "density": changed / params,
+                    "delta_bytes": int(result.get("bytes", 0)),
+                    "full_bytes": path.stat().st_size,
+                    "copy_s": copy_s,
+                    "latency_s": max(t for t, _ in applied.values()) - t_step,
+                    "to_available_s": t_avail - t_step,
+                    "diff_total_s": timings.get("total_s", 0.0),
+                    "diff_read_s": timings.get("read_s", 0.0),
+                    "diff_encode_s": timings.get("encode_s", 0.0),
+                    "diff_upload_s": timings.get("upload_s", 0.0),
+                    "fetch_s": statistics.median(float(d["fetch_s"]) for _, d in applied.values()),
+                    "apply_s": statistics.median(float(d["apply_s"]) for _, d in applied.values()),
+                    "pause_s": statistics.median(float(d["pause_s"]) for _, d in applied.values()),
+                    "node_s": statistics.median(t - t_avail for t, _ in applied.values()),
+                }
+                rows.append(row)
+                print(
+                    f"v{step}: {100 * row['density']:.2f}% changed, "
+                    f"delta {row['delta_bytes'] / 1e6:.1f} MB, latency {row['latency_s']:.2f} s "
+                    f"(diff job {row['to_available_s']:.2f} s, nodes {row['node_s']:.2f} s), "
+                    f"copy {copy_s:.2f} s, load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+            for name, proc in procs.items():
+                if name in nodes:
+                    proc.wait(timeout=600)
+        # Bit-exactness: every replica's dump equals the last checkpoint.
+        with CheckpointReader(path) as want:
+            for name in nodes:
+                with CheckpointReader(work / f"{name}.safetensors") as got:
+                    for tensor in want.names():
+                        a, b = bits(got.get(tensor)), bits(want.get(tensor))
+                        assert torch.equal(a, b), f"{name}: {tensor} differs"
+        print(f"every replica equals v{last} bit for bit", flush=True)
+    summary = summarise(rows, params, args)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def summarise(
+    rows: list[dict[str, Any]], params: int, args: argparse.Namespace
+) -> dict[str, float]:
+    def med(key: str) -> float:
+        return float(statistics.median(r[key] for r in rows))
+
+    summary = {k: med(k) for k in rows[0] if k != "version"}
+    copy = summary["copy_s"]
+    print()
+    print(f"{params / 1e9:.2f}B bf16 parameters, {args.replicas} replicas, "
+          f"median of {len(rows)} versions")  # fmt: skip
+    print("| phase | s | vs copy |")
+    print("|---|---:|---:|")
+    for label, key in [
+        ("step-completed -> every replica applied", "latency_s"),
+        ("step-completed -> delta-available (diff job)", "to_available_s"),
+        ("  diff job total (in the worker)", "diff_total_s"),
+        ("  read base + new", "diff_read_s"),
+        ("  diff + encode", "diff_encode_s"),
+        ("  upload (overlaps encode)", "diff_upload_s"),
+        ("delta-available -> replica applied", "node_s"),
+        ("  download", "fetch_s"),
+        ("  decode + verify + write", "apply_s"),
+        ("  pause (write)", "pause_s"),
+        ("reference: copy the checkpoint file once", "copy_s"),
+    ]:
+        print(f"| {label} | {summary[key]:.3f} | {summary[key] / copy:.2f}x |")
+    print(f"delta {summary['delta_bytes'] / 1e6:.1f} MB vs {summary['full_bytes'] / 1e6:.0f} MB, "
+          f"{100 * summary['density']:.2f}% changed; repo {REPO}")  # fmt: skip
+    return summary
+
+
+if __name__ == "__main__":
+    main()
