@@ -471,6 +471,11 @@ def _parse_objects(c: _Checker, raw: object) -> tuple[ObjectEntry, ...]:
     return tuple(out)
 
 
+def check_tensor_name(name: object, source: str) -> str:
+    """``name`` if a manifest may carry it, else CorruptObjectError naming ``source``."""
+    return _check_tensor_name(_Checker(source), name)
+
+
 def _check_tensor_name(c: _Checker, name: object) -> str:
     if not isinstance(name, str) or not name:
         raise c.fail("a tensor name is empty or not a string")

@@ -43,10 +43,12 @@ from pipeline.manifest import (
     ObjectEntry,
     TensorEntry,
     check_run,
+    check_tensor_name,
     compute_state_hash,
     dtype_name,
     manifest_key,
     now_iso,
+    parse_manifest,
     sign,
     to_json,
     version_prefix,
@@ -160,6 +162,14 @@ def _write_manifest(
     if signing_key is not None:
         manifest = sign(manifest, signing_key)
     data = to_json(manifest)
+    # Never publish what readers would refuse (a run whose head cannot be read is stuck).
+    parse_manifest(
+        data,
+        expected_run=manifest.run,
+        expected_version=manifest.version,
+        expected_kind=manifest.kind,
+        source=manifest.key,
+    )
     faults.point(f"{fault}.before_manifest")
     store.put(manifest.key, data)
     faults.point(f"{fault}.after_manifest")
@@ -650,6 +660,8 @@ def publish_step(
     timings = PublishTimings()
     started = time.perf_counter()
     with CheckpointReader(checkpoint_path) as new:
+        for name in new.names():  # refused before anything is written
+            check_tensor_name(name, f"checkpoint {new.path}")
         if head is None:
             manifest = publish_anchor(
                 store,
