@@ -36,6 +36,9 @@ def run_worker(
         store=runtime.settings.store_url,
         redis=runtime.redis_url_redacted,
         burst=burst,
+        signed=runtime.settings.signing_key_path is not None,
     )
+    if runtime.settings.signing_key_path is None:
+        log.warning("versions are unsigned: set DELTASYNC_SIGNING_KEY to sign manifests")
     worked: bool = worker.work(burst=burst, with_scheduler=True, logging_level=None)
     return worked
