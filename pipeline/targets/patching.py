@@ -277,10 +277,24 @@ class AppliedPatches:
         self._undo = []
 
 
+def saved_old_values(
+    patches: Sequence[TensorPatch], tensor: Callable[[str], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The held contents at every patched position (for undo), gathered before the
+    write so that a caller can keep the gather out of the time its weights are locked.
+    Valid only while the held tensors do not change."""
+    old: dict[str, torch.Tensor] = {}
+    for patch in patches:
+        flat = int_view(tensor(patch.name)).view(-1)
+        old[patch.name] = flat.index_select(0, patch.positions.to(flat.device))
+    return old
+
+
 def apply_verified(
     patches: Sequence[TensorPatch],
     tensor: Callable[[str], torch.Tensor],
     expected: Mapping[str, str] | None,
+    old_values: Mapping[str, torch.Tensor] | None = None,
 ) -> AppliedPatches:
     """Apply all patches in place; with ``expected`` hashes, check each touched tensor
     and roll every patch back if one differs (MismatchError naming it).
@@ -288,6 +302,7 @@ def apply_verified(
     ``tensor(name)`` returns the held tensor to write (contiguous, checkpoint
     layout). The result can still be rolled back (a later step failed) and carries
     the new content hashes of the touched tensors (empty when ``expected`` is None).
+    ``old_values`` (from :func:`saved_old_values`) saves gathering them here.
     """
     applied = AppliedPatches(list(patches), {}, tensor, [])
     try:
@@ -295,7 +310,10 @@ def apply_verified(
             target = tensor(patch.name)
             flat = int_view(target).view(-1)
             positions = patch.positions.to(flat.device)
-            applied._undo.append(_Undo(patch.name, positions, flat.index_select(0, positions)))
+            old = old_values.get(patch.name) if old_values is not None else None
+            if old is None:
+                old = flat.index_select(0, positions)
+            applied._undo.append(_Undo(patch.name, positions, old))
             apply_patch(target, patch)
             faults.point("target.mid_write")
         if expected is not None:

@@ -25,7 +25,13 @@ from pipeline.errors import MismatchError, TargetError
 from pipeline.hashing import content_hash, state_hash
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
-from pipeline.targets.patching import apply_verified, decode_manifest, hash_patched, int_view
+from pipeline.targets.patching import (
+    apply_verified,
+    decode_manifest,
+    hash_patched,
+    int_view,
+    saved_old_values,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -236,13 +242,17 @@ class TorchTarget:
             new_hashes: dict[str, str] = {}
             if verify != "none":
                 new_hashes = hash_patched(list(touched.values()), self.tensor, expected)
+            old_values = saved_old_values(list(touched.values()), self.tensor)
             with self.lock:
                 for canonical in touched:
                     self._hash_cache.pop(canonical, None)
                 start = time.perf_counter()
                 try:
                     apply_verified(
-                        list(touched.values()), self.tensor, expected if verify == "all" else None
+                        list(touched.values()),
+                        self.tensor,
+                        expected if verify == "all" else None,
+                        old_values,
                     )
                 finally:
                     _sync(self._devices)
