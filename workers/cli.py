@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import click
+import redis
 
 from pipeline.errors import DeltasyncError
 from workers import cmd_delta, cmd_ops, cmd_run
@@ -17,6 +18,12 @@ def _fail(message: str) -> NoReturn:
     sys.exit(1)
 
 
+def _redis_where(ctx: click.Context) -> str:
+    obj = ctx.find_root().obj
+    runtime = obj.get("runtime") if isinstance(obj, dict) else None
+    return str(runtime.redis_url_redacted) if runtime is not None else "(unknown)"
+
+
 class _Group(click.Group):
     """Turns every deltasync error into one line on stderr and exit status 1."""
 
@@ -25,6 +32,11 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except DeltasyncError as exc:
             _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except redis.RedisError as exc:
+            # Commands that read Redis directly (status, compact --wait): one line too,
+            # naming the server without its password.
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            _fail(f"redis at {_redis_where(ctx)} failed: {detail}")
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
