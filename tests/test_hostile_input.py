@@ -37,7 +37,8 @@ from workers import queues
 from workers.trainer import Emitter
 
 FUZZ = settings(
-    max_examples=300,
+    # benchmarks/reliability.py raises this for its longer runs.
+    max_examples=int(os.environ.get("DELTASYNC_FUZZ_EXAMPLES", "300")),
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
