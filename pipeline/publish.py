@@ -568,7 +568,7 @@ class StateCache:
                 if path not in fds:
                     fds[path] = os.open(path, os.O_WRONLY)
                 data = new.view(entry.name).reshape(-1).view(torch.uint8).numpy()
-                view = memoryview(data)
+                view = data.data.cast("B")
                 while view:
                     written = os.pwrite(fds[path], view, offset)
                     view, offset = view[written:], offset + written
