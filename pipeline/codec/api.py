@@ -208,7 +208,9 @@ def encode_delta(
         name, info, shape, future = pending.popleft()
         encoded = future.result()
         sizes = {role: int(stream.size) for role, stream in encoded.streams.items()}
-        if encoded.streams:
+        if encoded.blob is not None:
+            entries[name] = encoded.blob
+        elif encoded.streams:
             entries[name] = np.concatenate(list(encoded.streams.values()))
         record = TensorRecord(
             name, info, shape, encoded.encoding, encoded.changed, sizes, encoded.params

@@ -39,6 +39,11 @@ BAD_UNARY = 1  # the unary stream ends early or holds more or fewer codes
 BAD_POSITION = 2  # a gap leads past the end of the tensor
 BAD_CONTENTS = 3  # a magnitude wraps to zero
 
+# encode_sparse outcome besides DONE: another encoding applies
+FALLBACK = 1
+
+MAX_PARAM = 40  # rice.MAX_PARAM (rice.py imports this module)
+
 
 def get() -> Any | None:
     """The fused kernels, or None when compiled kernels are off or unavailable."""
@@ -427,11 +432,140 @@ def _build() -> Any | None:
             return count, BAD_UNARY
         return count, DONE
 
+    @jit  # type: ignore[untyped-decorator,misc]
+    def put_tail(stream: Any, index: int, acc: Any, held: int) -> None:
+        """Flush a bit writer's ``held`` bits byte by byte: nothing is stored past the
+        stream's last byte, so streams can be written back to back."""
+        if held:
+            acc <<= np.uint64(64 - held)
+            for j in range((held + 7) >> 3):
+                stream[index + j] = np.uint8((acc >> np.uint64(56 - 8 * j)) & np.uint64(0xFF))
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def rice_choose(positions: Any, count: int) -> Any:
+        """The Rice parameter rice.encode_positions picks for ``positions[:count]``
+        (count > 0), and the unary bits it takes: (param, unary bits)."""
+        mean = (positions[count - 1] + 1 - count) / max(count, 1)
+        guess = max(0, min(MAX_PARAM, int(np.log2(mean * 0.69 + 1.0))))
+        first = max(0, guess - 1)
+        candidates = min(3, MAX_PARAM + 1 - first)
+        shift0 = first
+        shift1 = min(first + 1, 63)
+        shift2 = min(first + 2, 63)
+        sum0 = positions[0] >> shift0
+        sum1 = positions[0] >> shift1
+        sum2 = positions[0] >> shift2
+        for i in range(1, count):
+            gap = positions[i] - positions[i - 1] - 1
+            sum0 += gap >> shift0
+            sum1 += gap >> shift1
+            sum2 += gap >> shift2
+        best = 0
+        best_cost = sum0 + count * (1 + first)
+        if candidates > 1 and sum1 + count * (2 + first) < best_cost:
+            best = 1
+            best_cost = sum1 + count * (2 + first)
+        if candidates > 2 and sum2 + count * (3 + first) < best_cost:
+            best = 2
+            best_cost = sum2 + count * (3 + first)
+        param = first + best
+        return param, best_cost - count * param
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def rice_write_at(
+        positions: Any, count: int, param: int, out: Any, uindex: int, findex: int
+    ) -> None:
+        """rice_write of ``positions[:count]`` into ``out`` at byte offsets ``uindex``
+        (unary) and ``findex`` (fixed), storing exactly the streams' bytes."""
+        prev = -1
+        uacc = facc = np.uint64(0)
+        uheld = fheld = 0
+        mask = np.uint64((1 << param) - 1)
+        one = np.uint64(1)
+        for i in range(count):
+            p = positions[i]
+            gap = p - prev - 1
+            prev = p
+            quotient = gap >> param
+            while quotient >= 32:
+                uacc, uheld, uindex = put_bits(out, uacc, uheld, uindex, np.uint64(0), 32)
+                quotient -= 32
+            uacc, uheld, uindex = put_bits(out, uacc, uheld, uindex, one, quotient + 1)
+            if param:
+                facc, fheld, findex = put_bits(
+                    out, facc, fheld, findex, np.uint64(gap) & mask, param
+                )
+        put_tail(out, uindex, uacc, uheld)
+        put_tail(out, findex, facc, fheld)
+
+    @jit  # type: ignore[untyped-decorator,misc]
+    def encode_sparse(
+        base: Any, new: Any, pos: Any, diff: Any, big: Any, mags: Any, out: Any, planes: Any
+    ) -> Any:
+        """The whole level-1 encoding of the common case in one call: scan, then
+        Rice-coded positions and sign-magnitude contents, the same bytes as the
+        step-by-step path. ``out`` receives the streams unary, fixed, sign,
+        big_unary, big_fixed back to back; ``planes`` the magnitudes - 2 as byte
+        planes (the caller compresses them).
+
+        Returns (status, changed, resume, param, unary bytes, fixed bytes, sign
+        bytes, large magnitudes, their param, their unary bytes, their fixed bytes).
+        With status FALLBACK the scan's results are in pos / diff up to ``changed``
+        (resume from ``resume`` when that is short of the end) and another encoding
+        applies: a bitmap may be smaller (at least 1/32 changed), the byte-plane
+        contents are (under 2/3 of differences are +-1), or ``out`` is too small."""
+        n = base.size
+        width = base.itemsize
+        changed, resume = scan_diffs(base, new, pos, diff, 0)
+        nothing = (FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0)
+        if resume < n or changed == 0 or 32 * changed >= n:
+            return nothing
+        top = (1 << (8 * width)) - 1
+        param, ubits = rice_choose(pos, changed)
+        unary_n = (ubits + 7) >> 3
+        fixed_n = (changed * param + 7) >> 3
+        sign_at = unary_n + fixed_n
+        sign_n = (changed + 7) >> 3
+        if sign_at + sign_n > out.size:
+            return nothing
+        ones, nbig = signmag_diffs(diff[:changed], top, out[sign_at : sign_at + sign_n], big, mags)
+        if 3 * ones < 2 * changed:
+            return nothing
+        big_param = big_ubits = 0
+        if nbig:
+            big_param, big_ubits = rice_choose(big, nbig)
+        big_unary_n = (big_ubits + 7) >> 3
+        big_fixed_n = (nbig * big_param + 7) >> 3
+        big_at = sign_at + sign_n
+        if big_at + big_unary_n + big_fixed_n > out.size:
+            return nothing
+        rice_write_at(pos, changed, param, out, 0, unary_n)
+        if nbig:
+            rice_write_at(big, nbig, big_param, out, big_at, big_at + big_unary_n)
+            for plane in range(width):
+                shift = 8 * plane
+                for j in range(nbig):
+                    planes[plane * nbig + j] = np.uint8((mags[j] >> shift) & 0xFF)
+        return (
+            DONE,
+            changed,
+            resume,
+            param,
+            unary_n,
+            fixed_n,
+            sign_n,
+            nbig,
+            big_param,
+            big_unary_n,
+            big_fixed_n,
+        )
+
     return _Fused(
         scan_diffs=scan_diffs,
         signmag_diffs=signmag_diffs,
         rice_write=rice_write,
         walk_sparse=walk_sparse,
+        encode_sparse=encode_sparse,
     )
 
 
@@ -441,3 +575,4 @@ class _Fused:
         self.signmag_diffs = functions["signmag_diffs"]
         self.rice_write = functions["rice_write"]
         self.walk_sparse = functions["walk_sparse"]
+        self.encode_sparse = functions["encode_sparse"]

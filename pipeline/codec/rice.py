@@ -18,7 +18,7 @@ from pipeline.codec import fused, kernels
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 
-MAX_PARAM = 40
+MAX_PARAM = fused.MAX_PARAM
 
 
 def rice_cost_bits(gaps: I64, param: int) -> int:

@@ -42,6 +42,7 @@ class Encoded:
     changed: int
     streams: dict[str, U8] = field(default_factory=dict)  # role -> bytes, in stored order
     params: dict[str, Any] = field(default_factory=dict)
+    blob: U8 | None = None  # the streams back to back, when they were built that way
 
     @property
     def nbytes(self) -> int:
@@ -91,14 +92,25 @@ def find_changes(base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
     return where, diff
 
 
-def _scan_compiled(compiled: Any, base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
+def _scan_capacity(numel: int) -> int:
+    """Scan output slots: room for ~6% changed (the scan stops and is resumed into
+    larger buffers when more changed)."""
+    return numel // 16 + 2 * fused.LANES
+
+
+def _scan_compiled(
+    compiled: Any, base: AnyUInt, new: AnyUInt, done: tuple[int, int] | None = None
+) -> tuple[I64, AnyUInt]:
     """Views into per-thread scratch buffers (contents.scratch): encode_tensor
-    consumes them before it scans the next tensor."""
-    # Room for ~6% changed; grow and resume from where the scan stopped if needed.
-    capacity = base.size // 16 + 2 * fused.LANES
+    consumes them before it scans the next tensor. ``done``: (count, resume) of a
+    scan into those buffers that already ran."""
+    capacity = _scan_capacity(base.size)
     out_pos = contents.scratch("positions", capacity, np.int64)
     out_diff = contents.scratch("diffs", capacity, base.dtype)
-    count, start = compiled.scan_diffs(base, new, out_pos, out_diff, 0)
+    if done is None:
+        count, start = compiled.scan_diffs(base, new, out_pos, out_diff, 0)
+    else:
+        count, start = done
     if start >= base.size:
         return out_pos[:count], out_diff[:count]
     pieces = [(out_pos[:count].copy(), out_diff[:count].copy())]
@@ -130,7 +142,21 @@ def encode_tensor(
     numel = base_flat.numel()
     if numel == 0:
         return Encoded("same", 0)
-    where, diff = _changes(base_flat, new_flat, info)
+    compiled = fused.get()
+    if (
+        compiled is not None
+        and base_flat.device.type == "cpu"
+        and info.width <= 4
+        and (level == 1 or info.exponent is None)
+    ):
+        base_np = base_flat.numpy().view(info.unsigned)
+        new_np = new_flat.numpy().view(info.unsigned)
+        encoded, scanned = _encode_sparse_compiled(compiled, base_np, new_np)
+        if encoded is not None:
+            return encoded
+        where, diff = _scan_compiled(compiled, base_np, new_np, scanned)
+    else:
+        where, diff = _changes(base_flat, new_flat, info)
     changed = where.size
     if changed == 0:
         return Encoded("same", 0)
@@ -165,6 +191,60 @@ def encode_tensor(
             best = dense
     assert best is not None
     return best
+
+
+def _encode_sparse_compiled(
+    compiled: Any, base: AnyUInt, new: AnyUInt
+) -> tuple[Encoded | None, tuple[int, int]]:
+    """The common case (few changes, mostly +-1 units in the last place) in one
+    compiled call (fused.encode_sparse): the same bytes as the general path,
+    without its per-stream Python and compiled-call overhead. Otherwise None and
+    the scan's (count, resume), whose results are left in the scan buffers."""
+    capacity = _scan_capacity(base.size)
+    width = base.itemsize
+    out = contents.scratch("streams", base.size // 8 + 1024, np.uint8)
+    planes = contents.scratch("planes", capacity * width, np.uint8)
+    (
+        status,
+        changed,
+        resume,
+        param,
+        unary_n,
+        fixed_n,
+        sign_n,
+        nbig,
+        big_param,
+        big_unary_n,
+        big_fixed_n,
+    ) = compiled.encode_sparse(
+        base,
+        new,
+        contents.scratch("positions", capacity, np.int64),
+        contents.scratch("diffs", capacity, base.dtype),
+        contents.scratch("big", capacity, np.int64),
+        contents.scratch("mags", capacity, base.dtype),
+        out,
+        planes,
+    )
+    if status != fused.DONE:
+        return None, (changed, resume)
+    sizes = (unary_n, fixed_n, sign_n, big_unary_n, big_fixed_n)
+    head = sum(sizes)
+    mags = contents.compress(planes[: nbig * width]) if nbig else np.zeros(0, np.uint8)
+    blob = np.empty(head + mags.size, np.uint8)
+    blob[:head] = out[:head]
+    blob[head:] = mags
+    streams: dict[str, U8] = {}
+    offset = 0
+    for role, size in zip(
+        ("unary", "fixed", "sign", "big_unary", "big_fixed", "mags"),
+        (*sizes, mags.size),
+        strict=True,
+    ):
+        streams[role] = blob[offset : offset + size]
+        offset += size
+    params = {"rice": param, "contents": "signmag", "big": nbig, "big_rice": big_param}
+    return Encoded("sparse", changed, streams, params, blob), (changed, resume)
 
 
 def decode_tensor(
