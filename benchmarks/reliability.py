@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline.logs import configure_logging  # noqa: E402
 from tests import test_faults_rollout as rollout  # noqa: E402
 from tests import test_faults_workers as workers  # noqa: E402
 from tests import test_hostile_corruption as corruption  # noqa: E402
@@ -38,17 +40,16 @@ from tests.servers import RedisServer, SeaweedS3Server  # noqa: E402
 class Row:
     scenario: str
     unit: str  # what one run is
+    ok: str  # what every passed run showed
     runs: int = 0
     passed: int = 0
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def outcome(self) -> str:
-        text = f"{self.passed}/{self.runs} recovered"
+        text = f"{self.passed}/{self.runs} {self.ok}"
         if self.failures:
-            text += f"; FAILED: {self.failures[0][:160]}"
-        else:
-            text += ", 0 versions lost, 0 duplicated, replicas bit-exact"
+            text += f"; {len(self.failures)} FAILED, first: {self.failures[0][:160]}"
         return text
 
 
@@ -85,6 +86,11 @@ def with_redis(body: Callable[[Path, str], int]) -> Callable[[Path], int]:
     return run
 
 
+CRASH_OK = "recovered: 0 versions lost, 0 duplicated, chain linear, all versions bit-exact"
+NODE_OK = "converged to the head with a dump bit-identical to the trainer's"
+SERVICE_OK = "recovered: every version exact, nodes at the head bit-exactly"
+
+
 def s3_outage(server: SeaweedS3Server, url: str) -> Callable[[Path], int]:
     return lambda tmp: service.s3_outage_scenario(tmp, server, url).runs
 
@@ -99,11 +105,12 @@ def main() -> None:
     random_kills = 3 if args.quick else 12
     fuzz_examples = 300 if args.quick else 3000
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    configure_logging("error")  # the in-process scenarios' logs; processes log to files
     started = time.perf_counter()
     rows: list[Row] = []
 
-    def row(scenario: str, unit: str) -> Row:
-        rows.append(Row(scenario, unit))
+    def row(scenario: str, unit: str, ok: str = CRASH_OK) -> Row:
+        rows.append(Row(scenario, unit, ok))
         print(scenario, flush=True)
         return rows[-1]
 
@@ -160,6 +167,7 @@ def main() -> None:
         "(mid-bootstrap, mid-download, mid-write, after apply before its state file); "
         "restarted, dump hashed against the trainer",
         "kill + restart",
+        NODE_OK,
     )
     for _ in range(rounds):
         attempt(r, len(rollout.ROLLOUT_POINTS), with_redis(node_points))
@@ -167,19 +175,23 @@ def main() -> None:
         "rollout node restarted from its own dump after a mid-write kill (resumes "
         "without bootstrap; a stale dump is never resumed)",
         "kill + 2 restarts",
+        NODE_OK,
     )
     for _ in range(rounds):
         attempt(r, 1, with_redis(node_resume))
-    r = row("rollout node SIGKILLed at random moments (seeded)", "kill + restart")
+    r = row("rollout node SIGKILLed at random moments (seeded)", "kill + restart", NODE_OK)
     attempt(r, random_kills, with_redis(node_random))
 
     # -- service loss
     restarts = 2 if args.quick else 4
     r = row(
-        "Redis restarted without persistence mid-run (diff worker and a node running)", "restart"
+        "Redis restarted without persistence mid-run (diff worker and a node running)",
+        "restart",
+        SERVICE_OK,
     )
     attempt(r, restarts, lambda t: service.redis_restart_scenario(t, restarts=restarts).runs)
-    s3 = SeaweedS3Server(Path(tempfile.mkdtemp(prefix="deltasync-rel-s3-")))
+    s3_dir = Path(tempfile.mkdtemp(prefix="deltasync-rel-s3-"))
+    s3 = SeaweedS3Server(s3_dir)
     s3.start()
     os.environ.update(s3.store_environment())
     try:
@@ -187,21 +199,26 @@ def main() -> None:
             "S3 server down while a diff job runs (job fails, rq retries with backoff, "
             "publishes once S3 is back)",
             "outage",
+            SERVICE_OK,
         )
         for i in range(rounds):
             prefix = s3.url(f"rel{os.getpid()}x{i}")
             attempt(r, 1, s3_outage(s3, prefix))
     finally:
         s3.stop()
-    r = row("event stream trimmed below a node's position (node polls rarely)", "trim")
+        shutil.rmtree(s3_dir, ignore_errors=True)
+    r = row("event stream trimmed below a node's position (node polls rarely)", "trim", SERVICE_OK)
     for _ in range(rounds):
         attempt(r, 1, lambda t: service.trimmed_stream_scenario(t).runs)
 
     # -- corruption (in-process node, real Redis)
     r = row(
-        "delta object damaged (flipped bit, truncated, deleted, older version's object): "
-        "refused before any weight changes, replica-error, repaired -> recovers",
+        "delta or anchor object damaged (flipped bit, truncated, deleted, older version's "
+        "object; a served node's only way forward a damaged anchor): refused before any "
+        "weight changes, replica-error, repaired -> recovers",
         "damage",
+        "detected before any weight changed, replica-error published, last good version kept, "
+        "recovered after repair",
     )
 
     def damaged_deltas(tmp: Path, url: str) -> int:
@@ -234,6 +251,7 @@ def main() -> None:
         f"fuzzing with hypothesis ({fuzz_examples} examples per target): event parser, "
         "manifest parser, delta decoder; only DeltasyncError escapes",
         "target",
+        "passed: nothing but DeltasyncError escaped",
     )
 
     def fuzz(_tmp: Path) -> int:
