@@ -202,11 +202,13 @@ def encode_delta(
     entries: dict[str, npt.NDArray[np.uint8]] = {}
     records: list[dict[str, object]] = []
     seen: set[str] = set()
-    pending: deque[tuple[str, DtypeInfo, tuple[int, ...], Future[Encoded]]] = deque()
+    # Futures when a pool encodes, finished encodings otherwise (a Future per
+    # tensor costs more than some tensors' whole encoding).
+    pending: deque[tuple[str, DtypeInfo, tuple[int, ...], Encoded | Future[Encoded]]] = deque()
 
     def finish_oldest() -> None:
-        name, info, shape, future = pending.popleft()
-        encoded = future.result()
+        name, info, shape, job = pending.popleft()
+        encoded = job if isinstance(job, Encoded) else job.result()
         sizes = {role: int(stream.size) for role, stream in encoded.streams.items()}
         if encoded.blob is not None:
             entries[name] = encoded.blob
@@ -235,20 +237,21 @@ def encode_delta(
             info = info_for(base.dtype, name)
             base_flat = int_view_flat(base, info)
             new_flat = int_view_flat(new.to(base.device), info)
-            future: Future[Encoded] = Future()
+            job: Encoded | Future[Encoded]
             if pool is None:
-                future.set_result(encode_tensor(base_flat, new_flat, info, level))
+                job = encode_tensor(base_flat, new_flat, info, level)
             else:
-                future = pool.submit(encode_tensor, base_flat, new_flat, info, level)
-            pending.append((name, info, tuple(base.shape), future))
+                job = pool.submit(encode_tensor, base_flat, new_flat, info, level)
+            pending.append((name, info, tuple(base.shape), job))
             if len(pending) > ENCODE_THREADS:
                 finish_oldest()
         while pending:
             finish_oldest()
     finally:
-        for *_, future in pending:
+        futures = [job for *_, job in pending if isinstance(job, Future)]
+        for future in futures:
             future.cancel()
-        for *_, future in pending:
+        for future in futures:
             if not future.cancelled():
                 future.exception()  # wait: the caller may free the tensors next
     tensors_json = json.dumps(records, separators=(",", ":"))

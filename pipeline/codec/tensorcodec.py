@@ -12,6 +12,7 @@ Contents are bit-pattern differences new - base in the integer view
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,18 +100,22 @@ def _scan_capacity(numel: int) -> int:
 
 
 def _scan_compiled(
-    compiled: Any, base: AnyUInt, new: AnyUInt, done: tuple[int, int] | None = None
+    compiled: Any,
+    base: AnyUInt,
+    new: AnyUInt,
+    done: tuple[I64, AnyUInt, int, int] | None = None,
 ) -> tuple[I64, AnyUInt]:
     """Views into per-thread scratch buffers (contents.scratch): encode_tensor
-    consumes them before it scans the next tensor. ``done``: (count, resume) of a
-    scan into those buffers that already ran."""
-    capacity = _scan_capacity(base.size)
-    out_pos = contents.scratch("positions", capacity, np.int64)
-    out_diff = contents.scratch("diffs", capacity, base.dtype)
+    consumes them before it scans the next tensor. ``done``: the buffers, count
+    and resume point of a scan that already ran."""
     if done is None:
+        capacity = _scan_capacity(base.size)
+        out_pos = contents.scratch("positions", capacity, np.int64)
+        out_diff = contents.scratch("diffs", capacity, base.dtype)
         count, start = compiled.scan_diffs(base, new, out_pos, out_diff, 0)
     else:
-        count, start = done
+        out_pos, out_diff, count, start = done
+        capacity = out_pos.size
     if start >= base.size:
         return out_pos[:count], out_diff[:count]
     pieces = [(out_pos[:count].copy(), out_diff[:count].copy())]
@@ -193,58 +198,62 @@ def encode_tensor(
     return best
 
 
+_SPARSE_ROLES = ("unary", "fixed", "sign", "big_unary", "big_fixed", "mags")
+_workspaces = threading.local()
+
+
+def _workspace(numel: int, dtype: np.dtype[Any]) -> tuple[npt.NDArray[Any], ...]:
+    """Per-thread buffers for fused.encode_sparse, big enough for ``numel``
+    elements of ``dtype`` and reused (the kernel reads their sizes as capacities):
+    positions, differences, large-magnitude indices, magnitudes, streams, planes."""
+    cache: dict[str, tuple[int, tuple[npt.NDArray[Any], ...]]] | None = getattr(
+        _workspaces, "cache", None
+    )
+    if cache is None:
+        cache = _workspaces.cache = {}
+    held = cache.get(dtype.str)
+    if held is not None and held[0] >= numel:
+        return held[1]
+    numel = max(numel, 1 << 16)
+    capacity = _scan_capacity(numel)
+    buffers = (
+        np.empty(capacity, np.int64),
+        np.empty(capacity, dtype),
+        np.empty(capacity, np.int64),
+        np.empty(capacity, dtype),
+        np.empty(numel // 8 + 1024, np.uint8),
+        np.empty(capacity * dtype.itemsize, np.uint8),
+    )
+    cache[dtype.str] = (numel, buffers)
+    return buffers
+
+
 def _encode_sparse_compiled(
     compiled: Any, base: AnyUInt, new: AnyUInt
-) -> tuple[Encoded | None, tuple[int, int]]:
+) -> tuple[Encoded | None, tuple[I64, AnyUInt, int, int]]:
     """The common case (few changes, mostly +-1 units in the last place) in one
     compiled call (fused.encode_sparse): the same bytes as the general path,
     without its per-stream Python and compiled-call overhead. Otherwise None and
-    the scan's (count, resume), whose results are left in the scan buffers."""
-    capacity = _scan_capacity(base.size)
-    width = base.itemsize
-    out = contents.scratch("streams", base.size // 8 + 1024, np.uint8)
-    planes = contents.scratch("planes", capacity * width, np.uint8)
-    (
-        status,
-        changed,
-        resume,
-        param,
-        unary_n,
-        fixed_n,
-        sign_n,
-        nbig,
-        big_param,
-        big_unary_n,
-        big_fixed_n,
-    ) = compiled.encode_sparse(
-        base,
-        new,
-        contents.scratch("positions", capacity, np.int64),
-        contents.scratch("diffs", capacity, base.dtype),
-        contents.scratch("big", capacity, np.int64),
-        contents.scratch("mags", capacity, base.dtype),
-        out,
-        planes,
-    )
+    the scan's buffers, count and resume point."""
+    buffers = _workspace(base.size, base.dtype)
+    result = compiled.encode_sparse(base, new, *buffers)
+    status, changed, resume, param = result[:4]
+    scanned = (buffers[0], buffers[1], changed, resume)
     if status != fused.DONE:
-        return None, (changed, resume)
-    sizes = (unary_n, fixed_n, sign_n, big_unary_n, big_fixed_n)
-    head = sum(sizes)
-    mags = contents.compress(planes[: nbig * width]) if nbig else np.zeros(0, np.uint8)
+        return None, scanned
+    nbig, big_param = result[7], result[8]
+    head = result[4] + result[5] + result[6] + result[9] + result[10]
+    mags = contents.compress(buffers[5][: nbig * base.itemsize]) if nbig else np.zeros(0, np.uint8)
     blob = np.empty(head + mags.size, np.uint8)
-    blob[:head] = out[:head]
+    blob[:head] = buffers[4][:head]
     blob[head:] = mags
     streams: dict[str, U8] = {}
     offset = 0
-    for role, size in zip(
-        ("unary", "fixed", "sign", "big_unary", "big_fixed", "mags"),
-        (*sizes, mags.size),
-        strict=True,
-    ):
+    for role, size in zip(_SPARSE_ROLES, (*result[4:7], *result[9:11], mags.size), strict=True):
         streams[role] = blob[offset : offset + size]
         offset += size
     params = {"rice": param, "contents": "signmag", "big": nbig, "big_rice": big_param}
-    return Encoded("sparse", changed, streams, params, blob), (changed, resume)
+    return Encoded("sparse", changed, streams, params, blob), scanned
 
 
 def decode_tensor(
