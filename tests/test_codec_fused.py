@@ -207,3 +207,76 @@ def test_reference_path_matches_the_fused_path_on_every_dtype() -> None:
             objects.append(encode_delta(pairs))
     assert objects[0] == objects[1]
     assert kernels.ENABLED
+
+
+def _one_call_edge_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Inputs at the edges of the one-call encoder (fused.encode_sparse): long gaps,
+    every element width it takes, large magnitudes, and the cases it hands back to
+    the general path (bitmap, byte-plane contents, more changes than its buffers);
+    sizes grow along the list so its reused buffers grow mid-delta."""
+    gen = np.random.default_rng(23)
+    cases: list[tuple[str, torch.dtype, int, list[int] | float, int, float]] = [
+        # name, dtype, elements, changed positions or fraction changed, largest
+        # step, share of steps that are +-1
+        ("long_gaps", torch.bfloat16, 100_003, [*range(7, 40_000, 20), 99_999], 1, 1.0),
+        ("fp8", torch.float8_e4m3fn, 60_001, 0.02, 3, 0.8),
+        ("fp32", torch.float32, 70_001, 0.02, 1, 1.0),
+        ("big_steps", torch.bfloat16, 90_001, 0.02, 700, 0.8),
+        # runs of changes: a zstd-packed mask beats Rice gaps
+        (
+            "bitmap",
+            torch.bfloat16,
+            100_001,
+            [p for p in range(100_001) if p // 128 % 8 == 0],
+            1,
+            1.0,
+        ),
+        ("planes", torch.bfloat16, 110_001, 0.02, 30_000, 0.3),
+        ("past_capacity", torch.bfloat16, 130_001, 0.12, 1, 1.0),
+        ("int32", torch.int32, 150_001, 0.01, 2, 0.8),
+    ]
+    out = []
+    for name, dtype, count, where, largest, share_ones in cases:
+        width = torch.empty(0, dtype=dtype).element_size()
+        unsigned = np.dtype(f"<u{width}")
+        base = gen.integers(0, 1 << (8 * width), size=count, dtype=np.uint64).astype(unsigned)
+        if isinstance(where, list):
+            positions = np.array(where, np.int64)
+        else:
+            positions = np.flatnonzero(gen.random(count) < where)
+        # A share of +-1, the rest up to +-largest.
+        steps = gen.integers(1, largest + 1, size=positions.size) * gen.choice(
+            [-1, 1], positions.size
+        )
+        ones = gen.random(positions.size) < share_ones
+        steps[ones] = np.sign(steps[ones])
+        new = base.copy()
+        new[positions] = (base[positions].astype(np.int64) + steps).astype(unsigned)
+        signed = f"<i{width}" if width > 1 else "<u1"
+        tensors = [torch.from_numpy(a.view(signed).copy()).view(dtype) for a in (base, new)]
+        out.append((name, tensors[0], tensors[1]))
+    return out
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_one_call_encoder_matches_the_reference_path(level: int) -> None:
+    if len(PATHS) < 2:
+        pytest.skip("compiled kernels unavailable")
+    pairs = _one_call_edge_pairs()
+    objects = []
+    for enabled in PATHS:
+        with compiled_kernels(enabled):
+            objects.append(encode_delta(pairs, level=level))
+    assert objects[0] == objects[1]
+    records = json.loads(read_container(objects[0], "edges").metadata["tensors"])
+    kinds = {r["name"]: (r["encoding"], r["params"].get("contents")) for r in records}
+    assert kinds["bitmap"][0] == "bitmap"
+    assert kinds["planes"][1] == "planes"
+    assert kinds["int32"] == ("sparse", "signmag")  # no exponent: sparse at level 2 too
+    positions = "sparse" if level == 1 else "classed"
+    assert kinds["long_gaps"][0] == kinds["past_capacity"][0] == positions
+    obj = read_delta(objects[0], object_name="edges")
+    for name, base, new in pairs:
+        target = base.clone()
+        obj.apply_to(name, target)
+        assert torch.equal(bits(target), bits(new)), name
