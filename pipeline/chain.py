@@ -448,6 +448,8 @@ def verify(
                 n = count_differing(tensor, theirs)
                 if n:
                     report.differences.append(TensorDifference(name, "content", n))
+            del theirs
+            reader.close()  # unmap: a checkpoint larger than RAM stays one tensor resident
     finally:
         reader.close()
     return report

@@ -206,6 +206,9 @@ def _parts_from(
             part = [(n, reader.get(n)) for n in names]
             timings.read_s += clock.lap()
             yield key, part
+            # Unmap what this part touched: mapped pages stay resident until unmapped.
+            del part
+            reader.close()
         return
     stream = iter(tensors)
     if layout is None:
@@ -299,6 +302,7 @@ def publish_anchor(
     with _Uploader(store, "anchor", timings) as uploader:
         for key, part in _parts_from(tensors, layout, part_bytes, timings):
             _anchor_part(run, version, key, part, want, entries, objects, uploader, timings)
+            del part  # else held while the next part is read: two parts resident, not one
         uploader.finish()
     digest = compute_state_hash(entries)
     if expected is not None and digest != expected.state_hash:
@@ -405,6 +409,9 @@ def publish_delta(
             objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
             timings.encode_s += clock.lap()
             del pairs
+            # Unmap this part's pages: a model larger than RAM stays one part resident.
+            base.close()
+            new.close()
             faults.point("publish.after_encode")
             uploader.submit(version_prefix(run, "delta", version) + key, data)
             del data
@@ -572,6 +579,8 @@ class StateCache:
                 while view:
                     written = os.pwrite(fds[path], view, offset)
                     view, offset = view[written:], offset + written
+                del data, view
+                new.close()  # unmap each tensor once written: residency stays one tensor
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -593,6 +602,7 @@ class StateCache:
                         f"tensor {n!r} in {new.path} does not match version {manifest.version}"
                     )
                 yield n, t
+            new.close()  # unmap the part's pages once it is read
 
         folder = self._folder_for(manifest.version)
         write_sharded(
