@@ -12,6 +12,7 @@ from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import manifest_key
 from pipeline.publish import collect_garbage, compact
 from pipeline.replicas import min_live_version, run_lock
+from workers import queues
 from workers.runtime import current
 
 log = get_logger(__name__)
@@ -56,6 +57,7 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
         faults.point("compact.before_gc")
         live = min_live_version(r, run, settings.replica_ttl_s)
         deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
+    runtime.redis.delete(queues.compaction_pending_key(run))
     log.info("compaction done", anchor=manifest.version, deleted=len(deleted), oldest_live=live)
     return {
         "run": run,

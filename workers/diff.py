@@ -14,7 +14,7 @@ from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
 from pipeline.policy import compaction_reason
 from pipeline.publish import PublishResult, StateCache, publish_step
-from pipeline.replicas import run_lock
+from pipeline.replicas import claim_once, run_lock
 from workers import queues
 from workers.runtime import Runtime, current
 
@@ -25,6 +25,8 @@ log = get_logger(__name__)
 LOCK_LEASE_S = 60.0
 LOCK_RENEW_S = 15.0
 LOCK_WAIT_S = 3600.0
+# A policy compaction that never finishes (its worker died) stops blocking the next one.
+POLICY_PENDING_TTL_S = 3600.0
 
 
 def announce(runtime: Runtime, manifest: Manifest) -> None:
@@ -89,7 +91,11 @@ def diff_job(
         reason = compaction_reason(
             runtime.store, run, step, settings.max_chain, settings.max_delta_fraction
         )
-        if reason is not None:
+        # One policy compaction in flight per run: until it lands, every new step
+        # would otherwise ask again.
+        if reason is not None and claim_once(
+            runtime.redis, queues.compaction_pending_key(run), POLICY_PENDING_TTL_S
+        ):
             request_compaction(runtime, run, step, reason, requested_by="policy")
     if owned and not settings.keep_staging and result.status in ("published", "skipped"):
         path = Path(checkpoint)
@@ -103,7 +109,7 @@ def diff_job(
 def request_compaction(
     runtime: Runtime, run: str, version: int, reason: str, *, requested_by: str
 ) -> str:
-    """Enqueue a compaction job and announce it, once per (run, version, reason)."""
+    """Enqueue a compaction job and announce it with ``compaction-requested``."""
     r = runtime.redis
     event = CompactionRequested.now(
         run=run, version=version, reason=reason, requested_by=requested_by

@@ -34,6 +34,11 @@ def _id_part(text: str) -> str:
     return safe
 
 
+def compaction_pending_key(run: str) -> str:
+    """Set while a policy compaction of ``run`` is queued or running."""
+    return f"deltasync:run:{run}:compaction-pending"
+
+
 def diff_job_id(run: str, step: int) -> str:
     return f"diff-{_id_part(run)}-{step}"
 
