@@ -32,8 +32,9 @@ import torch
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
 from pipeline.rollout import RolloutNode
+from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.torch import TorchTarget

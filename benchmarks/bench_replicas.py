@@ -37,8 +37,9 @@ from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, 
 from pipeline import chain
 from pipeline.events import DeltaAvailable, EventStream
 from pipeline.manifest import manifest_key
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
 from pipeline.rollout import RolloutNode
+from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import save_state
 from pipeline.targets.torch import TorchTarget

@@ -16,15 +16,12 @@ for anchors.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import structlog
@@ -32,9 +29,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline import chain, faults
-from pipeline.checkpoint import CheckpointReader, safetensors_bytes, write_sharded
+from pipeline.checkpoint import CheckpointReader, safetensors_bytes
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
-from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
+from pipeline.errors import ChainError, ConfigError, MismatchError
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
     CodecInfo,
@@ -42,7 +39,6 @@ from pipeline.manifest import (
     Manifest,
     ObjectEntry,
     TensorEntry,
-    check_run,
     check_tensor_name,
     compute_state_hash,
     dtype_name,
@@ -53,8 +49,8 @@ from pipeline.manifest import (
     to_json,
     version_prefix,
 )
+from pipeline.state_cache import StateCache, check_against
 from pipeline.store.base import ObjectStore
-from pipeline.targets.base import TensorSpec
 
 log = structlog.get_logger(__name__)
 
@@ -338,24 +334,6 @@ def publish_anchor(
 # ---------------------------------------------------------------- deltas
 
 
-def check_against(manifest: Manifest, specs: dict[str, TensorSpec], what: str) -> None:
-    """MismatchError naming the first tensor whose name, dtype or shape differs."""
-    version = f"{manifest.kind} {manifest.version} of run {manifest.run}"
-    known = {t.name for t in manifest.tensors}
-    for t in manifest.tensors:
-        spec = specs.get(t.name)
-        if spec is None:
-            raise MismatchError(f"tensor {t.name!r} of {version} is missing from {what}")
-        if dtype_name(spec.dtype) != t.dtype or tuple(spec.shape) != t.shape:
-            raise MismatchError(
-                f"tensor {t.name!r} is {dtype_name(spec.dtype)}{list(spec.shape)} in {what} "
-                f"but {t.dtype}{list(t.shape)} in {version}"
-            )
-    for name in specs:
-        if name not in known:
-            raise MismatchError(f"tensor {name!r} of {what} is not in {version}")
-
-
 def publish_delta(
     store: ObjectStore,
     run: str,
@@ -443,172 +421,6 @@ def publish_delta(
         elements=total,
     )
     return manifest
-
-
-# ---------------------------------------------------------------- the diff worker's cache
-
-
-class StateCache:
-    """The diff worker's local copy of a run's last published version.
-
-    ``<cache_dir>/<run>/state.json`` names the version, its state hash and the folder
-    holding its tensors (one safetensors file per part, with an index). A new folder is
-    written completely before ``state.json`` switches to it, so a crash leaves the old
-    state valid.
-    """
-
-    STATE = "state.json"
-
-    def __init__(self, cache_dir: str | os.PathLike[str], run: str) -> None:
-        self.run = run
-        self.root = Path(cache_dir) / check_run(run)
-
-    def _state(self) -> dict[str, Any] | None:
-        try:
-            doc = json.loads((self.root / self.STATE).read_text())
-        except (OSError, ValueError):
-            return None
-        if (
-            not isinstance(doc, dict)
-            or doc.get("run") != self.run
-            or not isinstance(doc.get("version"), int)
-            or not isinstance(doc.get("state_hash"), str)
-            or not isinstance(doc.get("folder"), str)
-            or "/" in doc["folder"]
-        ):
-            return None
-        return doc
-
-    @property
-    def version(self) -> int | None:
-        state = self._state()
-        return None if state is None else int(state["version"])
-
-    @property
-    def folder(self) -> Path | None:
-        state = self._state()
-        return None if state is None else self.root / str(state["folder"])
-
-    def reader(self) -> CheckpointReader:
-        folder = self.folder
-        if folder is None:
-            raise ChainError(f"state cache {self.root} holds no version of run {self.run}")
-        return CheckpointReader(folder)
-
-    def is_valid_for(self, manifest: Manifest) -> bool:
-        """Does the cache hold exactly ``manifest``'s state (by version and state hash)?"""
-        state = self._state()
-        if state is None or state["version"] != manifest.version:
-            return False
-        if state["state_hash"] != manifest.state_hash:
-            return False
-        try:
-            with self.reader() as reader:
-                check_against(manifest, reader.specs(), f"state cache {self.root}")
-        except (ChainError, MismatchError, CorruptObjectError):
-            return False
-        return True
-
-    def _switch(self, folder: Path, manifest: Manifest) -> None:
-        doc = {
-            "run": self.run,
-            "version": manifest.version,
-            "state_hash": manifest.state_hash,
-            "folder": folder.name,
-        }
-        tmp = self.root / f".{self.STATE}.tmp"
-        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
-        os.replace(tmp, self.root / self.STATE)
-        for other in self.root.iterdir():
-            if other.is_dir() and other.name != folder.name:
-                shutil.rmtree(other, ignore_errors=True)
-
-    def _folder_for(self, version: int) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return self.root / f"v{version:010d}"
-
-    def rebuild(self, store: ObjectStore, run: str, version: int) -> Manifest:
-        """Rebuild ``version`` from the store (anchor + chain) into the cache."""
-        if run != self.run:
-            raise ConfigError(f"state cache {self.root} is for run {self.run}, not {run}")
-        folder = self._folder_for(version)
-        manifest = chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True)
-        self._switch(folder, manifest)
-        log.info("state cache rebuilt", run=run, version=version)
-        return manifest
-
-    def advance(self, new: CheckpointReader, manifest: Manifest) -> None:
-        """Make the cache hold ``new`` as ``manifest``'s version, checking every hash.
-
-        When the cache holds the same tensors (names, dtypes, shapes), their bytes are
-        overwritten in place in the cached files: no new files and no fsync. The state
-        file is removed first, so a crash midway leaves a cache that is rebuilt, never
-        trusted; bytes that differ from the manifest (the checkpoint changed while it
-        was published, or a write was lost) are caught by the base-hash check of the
-        next diff, which rebuilds the cache from the store.
-        """
-        folder = self.folder
-        if folder is not None and folder.is_dir():
-            try:
-                self._advance_in_place(folder, new, manifest)
-                return
-            except (ChainError, CorruptObjectError) as e:
-                log.info("state cache cannot be updated in place, rewriting", error=str(e))
-        self._rewrite(new, manifest)
-
-    def _advance_in_place(self, folder: Path, new: CheckpointReader, manifest: Manifest) -> None:
-        with CheckpointReader(folder) as cached:
-            specs = cached.specs()
-            if specs != new.specs() or set(specs) != {t.name for t in manifest.tensors}:
-                raise ChainError(f"state cache {self.root} holds other tensors than {new.path}")
-            locations = {n: cached.location(n) for n in specs}
-        (self.root / self.STATE).unlink(missing_ok=True)
-        # The manifest's hashes were taken from ``new`` while publishing, and every diff
-        # checks its base's hashes before use (a mismatch rebuilds the cache), so the
-        # bytes are written here without a second hash pass: one page-cache copy.
-        fds: dict[Path, int] = {}
-        try:
-            for entry in manifest.tensors:
-                path, offset, size = locations[entry.name]
-                if size == 0:
-                    continue
-                if path not in fds:
-                    fds[path] = os.open(path, os.O_WRONLY)
-                data = new.view(entry.name).reshape(-1).view(torch.uint8).numpy()
-                view = data.data.cast("B")
-                while view:
-                    written = os.pwrite(fds[path], view, offset)
-                    view, offset = view[written:], offset + written
-                del data, view
-                new.close()  # unmap each tensor once written: residency stays one tensor
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        renamed = self._folder_for(manifest.version)
-        if renamed != folder:
-            if renamed.exists():  # left by a crashed rewrite
-                shutil.rmtree(renamed)
-            os.replace(folder, renamed)
-        self._switch(renamed, manifest)
-
-    def _rewrite(self, new: CheckpointReader, manifest: Manifest) -> None:
-        entries = {t.name: t for t in manifest.tensors}
-
-        def part(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-            for n in names:
-                t = new.get(n)
-                if content_hash(t) != entries[n].hash:
-                    raise MismatchError(
-                        f"tensor {n!r} in {new.path} does not match version {manifest.version}"
-                    )
-                yield n, t
-            new.close()  # unmap the part's pages once it is read
-
-        folder = self._folder_for(manifest.version)
-        write_sharded(
-            folder, ((key, part(names)) for key, names in manifest.parts()), overwrite=True
-        )
-        self._switch(folder, manifest)
 
 
 # ---------------------------------------------------------------- the diff job
@@ -729,63 +541,3 @@ def publish_step(
         total=sum(t.numel for t in manifest.tensors),
         timings=elapsed,
     )
-
-
-# ---------------------------------------------------------------- compaction and GC
-
-
-def compact(
-    store: ObjectStore,
-    run: str,
-    version: int | None = None,
-    *,
-    signing_key: PrivateKey | None = None,
-) -> Manifest:
-    """Publish version ``version`` (default: the head) as an anchor, rebuilt from its
-    chain and checked against its delta manifest. Idempotent."""
-    index = chain.list_versions(store, run)
-    target = index.head if version is None else version
-    if target is None:
-        raise ChainError(f"run {run} has no published version to compact")
-    if target in index.anchors:
-        return chain.load_manifest(store, run, "anchor", target)
-    plan = chain.resolve(store, run, target, index=index)
-    delta = plan.target
-    manifest = publish_anchor(
-        store,
-        run,
-        target,
-        chain.reconstruct_tensors(store, run, target, plan=plan),
-        parent=delta.parent,
-        reason="compaction",
-        signing_key=signing_key,
-        layout=delta.parts(),
-        expected=delta,
-        parent_state_hash=delta.parent_state_hash,
-    )
-    return manifest
-
-
-def collect_garbage(
-    store: ObjectStore, run: str, keep_anchors: int, min_live_version: int | None
-) -> list[str]:
-    """Delete what no live replica and no bootstrap needs (see ``chain.gc_plan``), manifests
-    first; also the remains of crashed delta publishes below the head, and of crashed
-    compactions or collections below the newest anchor (callers hold the run's
-    compaction lock, so no anchor is being written)."""
-    index = chain.list_versions(store, run)
-    doomed = chain.gc_plan(index, keep_anchors, min_live_version)
-    orphans = chain.orphan_delta_folders(store, run, index.head) if index.head is not None else []
-    newest_anchor = max(index.anchors, default=None)
-    if newest_anchor is not None:
-        orphans += chain.orphan_anchor_folders(store, run, newest_anchor)
-    deleted = chain.delete_versions(store, doomed, orphans)
-    if deleted:
-        log.info(
-            "garbage collected",
-            run=run,
-            versions=len(doomed),
-            orphans=len(orphans),
-            keys=len(deleted),
-        )
-    return deleted

@@ -10,9 +10,11 @@ import torch
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.compaction import collect_garbage, compact
 from pipeline.errors import ChainError, CorruptObjectError
 from pipeline.manifest import TensorEntry, compute_state_hash, manifest_key
-from pipeline.publish import PublishResult, StateCache, collect_garbage, compact, publish_step
+from pipeline.publish import PublishResult, publish_step
+from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator

@@ -12,7 +12,8 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import TensorPatch, apply_patch
 from pipeline.errors import MismatchError
 from pipeline.hashing import content_hash
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
+from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets import patching

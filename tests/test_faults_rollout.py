@@ -20,7 +20,8 @@ import torch
 
 from pipeline.checkpoint import CheckpointReader
 from pipeline.hashing import content_hash
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
+from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from tests.pipeline_helpers import REPO

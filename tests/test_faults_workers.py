@@ -33,8 +33,9 @@ from pipeline import chain, replicas
 from pipeline.config import Settings
 from pipeline.events import AnchorAvailable, DeltaAvailable, EventStream
 from pipeline.hashing import content_hash
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client
+from pipeline.state_cache import StateCache
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from pipeline import chain
+from pipeline.compaction import compact
 from pipeline.events import EventStream, ReplicaError
 from pipeline.hashing import content_hash
 from pipeline.manifest import manifest_key, object_key
-from pipeline.publish import compact
 from pipeline.redis_server import redis_client
 from pipeline.rollout import RolloutNode
 from pipeline.store.file import FileStore

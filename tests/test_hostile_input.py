@@ -26,9 +26,10 @@ from pipeline.config import Settings
 from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError, EventError
 from pipeline.events import EventStream, parse_event
 from pipeline.manifest import manifest_key, parse_manifest
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client
 from pipeline.rollout import RolloutNode
+from pipeline.state_cache import StateCache
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget

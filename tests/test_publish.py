@@ -17,16 +17,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.compaction import compact
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
 from pipeline.manifest import manifest_key
-from pipeline.publish import (
-    StateCache,
-    compact,
-    plan_parts,
-    publish_anchor,
-    publish_delta,
-    publish_step,
-)
+from pipeline.publish import plan_parts, publish_anchor, publish_delta, publish_step
+from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
 from tests.test_chain import PART_BYTES, SyntheticRun

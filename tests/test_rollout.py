@@ -17,6 +17,7 @@ import torch
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
+from pipeline.compaction import collect_garbage, compact
 from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
 from pipeline.events import (
     CompactionRequested,
@@ -36,10 +37,11 @@ from pipeline.manifest import (
     manifest_key,
     to_json,
 )
-from pipeline.publish import StateCache, collect_garbage, compact, publish_anchor, publish_step
+from pipeline.publish import publish_anchor, publish_step
 from pipeline.redis_server import redis_client
 from pipeline.replicas import list_replicas
 from pipeline.rollout import RolloutNode
+from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.patching import int_view

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.publish import StateCache, compact, publish_step
+from pipeline.compaction import compact
+from pipeline.publish import publish_step
 from pipeline.rollout import RolloutNode
+from pipeline.state_cache import StateCache
 from pipeline.store import ObjectStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.patching import int_view

@@ -15,7 +15,8 @@ import torch
 from pipeline.checkpoint import CheckpointReader
 from pipeline.errors import ConfigError
 from pipeline.hashing import content_hash
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
+from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.patching import int_view

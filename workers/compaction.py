@@ -7,10 +7,10 @@ from typing import Any
 from rq import get_current_job
 
 from pipeline import faults
+from pipeline.compaction import collect_garbage, compact
 from pipeline.events import AnchorAvailable, EventStream
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import manifest_key
-from pipeline.publish import collect_garbage, compact
 from pipeline.replicas import min_live_version, run_lock
 from workers import queues
 from workers.runtime import current

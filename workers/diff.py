@@ -13,8 +13,9 @@ from pipeline.events import CompactionRequested, DeltaAvailable, EventStream
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
 from pipeline.policy import compaction_reason
-from pipeline.publish import PublishResult, StateCache, publish_step
+from pipeline.publish import PublishResult, publish_step
 from pipeline.replicas import claim_once, run_lock
+from pipeline.state_cache import StateCache
 from workers import queues
 from workers.runtime import Runtime, current
 

@@ -1,0 +1,70 @@
+"""Compaction (a chain becomes an anchor) and garbage collection."""
+
+from __future__ import annotations
+
+import structlog
+
+from pipeline import chain
+from pipeline.errors import ChainError
+from pipeline.manifest import Manifest
+from pipeline.publish import PrivateKey, publish_anchor
+from pipeline.store.base import ObjectStore
+
+log = structlog.get_logger(__name__)
+
+
+def compact(
+    store: ObjectStore,
+    run: str,
+    version: int | None = None,
+    *,
+    signing_key: PrivateKey | None = None,
+) -> Manifest:
+    """Publish version ``version`` (default: the head) as an anchor, rebuilt from its
+    chain and checked against its delta manifest. Idempotent."""
+    index = chain.list_versions(store, run)
+    target = index.head if version is None else version
+    if target is None:
+        raise ChainError(f"run {run} has no published version to compact")
+    if target in index.anchors:
+        return chain.load_manifest(store, run, "anchor", target)
+    plan = chain.resolve(store, run, target, index=index)
+    delta = plan.target
+    manifest = publish_anchor(
+        store,
+        run,
+        target,
+        chain.reconstruct_tensors(store, run, target, plan=plan),
+        parent=delta.parent,
+        reason="compaction",
+        signing_key=signing_key,
+        layout=delta.parts(),
+        expected=delta,
+        parent_state_hash=delta.parent_state_hash,
+    )
+    return manifest
+
+
+def collect_garbage(
+    store: ObjectStore, run: str, keep_anchors: int, min_live_version: int | None
+) -> list[str]:
+    """Delete what no live replica and no bootstrap needs (see ``chain.gc_plan``), manifests
+    first; also the remains of crashed delta publishes below the head, and of crashed
+    compactions or collections below the newest anchor (callers hold the run's
+    compaction lock, so no anchor is being written)."""
+    index = chain.list_versions(store, run)
+    doomed = chain.gc_plan(index, keep_anchors, min_live_version)
+    orphans = chain.orphan_delta_folders(store, run, index.head) if index.head is not None else []
+    newest_anchor = max(index.anchors, default=None)
+    if newest_anchor is not None:
+        orphans += chain.orphan_anchor_folders(store, run, newest_anchor)
+    deleted = chain.delete_versions(store, doomed, orphans)
+    if deleted:
+        log.info(
+            "garbage collected",
+            run=run,
+            versions=len(doomed),
+            orphans=len(orphans),
+            keys=len(deleted),
+        )
+    return deleted

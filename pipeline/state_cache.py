@@ -1,0 +1,208 @@
+"""The diff worker's state cache: the last published version on local disk.
+
+One safetensors file per part, memory-mapped for the next diff; trusted only
+when its recorded version and state hash equal the head's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from pipeline import chain
+from pipeline.checkpoint import CheckpointReader, write_sharded
+from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
+from pipeline.hashing import content_hash
+from pipeline.manifest import Manifest, check_run, dtype_name
+from pipeline.store.base import ObjectStore
+from pipeline.targets.base import TensorSpec
+
+log = structlog.get_logger(__name__)
+
+
+def check_against(manifest: Manifest, specs: dict[str, TensorSpec], what: str) -> None:
+    """MismatchError naming the first tensor whose name, dtype or shape differs."""
+    version = f"{manifest.kind} {manifest.version} of run {manifest.run}"
+    known = {t.name for t in manifest.tensors}
+    for t in manifest.tensors:
+        spec = specs.get(t.name)
+        if spec is None:
+            raise MismatchError(f"tensor {t.name!r} of {version} is missing from {what}")
+        if dtype_name(spec.dtype) != t.dtype or tuple(spec.shape) != t.shape:
+            raise MismatchError(
+                f"tensor {t.name!r} is {dtype_name(spec.dtype)}{list(spec.shape)} in {what} "
+                f"but {t.dtype}{list(t.shape)} in {version}"
+            )
+    for name in specs:
+        if name not in known:
+            raise MismatchError(f"tensor {name!r} of {what} is not in {version}")
+
+
+class StateCache:
+    """The diff worker's local copy of a run's last published version.
+
+    ``<cache_dir>/<run>/state.json`` names the version, its state hash and the folder
+    holding its tensors (one safetensors file per part, with an index). A new folder is
+    written completely before ``state.json`` switches to it, so a crash leaves the old
+    state valid.
+    """
+
+    STATE = "state.json"
+
+    def __init__(self, cache_dir: str | os.PathLike[str], run: str) -> None:
+        self.run = run
+        self.root = Path(cache_dir) / check_run(run)
+
+    def _state(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads((self.root / self.STATE).read_text())
+        except (OSError, ValueError):
+            return None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("run") != self.run
+            or not isinstance(doc.get("version"), int)
+            or not isinstance(doc.get("state_hash"), str)
+            or not isinstance(doc.get("folder"), str)
+            or "/" in doc["folder"]
+        ):
+            return None
+        return doc
+
+    @property
+    def version(self) -> int | None:
+        state = self._state()
+        return None if state is None else int(state["version"])
+
+    @property
+    def folder(self) -> Path | None:
+        state = self._state()
+        return None if state is None else self.root / str(state["folder"])
+
+    def reader(self) -> CheckpointReader:
+        folder = self.folder
+        if folder is None:
+            raise ChainError(f"state cache {self.root} holds no version of run {self.run}")
+        return CheckpointReader(folder)
+
+    def is_valid_for(self, manifest: Manifest) -> bool:
+        """Does the cache hold exactly ``manifest``'s state (by version and state hash)?"""
+        state = self._state()
+        if state is None or state["version"] != manifest.version:
+            return False
+        if state["state_hash"] != manifest.state_hash:
+            return False
+        try:
+            with self.reader() as reader:
+                check_against(manifest, reader.specs(), f"state cache {self.root}")
+        except (ChainError, MismatchError, CorruptObjectError):
+            return False
+        return True
+
+    def _switch(self, folder: Path, manifest: Manifest) -> None:
+        doc = {
+            "run": self.run,
+            "version": manifest.version,
+            "state_hash": manifest.state_hash,
+            "folder": folder.name,
+        }
+        tmp = self.root / f".{self.STATE}.tmp"
+        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+        os.replace(tmp, self.root / self.STATE)
+        for other in self.root.iterdir():
+            if other.is_dir() and other.name != folder.name:
+                shutil.rmtree(other, ignore_errors=True)
+
+    def _folder_for(self, version: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root / f"v{version:010d}"
+
+    def rebuild(self, store: ObjectStore, run: str, version: int) -> Manifest:
+        """Rebuild ``version`` from the store (anchor + chain) into the cache."""
+        if run != self.run:
+            raise ConfigError(f"state cache {self.root} is for run {self.run}, not {run}")
+        folder = self._folder_for(version)
+        manifest = chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True)
+        self._switch(folder, manifest)
+        log.info("state cache rebuilt", run=run, version=version)
+        return manifest
+
+    def advance(self, new: CheckpointReader, manifest: Manifest) -> None:
+        """Make the cache hold ``new`` as ``manifest``'s version, checking every hash.
+
+        When the cache holds the same tensors (names, dtypes, shapes), their bytes are
+        overwritten in place in the cached files: no new files and no fsync. The state
+        file is removed first, so a crash midway leaves a cache that is rebuilt, never
+        trusted; bytes that differ from the manifest (the checkpoint changed while it
+        was published, or a write was lost) are caught by the base-hash check of the
+        next diff, which rebuilds the cache from the store.
+        """
+        folder = self.folder
+        if folder is not None and folder.is_dir():
+            try:
+                self._advance_in_place(folder, new, manifest)
+                return
+            except (ChainError, CorruptObjectError) as e:
+                log.info("state cache cannot be updated in place, rewriting", error=str(e))
+        self._rewrite(new, manifest)
+
+    def _advance_in_place(self, folder: Path, new: CheckpointReader, manifest: Manifest) -> None:
+        with CheckpointReader(folder) as cached:
+            specs = cached.specs()
+            if specs != new.specs() or set(specs) != {t.name for t in manifest.tensors}:
+                raise ChainError(f"state cache {self.root} holds other tensors than {new.path}")
+            locations = {n: cached.location(n) for n in specs}
+        (self.root / self.STATE).unlink(missing_ok=True)
+        # The manifest's hashes were taken from ``new`` while publishing, and every diff
+        # checks its base's hashes before use (a mismatch rebuilds the cache), so the
+        # bytes are written here without a second hash pass: one page-cache copy.
+        fds: dict[Path, int] = {}
+        try:
+            for entry in manifest.tensors:
+                path, offset, size = locations[entry.name]
+                if size == 0:
+                    continue
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_WRONLY)
+                data = new.view(entry.name).reshape(-1).view(torch.uint8).numpy()
+                view = data.data.cast("B")
+                while view:
+                    written = os.pwrite(fds[path], view, offset)
+                    view, offset = view[written:], offset + written
+                del data, view
+                new.close()  # unmap each tensor once written: residency stays one tensor
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        renamed = self._folder_for(manifest.version)
+        if renamed != folder:
+            if renamed.exists():  # left by a crashed rewrite
+                shutil.rmtree(renamed)
+            os.replace(folder, renamed)
+        self._switch(renamed, manifest)
+
+    def _rewrite(self, new: CheckpointReader, manifest: Manifest) -> None:
+        entries = {t.name: t for t in manifest.tensors}
+
+        def part(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+            for n in names:
+                t = new.get(n)
+                if content_hash(t) != entries[n].hash:
+                    raise MismatchError(
+                        f"tensor {n!r} in {new.path} does not match version {manifest.version}"
+                    )
+                yield n, t
+            new.close()  # unmap the part's pages once it is read
+
+        folder = self._folder_for(manifest.version)
+        write_sharded(
+            folder, ((key, part(names)) for key, names in manifest.parts()), overwrite=True
+        )
+        self._switch(folder, manifest)
