@@ -257,7 +257,8 @@ def test_anchor_must_match_what_it_replaces(file_store: FileStore, tmp_path: Pat
 _CRASH_SCRIPT = """
 import sys
 from pathlib import Path
-from pipeline.publish import StateCache, publish_step
+from pipeline.publish import publish_step
+from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 
 root, run, step, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
