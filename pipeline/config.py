@@ -156,6 +156,23 @@ class Settings:
         ),
     )
 
+    parallel_parts: bool = field(
+        default=False,
+        metadata=_var(
+            "DELTASYNC_PARALLEL_PARTS",
+            "false",
+            "Diff a version's parts on every diff worker of the machine (shared cache).",
+        ),
+    )
+    part_bytes: int = field(
+        default=512 << 20,
+        metadata=_var(
+            "DELTASYNC_PART_BYTES",
+            "536870912",
+            "Bytes of weights per part object, fixed by a run's first anchor.",
+        ),
+    )
+
     def __post_init__(self) -> None:
         # Empty values mean "derive from data_dir"; frozen, hence object.__setattr__.
         data_dir = _path(
@@ -173,6 +190,8 @@ class Settings:
             raise ConfigError(f"DELTASYNC_STORE: not a store URL: {self.store_url!r}")
         if self.level not in LEVELS:
             raise ConfigError(f"DELTASYNC_LEVEL: {self.level} is not one of {list(LEVELS)}")
+        if self.part_bytes < 1:
+            raise ConfigError(f"DELTASYNC_PART_BYTES: {self.part_bytes} is not positive")
         if self.max_chain < 1:
             raise ConfigError(f"DELTASYNC_COMPACT_MAX_CHAIN: must be >= 1, got {self.max_chain}")
         if not (math.isfinite(self.max_delta_fraction) and self.max_delta_fraction > 0):
@@ -333,6 +352,8 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "log_level": _log_level,
     "log_json": _bool,
     "keep_staging": _bool,
+    "parallel_parts": _bool,
+    "part_bytes": _int,
 }
 
 

@@ -16,7 +16,7 @@ from pipeline.policy import compaction_reason
 from pipeline.publish import PublishResult, publish_step
 from pipeline.replicas import claim_once, run_lock
 from pipeline.state_cache import StateCache
-from workers import queues
+from workers import parallel_diff, queues
 from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
@@ -65,24 +65,31 @@ def diff_job(
     runtime = current()
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
-    with run_lock(
-        runtime.redis,
-        run,
-        "diff",
-        timeout_s=LOCK_LEASE_S,
-        wait_s=LOCK_WAIT_S,
-        renew_every_s=LOCK_RENEW_S,
-    ):
-        cache = StateCache(settings.cache_dir, run)
-        result: PublishResult = publish_step(
-            runtime.store,
-            run,
-            step,
-            Path(checkpoint),
-            cache,
-            level=level or settings.level,
-            signing_key=settings.signing_key(),
+    result: PublishResult
+    if settings.parallel_parts:
+        result = parallel_diff.publish_step_parallel(
+            runtime, run, step, Path(checkpoint), level or settings.level
         )
+    else:
+        with run_lock(
+            runtime.redis,
+            run,
+            "diff",
+            timeout_s=LOCK_LEASE_S,
+            wait_s=LOCK_WAIT_S,
+            renew_every_s=LOCK_RENEW_S,
+        ):
+            cache = StateCache(settings.cache_dir, run)
+            result = publish_step(
+                runtime.store,
+                run,
+                step,
+                Path(checkpoint),
+                cache,
+                level=level or settings.level,
+                signing_key=settings.signing_key(),
+                part_bytes=settings.part_bytes,
+            )
     faults.point("diff.before_announce")
     if result.manifest is not None and result.manifest.version == step:
         # Also after a crash between the manifest and the event: announce once.
@@ -105,6 +112,15 @@ def diff_job(
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     log.info("diff job done", status=result.status)
     return result.summary()
+
+
+def diff_part_job(
+    run: str, step: int, checkpoint: str, part: str, parent_version: int
+) -> dict[str, Any]:
+    """rq entry point of one part of a parallel diff; arguments are JSON."""
+    bind_context(run=run, version=step, job_id=_job_id())
+    done = parallel_diff.work_on_part(current(), run, step, checkpoint, part, parent_version)
+    return {"run": run, "version": step, "part": part, "parts_encoded": done}
 
 
 def request_compaction(

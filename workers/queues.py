@@ -14,6 +14,7 @@ DIFF_QUEUE = "deltasync:diff"
 COMPACT_QUEUE = "deltasync:compact"
 
 DIFF_JOB = "workers.diff.diff_job"
+DIFF_PART_JOB = "workers.diff.diff_part_job"
 COMPACT_JOB = "workers.compaction.compact_job"
 
 # Store or Redis hiccups: retried with backoff (needs a worker running its scheduler).
@@ -41,6 +42,32 @@ def compaction_pending_key(run: str) -> str:
 
 def diff_job_id(run: str, step: int) -> str:
     return f"diff-{_id_part(run)}-{step}"
+
+
+def diff_part_job_id(run: str, step: int, part: str) -> str:
+    return f"diffpart-{_id_part(run)}-{step}-{_id_part(part)}"
+
+
+def enqueue_diff_part(
+    connection: redis.Redis, run: str, step: int, checkpoint: str, part: str, parent: int
+) -> str:
+    """Queue one part of a parallel diff, ahead of waiting steps (they wait on it)."""
+    job_id = diff_part_job_id(run, step, part)
+    queue(connection, DIFF_QUEUE).enqueue_call(
+        DIFF_PART_JOB,
+        kwargs={
+            "run": run,
+            "step": step,
+            "checkpoint": checkpoint,
+            "part": part,
+            "parent_version": parent,
+        },
+        job_id=job_id,
+        timeout=DIFF_TIMEOUT_S,
+        description=f"diff {run} step {step} {part}",
+        at_front=True,
+    )
+    return job_id
 
 
 def compact_job_id(run: str, version: int, requested_by: str) -> str:

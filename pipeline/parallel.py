@@ -1,0 +1,261 @@
+"""Parallel diff of one version: its parts encoded by several diff workers.
+
+The job that holds the run's diff lease (the coordinator) publishes a *fan-out*
+record for (run, step) in Redis once its state cache holds the parent version,
+then encodes parts itself while other workers on the same machine do the same:
+each part is claimed with a renewed lease, encoded against the shared state
+cache, uploaded, and its tensor entries recorded in a Redis hash. Once every
+part is recorded the coordinator writes the manifest (last), advances the
+cache and clears the fan-out. A dead claimant's lease expires and its part is
+claimed again; the manifest appears only when every part is recorded, and the
+coordinator holds the diff lease throughout, so steps of a run stay in order.
+
+Helpers only read the coordinator's state cache (``cache_dir`` shared on one
+machine): it changes only after every part is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+import structlog
+
+from pipeline import faults
+from pipeline.checkpoint import CheckpointReader
+from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
+from pipeline.errors import ChainError, LockError, MismatchError
+from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.manifest import (
+    CodecInfo,
+    Kind,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    compute_state_hash,
+    now_iso,
+    version_prefix,
+)
+from pipeline.publish import PrivateKey, _entry, _write_manifest
+from pipeline.replicas import run_lock
+from pipeline.state_cache import StateCache
+from pipeline.store.base import ObjectStore
+
+log = structlog.get_logger(__name__)
+
+PART_LEASE_S = 60.0
+PART_RENEW_S = 15.0
+FANOUT_TTL_S = 24 * 3600.0
+
+
+def fanout_key(run: str) -> str:
+    return f"deltasync:run:{run}:fanout"
+
+
+def parts_key(run: str, step: int) -> str:
+    return f"deltasync:run:{run}:parts:{step}"
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """The step being diffed part by part, against which parent, from which checkpoint."""
+
+    run: str
+    step: int
+    checkpoint: str
+    parent: int
+    parent_kind: Kind
+    level: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Fanout:
+        doc = json.loads(text)
+        return cls(
+            run=str(doc["run"]),
+            step=int(doc["step"]),
+            checkpoint=str(doc["checkpoint"]),
+            parent=int(doc["parent"]),
+            parent_kind="anchor" if doc["parent_kind"] == "anchor" else "delta",
+            level=int(doc["level"]),
+        )
+
+
+def start_fanout(client: redis.Redis, fanout: Fanout) -> None:
+    client.set(fanout_key(fanout.run), fanout.to_json(), px=int(FANOUT_TTL_S * 1000))
+
+
+def current_fanout(client: redis.Redis, run: str) -> Fanout | None:
+    raw = client.get(fanout_key(run))
+    return None if raw is None else Fanout.from_json(raw)
+
+
+def end_fanout(client: redis.Redis, fanout: Fanout) -> None:
+    """Stop helpers starting on ``fanout``. Its part records stay until they expire: a
+    helper that read the fan-out just before sees every part recorded and does nothing."""
+    client.delete(fanout_key(fanout.run))
+
+
+def _record_json(obj: ObjectEntry, entries: list[TensorEntry]) -> str:
+    return json.dumps(
+        {"object": asdict(obj), "tensors": [asdict(e) for e in entries]}, sort_keys=True
+    )
+
+
+def _parse_record(text: str | bytes) -> tuple[ObjectEntry, list[TensorEntry]]:
+    doc: dict[str, Any] = json.loads(text)
+    obj = ObjectEntry(**doc["object"])
+    tensors = [TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in doc["tensors"]]
+    return obj, tensors
+
+
+def recorded(client: redis.Redis, run: str, step: int) -> dict[str, str]:
+    raw = client.hgetall(parts_key(run, step))
+    return {
+        (k.decode() if isinstance(k, bytes) else str(k)): (
+            v.decode() if isinstance(v, bytes) else str(v)
+        )
+        for k, v in raw.items()
+    }
+
+
+def encode_part(
+    store: ObjectStore,
+    fanout: Fanout,
+    parent: Manifest,
+    key: str,
+    names: list[str],
+    base: CheckpointReader,
+    new: CheckpointReader,
+) -> tuple[ObjectEntry, list[TensorEntry]]:
+    """Encode one part against ``base`` (which must hold ``parent``) and upload it once."""
+    parent_hashes = {t.name: t.hash for t in parent.tensors}
+    pairs = [(n, base.view(n), new.view(n)) for n in names]
+    for n, b, _ in pairs:
+        if content_hash(b) != parent_hashes[n]:
+            raise MismatchError(
+                f"base tensor {n!r} in {base.path} does not match version {parent.version}"
+            )
+    data = encode_delta(pairs, fanout.level)
+    changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
+    entries = [_entry(n, t, key, changed[n]) for n, _, t in pairs]
+    obj = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
+    del pairs
+    base.close()
+    new.close()
+    faults.point("parallel.after_encode")
+    object_key = version_prefix(fanout.run, "delta", fanout.step) + key
+    # Write-once: a retry after a crash that uploaded the part does not upload it again.
+    if not (store.exists(object_key) and store.size(object_key) == len(data)):
+        store.put(object_key, data)
+    faults.point("parallel.after_upload")
+    return obj, entries
+
+
+def work_parts(
+    client: redis.Redis,
+    store: ObjectStore,
+    cache: StateCache,
+    fanout: Fanout,
+    parent: Manifest,
+    *,
+    first: str | None = None,
+) -> int:
+    """Claim and encode every unrecorded, unclaimed part of ``fanout`` (``first`` first).
+
+    Returns the number of parts this call recorded; 0 when the cache does not hold the
+    parent (a worker on another machine, or a cache being rebuilt).
+    """
+    if not cache.is_valid_for(parent):
+        return 0
+    parts = parent.parts()
+    if first is not None:
+        parts.sort(key=lambda p: p[0] != first)
+    index_of = {key: i for i, (key, _) in enumerate(parent.parts())}
+    done = 0
+    with CheckpointReader(fanout.checkpoint) as new, cache.reader() as base:
+        for key, names in parts:
+            if client.hexists(parts_key(fanout.run, fanout.step), key):
+                continue
+            try:
+                with run_lock(
+                    client,
+                    fanout.run,
+                    f"part-{fanout.step}-{index_of[key]}",
+                    PART_LEASE_S,
+                    wait_s=0.0,
+                    renew_every_s=PART_RENEW_S,
+                ):
+                    if client.hexists(parts_key(fanout.run, fanout.step), key):
+                        continue
+                    started = time.perf_counter()
+                    obj, entries = encode_part(store, fanout, parent, key, names, base, new)
+                    client.hsetnx(
+                        parts_key(fanout.run, fanout.step), key, _record_json(obj, entries)
+                    )
+                    client.pexpire(parts_key(fanout.run, fanout.step), int(FANOUT_TTL_S * 1000))
+                    done += 1
+                    log.info(
+                        "part encoded",
+                        run=fanout.run,
+                        version=fanout.step,
+                        part=key,
+                        bytes=obj.size,
+                        seconds=round(time.perf_counter() - started, 4),
+                    )
+            except LockError:
+                continue  # another worker holds this part
+    return done
+
+
+def assemble(
+    client: redis.Redis,
+    store: ObjectStore,
+    fanout: Fanout,
+    parent: Manifest,
+    signing_key: PrivateKey | None,
+) -> Manifest:
+    """Write the manifest of ``fanout``'s delta from its recorded parts (manifest last)."""
+    records = recorded(client, fanout.run, fanout.step)
+    objects: list[ObjectEntry] = []
+    entries: list[TensorEntry] = []
+    for key, names in parent.parts():
+        if key not in records:
+            raise ChainError(f"run {fanout.run}: part {key} of delta {fanout.step} is not recorded")
+        obj, tensors = _parse_record(records[key])
+        if [t.name for t in tensors] != names:
+            raise MismatchError(
+                f"run {fanout.run}: part {key} of delta {fanout.step} holds other tensors"
+            )
+        objects.append(obj)
+        entries.extend(tensors)
+    total = sum(e.numel for e in entries)
+    changed_total = sum(e.changed for e in entries)
+    manifest = Manifest(
+        run=fanout.run,
+        version=fanout.step,
+        kind="delta",
+        parent=parent.version,
+        anchor=parent.anchor,
+        codec=CodecInfo(name=CODEC_NAME, version=CODEC_VERSION, level=fanout.level),
+        objects=tuple(objects),
+        tensors=tuple(entries),
+        state_hash=compute_state_hash(entries),
+        created=now_iso(),
+        extra={"changed": changed_total, "elements": total},
+        parent_state_hash=parent.state_hash,
+    )
+    manifest = _write_manifest(store, manifest, signing_key, "parallel")
+    log.info(
+        "delta published in parallel",
+        run=fanout.run,
+        version=fanout.step,
+        parts=len(objects),
+        bytes=manifest.total_bytes,
+    )
+    return manifest
