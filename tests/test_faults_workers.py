@@ -361,6 +361,10 @@ def random_kill_scenario(tmp: Path, kills: int, seed: int) -> Outcome:
             retry_abandoned(c.redis, queues.DIFF_QUEUE)
             worker = c.procs.start(f"diff-{i + 1}", "worker", "diff")
             wait_for(lambda s=step: c.head() == s, f"step {step} after a random kill")
+            # A kill between the manifest and the event leaves the announce to rq's retry
+            # of the job, a moment after the version appears.
+            job_id = queues.diff_job_id(c.run, step)
+            wait_for(lambda j=job_id: _job_done(c.redis, j), f"job {job_id} after a kill")
             outcome.runs += 1
             outcome.recovered += 1
         c.check_versions(set(range(c.step + 1)))
