@@ -10,8 +10,13 @@ import torch
 
 from pipeline import chain, synthetic
 from pipeline.config import Settings
-from pipeline.events import EventStream
+from pipeline.errors import ChainError
+from pipeline.events import DeltaAvailable, EventStream
+from pipeline.manifest import manifest_key, version_prefix
+from pipeline.parallel import Fanout, assemble, parts_key, start_fanout, work_parts
+from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client
+from pipeline.state_cache import StateCache
 from pipeline.store import open_store
 from tests.pipeline_helpers import assert_same_state, deltasync_env, processes, wait_for
 from workers.runtime import Runtime, set_current
@@ -80,5 +85,49 @@ def test_two_workers_diff_parts_of_each_version(redis_url: str, tmp_path: Path) 
 
     stream = EventStream(redis_client(redis_url), run)
     events = stream.read(after_id="0-0", count=1000)
-    available = sorted(e.version for _, e in events if e.type == "delta-available")  # type: ignore[attr-defined]
+    available = sorted(e.version for _, e in events if isinstance(e, DeltaAvailable))
     assert available == list(range(STEPS)), "each version announced exactly once"
+
+
+def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """In process: the parallel parts are byte-identical to the single-job delta's, each
+    part is encoded once, and no manifest is written while a part is unrecorded."""
+    generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), lr=1e-5, seed=7)
+    paths = []
+    for step in range(2):
+        state = generator.state() if step == 0 else generator.step()
+        paths.append(tmp_path / f"step-{step}.safetensors")
+        synthetic.save_state(state, paths[-1])
+    r = redis_client(redis_url)
+    stores = {}
+    for name in ("single", "parallel"):
+        store = open_store(f"file://{tmp_path / name}")
+        cache = StateCache(tmp_path / f"cache-{name}", "run")
+        publish_step(store, "run", 0, paths[0], cache, level=1, part_bytes=PART_BYTES)
+        stores[name] = (store, cache)
+    store, cache = stores["single"]
+    single = publish_step(store, "run", 1, paths[1], cache, level=1).manifest
+    assert single is not None
+
+    store, cache = stores["parallel"]
+    parent = chain.load_manifest(store, "run", "anchor", 0)
+    fanout = Fanout("run", 1, str(paths[1]), 0, "anchor", 1)
+    start_fanout(r, fanout)
+    assert work_parts(r, store, cache, fanout, parent) == len(parent.objects) >= 3
+    assert work_parts(r, store, cache, fanout, parent) == 0, "each part encoded once"
+    missing = parent.objects[1].key
+    record = r.hget(parts_key("run", 1), missing)
+    r.hdel(parts_key("run", 1), missing)
+    with pytest.raises(ChainError, match="not recorded"):
+        assemble(r, store, fanout, parent, None)
+    assert not store.exists(manifest_key("run", "delta", 1))
+    assert record is not None
+    r.hset(parts_key("run", 1), missing, record)
+    manifest = assemble(r, store, fanout, parent, None)
+    assert manifest.objects == single.objects
+    assert manifest.tensors == single.tensors and manifest.state_hash == single.state_hash
+    for obj in manifest.objects:
+        key = version_prefix("run", "delta", 1) + obj.key
+        assert store.get(key) == stores["single"][0].get(key)
