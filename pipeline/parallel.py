@@ -26,20 +26,17 @@ import structlog
 
 from pipeline import faults
 from pipeline.checkpoint import CheckpointReader
-from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
+from pipeline.codec import encode_delta, read_delta
 from pipeline.errors import ChainError, LockError, MismatchError
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
-    CodecInfo,
     Kind,
     Manifest,
     ObjectEntry,
     TensorEntry,
-    compute_state_hash,
-    now_iso,
     version_prefix,
 )
-from pipeline.publish import PrivateKey, _entry, _write_manifest
+from pipeline.publish import PrivateKey, _entry, _write_manifest, delta_manifest
 from pipeline.replicas import run_lock
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
@@ -234,22 +231,7 @@ def assemble(
             )
         objects.append(obj)
         entries.extend(tensors)
-    total = sum(e.numel for e in entries)
-    changed_total = sum(e.changed for e in entries)
-    manifest = Manifest(
-        run=fanout.run,
-        version=fanout.step,
-        kind="delta",
-        parent=parent.version,
-        anchor=parent.anchor,
-        codec=CodecInfo(name=CODEC_NAME, version=CODEC_VERSION, level=fanout.level),
-        objects=tuple(objects),
-        tensors=tuple(entries),
-        state_hash=compute_state_hash(entries),
-        created=now_iso(),
-        extra={"changed": changed_total, "elements": total},
-        parent_state_hash=parent.state_hash,
-    )
+    manifest = delta_manifest(fanout.run, fanout.step, parent, fanout.level, objects, entries)
     manifest = _write_manifest(store, manifest, signing_key, "parallel")
     log.info(
         "delta published in parallel",

@@ -334,6 +334,34 @@ def publish_anchor(
 # ---------------------------------------------------------------- deltas
 
 
+def delta_manifest(
+    run: str,
+    version: int,
+    parent: Manifest,
+    level: int,
+    objects: list[ObjectEntry],
+    entries: list[TensorEntry],
+) -> Manifest:
+    """The manifest of a delta whose objects are uploaded (not yet written)."""
+    return Manifest(
+        run=run,
+        version=version,
+        kind="delta",
+        parent=parent.version,
+        anchor=parent.anchor,
+        codec=CodecInfo(name=CODEC_NAME, version=CODEC_VERSION, level=level),
+        objects=tuple(objects),
+        tensors=tuple(entries),
+        state_hash=compute_state_hash(entries),
+        created=now_iso(),
+        extra={
+            "changed": sum(e.changed for e in entries),
+            "elements": sum(e.numel for e in entries),
+        },
+        parent_state_hash=parent.state_hash,
+    )
+
+
 def publish_delta(
     store: ObjectStore,
     run: str,
@@ -394,22 +422,7 @@ def publish_delta(
             uploader.submit(version_prefix(run, "delta", version) + key, data)
             del data
         uploader.finish()
-    total = sum(e.numel for e in entries)
-    changed_total = sum(e.changed for e in entries)
-    manifest = Manifest(
-        run=run,
-        version=version,
-        kind="delta",
-        parent=parent.version,
-        anchor=parent.anchor,
-        codec=CodecInfo(name=CODEC_NAME, version=CODEC_VERSION, level=level),
-        objects=tuple(objects),
-        tensors=tuple(entries),
-        state_hash=compute_state_hash(entries),
-        created=now_iso(),
-        extra={"changed": changed_total, "elements": total},
-        parent_state_hash=parent.state_hash,
-    )
+    manifest = delta_manifest(run, version, parent, level, objects, entries)
     manifest = _write_manifest(store, manifest, signing_key, "publish")
     log.info(
         "delta published",
@@ -417,8 +430,8 @@ def publish_delta(
         version=version,
         parent=parent.version,
         bytes=manifest.total_bytes,
-        changed=changed_total,
-        elements=total,
+        changed=manifest.extra["changed"],
+        elements=manifest.extra["elements"],
     )
     return manifest
 
@@ -439,6 +452,23 @@ class PublishResult:
     changed: int = 0
     total: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def published(
+        cls, manifest: Manifest, head: int | None, timings: dict[str, float]
+    ) -> PublishResult:
+        return cls(
+            run=manifest.run,
+            version=manifest.version,
+            status="published",
+            kind=manifest.kind,
+            manifest=manifest,
+            head=head,
+            bytes=manifest.total_bytes,
+            changed=sum(t.changed for t in manifest.tensors),
+            total=sum(t.numel for t in manifest.tensors),
+            timings=timings,
+        )
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly summary (the rq job result)."""
@@ -529,15 +559,4 @@ def publish_step(
                 manifest = delta()
         cache.advance(new, manifest)
     elapsed = {**timings.as_dict(), "total_s": round(time.perf_counter() - started, 4)}
-    return PublishResult(
-        run=run,
-        version=step,
-        status="published",
-        kind=manifest.kind,
-        manifest=manifest,
-        head=head,
-        bytes=manifest.total_bytes,
-        changed=sum(t.changed for t in manifest.tensors),
-        total=sum(t.numel for t in manifest.tensors),
-        timings=elapsed,
-    )
+    return PublishResult.published(manifest, head, elapsed)

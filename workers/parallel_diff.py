@@ -58,9 +58,7 @@ def work_on_part(
 def _help(runtime: Runtime, fanout: Fanout, first: str | None = None) -> int:
     """Best effort: whatever a helper fails to do, the coordinator does itself."""
     try:
-        manifest = chain.load_manifest(
-            runtime.store, fanout.run, fanout.parent_kind, fanout.parent
-        )
+        manifest = chain.load_manifest(runtime.store, fanout.run, fanout.parent_kind, fanout.parent)
         cache = StateCache(runtime.settings.cache_dir, fanout.run)
         return work_parts(runtime.redis, runtime.store, cache, fanout, manifest, first=first)
     except (DeltasyncError, OSError) as e:
@@ -176,15 +174,6 @@ def _coordinate(
         manifest = assemble(r, store, fanout, parent, settings.signing_key())
         end_fanout(r, fanout)
         cache.advance(new, manifest)
-    return PublishResult(
-        run=run,
-        version=step,
-        status="published",
-        kind=manifest.kind,
-        manifest=manifest,
-        head=head,
-        bytes=manifest.total_bytes,
-        changed=sum(t.changed for t in manifest.tensors),
-        total=sum(t.numel for t in manifest.tensors),
-        timings={"total_s": round(time.perf_counter() - started, 4)},
+    return PublishResult.published(
+        manifest, head, {"total_s": round(time.perf_counter() - started, 4)}
     )
