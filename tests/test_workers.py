@@ -192,3 +192,39 @@ def test_cli_errors_are_one_line(redis_url: str, tmp_path: Path) -> None:
     out = cli(unreachable, "tail", "--run", "r")
     assert out.returncode != 0
     assert "127.0.0.1:1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_later_job_publishes_earlier_pending_steps_first(redis_url: str, tmp_path: Path) -> None:
+    """With several diff workers the job of step 2 may run before step 1's: both are
+    published, in order, and step 1's own job then finds it done."""
+    run = "ordered"
+    settings = Settings.from_env(deltasync_env(redis_url, tmp_path))
+    set_current(Runtime(settings))
+    emitter = Emitter(run, settings=settings)
+    generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), lr=1e-5, seed=5)
+    states = {0: generator.state()}
+    emitted = {0: emitter.emit_state(0, states[0])}
+    diff.diff_job(run, 0, emitted[0].checkpoint, owned=True)
+    for step in (1, 2):
+        states[step] = {n: t.clone() for n, t in generator.step().items()}
+        emitted[step] = emitter.emit_state(step, states[step])
+
+    later = diff.diff_job(run, 2, emitted[2].checkpoint, owned=True)
+    assert later["status"] == "published"
+    first = diff.diff_job(run, 1, emitted[1].checkpoint, owned=True)
+    assert first["status"] == "skipped"
+
+    store = open_store(settings.store_url)
+    index = chain.list_versions(store, run)
+    assert index.versions == (0, 1, 2)
+    assert chain.load_manifest(store, run, "delta", 2).parent == 1
+    for step in (1, 2):
+        assert_same_state(
+            dict(chain.reconstruct_tensors(store, run, step)), states[step], f"v{step}"
+        )
+    announced = [
+        e.version
+        for _, e in _events(redis_url, run)
+        if e.type == "delta-available"  # type: ignore[attr-defined]
+    ]
+    assert announced == [0, 1, 2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from rq import get_current_job
 
 from pipeline import faults
+from pipeline.errors import DeltasyncError, LockError, ServiceUnavailableError, StoreError
 from pipeline.events import CompactionRequested, DeltaAvailable, EventStream
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
@@ -61,8 +63,46 @@ def _job_id() -> str | None:
 def diff_job(
     run: str, step: int, checkpoint: str, owned: bool = False, level: int | None = None
 ) -> dict[str, Any]:
-    """rq entry point; arguments are JSON. Returns a JSON summary."""
+    """rq entry point; arguments are JSON. Returns a JSON summary.
+
+    Steps emitted before ``step`` and not yet published go first, in order: with
+    several diff workers the job of a later step may start first, and would
+    otherwise leave the earlier step behind the head (skipped as stale).
+    """
     runtime = current()
+    for earlier, args in _earlier_pending(runtime, run, step):
+        try:
+            _diff_one(runtime, run, earlier, **args)
+        except (StoreError, ServiceUnavailableError, LockError):
+            raise  # the services are the problem: this job is retried as a whole
+        except DeltasyncError as exc:
+            # That step's own input is bad; its own job reports it. Not ours to block on.
+            runtime.redis.hdel(queues.pending_steps_key(run), str(earlier))
+            log.warning("earlier step left to its own job", step=earlier, error=str(exc))
+    return _diff_one(runtime, run, step, checkpoint, owned, level)
+
+
+def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, dict[str, Any]]]:
+    out: list[tuple[int, dict[str, Any]]] = []
+    for key, raw in runtime.redis.hgetall(queues.pending_steps_key(run)).items():
+        try:
+            earlier = int(key)
+            args = json.loads(raw)
+            out.append((earlier, {k: args[k] for k in ("checkpoint", "owned") if k in args}))
+        except (ValueError, TypeError, KeyError):
+            log.warning("malformed pending step ignored", run=run, entry=str(key)[:40])
+            runtime.redis.hdel(queues.pending_steps_key(run), key)
+    return sorted((e, a) for e, a in out if e < step and "checkpoint" in a)
+
+
+def _diff_one(
+    runtime: Runtime,
+    run: str,
+    step: int,
+    checkpoint: str,
+    owned: bool = False,
+    level: int | None = None,
+) -> dict[str, Any]:
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
     result: PublishResult
@@ -90,6 +130,7 @@ def diff_job(
                 signing_key=settings.signing_key(),
                 part_bytes=settings.part_bytes,
             )
+    runtime.redis.hdel(queues.pending_steps_key(run), str(step))
     faults.point("diff.before_announce")
     if result.manifest is not None and result.manifest.version == step:
         # Also after a crash between the manifest and the event: announce once.

@@ -35,6 +35,11 @@ def _id_part(text: str) -> str:
     return safe
 
 
+def pending_steps_key(run: str) -> str:
+    """Hash of emitted steps not yet published: step -> JSON diff-job arguments."""
+    return f"deltasync:run:{run}:pending-steps"
+
+
 def compaction_pending_key(run: str) -> str:
     """Set while a policy compaction of ``run`` is queued or running."""
     return f"deltasync:run:{run}:compaction-pending"

@@ -13,6 +13,7 @@ the diff job, so that neither happens without the other.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ class Emitter:
             at = len(pipe.command_stack)
             stream.publish(event, pipeline=pipe)
             pipe.set(marker, 1, ex=7 * 24 * 3600)
+            # Lets whichever diff job runs first publish the steps in order.
+            pipe.hset(queues.pending_steps_key(self.run), str(step), json.dumps(kwargs))
             results = pipe.execute()
         event_id = results[at]
         event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)
