@@ -68,13 +68,16 @@ def inspect(delta_path: Path, as_json: bool) -> None:
     for row in report.rows:
         per = f"{row.bytes / row.changed:.2f}" if row.changed else "-"
         table.add_row(
-            row.name, row.dtype, "x".join(map(str, row.shape)) or "()", row.encoding,
-            f"{row.changed:,}", f"{row.bytes:,}", per,
+            row.name,
+            row.dtype,
+            "x".join(map(str, row.shape)) or "()",
+            row.encoding,
+            f"{row.changed:,}",
+            f"{row.bytes:,}",
+            per,
         )
     Console().print(table)
-    click.echo(
-        f"total: {report.changed:,} of {report.total:,} changed, {report.bytes:,} bytes"
-    )
+    click.echo(f"total: {report.changed:,} of {report.total:,} changed, {report.bytes:,} bytes")
 
 
 COMMANDS: list[click.Command] = [delta]

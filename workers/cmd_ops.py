@@ -18,8 +18,14 @@ RUN = click.option("--run", required=True, help="Run name.")
 @RUN
 @click.option("--version", type=int, default=None, help="Version to anchor (default: the head).")
 @click.option("--wait", is_flag=True, help="Wait for the job, showing progress and the result.")
-@click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
-              help="With --wait: give up after this many seconds.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="With --wait: give up after this many seconds.",
+)
 @click.pass_context
 def compact(
     ctx: click.Context, run: str, version: int | None, wait: bool, timeout_s: float
@@ -53,10 +59,13 @@ def compact(
             if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
                 raise DeltasyncError(f"compaction job {job_id} {status.value}: {_last_line(job)}")
             if time.monotonic() - started > timeout_s:
-                raise DeltasyncError(f"compaction job {job_id} still {status.value} after "
-                                     f"{timeout_s:.0f}s (is `deltasync worker compact` running?)")
-            spinner.update(f"compaction job {job_id}: {status.value} "
-                           f"({time.monotonic() - started:.0f}s)")
+                raise DeltasyncError(
+                    f"compaction job {job_id} still {status.value} after "
+                    f"{timeout_s:.0f}s (is `deltasync worker compact` running?)"
+                )
+            spinner.update(
+                f"compaction job {job_id}: {status.value} ({time.monotonic() - started:.0f}s)"
+            )
             time.sleep(0.5)
     result = job.return_value()
     click.echo(json.dumps(result, indent=2) if isinstance(result, dict) else str(result))
@@ -81,8 +90,9 @@ def tail(
     """Print a run's event stream, oldest first; --follow to keep going."""
     from workers.ops import tail_events
 
-    tail_events(from_context(ctx), run, follow=follow, as_json=as_json, types=set(types),
-                since=since)
+    tail_events(
+        from_context(ctx), run, follow=follow, as_json=as_json, types=set(types), since=since
+    )
 
 
 @click.command("status")
@@ -103,8 +113,12 @@ def status(ctx: click.Context, run: str, as_json: bool) -> None:
 @click.command("verify")
 @RUN
 @click.option("--version", type=int, default=None, help="Version to check (default: the head).")
-@click.option("--against", required=True, type=click.Path(exists=True, path_type=Path),
-              help="Checkpoint (safetensors file or sharded folder) to compare bit for bit.")
+@click.option(
+    "--against",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Checkpoint (safetensors file or sharded folder) to compare bit for bit.",
+)
 @click.pass_context
 def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> None:
     """Rebuild a version from the store and compare it bit for bit with a checkpoint.
@@ -126,8 +140,12 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
 
 
 @click.command("keygen")
-@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder for signing.key (workers) and verify.pub (rollout nodes).")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for signing.key (workers) and verify.pub (rollout nodes).",
+)
 def keygen(out: Path) -> None:
     """Make an Ed25519 key pair for signed versions."""
     from pipeline.manifest import generate_keypair

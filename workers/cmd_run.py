@@ -32,17 +32,42 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
 @click.option("--target", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True)
 @click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
 @click.option("--device", default="cpu", show_default=True, help="torch device for --target torch.")
-@click.option("--model", "model_path", type=click.Path(path_type=Path), default=None,
-              help="Model folder for --target vllm (config and tokenizer; weights come "
-              "from the run).")
-@click.option("--verify", type=click.Choice(["touched", "all", "none"]), default="touched",
-              show_default=True, help="Content hashes checked after each apply.")
-@click.option("--poll", "poll_interval_s", type=float, default=2.0, show_default=True,
-              help="Seconds between store polls (events are only hints).")
-@click.option("--until", "until_version", type=int, default=None,
-              help="Exit once this version (or a later one) is applied.")
-@click.option("--dump", "dump_path", type=click.Path(path_type=Path), default=None,
-              help="On exit, write the held weights as safetensors (checkpoint names).")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Model folder for --target vllm (config and tokenizer; weights come from the run).",
+)
+@click.option(
+    "--verify",
+    type=click.Choice(["touched", "all", "none"]),
+    default="touched",
+    show_default=True,
+    help="Content hashes checked after each apply.",
+)
+@click.option(
+    "--poll",
+    "poll_interval_s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds between store polls (events are only hints).",
+)
+@click.option(
+    "--until",
+    "until_version",
+    type=int,
+    default=None,
+    help="Exit once this version (or a later one) is applied.",
+)
+@click.option(
+    "--dump",
+    "dump_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="On exit, write the held weights as safetensors (checkpoint names).",
+)
 @click.pass_context
 def rollout(
     ctx: click.Context,
@@ -78,8 +103,12 @@ def rollout(
 @click.command("emit")
 @RUN
 @click.option("--step", type=click.IntRange(min=0), required=True, help="The trainer's step.")
-@click.option("--checkpoint", required=True, type=click.Path(exists=True, path_type=Path),
-              help="safetensors file or sharded folder; deltasync never modifies it.")
+@click.option(
+    "--checkpoint",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="safetensors file or sharded folder; deltasync never modifies it.",
+)
 @click.pass_context
 def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
     """Announce that the trainer finished STEP, with its weights at CHECKPOINT."""
@@ -95,8 +124,14 @@ def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
 @click.command("watch")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @RUN
-@click.option("--settle", "settle_s", type=float, default=2.0, show_default=True,
-              help="Seconds a checkpoint must stay unchanged before it counts as complete.")
+@click.option(
+    "--settle",
+    "settle_s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds a checkpoint must stay unchanged before it counts as complete.",
+)
 @click.pass_context
 def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> None:
     """Emit once per new complete checkpoint appearing in DIRECTORY.
@@ -112,13 +147,23 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
 
 @click.command("demo")
 @click.option("--steps", type=click.IntRange(min=2), default=12, show_default=True)
-@click.option("--model", "model_size", default="small", show_default=True,
-              help="Synthetic model preset (tiny, small, medium).")
+@click.option(
+    "--model",
+    "model_size",
+    default="small",
+    show_default=True,
+    help="Synthetic model preset (tiny, small, medium).",
+)
 @click.option("--lr", type=float, default=1e-6, show_default=True, help="AdamW learning rate.")
 @click.option("--replicas", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--diff-workers", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--compact-every", type=click.IntRange(min=2), default=5, show_default=True,
-              help="Compaction policy for the demo: anchor after this many deltas.")
+@click.option(
+    "--compact-every",
+    type=click.IntRange(min=2),
+    default=5,
+    show_default=True,
+    help="Compaction policy for the demo: anchor after this many deltas.",
+)
 @click.option("--run", default=None, help="Run name (default: demo-<time>).")
 @click.option("--vllm", "with_vllm", is_flag=True, help="Add a vLLM-CPU rollout node.")
 @click.option("--seed", type=int, default=0, show_default=True)

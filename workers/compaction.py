@@ -8,11 +8,12 @@ from rq import get_current_job
 
 from pipeline import faults
 from pipeline.compaction import collect_garbage, compact
-from pipeline.events import AnchorAvailable, EventStream
+from pipeline.events import AnchorAvailable
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import manifest_key
 from pipeline.replicas import min_live_version, run_lock
 from workers import queues
+from workers.diff import publish_once
 from workers.runtime import current
 
 log = get_logger(__name__)
@@ -40,20 +41,14 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
         manifest = compact(runtime.store, run, version, signing_key=settings.signing_key())
         faults.point("compact.before_event")
         r = runtime.redis
-        marker = f"deltasync:run:{run}:anchored:{manifest.version}"
-        if not r.exists(marker):
-            size = sum(o.size for o in manifest.objects)
-            event = AnchorAvailable.now(
-                run=run,
-                version=manifest.version,
-                bytes=size,
-                manifest=manifest_key(run, "anchor", manifest.version),
-                reason=reason,
-            )
-            with r.pipeline(transaction=True) as pipe:
-                EventStream(r, run).publish(event, pipeline=pipe)
-                pipe.set(marker, 1, ex=30 * 24 * 3600)
-                pipe.execute()
+        event = AnchorAvailable.now(
+            run=run,
+            version=manifest.version,
+            bytes=manifest.total_bytes,
+            manifest=manifest_key(run, "anchor", manifest.version),
+            reason=reason,
+        )
+        publish_once(runtime, f"deltasync:run:{run}:anchored:{manifest.version}", event)
         faults.point("compact.before_gc")
         live = min_live_version(r, run, settings.replica_ttl_s)
         deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
@@ -62,7 +57,7 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
     return {
         "run": run,
         "anchor": manifest.version,
-        "bytes": sum(o.size for o in manifest.objects),
+        "bytes": manifest.total_bytes,
         "deleted": len(deleted),
         "oldest_live_replica": live,
     }

@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline import synthetic
+from pipeline import chain, synthetic
 from pipeline.checkpoint import CheckpointReader
 from pipeline.events import (
     AnchorAvailable,
@@ -63,16 +63,8 @@ class VersionRow:
     matched: dict[str, bool] = field(default_factory=dict)  # node -> state hash equal
 
 
-def _event_time(iso: str) -> float:
-    return datetime.fromisoformat(iso).timestamp()
-
-
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return content_hash(a) == content_hash(b) and bool(
-        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-    )
+    return a.dtype == b.dtype and a.shape == b.shape and chain.count_differing(a, b) == 0
 
 
 class Demo:
@@ -93,17 +85,19 @@ class Demo:
     def _env(self) -> dict[str, str]:
         s = self.runtime.settings
         env = dict(os.environ)
-        env.update({
-            "DELTASYNC_REDIS_URL": self.runtime.redis_url,
-            "DELTASYNC_STORE": s.store_url,
-            "DELTASYNC_HOME": str(s.data_dir),
-            "DELTASYNC_STAGING": str(s.staging_dir),
-            "DELTASYNC_CACHE": str(self.folder / "cache"),
-            "DELTASYNC_COMPACT_MAX_CHAIN": str(self.options.compact_every),
-            "DELTASYNC_LOG_JSON": "1",
-            # Two cores: one torch thread per helper process keeps them from thrashing.
-            "OMP_NUM_THREADS": "1",
-        })
+        env.update(
+            {
+                "DELTASYNC_REDIS_URL": self.runtime.redis_url,
+                "DELTASYNC_STORE": s.store_url,
+                "DELTASYNC_HOME": str(s.data_dir),
+                "DELTASYNC_STAGING": str(s.staging_dir),
+                "DELTASYNC_CACHE": str(self.folder / "cache"),
+                "DELTASYNC_COMPACT_MAX_CHAIN": str(self.options.compact_every),
+                "DELTASYNC_LOG_JSON": "1",
+                # Two cores: one torch thread per helper process keeps them from thrashing.
+                "OMP_NUM_THREADS": "1",
+            }
+        )
         return env
 
     def _spawn(self, name: str, *args: str) -> None:
@@ -112,14 +106,31 @@ class Demo:
         out = (logs / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "workers", *args],
-            env=self._env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env=self._env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def _start_node(self, name: str, last: int, *, target: str = "torch") -> None:
         self.nodes.append(name)
-        args = ["rollout", "--run", self.run, "--target", target, "--node-id", name,
-                "--until", str(last), "--verify", "all", "--poll", "1",
-                "--dump", str(self.folder / "dumps" / f"{name}.safetensors")]
+        args = [
+            "rollout",
+            "--run",
+            self.run,
+            "--target",
+            target,
+            "--node-id",
+            name,
+            "--until",
+            str(last),
+            "--verify",
+            "all",
+            "--poll",
+            "1",
+            "--dump",
+            str(self.folder / "dumps" / f"{name}.safetensors"),
+        ]
         if target == "vllm":
             args += ["--model", str(self._vllm_model_folder())]
         self._spawn(name, *args)
@@ -153,21 +164,23 @@ class Demo:
                 continue
             row = self.rows.setdefault(event.version, VersionRow(event.version))
             if isinstance(event, StepCompleted):
-                row.emitted_at = _event_time(event.time)
+                row.emitted_at = event.at.timestamp()
             elif isinstance(event, DeltaAvailable):
                 row.kind, row.bytes = event.kind, event.bytes
             elif isinstance(event, AnchorAvailable):
                 self.anchors[event.version] = event.reason
             elif isinstance(event, DeltaApplied):
-                row.applied[event.node] = _event_time(event.time)
+                row.applied[event.node] = event.at.timestamp()
                 row.matched[event.node] = event.state_hash == row.trainer_hash
             elif isinstance(event, ReplicaError):
                 self.errors.append(f"{event.node} at v{event.version}: {event.error}")
 
     def _live_view(self, emitted: int) -> Group:
         head = max((v for v, r in self.rows.items() if r.kind != "?"), default=None)
-        summary = (f"run [bold]{self.run}[/]  steps emitted {emitted}/{self.options.steps}  "
-                   f"head {head if head is not None else '-'}")
+        summary = (
+            f"run [bold]{self.run}[/]  steps emitted {emitted}/{self.options.steps}  "
+            f"head {head if head is not None else '-'}"
+        )
         table = Table("replica", "version", "lag")
         for info in list_replicas(self.runtime.redis, self.run):
             lag = "-" if head is None or info.version is None else str(head - info.version)
@@ -210,8 +223,7 @@ class Demo:
                     row.trainer_hash = state_hash(hashes.items())
                     if step:
                         row.changed = sum(
-                            int((t.view(torch.int16) != final_state[n].view(torch.int16)).sum())
-                            for n, t in state.items()
+                            chain.count_differing(t, final_state[n]) for n, t in state.items()
                         )
                     row.total = sum(t.numel() for t in state.values())
                     final_state = {n: t.clone() for n, t in state.items()}
@@ -225,9 +237,7 @@ class Demo:
                 while time.monotonic() < deadline:
                     self._drain_events(block_ms=250)
                     live.update(self._live_view(opts.steps))
-                    nodes_done = all(
-                        self.procs[n].poll() is not None for n in self.nodes
-                    )
+                    nodes_done = all(self.procs[n].poll() is not None for n in self.nodes)
                     if nodes_done:
                         break
                 self._drain_events()
@@ -253,9 +263,16 @@ class Demo:
             if row.matched and not all(row.matched.values()):
                 ok = False
             kind = row.kind + ("+anchor" if v in self.anchors and row.kind == "delta" else "")
-            table.add_row(str(v), kind, pct, f"{row.bytes:,}",
-                          f"{row.bytes / full_bytes:.4f}" if full_bytes else "-",
-                          vs_raw, sync, exact)
+            table.add_row(
+                str(v),
+                kind,
+                pct,
+                f"{row.bytes:,}",
+                f"{row.bytes / full_bytes:.4f}" if full_bytes else "-",
+                vs_raw,
+                sync,
+                exact,
+            )
         self.console.print(table)
         self.console.print(
             "changed: elements that differ from the previous step; /full: bytes over the full "
@@ -274,9 +291,11 @@ class Demo:
                 _bits_equal(reader.get(n), t) for n, t in final_state.items()
             )
             ok = ok and same
-            self.console.print(f"{name}: final weights "
-                               f"{'[green]bit-identical[/]' if same else '[red]DIFFER[/]'} "
-                               f"to the trainer's")
+            self.console.print(
+                f"{name}: final weights "
+                f"{'[green]bit-identical[/]' if same else '[red]DIFFER[/]'} "
+                f"to the trainer's"
+            )
         for version, reason in sorted(self.anchors.items()):
             self.console.print(f"compaction: anchor at version {version} ({reason})")
         if not self.anchors:
@@ -294,8 +313,11 @@ class Demo:
             f"(needs `deltasync worker compact` running)\n"
             f"  {env}deltasync redis stop   (stops the embedded Redis)"
         )
-        self.console.print("[green]every replica matched the trainer bit for bit[/]" if ok
-                           else "[red]a replica differs from the trainer[/]")
+        self.console.print(
+            "[green]every replica matched the trainer bit for bit[/]"
+            if ok
+            else "[red]a replica differs from the trainer[/]"
+        )
         return ok
 
 

@@ -11,7 +11,7 @@ from rq import get_current_job
 
 from pipeline import faults
 from pipeline.errors import DeltasyncError, LockError, ServiceUnavailableError, StoreError
-from pipeline.events import CompactionRequested, DeltaAvailable, EventStream
+from pipeline.events import CompactionRequested, DeltaAvailable, Event, EventStream
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
 from pipeline.policy import compaction_reason
@@ -30,14 +30,22 @@ LOCK_RENEW_S = 15.0
 LOCK_WAIT_S = 3600.0
 # A policy compaction that never finishes (its worker died) stops blocking the next one.
 POLICY_PENDING_TTL_S = 3600.0
+ANNOUNCED_TTL_S = 30 * 24 * 3600
+
+
+def publish_once(runtime: Runtime, marker: str, event: Event) -> None:
+    """Append ``event`` unless ``marker`` says it was; event and marker in one MULTI."""
+    r = runtime.redis
+    if r.exists(marker):
+        return
+    with r.pipeline(transaction=True) as pipe:
+        EventStream(r, event.run).publish(event, pipeline=pipe)
+        pipe.set(marker, 1, ex=ANNOUNCED_TTL_S)
+        pipe.execute()
 
 
 def announce(runtime: Runtime, manifest: Manifest) -> None:
     """Publish ``delta-available`` for a version, at most once per version."""
-    r = runtime.redis
-    marker = f"deltasync:run:{manifest.run}:announced:{manifest.version}"
-    if r.exists(marker):
-        return
     event = DeltaAvailable.now(
         run=manifest.run,
         version=manifest.version,
@@ -49,10 +57,7 @@ def announce(runtime: Runtime, manifest: Manifest) -> None:
         total=sum(t.numel for t in manifest.tensors),
         manifest=manifest_key(manifest.run, manifest.kind, manifest.version),
     )
-    with r.pipeline(transaction=True) as pipe:
-        EventStream(r, manifest.run).publish(event, pipeline=pipe)
-        pipe.set(marker, 1, ex=30 * 24 * 3600)
-        pipe.execute()
+    publish_once(runtime, f"deltasync:run:{manifest.run}:announced:{manifest.version}", event)
 
 
 def _job_id() -> str | None:

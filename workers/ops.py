@@ -118,12 +118,14 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
     replicas = []
     for info in list_replicas(r, run):
         lag = None if index.head is None or info.version is None else index.head - info.version
-        replicas.append({
-            "node": info.node,
-            "version": info.version,
-            "lag_versions": lag,
-            "seen_s_ago": round(info.age_s, 1),
-        })
+        replicas.append(
+            {
+                "node": info.node,
+                "version": info.version,
+                "lag_versions": lag,
+                "seen_s_ago": round(info.age_s, 1),
+            }
+        )
     report["replicas"] = replicas
     report["time"] = now.isoformat()
     return report
@@ -139,15 +141,19 @@ def render_status(report: dict[str, Any]) -> None:
         console.print("no published version yet")
     else:
         signed = "signed" if report.get("signed") else "UNSIGNED"
-        console.print(f"[bold]head[/] {report['head']} ({signed})   "
-                      f"[bold]anchors[/] {report['anchors']}   "
-                      f"[bold]deltas stored[/] {report['deltas']}")
+        console.print(
+            f"[bold]head[/] {report['head']} ({signed})   "
+            f"[bold]anchors[/] {report['anchors']}   "
+            f"[bold]deltas stored[/] {report['deltas']}"
+        )
         c = report.get("chain", {})
         if "error" in c:
             console.print(f"[red]chain broken:[/] {c['error']}")
         else:
-            console.print(f"[bold]chain[/] anchor {c['anchor']} + {c['length']} deltas, "
-                          f"{c['delta_bytes']:,} delta bytes vs {c['anchor_bytes']:,} anchor bytes")
+            console.print(
+                f"[bold]chain[/] anchor {c['anchor']} + {c['length']} deltas, "
+                f"{c['delta_bytes']:,} delta bytes vs {c['anchor_bytes']:,} anchor bytes"
+            )
     queues_table = Table(title="queues")
     for col in ("queue", "queued", "failed", "recent failed jobs"):
         queues_table.add_column(col)
@@ -158,8 +164,9 @@ def render_status(report: dict[str, Any]) -> None:
     for col in ("node", "version", "lag (versions)", "last seen"):
         replicas_table.add_column(col)
     for rep in report["replicas"]:
-        replicas_table.add_row(rep["node"], str(rep["version"]), str(rep["lag_versions"]),
-                               f"{rep['seen_s_ago']}s ago")
+        replicas_table.add_row(
+            rep["node"], str(rep["version"]), str(rep["lag_versions"]), f"{rep['seen_s_ago']}s ago"
+        )
     if not report["replicas"]:
         replicas_table.add_row("-", "-", "-", "no replica reported recently")
     console.print(replicas_table)

@@ -28,9 +28,7 @@ def step_of(path: Path) -> int | None:
 
 def _fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
     files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    return tuple(
-        (str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()
-    )
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
 class CheckpointWatcher:
@@ -91,7 +89,12 @@ def watch_directory(
     watcher.scan()
     stop_event = stop or threading.Event()
     tick_ms = max(int(settle_s * 500), 100)
-    for _changes in watch(directory, stop_event=stop_event, rust_timeout=tick_ms,
-                          yield_on_timeout=True, recursive=True):
+    for _changes in watch(
+        directory,
+        stop_event=stop_event,
+        rust_timeout=tick_ms,
+        yield_on_timeout=True,
+        recursive=True,
+    ):
         for step in watcher.scan():
             log.info("checkpoint emitted", step=step)
