@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import apply_patch, encode_delta, fused, kernels, read_delta
+from pipeline.codec import apply_patch, encode_delta, fused, kernels, read_delta, rice
 from pipeline.codec.container import read_container
 from pipeline.errors import CorruptObjectError, MismatchError
 from tests.test_codec_errors import rebuild
@@ -280,3 +280,29 @@ def test_one_call_encoder_matches_the_reference_path(level: int) -> None:
         target = base.clone()
         obj.apply_to(name, target)
         assert torch.equal(bits(target), bits(new)), name
+
+
+@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("param", [0, 1, 5, 13, 40])
+def test_rice_writer_matches_the_reference_and_stays_in_its_streams(param: int) -> None:
+    """The one compiled Rice writer, at offsets in a shared buffer: the numpy
+    path's bytes, and not a byte outside the two streams (the one-call encoder
+    writes other streams right after them)."""
+    gen = np.random.default_rng(param)
+    # Short gaps, gaps of 32+ quotient (the writer's long-run loop) and a word's worth.
+    gaps = np.concatenate(
+        [gen.integers(0, 4 << param, 500), [0, 0, (70 << param) + 3, 1 << (param + 6)]]
+    ).astype(np.int64)
+    gen.shuffle(gaps)
+    positions = rice.gaps_to_positions(gaps)
+    unary, fixed = rice.encode_gaps(gaps, param)
+    head, gap_between = 5, 3
+    out = np.full(head + unary.size + gap_between + fixed.size + 9, 0xA5, np.uint8)
+    fixed_at = head + unary.size + gap_between
+    writer = fused.get()
+    assert writer is not None
+    writer.rice_write(positions, positions.size, param, out, head, fixed_at)
+    expected = np.full_like(out, 0xA5)
+    expected[head : head + unary.size] = unary
+    expected[fixed_at : fixed_at + fixed.size] = fixed
+    assert np.array_equal(out, expected)

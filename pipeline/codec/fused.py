@@ -163,33 +163,6 @@ def _build() -> Any | None:
         return value & ((np.uint64(1) << np.uint64(spill)) - np.uint64(1)), spill, index + 8
 
     @jit  # type: ignore[untyped-decorator,misc]
-    def rice_write(positions: Any, param: int, unary: Any, fixed: Any) -> None:
-        """Rice codes of the gaps of strictly increasing positions, MSB first, into
-        streams sized to whole 8-byte words (the caller trims them)."""
-        prev = -1
-        uacc = facc = np.uint64(0)
-        uheld = fheld = 0
-        uindex = findex = 0
-        mask = np.uint64((1 << param) - 1)
-        one = np.uint64(1)
-        for p in positions:
-            gap = p - prev - 1
-            prev = p
-            quotient = gap >> param
-            while quotient >= 32:
-                uacc, uheld, uindex = put_bits(unary, uacc, uheld, uindex, np.uint64(0), 32)
-                quotient -= 32
-            uacc, uheld, uindex = put_bits(unary, uacc, uheld, uindex, one, quotient + 1)
-            if param:
-                facc, fheld, findex = put_bits(
-                    fixed, facc, fheld, findex, np.uint64(gap) & mask, param
-                )
-        if uheld:
-            store_be64(unary, uindex, uacc << np.uint64(64 - uheld))
-        if fheld:
-            store_be64(fixed, findex, facc << np.uint64(64 - fheld))
-
-    @jit  # type: ignore[untyped-decorator,misc]
     def peek(stream: Any, bit: int) -> Any:
         """The 64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end
         (at least 57 of them are stream bits when the stream is that long)."""
@@ -472,11 +445,13 @@ def _build() -> Any | None:
         return param, best_cost - count * param
 
     @jit  # type: ignore[untyped-decorator,misc]
-    def rice_write_at(
+    def rice_write(
         positions: Any, count: int, param: int, out: Any, uindex: int, findex: int
     ) -> None:
-        """rice_write of ``positions[:count]`` into ``out`` at byte offsets ``uindex``
-        (unary) and ``findex`` (fixed), storing exactly the streams' bytes."""
+        """Rice codes of the gaps of strictly increasing ``positions[:count]``, MSB
+        first: the unary stream into ``out`` from byte ``uindex``, the fixed stream
+        from byte ``findex``. Stores exactly the streams' bytes, so the two (and
+        others) can lie back to back in one buffer."""
         prev = -1
         uacc = facc = np.uint64(0)
         uheld = fheld = 0
@@ -539,9 +514,9 @@ def _build() -> Any | None:
         big_at = sign_at + sign_n
         if big_at + big_unary_n + big_fixed_n > out.size:
             return nothing
-        rice_write_at(pos, changed, param, out, 0, unary_n)
+        rice_write(pos, changed, param, out, 0, unary_n)
         if nbig:
-            rice_write_at(big, nbig, big_param, out, big_at, big_at + big_unary_n)
+            rice_write(big, nbig, big_param, out, big_at, big_at + big_unary_n)
             for plane in range(width):
                 shift = 8 * plane
                 for j in range(nbig):

@@ -4,7 +4,7 @@ Each gap g (slots skipped since the previous position) is split into
 q = g >> r and its r low bits. The quotients go to a unary stream (q zeros then
 a one, MSB first) and the low bits to a fixed-width stream. Keeping the two
 streams apart makes the numpy path a handful of whole-array passes (cumsum,
-packbits / unpackbits, flatnonzero); the compiled path (kernels.py) writes the
+packbits / unpackbits, flatnonzero); the compiled path (fused.py) writes the
 same bytes in one loop. The parameter r is chosen per call for the fewest bits.
 """
 
@@ -170,12 +170,11 @@ def encode_positions(positions: I64) -> tuple[U8, U8, int]:
     first = max(0, _guess_param(count, int(positions[-1]) + 1 - count) - 1)
     costs = compiled.rice_costs(positions, first, min(3, MAX_PARAM + 1 - first))
     param = first + int(np.argmin(costs))
-    unary_bits_total = int(costs[param - first]) - count * param
-    # The writer stores whole 8-byte words: room for them, then trimmed views.
-    unary = np.empty(-(-unary_bits_total // 64) * 8, np.uint8)
-    fixed = np.empty(-(-count * param // 64) * 8, np.uint8)
-    writer.rice_write(positions, param, unary, fixed)
-    return unary[: (unary_bits_total + 7) // 8], fixed[: fixed_nbytes(count, param)], param
+    unary_n = (int(costs[param - first]) - count * param + 7) // 8
+    # One buffer, the two streams back to back (as the one-call encoder writes them).
+    out = np.empty(unary_n + fixed_nbytes(count, param), np.uint8)
+    writer.rice_write(positions, count, param, out, 0, unary_n)
+    return out[:unary_n], out[unary_n:], param
 
 
 def decode_positions(unary: U8, fixed: U8, count: int, param: int, limit: int) -> I64 | None:
