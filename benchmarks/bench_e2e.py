@@ -43,7 +43,7 @@ from benchmarks.emulator import (
     qwen_like_shapes,
 )
 from pipeline.checkpoint import CheckpointReader
-from pipeline.events import ENTRY_FIELD, stream_key
+from pipeline.event_stream import ENTRY_FIELD, stream_key
 from pipeline.synthetic import save_state
 from tests.pipeline_helpers import REPO, bits, deltasync_env, processes, wait_for
 from tests.servers import RedisServer

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, qwen_like_shapes
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
-from pipeline.events import ENTRY_FIELD, stream_key
+from pipeline.event_stream import ENTRY_FIELD, stream_key
 from pipeline.store import open_store
 from pipeline.synthetic import save_state
 from tests.pipeline_helpers import bits, deltasync_env, processes, wait_for

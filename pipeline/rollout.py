@@ -41,15 +41,14 @@ from pipeline.errors import (
     ObjectNotFoundError,
     SignatureError,
 )
+from pipeline.event_stream import EventStream, parse_id
 from pipeline.events import (
     AnchorAvailable,
     DeltaApplied,
     DeltaAvailable,
     Event,
-    EventStream,
     ReplicaError,
     StepCompleted,
-    parse_id,
 )
 from pipeline.hashing import content_hash
 from pipeline.manifest import Kind, Manifest, dtype_name

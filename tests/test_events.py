@@ -13,8 +13,8 @@ import redis
 from structlog.testing import capture_logs
 
 from pipeline.errors import ConfigError, EventError, ServiceUnavailableError
+from pipeline.event_stream import ENTRY_FIELD, EventStream, list_runs, stream_key, wait_for
 from pipeline.events import (
-    ENTRY_FIELD,
     EVENT_TYPES,
     MAX_EVENT_BYTES,
     AnchorAvailable,
@@ -22,14 +22,10 @@ from pipeline.events import (
     DeltaApplied,
     DeltaAvailable,
     Event,
-    EventStream,
     ReplicaError,
     StepCompleted,
     check_run_name,
-    list_runs,
     parse_event,
-    stream_key,
-    wait_for,
 )
 from pipeline.redis_server import redis_client
 from tests.servers import free_port

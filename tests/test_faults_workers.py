@@ -31,7 +31,8 @@ from rq.serializers import JSONSerializer
 
 from pipeline import chain, replicas
 from pipeline.config import Settings
-from pipeline.events import AnchorAvailable, DeltaAvailable, EventStream
+from pipeline.event_stream import EventStream
+from pipeline.events import AnchorAvailable, DeltaAvailable
 from pipeline.hashing import content_hash
 from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client

@@ -15,7 +15,8 @@ import torch
 
 from pipeline import chain
 from pipeline.compaction import compact
-from pipeline.events import EventStream, ReplicaError
+from pipeline.event_stream import EventStream
+from pipeline.events import ReplicaError
 from pipeline.hashing import content_hash
 from pipeline.manifest import manifest_key, object_key
 from pipeline.redis_server import redis_client

@@ -11,7 +11,8 @@ import torch
 from pipeline import chain, synthetic
 from pipeline.config import Settings
 from pipeline.errors import ChainError
-from pipeline.events import DeltaAvailable, EventStream
+from pipeline.event_stream import EventStream
+from pipeline.events import DeltaAvailable
 from pipeline.manifest import manifest_key, version_prefix
 from pipeline.parallel import Fanout, assemble, parts_key, start_fanout, work_parts
 from pipeline.publish import publish_step

@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from pipeline.errors import ConfigError, ServiceUnavailableError
-from pipeline.events import EventStream, StepCompleted
+from pipeline.event_stream import EventStream
+from pipeline.events import StepCompleted
 from pipeline.redis_server import (
     client_url,
     ensure_redis,

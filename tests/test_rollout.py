@@ -19,13 +19,8 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
 from pipeline.compaction import collect_garbage, compact
 from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
-from pipeline.events import (
-    CompactionRequested,
-    DeltaApplied,
-    DeltaAvailable,
-    EventStream,
-    ReplicaError,
-)
+from pipeline.event_stream import EventStream
+from pipeline.events import CompactionRequested, DeltaApplied, DeltaAvailable, ReplicaError
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
     ObjectEntry,

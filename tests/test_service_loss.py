@@ -12,7 +12,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from pipeline.checkpoint import CheckpointReader
-from pipeline.events import EventStream, ReplicaError
+from pipeline.event_stream import EventStream
+from pipeline.events import ReplicaError
 from pipeline.hashing import content_hash
 from pipeline.synthetic import save_state
 from tests.pipeline_helpers import wait_for

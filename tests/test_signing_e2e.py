@@ -14,7 +14,8 @@ import torch
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
-from pipeline.events import DeltaApplied, EventStream, ReplicaError
+from pipeline.event_stream import EventStream
+from pipeline.events import DeltaApplied, ReplicaError
 from pipeline.hashing import content_hash
 from pipeline.redis_server import redis_client
 from pipeline.store import open_store

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from pipeline.events import EventStream
+from pipeline.event_stream import EventStream
 from pipeline.redis_server import redis_client
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
 

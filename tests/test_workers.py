@@ -12,7 +12,7 @@ import torch
 from pipeline import chain, replicas, synthetic
 from pipeline.config import Settings
 from pipeline.errors import ChainError
-from pipeline.events import EventStream
+from pipeline.event_stream import EventStream
 from pipeline.redis_server import redis_client
 from pipeline.store import open_store
 from tests.pipeline_helpers import (

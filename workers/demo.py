@@ -19,11 +19,11 @@ from rich.table import Table
 
 from pipeline import chain, synthetic
 from pipeline.checkpoint import CheckpointReader
+from pipeline.event_stream import EventStream
 from pipeline.events import (
     AnchorAvailable,
     DeltaApplied,
     DeltaAvailable,
-    EventStream,
     ReplicaError,
     StepCompleted,
 )

@@ -11,7 +11,8 @@ from rq import get_current_job
 
 from pipeline import faults
 from pipeline.errors import DeltasyncError, LockError, ServiceUnavailableError, StoreError
-from pipeline.events import CompactionRequested, DeltaAvailable, Event, EventStream
+from pipeline.event_stream import EventStream
+from pipeline.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
 from pipeline.policy import compaction_reason

@@ -15,7 +15,8 @@ from rq.serializers import JSONSerializer
 
 from pipeline import chain
 from pipeline.errors import ChainError
-from pipeline.events import Event, EventStream
+from pipeline.event_stream import EventStream
+from pipeline.events import Event
 from pipeline.replicas import list_replicas
 from workers import queues
 from workers.runtime import Runtime

@@ -29,7 +29,7 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, DeltasyncError
-from pipeline.events import EventStream
+from pipeline.event_stream import EventStream
 from pipeline.logs import bind_context, configure_logging
 from pipeline.manifest import dtype_from_name, load_public_key
 from pipeline.redis_server import ensure_redis, redact_url, redis_client

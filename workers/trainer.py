@@ -25,7 +25,8 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader, write_checkpoint
 from pipeline.config import Settings
 from pipeline.errors import ChainError, ConfigError
-from pipeline.events import EventStream, StepCompleted, check_run_name
+from pipeline.event_stream import EventStream
+from pipeline.events import StepCompleted, check_run_name
 from pipeline.logs import get_logger
 from workers import queues
 from workers.runtime import Runtime
