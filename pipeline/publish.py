@@ -19,9 +19,10 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import structlog
@@ -86,14 +87,18 @@ class PublishTimings:
     """Seconds spent per phase of one publish."""
 
     read_s: float = 0.0
+    verify_s: float = 0.0  # waiting for the hashes (base: is it the parent?; new)
     encode_s: float = 0.0
     upload_s: float = 0.0
+    cache_s: float = 0.0  # bringing the state cache to the new version
 
     def as_dict(self) -> dict[str, float]:
         return {
             "read_s": round(self.read_s, 4),
+            "verify_s": round(self.verify_s, 4),
             "encode_s": round(self.encode_s, 4),
             "upload_s": round(self.upload_s, 4),
+            "cache_s": round(self.cache_s, 4),
         }
 
 
@@ -172,12 +177,24 @@ def _write_manifest(
     return manifest
 
 
-def _entry(name: str, tensor: torch.Tensor, obj: str, changed: int = 0) -> TensorEntry:
+def _pair_hashes(
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]],
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Content hashes of the (base, new) tensors of ``pairs``."""
+    return (
+        {n: content_hash(b) for n, b, _ in pairs},
+        {n: content_hash(t) for n, _, t in pairs},
+    )
+
+
+def _entry(
+    name: str, tensor: torch.Tensor, obj: str, changed: int = 0, digest: str | None = None
+) -> TensorEntry:
     return TensorEntry(
         name=name,
         dtype=dtype_name(tensor.dtype),
         shape=tuple(tensor.shape),
-        hash=content_hash(tensor),
+        hash=digest if digest is not None else content_hash(tensor),
         object=obj,
         changed=changed,
     )
@@ -396,22 +413,30 @@ def publish_delta(
     parent_hashes = {t.name: t.hash for t in parent.tensors}
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
-    with _Uploader(store, "publish", timings) as uploader:
+    # The base and new tensors are hashed on a second thread while the codec encodes
+    # (both release the GIL); the base is proven before the part is uploaded.
+    with (
+        _Uploader(store, "publish", timings) as uploader,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-hash") as hasher,
+    ):
         for key, names in parent.parts():
             clock.lap()
             # Read-only views of the mapped files: the codec and the hashes only read.
             pairs = [(n, base.view(n), new.view(n)) for n in names]
             timings.read_s += clock.lap()
-            for n, b, _ in pairs:
-                if content_hash(b) != parent_hashes[n]:
+            hashes = hasher.submit(_pair_hashes, pairs)
+            faults.point("publish.after_read")
+            data = encode_delta(pairs, level)
+            timings.encode_s += clock.lap()
+            base_hashes, new_hashes = hashes.result()
+            timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
+            for n, digest in base_hashes.items():
+                if digest != parent_hashes[n]:
                     raise _StaleBaseError(
                         f"base tensor {n!r} in {base.path} does not match version {parent.version}"
                     )
-            faults.point("publish.after_read")
-            clock.lap()
-            data = encode_delta(pairs, level)
             changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
-            entries.extend(_entry(n, t, key, changed[n]) for n, _, t in pairs)
+            entries.extend(_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs)
             objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
             timings.encode_s += clock.lap()
             del pairs
@@ -496,8 +521,16 @@ def publish_step(
     level: int,
     signing_key: PrivateKey | None = None,
     part_bytes: int = DEFAULT_PART_BYTES,
+    on_published: Callable[[Manifest], None] | None = None,
+    adopt: bool = False,
 ) -> PublishResult:
-    """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``."""
+    """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
+
+    ``on_published`` runs once the version's manifest is in the store and before the
+    state cache catches up with it (still under the caller's lock): announcing there
+    keeps the cache update off the replicas' critical path. With ``adopt`` the
+    checkpoint is deltasync's own staging copy: it is moved into the state cache
+    instead of copied (no byte is read or written), and is gone from its path after."""
     index = chain.list_versions(store, run)
     head = index.head
     if head is not None and step <= head:
@@ -557,6 +590,17 @@ def publish_step(
                 log.warning("state cache is damaged, rebuilding", run=run, error=str(e))
                 cache.rebuild(store, run, head)
                 manifest = delta()
-        cache.advance(new, manifest)
-    elapsed = {**timings.as_dict(), "total_s": round(time.perf_counter() - started, 4)}
+        published_s = time.perf_counter() - started
+        if on_published is not None:
+            on_published(manifest)
+        clock = _Clock()
+        new.close()
+        if not (adopt and cache.adopt(Path(checkpoint_path), manifest)):
+            cache.advance(new, manifest)
+        timings.cache_s = clock.lap()
+    elapsed = {
+        **timings.as_dict(),
+        "published_s": round(published_s, 4),
+        "total_s": round(time.perf_counter() - started, 4),
+    }
     return PublishResult.published(manifest, head, elapsed)

@@ -153,6 +153,30 @@ class StateCache:
                 log.info("state cache cannot be updated in place, rewriting", error=str(e))
         self._rewrite(new, manifest)
 
+    def adopt(self, checkpoint: Path, manifest: Manifest) -> bool:
+        """Move ``checkpoint`` (a file or folder holding exactly ``manifest``'s state,
+        owned by deltasync) into the cache as that version: a rename, no copy. False,
+        with nothing changed, when it cannot be renamed here (another file system)."""
+        if not checkpoint.exists():
+            return False
+        folder = self._folder_for(manifest.version)
+        # Until the switch, the state file still names the parent's untouched folder.
+        if folder.exists():  # left by a crashed rewrite
+            shutil.rmtree(folder)
+        try:
+            if checkpoint.is_dir():
+                os.rename(checkpoint, folder)
+            else:
+                folder.mkdir()
+                os.rename(checkpoint, folder / "model.safetensors")
+        except OSError as e:
+            log.info("checkpoint cannot be moved into the state cache, copying", error=str(e))
+            shutil.rmtree(folder, ignore_errors=True)
+            return False
+        # Proven like every cached state: the next diff checks its base hashes.
+        self._switch(folder, manifest)
+        return True
+
     def _advance_in_place(self, folder: Path, new: CheckpointReader, manifest: Manifest) -> None:
         with CheckpointReader(folder) as cached:
             specs = cached.specs()

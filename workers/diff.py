@@ -111,10 +111,27 @@ def _diff_one(
 ) -> dict[str, Any]:
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
+    path = Path(checkpoint)
+    # Only deltasync's own staging copies are moved or removed; never a user's checkpoint.
+    staged = (
+        owned
+        and not settings.keep_staging
+        and path.resolve().is_relative_to(settings.staging_dir.resolve())
+    )
+
+    announced: list[int] = []
+
+    def published(manifest: Manifest) -> None:
+        runtime.redis.hdel(queues.pending_steps_key(run), str(step))
+        faults.point("diff.before_announce")
+        announce(runtime, manifest)
+        announced.append(manifest.version)
+        faults.point("diff.after_announce")
+
     result: PublishResult
     if settings.parallel_parts:
         result = parallel_diff.publish_step_parallel(
-            runtime, run, step, Path(checkpoint), level or settings.level
+            runtime, run, step, path, level or settings.level
         )
     else:
         with run_lock(
@@ -130,18 +147,18 @@ def _diff_one(
                 runtime.store,
                 run,
                 step,
-                Path(checkpoint),
+                path,
                 cache,
                 level=level or settings.level,
                 signing_key=settings.signing_key(),
                 part_bytes=settings.part_bytes,
+                on_published=published,
+                adopt=staged,
             )
-    runtime.redis.hdel(queues.pending_steps_key(run), str(step))
-    faults.point("diff.before_announce")
-    if result.manifest is not None and result.manifest.version == step:
+    if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.
-        announce(runtime, result.manifest)
-    faults.point("diff.after_announce")
+        published(result.manifest)
+    runtime.redis.hdel(queues.pending_steps_key(run), str(step))
     if result.status == "published":
         reason = compaction_reason(
             runtime.store, run, step, settings.max_chain, settings.max_delta_fraction
@@ -152,11 +169,8 @@ def _diff_one(
             runtime.redis, queues.compaction_pending_key(run), POLICY_PENDING_TTL_S
         ):
             request_compaction(runtime, run, step, reason, requested_by="policy")
-    if owned and not settings.keep_staging and result.status in ("published", "skipped"):
-        path = Path(checkpoint)
-        # Only deltasync's own staging copies are removed; never a user's checkpoint.
-        if path.resolve().is_relative_to(settings.staging_dir.resolve()) and path.exists():
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if staged and result.status in ("published", "skipped") and path.exists():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
     log.info("diff job done", status=result.status)
     return result.summary()
 
