@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
-from pipeline.codec import TensorPatch, apply_patch
+from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.codec import TensorPatch, api, apply_patch, encode_delta, read_delta
 from pipeline.errors import MismatchError
 from pipeline.hashing import content_hash
+from pipeline.manifest import Manifest
 from pipeline.publish import publish_step
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
@@ -102,3 +103,83 @@ def test_state_cache_with_wrong_bytes_is_caught_and_rebuilt(tmp_path: Path) -> N
     with cache.reader() as reader:
         for name, tensor in nxt.items():
             assert torch.equal(bits(reader.get(name)), bits(tensor)), name
+
+
+def test_owned_checkpoints_move_into_the_cache_after_the_announcement(tmp_path: Path) -> None:
+    """An adopted checkpoint (deltasync's own staging copy, a file or a sharded folder)
+    is renamed into the state cache, not copied; ``on_published`` runs with the
+    manifest in the store while the cache still holds the parent."""
+    store = FileStore(tmp_path / "store")
+    cache = StateCache(tmp_path / "cache", "r")
+    generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=1e-5, seed=4)
+    seen: list[tuple[int, bool, int | None]] = []
+
+    def published(manifest: Manifest) -> None:
+        seen.append((manifest.version, store.exists(manifest.key), cache.version))
+
+    state = generator.state()
+    for step in range(4):
+        if step:
+            state = generator.step()
+        path = tmp_path / "staging" / f"step-{step}"
+        if step == 2:  # a sharded folder
+            write_checkpoint(path, state.items(), max_shard_bytes=64 << 10)
+        else:
+            write_checkpoint(path, state.items())
+        adopt = step != 3
+        result = publish_step(
+            store, "r", step, path, cache, level=1, on_published=published, adopt=adopt
+        )
+        assert result.status == "published"
+        assert path.exists() is not adopt
+        assert cache.version == step
+        with cache.reader() as reader:
+            for name, tensor in state.items():
+                assert torch.equal(bits(reader.get(name)), bits(tensor)), (step, name)
+        for name, tensor in chain.reconstruct_tensors(store, "r", step):
+            assert torch.equal(bits(tensor), bits(state[name])), (step, name)
+    assert seen == [(0, True, None), (1, True, 0), (2, True, 1), (3, True, 2)]
+    assert [p.name for p in cache.root.iterdir() if p.is_dir()] == ["v0000000003"]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8, torch.float8_e4m3fn],
+)
+@pytest.mark.parametrize("numel", [1, 5000, 70001])
+@pytest.mark.parametrize("density", [0.001, 0.02, 0.3])
+def test_decode_hashed_equals_decode_then_hash_then_gather(
+    dtype: torch.dtype, numel: int, density: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-pass proof (codec.decode_hashed, via patching.decode_and_prove) gives the
+    same patch, old contents and hash as decoding, hashing a patched copy and gathering
+    separately, for many chunks with a ragged end; a wrong base is refused."""
+    monkeypatch.setattr(api, "_HASH_CHUNK_BYTES", 4096)
+    gen = torch.Generator().manual_seed(numel + int(density * 1000))
+    width = torch.empty(0, dtype=dtype).element_size()
+    base = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=gen).view(dtype)
+    new = base.clone()
+    count = max(1, int(numel * density))
+    where = torch.randperm(numel, generator=gen)[:count]
+    flat = bits(new).view(-1)
+    # Mostly +-1 steps of the bit pattern, some large jumps (wrapping at the ends).
+    steps = torch.randint(-1, 2, (count,), generator=gen).to(flat.dtype)
+    steps[steps == 0] = 1
+    steps[::7] = 77 if count > 20 else steps[::7]
+    flat[where] += steps
+    before = content_hash(base)
+    obj = read_delta(encode_delta([("w", base, new)], level=1))
+    hashed = obj.decode_hashed("w", base)
+    if hashed is None:  # another encoding than sparse + sign-magnitude: decode only
+        assert not (dtype is torch.bfloat16 and density < 0.03 and numel > 1000), "must walk"
+        return
+    reference = obj.decode("w", base)
+    assert torch.equal(hashed.patch.positions, reference.positions)
+    assert torch.equal(hashed.patch.values, reference.values)
+    assert torch.equal(bits(hashed.old), bits(base).view(-1)[reference.positions])
+    assert hashed.digest == content_hash(new)
+    assert content_hash(base) == before  # not written
+    wrong = base.clone()
+    bits(wrong).view(-1)[int(reference.positions[0])] ^= 1
+    other = obj.decode_hashed("w", wrong)
+    assert other is not None and other.digest != content_hash(new)

@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +37,7 @@ DEFAULT_LEVEL = 1
 # The scan for changes is bound by memory bandwidth: a second thread on a two-CPU
 # machine measured slower than one (hand-offs, a busy neighbour core).
 ENCODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_HASH_CHUNK_BYTES = 4 << 20  # decode_hashed's scratch: stays in cache
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,16 @@ class TensorPatch:
     shape: tuple[int, ...]
     positions: torch.Tensor  # int64, flat indices into the tensor, sorted ascending
     values: torch.Tensor  # new contents, integer view of dtype (int16 for bf16), len == positions
+
+
+@dataclass(frozen=True)
+class HashedPatch:
+    """A decoded patch with the old contents at its positions and the content hash
+    (xxh3-128) of the base with the patch applied."""
+
+    patch: TensorPatch
+    old: torch.Tensor  # held contents at patch.positions, same dtype as patch.values
+    digest: str
 
 
 class DeltaObject:
@@ -120,6 +132,72 @@ class DeltaObject:
             positions=torch.from_numpy(positions).to(device),
             values=torch.from_numpy(signed).to(device),
         )
+
+    def decode_hashed(self, name: str, base: torch.Tensor) -> HashedPatch | None:
+        """:meth:`decode` plus what a target checks before writing, in one pass over
+        ``base`` (CPU, not written): the patch, the old contents at its positions, and
+        the content hash of ``base`` with the patch applied. Positions and differences
+        come from the streams alone; each chunk of ``base`` is then copied into a small
+        scratch buffer, patched and hashed while in cache. None where only
+        :meth:`decode` applies (other encodings, no compiled kernels)."""
+        found = self._differences(name, base)
+        if found is None:
+            return None
+        positions, diffs = found
+        walker = fused.get()
+        assert walker is not None  # _differences needed it
+        record = self._records[name]
+        info = record.info
+        flat = int_view_flat(base, info).numpy().view(info.unsigned)
+        old, new = np.empty_like(diffs), np.empty_like(diffs)
+        step = max(1, _HASH_CHUNK_BYTES // flat.itemsize)
+        scratch = np.empty(min(step, flat.size), flat.dtype)
+        bounds = np.searchsorted(positions, np.arange(0, flat.size + step, step)).tolist()
+        hasher = xxhash.xxh3_128()
+        for k, start in enumerate(range(0, flat.size, step)):
+            chunk = scratch[: min(step, flat.size - start)]
+            np.copyto(chunk, flat[start : start + chunk.size])  # memcpy speed
+            walker.patch_chunk(chunk, start, positions, diffs, bounds[k], bounds[k + 1], old, new)
+            hasher.update(chunk.data)
+        signed = _numpy_dtype(info.view)
+        patch = TensorPatch(
+            name=name,
+            dtype=info.dtype,
+            shape=record.shape,
+            positions=torch.from_numpy(positions),
+            values=torch.from_numpy(new.view(signed)),
+        )
+        return HashedPatch(patch, torch.from_numpy(old.view(signed)), hasher.hexdigest())
+
+    def _differences(
+        self, name: str, base: torch.Tensor
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.unsignedinteger[Any]]] | None:
+        """(positions, new - old modulo the element width, as unsigned integers) of
+        ``name``'s changed elements, read from the streams alone: ``base`` (CPU) gives
+        the size and is not read. None where the walk does not apply."""
+        record = self._record(name, base)
+        walker = fused.get() if base.device.type == "cpu" else None
+        if (
+            walker is None
+            or record.changed == 0
+            or not walk_applies(record.encoding, record.params, record.info)
+        ):
+            return None
+        target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
+        try:
+            return walk_sparse(
+                walker,
+                record.split(self._entries[name]),
+                record.params,
+                record.changed,
+                target,
+                record.info,
+                fused.DIFFS,
+            )
+        except DamagedStreamError as exc:
+            raise CorruptObjectError(
+                f"delta object {self.object_name}: tensor {name!r}: {exc}"
+            ) from None
 
     def apply_to(
         self, name: str, tensor: torch.Tensor, *, undo: bool = False

@@ -32,6 +32,7 @@ BATCH = 256  # elements decoded ahead of their writes
 APPLY = 0
 DECODE = 1
 UNDO = 2
+DIFFS = 3  # records positions and differences; never reads the target
 
 # walk_sparse outcomes
 DONE = 0
@@ -271,6 +272,11 @@ def _build() -> Any | None:
     ) -> None:
         """target[positions] += diffs for one batch of walk_sparse (see there)."""
         record = out_pos.size > 0
+        if mode == DIFFS:
+            for b in range(size):
+                out_pos[first + b] = positions[b]
+                out_val[first + b] = diffs[b]  # modulo the element width
+            return
         for b in range(size):
             p = positions[b]
             old = target[p]
@@ -303,7 +309,9 @@ def _build() -> Any | None:
 
         APPLY writes target[p] += diff and, when ``out_pos`` is not empty, records
         positions and old contents; DECODE writes nothing and records positions
-        and new contents; UNDO takes back the first ``count`` elements of an APPLY.
+        and new contents; UNDO takes back the first ``count`` elements of an APPLY;
+        DIFFS records positions and differences (new - old modulo the element
+        width) and touches nothing of ``target`` but its size.
 
         Works in batches, each in short loops: find where the batch's unary codes
         end (trailing zeros of bit-reversed words: one cheap dependency per element
@@ -361,7 +369,8 @@ def _build() -> Any | None:
                 pos += (quotient << param) + rem + 1
                 if pos >= numel:
                     return written, BAD_POSITION
-                prefetch_write(target, pos)
+                if mode != DIFFS:
+                    prefetch_write(target, pos)
                 batch_pos[b] = pos
                 negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
                 batch_diff[b] = (1 ^ -negative) + negative
@@ -535,12 +544,34 @@ def _build() -> Any | None:
             big_fixed_n,
         )
 
+    @jit  # type: ignore[untyped-decorator,misc]
+    def patch_chunk(
+        chunk: Any,
+        start: int,
+        positions: Any,
+        diffs: Any,
+        lo: int,
+        hi: int,
+        old_out: Any,
+        new_out: Any,
+    ) -> None:
+        """Add diffs[lo:hi] (modulo the element width) at positions[lo:hi] - start of
+        ``chunk``, a copy of a tensor's elements from ``start`` on, recording the old
+        and new contents (a chunk patched in cache, for hashing)."""
+        for k in range(lo, hi):
+            i = positions[k] - start
+            old = chunk[i]
+            chunk[i] = old + diffs[k]
+            old_out[k] = old
+            new_out[k] = chunk[i]
+
     return _Fused(
         scan_diffs=scan_diffs,
         signmag_diffs=signmag_diffs,
         rice_write=rice_write,
         walk_sparse=walk_sparse,
         encode_sparse=encode_sparse,
+        patch_chunk=patch_chunk,
     )
 
 
@@ -551,3 +582,4 @@ class _Fused:
         self.rice_write = functions["rice_write"]
         self.walk_sparse = functions["walk_sparse"]
         self.encode_sparse = functions["encode_sparse"]
+        self.patch_chunk = functions["patch_chunk"]

@@ -26,9 +26,10 @@ from pipeline.hashing import content_hash, state_hash
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import (
+    ProvenPatches,
     apply_verified,
+    decode_and_prove,
     decode_manifest,
-    hash_patched,
     int_view,
     saved_old_values,
 )
@@ -218,7 +219,13 @@ class TorchTarget:
             entries = self._check_manifest(manifest, where)
             self._check_base(manifest, where)
             specs = self.specs()
-            patches = decode_manifest(manifest, objects, self.tensor, specs)
+            proven: ProvenPatches | None = None
+            if verify == "none":
+                patches = decode_manifest(manifest, objects, self.tensor, specs)
+            else:
+                # Decoded and proven against the manifest's hashes, nothing written yet.
+                proven = decode_and_prove(manifest, objects, self.tensor, specs)
+                patches = proven.patches
             # A tied weight carried under both names decodes twice: write it once.
             touched: dict[str, TensorPatch] = {}
             for patch in patches:
@@ -239,10 +246,11 @@ class TorchTarget:
                         "content does not match the manifest (wrong base)"
                     )
             expected = {p.name: entries[c].hash for c, p in touched.items()}
-            new_hashes: dict[str, str] = {}
-            if verify != "none":
-                new_hashes = hash_patched(list(touched.values()), self.tensor, expected)
-            old_values = saved_old_values(list(touched.values()), self.tensor)
+            if proven is None:
+                new_hashes: dict[str, str] = {}
+                old_values = saved_old_values(list(touched.values()), self.tensor)
+            else:
+                new_hashes, old_values = proven.hashes, proven.old_values
             with self.lock:
                 for canonical in touched:
                     self._hash_cache.pop(canonical, None)
