@@ -183,3 +183,35 @@ def test_decode_hashed_equals_decode_then_hash_then_gather(
     bits(wrong).view(-1)[int(reference.positions[0])] ^= 1
     other = obj.decode_hashed("w", wrong)
     assert other is not None and other.digest != content_hash(new)
+
+
+def test_two_writers_write_everything_and_roll_everything_back() -> None:
+    """Large writes are split over two threads; a hash mismatch still restores every
+    written element of every tensor, and a good write lands in full."""
+    gen = torch.Generator().manual_seed(9)
+    held = {f"w{i}": torch.randn(200_000, generator=gen).to(torch.bfloat16) for i in range(4)}
+    before = {n: bits(t).clone() for n, t in held.items()}
+    patches = []
+    for i, name in enumerate(held):
+        positions = torch.randperm(200_000, generator=gen)[: 30_000 + 5_000 * i].sort().values
+        values = bits(held[name]).view(-1)[positions] + 1
+        patches.append(TensorPatch(name, torch.bfloat16, (200_000,), positions, values))
+    assert sum(p.positions.numel() for p in patches) >= patching._PARALLEL_WRITE_MIN
+    mine, other = patching._split_for_two_writers(patches, held.__getitem__)
+    assert mine and other and {p.name for p in mine + other} == set(held)
+
+    expected = {}
+    for patch in patches:
+        copy = held[patch.name].clone()
+        apply_patch(copy, patch)
+        expected[patch.name] = content_hash(copy)
+    wrong = dict(expected, w3="0" * 32)
+    with pytest.raises(MismatchError, match="tensor w3"):
+        patching.apply_verified(patches, held.__getitem__, wrong)
+    for name, tensor in held.items():
+        assert torch.equal(bits(tensor), before[name]), name
+
+    applied = patching.apply_verified(patches, held.__getitem__, expected)
+    assert applied.hashes == expected
+    for name, tensor in held.items():
+        assert content_hash(tensor) == expected[name], name

@@ -21,7 +21,9 @@ Shared by every target. The flow a target follows:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -362,6 +364,49 @@ def saved_old_values(
     return old
 
 
+# Scattered writes into cold weights are bound by the cache misses one core keeps in
+# flight; a second core writing other tensors shortens the locked write (~1.7x here).
+_PARALLEL_WRITE_MIN = 1 << 16  # changed elements
+_writer: ThreadPoolExecutor | None = None
+
+
+def _second_writer() -> ThreadPoolExecutor:
+    global _writer
+    if _writer is None:
+        _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-write")
+    return _writer
+
+
+def _split_for_two_writers(
+    patches: Sequence[TensorPatch], tensor: Callable[[str], torch.Tensor]
+) -> tuple[list[TensorPatch], list[TensorPatch]]:
+    """(patches for this thread, patches for a second one): halves by changed
+    elements, or everything here when the write is small, on a GPU or on one CPU."""
+    total = sum(p.positions.numel() for p in patches)
+    on_cpu = all(
+        p.positions.device.type == "cpu" and tensor(p.name).device.type == "cpu" for p in patches
+    )
+    if total < _PARALLEL_WRITE_MIN or not on_cpu or (os.cpu_count() or 1) < 2:
+        return list(patches), []
+    mine: list[TensorPatch] = []
+    other: list[TensorPatch] = []
+    load = [0, 0]
+    for patch in sorted(patches, key=lambda p: -p.positions.numel()):
+        side = 0 if load[0] <= load[1] else 1
+        (mine, other)[side].append(patch)
+        load[side] += patch.positions.numel()
+    return mine, other
+
+
+def _write(
+    patches: Sequence[TensorPatch], tensor: Callable[[str], torch.Tensor], faulty: bool
+) -> None:
+    for patch in patches:
+        apply_patch(tensor(patch.name), patch)
+        if faulty:
+            faults.point("target.mid_write")
+
+
 def apply_verified(
     patches: Sequence[TensorPatch],
     tensor: Callable[[str], torch.Tensor],
@@ -379,15 +424,19 @@ def apply_verified(
     applied = AppliedPatches(list(patches), {}, tensor, [])
     try:
         for patch in patches:
-            target = tensor(patch.name)
-            flat = int_view(target).view(-1)
+            flat = int_view(tensor(patch.name)).view(-1)
             positions = patch.positions.to(flat.device)
             old = old_values.get(patch.name) if old_values is not None else None
             if old is None:
                 old = flat.index_select(0, positions)
             applied._undo.append(_Undo(patch.name, positions, old))
-            apply_patch(target, patch)
-            faults.point("target.mid_write")
+        mine, other = _split_for_two_writers(patches, tensor)
+        helper = _second_writer().submit(_write, other, tensor, False) if other else None
+        try:
+            _write(mine, tensor, True)
+        finally:
+            if helper is not None:
+                helper.result()  # joined before any rollback; raises its error
         if expected is not None:
             for patch in patches:
                 digest = content_hash(tensor(patch.name))
