@@ -12,6 +12,10 @@ coordinator holds the diff lease throughout, so steps of a run stay in order.
 
 Helpers only read the coordinator's state cache (``cache_dir`` shared on one
 machine): it changes only after every part is recorded.
+
+Part records are kept per (step, parent): a step whose coordinator died is redone
+by the next coordinator, which reuses the records only when the head is still the
+parent they were encoded against.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from typing import Any
 import redis
 import structlog
 
-from pipeline import faults
+from pipeline import chain, faults
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
-from pipeline.errors import ChainError, LockError, MismatchError
+from pipeline.errors import ChainError, LockError, MismatchError, ObjectNotFoundError
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
     Kind,
@@ -48,12 +52,17 @@ PART_RENEW_S = 15.0
 FANOUT_TTL_S = 24 * 3600.0
 
 
+def part_lock(step: int, index: int) -> str:
+    """The name of the run lock that claims part ``index`` of ``step``."""
+    return f"part-{step}-{index}"
+
+
 def fanout_key(run: str) -> str:
     return f"deltasync:run:{run}:fanout"
 
 
-def parts_key(run: str, step: int) -> str:
-    return f"deltasync:run:{run}:parts:{step}"
+def parts_key(run: str, step: int, parent: int) -> str:
+    return f"deltasync:run:{run}:parts:{step}:{parent}"
 
 
 @dataclass(frozen=True)
@@ -111,8 +120,8 @@ def _parse_record(text: str | bytes) -> tuple[ObjectEntry, list[TensorEntry]]:
     return obj, tensors
 
 
-def recorded(client: redis.Redis, run: str, step: int) -> dict[str, str]:
-    raw = client.hgetall(parts_key(run, step))
+def recorded(client: redis.Redis, fanout: Fanout) -> dict[str, str]:
+    raw = client.hgetall(parts_key(fanout.run, fanout.step, fanout.parent))
     return {
         (k.decode() if isinstance(k, bytes) else str(k)): (
             v.decode() if isinstance(v, bytes) else str(v)
@@ -147,11 +156,22 @@ def encode_part(
     new.close()
     faults.point("parallel.after_encode")
     object_key = version_prefix(fanout.run, "delta", fanout.step) + key
-    # Write-once: a retry after a crash that uploaded the part does not upload it again.
-    if not (store.exists(object_key) and store.size(object_key) == len(data)):
+    # A retry after a crash that uploaded this very part does not upload it again; an
+    # object left by an encoding against another parent is replaced.
+    if not _holds(store, object_key, obj):
         store.put(object_key, data)
     faults.point("parallel.after_upload")
     return obj, entries
+
+
+def _holds(store: ObjectStore, key: str, obj: ObjectEntry) -> bool:
+    """Whether ``key`` already holds exactly ``obj``'s bytes."""
+    try:
+        if not store.exists(key) or store.size(key) != obj.size:
+            return False
+        return sha256_bytes(store.get(key)) == obj.sha256
+    except ObjectNotFoundError:
+        return False
 
 
 def work_parts(
@@ -174,28 +194,27 @@ def work_parts(
     if first is not None:
         parts.sort(key=lambda p: p[0] != first)
     index_of = {key: i for i, (key, _) in enumerate(parent.parts())}
+    records = parts_key(fanout.run, fanout.step, fanout.parent)
     done = 0
     with CheckpointReader(fanout.checkpoint) as new, cache.reader() as base:
         for key, names in parts:
-            if client.hexists(parts_key(fanout.run, fanout.step), key):
+            if client.hexists(records, key):
                 continue
             try:
                 with run_lock(
                     client,
                     fanout.run,
-                    f"part-{fanout.step}-{index_of[key]}",
+                    part_lock(fanout.step, index_of[key]),
                     PART_LEASE_S,
                     wait_s=0.0,
                     renew_every_s=PART_RENEW_S,
                 ):
-                    if client.hexists(parts_key(fanout.run, fanout.step), key):
+                    if client.hexists(records, key):
                         continue
                     started = time.perf_counter()
                     obj, entries = encode_part(store, fanout, parent, key, names, base, new)
-                    client.hsetnx(
-                        parts_key(fanout.run, fanout.step), key, _record_json(obj, entries)
-                    )
-                    client.pexpire(parts_key(fanout.run, fanout.step), int(FANOUT_TTL_S * 1000))
+                    client.hsetnx(records, key, _record_json(obj, entries))
+                    client.pexpire(records, int(FANOUT_TTL_S * 1000))
                     done += 1
                     log.info(
                         "part encoded",
@@ -217,8 +236,10 @@ def assemble(
     parent: Manifest,
     signing_key: PrivateKey | None,
 ) -> Manifest:
-    """Write the manifest of ``fanout``'s delta from its recorded parts (manifest last)."""
-    records = recorded(client, fanout.run, fanout.step)
+    """Write the manifest of ``fanout``'s delta from its recorded parts (manifest last),
+    only while its parent is still the head (a coordinator whose lease lapsed while it
+    waited must not publish behind a newer version)."""
+    records = recorded(client, fanout)
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
     for key, names in parent.parts():
@@ -231,6 +252,12 @@ def assemble(
             )
         objects.append(obj)
         entries.extend(tensors)
+    head = chain.list_versions(store, fanout.run).head
+    if head != fanout.parent:
+        raise ChainError(
+            f"run {fanout.run}: delta {fanout.step} was diffed against version "
+            f"{fanout.parent}, but the head is now {head}"
+        )
     manifest = delta_manifest(fanout.run, fanout.step, parent, fanout.level, objects, entries)
     manifest = _write_manifest(store, manifest, signing_key, "parallel")
     log.info(

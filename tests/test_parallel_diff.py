@@ -1,8 +1,18 @@
-"""Parallel diff: two real diff worker processes share the parts of each version."""
+"""Parallel diff: real diff worker processes share the parts of each version; a helper
+or the coordinator SIGKILLed mid-version still leaves each version published once.
+
+The crash scenario functions take a folder (and a fault point), so
+``benchmarks/reliability.py`` reruns them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,12 +24,31 @@ from pipeline.errors import ChainError
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaAvailable
 from pipeline.manifest import manifest_key, version_prefix
-from pipeline.parallel import Fanout, assemble, parts_key, start_fanout, work_parts
+from pipeline.parallel import (
+    Fanout,
+    assemble,
+    current_fanout,
+    part_lock,
+    parts_key,
+    start_fanout,
+    work_parts,
+)
 from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client
+from pipeline.replicas import RunLock
 from pipeline.state_cache import StateCache
 from pipeline.store import open_store
 from tests.pipeline_helpers import assert_same_state, deltasync_env, processes, wait_for
+from tests.test_faults_workers import (
+    Cluster,
+    Outcome,
+    _job_done,
+    _worker_ready,
+    cluster,
+    retry_abandoned,
+    wait_killed,
+)
+from workers import queues
 from workers.runtime import Runtime, set_current
 from workers.trainer import Emitter
 
@@ -119,16 +148,187 @@ def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
     assert work_parts(r, store, cache, fanout, parent) == len(parent.objects) >= 3
     assert work_parts(r, store, cache, fanout, parent) == 0, "each part encoded once"
     missing = parent.objects[1].key
-    record = r.hget(parts_key("run", 1), missing)
-    r.hdel(parts_key("run", 1), missing)
+    record = r.hget(parts_key("run", 1, 0), missing)
+    r.hdel(parts_key("run", 1, 0), missing)
     with pytest.raises(ChainError, match="not recorded"):
         assemble(r, store, fanout, parent, None)
     assert not store.exists(manifest_key("run", "delta", 1))
     assert record is not None
-    r.hset(parts_key("run", 1), missing, record)
+    r.hset(parts_key("run", 1, 0), missing, record)
     manifest = assemble(r, store, fanout, parent, None)
     assert manifest.objects == single.objects
     assert manifest.tensors == single.tensors and manifest.state_hash == single.state_hash
     for obj in manifest.objects:
         key = version_prefix("run", "delta", 1) + obj.key
         assert store.get(key) == stores["single"][0].get(key)
+
+
+def test_a_step_redone_against_a_newer_head_encodes_its_parts_again(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A coordinator of step 2 died with every part of 2 recorded against version 0;
+    step 1 was published since. The next coordinator of 2 (parent 1) must not reuse
+    those records or objects, and the dead fan-out can no longer be assembled."""
+    generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), lr=1e-5, seed=3)
+    states, paths = [], []
+    for step in range(3):
+        state = generator.state() if step == 0 else generator.step()
+        states.append({n: t.clone() for n, t in state.items()})
+        paths.append(tmp_path / f"step-{step}.safetensors")
+        synthetic.save_state(states[-1], paths[-1])
+    r = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    cache = StateCache(tmp_path / "cache", "redo")
+    publish_step(store, "redo", 0, paths[0], cache, level=1, part_bytes=PART_BYTES)
+    anchor = chain.load_manifest(store, "redo", "anchor", 0)
+    dead = Fanout("redo", 2, str(paths[2]), 0, "anchor", 1)
+    assert work_parts(r, store, cache, dead, anchor) == len(anchor.objects)
+    stale = {o.key: store.get(version_prefix("redo", "delta", 2) + o.key) for o in anchor.objects}
+
+    assert publish_step(store, "redo", 1, paths[1], cache, level=1).status == "published"
+    with pytest.raises(ChainError, match="head is now 1"):
+        assemble(r, store, dead, anchor, None)
+    assert not store.exists(manifest_key("redo", "delta", 2))
+
+    parent = chain.load_manifest(store, "redo", "delta", 1)
+    redo = Fanout("redo", 2, str(paths[2]), 1, "delta", 1)
+    start_fanout(r, redo)
+    assert work_parts(r, store, cache, redo, parent) == len(parent.objects)
+    manifest = assemble(r, store, redo, parent, None)
+    assert manifest.parent == 1
+    fresh = {o.key: store.get(version_prefix("redo", "delta", 2) + o.key) for o in manifest.objects}
+    assert fresh != stale, "the objects encoded against version 0 were replaced"
+    for version, state in enumerate(states):
+        rebuilt = dict(chain.reconstruct_tensors(store, "redo", version))
+        assert_same_state(rebuilt, state, f"version {version}")
+
+
+# --------------------------------------------------------------------------- crashes
+
+COORDINATOR_POINTS = ("parallel.after_upload@2", "parallel.before_manifest")
+# A claim held by a helper on another machine: never taken over, only lapses.
+FOREIGN_HOLDER = "another-machine:0:1:0:"
+FOREIGN_LAPSE_S = 4.0
+
+
+def _claim_key(c: Cluster, step: int, index: int) -> str:
+    return RunLock(c.redis, c.run, part_lock(step, index), 60).key
+
+
+def _holder_pid(c: Cluster, key: str) -> int | None:
+    raw = c.redis.get(key)
+    text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
+    fields = text.split(":")
+    return int(fields[2]) if len(fields) == 5 and fields[2].isdigit() else None
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """What a supervisor does: the worker's whole process group (rq's scheduler too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _step_done(c: Cluster, step: int, what: str) -> None:
+    wait_for(lambda: c.head() == step, f"step {step} {what}")
+    job_id = queues.diff_job_id(c.run, step)
+    wait_for(lambda: _job_done(c.redis, job_id), f"job {job_id} {what}")
+
+
+def helper_kill_scenario(tmp: Path) -> Outcome:
+    """A helper is SIGKILLed while it holds a part claim; another part's claim belongs to
+    a helper on another machine that vanished. The coordinator takes the dead local
+    claim over at once, waits for the foreign lease to lapse, encodes both parts and
+    publishes the version once; the next step follows."""
+    outcome = Outcome()
+    with cluster(tmp, DELTASYNC_PARALLEL_PARTS="1") as c:
+        c.publish_here()
+        parts = chain.load_manifest(c.store, c.run, "anchor", 0).parts()
+        coordinator = c.procs.start("coordinator", "worker", "diff")
+        wait_for(lambda: _worker_ready(c.redis), "the coordinator")
+        step = c.step + 1
+        # Gate every part until the coordinator is stopped, so the helper gets one.
+        gates = [_claim_key(c, step, i) for i in range(len(parts))]
+        for key in gates:
+            c.redis.set(key, FOREIGN_HOLDER + "gate", px=120_000)
+        assert c.emit() == step
+        diff_queue = queues.queue(c.redis, queues.DIFF_QUEUE)
+        wait_for(
+            lambda: current_fanout(c.redis, c.run) is not None and diff_queue.count == len(parts),
+            "the fan-out and its part jobs",
+        )
+        os.kill(coordinator.pid, signal.SIGSTOP)
+        try:
+            for key in gates[:-1]:
+                c.redis.delete(key)
+            helper = c.procs.start(
+                "helper", "worker", "diff", DELTASYNC_FAULT="parallel.after_encode"
+            )
+            wait_killed(helper, "the helper")
+            _kill_group(helper)
+            held = [k for k in gates if _holder_pid(c, k) == helper.pid]
+            assert len(held) == 1, "the helper died holding a part claim"
+            c.redis.pexpire(gates[-1], int(FOREIGN_LAPSE_S * 1000))
+            lapse_at = time.monotonic() + FOREIGN_LAPSE_S
+        finally:
+            os.kill(coordinator.pid, signal.SIGCONT)
+        while time.monotonic() < lapse_at - 1.0:
+            assert c.head() == step - 1, "no manifest while a part is claimed"
+            time.sleep(0.2)
+        _step_done(c, step, "after the helper died")
+        encoded = _parts_encoded(c.procs.log_dir / "coordinator.log")
+        assert sorted(p for v, p in encoded if v == step) == sorted(k for k, _ in parts)
+        assert coordinator.poll() is None
+        _step_done(c, c.emit(), "after the version the helper left")
+        c.check_versions(set(range(c.step + 1)))
+        assert not chain.orphan_delta_folders(c.store, c.run, c.step)
+        outcome.runs = outcome.recovered = 1
+    return outcome
+
+
+def coordinator_kill_scenario(tmp: Path, fault: str, *, rq_retry: bool) -> Outcome:
+    """The coordinator is SIGKILLed at ``fault`` (parts uploaded, no manifest). Recovery
+    by rq's retry of its job (``rq_retry``), or by the next step's job, which publishes
+    the pending step first (rq's late retry then finds it published). Either way the
+    version is published and announced once, bit-exact, and the run goes on."""
+    outcome = Outcome()
+    with cluster(tmp, DELTASYNC_PARALLEL_PARTS="1") as c:
+        c.publish_here()
+        parts = len(chain.load_manifest(c.store, c.run, "anchor", 0).objects)
+        c.arm(fault)
+        coordinator = c.procs.start("coordinator", "worker", "diff")
+        step = c.emit()
+        # Only the leader dies: its rq scheduler lives on and schedules the retry (a
+        # killed scheduler's lock would hold retries back until it lapses).
+        wait_killed(coordinator, fault)
+        left = list(c.store.list(version_prefix(c.run, "delta", step)))
+        uploaded = 2 if fault.endswith("@2") else parts
+        assert len(left) == uploaded, left
+        assert c.head() == step - 1
+        if rq_retry:
+            assert retry_abandoned(c.redis, queues.DIFF_QUEUE) == 1
+            c.procs.start("restarted", "worker", "diff")
+            _step_done(c, step, f"after {fault}")
+            _step_done(c, c.emit(), f"after the version of {fault}")
+        else:
+            c.procs.start("restarted", "worker", "diff")
+            following = c.emit()
+            _step_done(c, following, f"after {fault}")
+            assert c.head() == following and step in chain.list_versions(c.store, c.run).deltas
+            assert retry_abandoned(c.redis, queues.DIFF_QUEUE) == 1
+            job_id = queues.diff_job_id(c.run, step)
+            wait_for(lambda: _job_done(c.redis, job_id), f"the late retry of {job_id}")
+        c.check_versions(set(range(c.step + 1)))
+        assert not chain.orphan_delta_folders(c.store, c.run, c.step)
+        outcome.runs = outcome.recovered = 1
+    return outcome
+
+
+def test_helper_killed_holding_a_part_claim(tmp_path: Path) -> None:
+    assert helper_kill_scenario(tmp_path).recovered == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "rq_retry"), [(COORDINATOR_POINTS[0], False), (COORDINATOR_POINTS[1], True)]
+)
+def test_coordinator_killed_before_its_manifest(tmp_path: Path, fault: str, rq_retry: bool) -> None:
+    assert coordinator_kill_scenario(tmp_path, fault, rq_retry=rq_retry).recovered == 1

@@ -163,7 +163,7 @@ def _coordinate(
         parts = parent.parts()
         for key, _ in parts:
             queues.enqueue_diff_part(r, run, step, str(checkpoint), key, head)
-        while r.hlen(parts_key(run, step)) < len(parts):
+        while r.hlen(parts_key(run, step, head)) < len(parts):
             try:
                 if work_parts(r, store, cache, fanout, parent) == 0:
                     time.sleep(IDLE_S)
