@@ -479,8 +479,11 @@ def gc_plan(index: VersionIndex, keep_anchors: int, min_live_version: int | None
 
 
 def orphan_delta_folders(store: ObjectStore, run: str, below: int) -> list[str]:
-    """Delta folders under ``below`` holding objects but no manifest: remains of a
-    publish that crashed. Diff jobs run in version order, so none is still being written."""
+    """Delta folders under ``below`` (the head) holding objects but no manifest: remains
+    of a publish, or of a parallel diff's coordinator, that died. None can be published
+    any more (publish refuses steps not newer than the head) and a diff in flight writes
+    above the head. A helper of a dead fan-out may still upload into such a folder after
+    it is collected; the next collection takes that object too."""
     folders = _scan(store, run, "delta")
     published = set(_with_manifest(folders))
     return [
