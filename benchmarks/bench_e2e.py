@@ -8,9 +8,11 @@ update emulator (benchmarks/emulator.py, calibrated on real AdamW steps of the
 synthetic ``small`` preset and tuned to ``--density``). Real parts: a
 redis-server, one ``deltasync worker diff`` process, ``--replicas`` ``deltasync
 rollout --target torch`` processes, a local folder store. For each version the
-benchmark writes the checkpoint (untimed, the trainer's cost), copies it once
-with ``shutil.copyfile`` (the reference, page cache warm, best of ``--reps``),
-then emits ``step-completed`` and waits for every replica's ``delta-applied``.
+trainer side calls ``Emitter.emit_state`` (writing the staging copy is the
+trainer's cost, untimed; ``--user-checkpoints`` writes a file and calls
+``emit_checkpoint`` instead) and waits for every replica's ``delta-applied``;
+then the same bytes are copied once with ``shutil.copyfile`` (the reference,
+page cache warm, best of ``--reps``).
 Times come from the Redis stream ids (one clock), the diff job's phase timings
 and the nodes' events; the replicas' final weights are compared bit for bit
 with the last checkpoint.
@@ -89,6 +91,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument(
+        "--user-checkpoints",
+        action="store_true",
+        help="emit checkpoints the benchmark wrote (emit_checkpoint) instead of emit_state's "
+        "staging copies, which the diff worker moves into its cache",
+    )
     args = parser.parse_args()
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-e2e-"))
@@ -101,10 +109,21 @@ def main() -> None:
     ckpts = work / "ckpt"
     ckpts.mkdir(exist_ok=True)
 
-    def write(step: int) -> Path:
+    def emit(step: int) -> tuple[Path, str]:
+        """Hand version ``step`` to deltasync as a trainer would; (a file holding it, job)."""
+        if not args.user_checkpoints:
+            emitted = emitter.emit_state(step, state)
+            return emitter.staging_path(step), emitted.job_id
         path = ckpts / f"step-{step:06d}.safetensors"
         save_state(state, path)
-        return path
+        return path, emitter.emit_checkpoint(step, path).job_id
+
+    def cached_copy(step: int) -> Path:
+        """The diff worker's copy of version ``step`` (where emit_state's file went)."""
+        found = sorted((work / "home").rglob(f"v{step:010d}/*.safetensors"))
+        if not found:
+            raise SystemExit(f"v{step} is not in the diff worker's state cache")
+        return found[0]
 
     rows: list[dict[str, Any]] = []
     with RedisServer(work / "redis") as server:
@@ -130,20 +149,14 @@ def main() -> None:
                 "--until", str(last), "--dump", str(work / f"{name}.safetensors"),
                 "--poll", "30",
             ]  # fmt: skip
-        path = write(0)
-        emitter.emit_checkpoint(0, path)
         with processes(env, work / "logs", **commands) as procs:
+            previous, _ = emit(0)
             wait_for(
                 lambda: len(applied_nodes(r, RUN, 0)) == len(nodes), "bootstrap", timeout_s=900
             )
-            previous = path
             for step in range(1, last + 1):
                 changed = emulator.step_(state)
-                path = write(step)
-                copy_s = copy_reference(path, work / "copy.tmp", args.reps)
-                previous.unlink()  # keep two checkpoints on disk at most
-                previous = path
-                emitted = emitter.emit_checkpoint(step, path)
+                path, job_id = emit(step)
                 wait_for(
                     lambda step=step: len(applied_nodes(r, RUN, step)) == len(nodes),
                     f"v{step} on every replica",
@@ -159,7 +172,14 @@ def main() -> None:
                     if d.get("type") == "delta-available" and int(d["version"]) == step
                 )  # fmt: skip
                 applied = applied_nodes(r, RUN, step)
-                job = Job.fetch(emitted.job_id, connection=r, serializer=JSONSerializer)
+                # The reference: one copy of the same bytes, page cache warm, after the sync.
+                if not args.user_checkpoints:
+                    path = cached_copy(step)
+                copy_s = copy_reference(path, work / "copy.tmp", args.reps)
+                if args.user_checkpoints and previous != path:
+                    previous.unlink()  # keep two checkpoints on disk at most
+                previous = path
+                job = Job.fetch(job_id, connection=r, serializer=JSONSerializer)
                 result = job.return_value() or {}
                 timings = result.get("timings", {})
                 row = {
@@ -172,9 +192,12 @@ def main() -> None:
                     "latency_s": max(t for t, _ in applied.values()) - t_step,
                     "to_available_s": t_avail - t_step,
                     "diff_total_s": timings.get("total_s", 0.0),
+                    "diff_published_s": timings.get("published_s", 0.0),
                     "diff_read_s": timings.get("read_s", 0.0),
+                    "diff_verify_s": timings.get("verify_s", 0.0),
                     "diff_encode_s": timings.get("encode_s", 0.0),
                     "diff_upload_s": timings.get("upload_s", 0.0),
+                    "diff_cache_s": timings.get("cache_s", 0.0),
                     "fetch_s": statistics.median(float(d["fetch_s"]) for _, d in applied.values()),
                     "apply_s": statistics.median(float(d["apply_s"]) for _, d in applied.values()),
                     "pause_s": statistics.median(float(d["pause_s"]) for _, d in applied.values()),
@@ -191,13 +214,13 @@ def main() -> None:
             for name, proc in procs.items():
                 if name in nodes:
                     proc.wait(timeout=600)
-        # Bit-exactness: every replica's dump equals the last checkpoint.
-        with CheckpointReader(path) as want:
-            for name in nodes:
-                with CheckpointReader(work / f"{name}.safetensors") as got:
-                    for tensor in want.names():
-                        a, b = bits(got.get(tensor)), bits(want.get(tensor))
-                        assert torch.equal(a, b), f"{name}: {tensor} differs"
+        # Bit-exactness: every replica's dump equals the trainer's weights.
+        for name in nodes:
+            with CheckpointReader(work / f"{name}.safetensors") as got:
+                assert set(got.names()) == set(state), f"{name}: other tensor names"
+                for tensor, want in state.items():
+                    a, b = bits(got.get(tensor)), bits(want)
+                    assert torch.equal(a, b), f"{name}: {tensor} differs"
         print(f"every replica equals v{last} bit for bit", flush=True)
     summary = summarise(rows, params, args)
     if args.json:
@@ -222,10 +245,12 @@ def summarise(
     for label, key in [
         ("step-completed -> every replica applied", "latency_s"),
         ("step-completed -> delta-available (diff job)", "to_available_s"),
-        ("  diff job total (in the worker)", "diff_total_s"),
-        ("  read base + new", "diff_read_s"),
-        ("  diff + encode", "diff_encode_s"),
-        ("  upload (overlaps encode)", "diff_upload_s"),
+        ("  diff job until the manifest is written", "diff_published_s"),
+        ("  - read base + new (mapped)", "diff_read_s"),
+        ("  - wait for the base and new hashes (second thread)", "diff_verify_s"),
+        ("  - diff + encode + new tensors' hashes", "diff_encode_s"),
+        ("  - upload (overlaps encode)", "diff_upload_s"),
+        ("  after the announcement: state cache update", "diff_cache_s"),
         ("delta-available -> replica applied", "node_s"),
         ("  download", "fetch_s"),
         ("  decode + verify + write", "apply_s"),

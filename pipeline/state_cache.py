@@ -6,9 +6,12 @@ when its recorded version and state hash equal the head's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,20 @@ def check_against(manifest: Manifest, specs: dict[str, TensorSpec], what: str) -
     for name in specs:
         if name not in known:
             raise MismatchError(f"tensor {name!r} of {what} is not in {version}")
+
+
+def _remove_in_background(folders: list[Path]) -> None:
+    """Delete ``folders`` on a thread at the lowest CPU priority: freeing a large
+    version's pages takes a core for a while, and replicas applying the version just
+    announced should not wait for it."""
+
+    def remove() -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    threading.Thread(target=remove, name="deltasync-cache-cleanup", daemon=True).start()
 
 
 class StateCache:
@@ -116,9 +133,21 @@ class StateCache:
         tmp = self.root / f".{self.STATE}.tmp"
         tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
         os.replace(tmp, self.root / self.STATE)
+        # Out of the way at once (a rename), deleted later; a dead process's leftovers
+        # in the trash are taken along by the next switch.
+        trash = self.root.parent / ".trash"
+        trash.mkdir(exist_ok=True)
+        doomed = [p for p in trash.glob(f"{self.run}.*") if p.is_dir()]
         for other in self.root.iterdir():
             if other.is_dir() and other.name != folder.name:
-                shutil.rmtree(other, ignore_errors=True)
+                moved = trash / f"{self.run}.{other.name}.{uuid.uuid4().hex[:12]}"
+                try:
+                    os.replace(other, moved)
+                    doomed.append(moved)
+                except OSError:
+                    shutil.rmtree(other, ignore_errors=True)
+        if doomed:
+            _remove_in_background(doomed)
 
     def _folder_for(self, version: int) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
