@@ -30,8 +30,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline import chain, faults
-from pipeline.checkpoint import CheckpointReader, safetensors_bytes
+from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
+from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
 from pipeline.errors import ChainError, ConfigError, MismatchError
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
@@ -57,6 +58,11 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_PART_BYTES = 512 << 20
 ANCHOR_CODEC = CodecInfo(name="safetensors", version=1, level=0)
+# Per anchor compression (pipeline/codec/anchor.py): what the manifest records.
+ANCHOR_CODECS = {
+    "none": ANCHOR_CODEC,
+    "zstd": CodecInfo(name="safetensors-planes-zstd", version=1, level=ZSTD_LEVEL),
+}
 
 PrivateKey = Ed25519PrivateKey | bytes
 Layout = list[tuple[str, list[str]]]  # (object key, tensor names) per part
@@ -266,6 +272,7 @@ def _anchor_part(
     objects: list[ObjectEntry],
     uploader: _Uploader,
     timings: PublishTimings,
+    compression: str,
 ) -> None:
     faults.point("anchor.after_read")
     clock = _Clock()
@@ -279,7 +286,7 @@ def _anchor_part(
                     "version it replaces"
                 )
         entries.append(entry)
-    data = safetensors_bytes(part, metadata={"deltasync.run": run})
+    data = encode_anchor(part, compression, metadata={"deltasync.run": run})
     objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
     timings.encode_s += clock.lap()
     faults.point("anchor.after_encode")
@@ -300,10 +307,14 @@ def publish_anchor(
     expected: Manifest | None = None,
     parent_state_hash: str | None = None,
     timings: PublishTimings | None = None,
+    anchor_compression: str = "none",
 ) -> Manifest:
-    """Publish a full version as plain safetensors parts (any safetensors reader loads
-    them). ``layout`` keeps an existing partition; ``expected`` is a manifest of the same
-    version whose tensor hashes the anchor must match before its manifest is written."""
+    """Publish a full version as safetensors parts: plain (any safetensors reader loads
+    them) or, with ``anchor_compression="zstd"``, as lossless zstd byte planes (see
+    :mod:`pipeline.codec.anchor`). ``layout`` keeps an existing partition; ``expected``
+    is a manifest of the same version whose tensor hashes the anchor must match before
+    its manifest is written."""
+    check_compression(anchor_compression)
     found = _existing(store, run, "anchor", version)
     if found is not None:
         log.info("anchor exists, nothing to do", run=run, version=version)
@@ -314,7 +325,18 @@ def publish_anchor(
     entries: list[TensorEntry] = []
     with _Uploader(store, "anchor", timings) as uploader:
         for key, part in _parts_from(tensors, layout, part_bytes, timings):
-            _anchor_part(run, version, key, part, want, entries, objects, uploader, timings)
+            _anchor_part(
+                run,
+                version,
+                key,
+                part,
+                want,
+                entries,
+                objects,
+                uploader,
+                timings,
+                anchor_compression,
+            )
             del part  # else held while the next part is read: two parts resident, not one
         uploader.finish()
     digest = compute_state_hash(entries)
@@ -328,7 +350,7 @@ def publish_anchor(
         kind="anchor",
         parent=parent,
         anchor=version,
-        codec=ANCHOR_CODEC,
+        codec=ANCHOR_CODECS[anchor_compression],
         objects=tuple(objects),
         tensors=tuple(entries),
         state_hash=digest,
@@ -447,6 +469,14 @@ def publish_delta(
             uploader.submit(version_prefix(run, "delta", version) + key, data)
             del data
         uploader.finish()
+    # The run lock makes this the only writer; a holder that stalled past its lease
+    # could have been overtaken meanwhile, so the head is looked at again.
+    now = chain.list_versions(store, run).head
+    if now != parent.version:
+        raise ChainError(
+            f"run {run}: head moved to {now} while delta {version} was encoded against "
+            f"{parent.version}; not published"
+        )
     manifest = delta_manifest(run, version, parent, level, objects, entries)
     manifest = _write_manifest(store, manifest, signing_key, "publish")
     log.info(
@@ -523,6 +553,7 @@ def publish_step(
     part_bytes: int = DEFAULT_PART_BYTES,
     on_published: Callable[[Manifest], None] | None = None,
     adopt: bool = False,
+    anchor_compression: str = "none",
 ) -> PublishResult:
     """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
 
@@ -530,7 +561,8 @@ def publish_step(
     state cache catches up with it (still under the caller's lock): announcing there
     keeps the cache update off the replicas' critical path. With ``adopt`` the
     checkpoint is deltasync's own staging copy: it is moved into the state cache
-    instead of copied (no byte is read or written), and is gone from its path after."""
+    instead of copied (no byte is read or written), and is gone from its path after.
+    ``anchor_compression`` applies to the run's first version (an anchor)."""
     index = chain.list_versions(store, run)
     head = index.head
     if head is not None and step <= head:
@@ -558,6 +590,7 @@ def publish_step(
                 signing_key=signing_key,
                 part_bytes=part_bytes,
                 timings=timings,
+                anchor_compression=anchor_compression,
             )
         else:
             parent_kind: Kind = "anchor" if head in index.anchors else "delta"

@@ -24,6 +24,7 @@ from pipeline.publish import plan_parts, publish_anchor, publish_delta, publish_
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
+from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from tests.test_chain import PART_BYTES, SyntheticRun
 from tests.test_checkpoint import same_bits
 
@@ -322,3 +323,38 @@ def test_a_crash_leaves_a_whole_version_or_none(
     trainer.publish(step + 1)  # the cache recovers whatever state the crash left
     for version in range(step + 2):
         trainer.assert_rebuilds(version)
+
+
+def test_a_delta_is_not_published_when_the_head_moved_while_it_was_encoded(
+    tmp_path: Path,
+) -> None:
+    """A diff job that stalled past its lease can be overtaken: another job publishes
+    a newer step while this one encodes. Its manifest must not be written."""
+    generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=1e-5, seed=11)
+    paths = []
+    for step in range(3):
+        state = generator.state() if step == 0 else generator.step()
+        paths.append(tmp_path / f"s{step}.safetensors")
+        save_state(state, paths[-1])
+    plain = FileStore(tmp_path / "store")
+    publish_step(plain, "r", 0, paths[0], StateCache(tmp_path / "a", "r"), level=1)
+    other = StateCache(tmp_path / "b", "r")
+    other.rebuild(plain, "r", 0)
+
+    class Overtaken(FileStore):
+        """The same folder; the first object of delta 1 lets another writer in."""
+
+        overtaken = False
+
+        def put(self, key: str, data: bytes) -> None:
+            super().put(key, data)
+            if "/deltas/0000000001/" in key and not self.overtaken:
+                self.overtaken = True
+                publish_step(plain, "r", 2, paths[2], other, level=1)
+
+    slow = Overtaken(tmp_path / "store")
+    with pytest.raises(ChainError, match="head moved to 2"):
+        publish_step(slow, "r", 1, paths[1], StateCache(tmp_path / "a", "r"), level=1)
+    assert slow.overtaken
+    index = chain.list_versions(plain, "r")
+    assert index.versions == (0, 2) and 1 not in index.deltas
