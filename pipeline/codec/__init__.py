@@ -32,8 +32,14 @@ integers (wrapping), so decoding needs the exact base. Encodings: ``same``,
 value, level 2), ``bitmap`` (zstd of the change mask), ``dense`` (zstd byte
 planes of every difference); contents ``signmag`` or ``planes``. Encoding is
 deterministic: the same inputs give the same bytes.
+
+Anchors (``pipeline.codec.anchor``): ``encode_anchor(tensors, method)`` with
+``method`` one of ``ANCHOR_COMPRESSIONS`` (``none``: plain safetensors;
+``zstd``: lossless byte planes) and ``anchor_tensors(data, source)``, which
+reads either form.
 """
 
+from pipeline.codec.anchor import ANCHOR_COMPRESSIONS, anchor_tensors, encode_anchor
 from pipeline.codec.api import (
     CODEC_NAME,
     CODEC_VERSION,
@@ -49,6 +55,7 @@ from pipeline.codec.api import (
 )
 
 __all__ = [
+    "ANCHOR_COMPRESSIONS",
     "CODEC_NAME",
     "CODEC_VERSION",
     "DEFAULT_LEVEL",
@@ -57,7 +64,9 @@ __all__ = [
     "EncodedTensorInfo",
     "HashedPatch",
     "TensorPatch",
+    "anchor_tensors",
     "apply_patch",
+    "encode_anchor",
     "encode_delta",
     "read_delta",
 ]
