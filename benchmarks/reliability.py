@@ -351,9 +351,10 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "- rq forks its scheduler from the worker; a SIGKILLed worker leaves that "
         "process running (it keeps scheduling retries). Supervisors should stop the "
         "worker's whole process group. The dead scheduler's lock then lapses in about a "
-        "minute and a worker restarted before that takes the scheduler over only at its "
-        "next maintenance (every 10 min), so scheduled retries can wait that long; the "
-        "next step's job does not (it publishes pending earlier steps first).",
+        "minute and a worker restarted before that takes the scheduler over at its next "
+        "maintenance (deltasync runs it every 60 s instead of rq's 10 min), so scheduled "
+        "retries can wait up to about two minutes; the next step's job does not (it "
+        "publishes pending earlier steps first).",
         "- Parallel diff: a helper's part claim is a 60 s lease like the run lock (taken "
         "over at once from a dead process on the machine). A dead coordinator's step is "
         "redone by rq's retry or by the next step's job, reusing the parts recorded "

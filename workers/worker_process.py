@@ -12,6 +12,7 @@ from workers.runtime import Runtime
 log = get_logger(__name__)
 
 QUEUES = {"diff": queues.DIFF_QUEUE, "compact": queues.COMPACT_QUEUE}
+MAINTENANCE_INTERVAL_S = 60
 
 
 def run_worker(
@@ -28,6 +29,9 @@ def run_worker(
         name=name,
         connection=connection,
         serializer=JSONSerializer,
+        # rq's default is 10 min: a restarted worker would wait that long to take over
+        # the scheduler lock of a killed one, and retries of its job with it.
+        maintenance_interval=MAINTENANCE_INTERVAL_S,
     )
     log.info(
         "worker starting",
