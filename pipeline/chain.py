@@ -23,11 +23,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pipeline import faults
 from pipeline.checkpoint import (
     CheckpointReader,
-    tensors_from_bytes,
     write_checkpoint,
     write_sharded,
 )
 from pipeline.codec import apply_patch, read_delta
+from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import (
     ChainError,
     CorruptObjectError,
@@ -247,7 +247,7 @@ def _load_anchor_tensors(
     tensors: dict[str, torch.Tensor] = {}
     for okey in dict.fromkeys(entries[n].object for n in names):
         data = fetch_object(store, anchor, anchor.object_entry(okey))
-        for name, tensor in tensors_from_bytes(data, anchor.object_key(okey)):
+        for name, tensor in anchor_tensors(data, anchor.object_key(okey)):
             if name in wanted:
                 tensors[name] = tensor
         del data

@@ -19,9 +19,11 @@ def compact(
     version: int | None = None,
     *,
     signing_key: PrivateKey | None = None,
+    anchor_compression: str = "none",
 ) -> Manifest:
     """Publish version ``version`` (default: the head) as an anchor, rebuilt from its
-    chain and checked against its delta manifest. Idempotent."""
+    chain and checked against its delta manifest. Idempotent. ``anchor_compression``:
+    ``"none"`` (plain safetensors) or ``"zstd"`` (see :mod:`pipeline.codec.anchor`)."""
     index = chain.list_versions(store, run)
     target = index.head if version is None else version
     if target is None:
@@ -41,6 +43,7 @@ def compact(
         layout=delta.parts(),
         expected=delta,
         parent_state_hash=delta.parent_state_hash,
+        anchor_compression=anchor_compression,
     )
     return manifest
 

@@ -32,7 +32,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from pipeline import chain, faults, replicas
-from pipeline.checkpoint import tensors_from_bytes, write_checkpoint
+from pipeline.checkpoint import write_checkpoint
+from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import (
     ChainError,
     CorruptObjectError,
@@ -400,7 +401,7 @@ class RolloutNode:
                         self._submit(chain.fetch_object, self.store, manifest, entries[nxt])
                     )
                 advance(entry.size)
-                for name, tensor in tensors_from_bytes(data, entry.key):
+                for name, tensor in anchor_tensors(data, entry.key):
                     want = expected.get(name)
                     if want is None:
                         raise CorruptObjectError(

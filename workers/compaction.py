@@ -38,7 +38,13 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
         wait_s=LOCK_WAIT_S,
         renew_every_s=LOCK_RENEW_S,
     ):
-        manifest = compact(runtime.store, run, version, signing_key=settings.signing_key())
+        manifest = compact(
+            runtime.store,
+            run,
+            version,
+            signing_key=settings.signing_key(),
+            anchor_compression=settings.anchor_compression,
+        )
         faults.point("compact.before_event")
         r = runtime.redis
         event = AnchorAvailable.now(

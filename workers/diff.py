@@ -154,6 +154,7 @@ def _diff_one(
                 part_bytes=settings.part_bytes,
                 on_published=published,
                 adopt=staged,
+                anchor_compression=settings.anchor_compression,
             )
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.
