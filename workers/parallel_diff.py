@@ -147,6 +147,7 @@ def _coordinate(
             level=level,
             signing_key=settings.signing_key(),
             part_bytes=settings.part_bytes,
+            anchor_compression=settings.anchor_compression,
         )
     started = time.perf_counter()
     parent_kind: Kind = "anchor" if head in index.anchors else "delta"
