@@ -1,0 +1,556 @@
+"""The compiled code of fused.py, imported only where numba is installed.
+
+Every function and intrinsic is defined at module level so that numba's disk
+cache (``cache=True``) serves it to the next process instead of compiling again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba  # type: ignore[import-untyped]
+import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped]
+from numba.core import cgutils, types  # type: ignore[import-untyped]
+from numba.extending import intrinsic  # type: ignore[import-untyped]
+
+from pipeline.codec.fused import (
+    BAD_CONTENTS,
+    BAD_POSITION,
+    BAD_UNARY,
+    BATCH,
+    DECODE,
+    DIFFS,
+    DONE,
+    FALLBACK,
+    LANES,
+    MAX_PARAM,
+    UNDO,
+    _Fused,
+)
+
+jit = numba.njit(cache=True, nogil=True)
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def neq_mask(typingctx: Any, a: Any, b: Any, start: Any) -> Any:
+    """Bit j set where a[start + j] != b[start + j], j < 64 (one vector compare)."""
+    signature = types.uint64(a, b, start)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        vector = ir.VectorType(context.get_data_type(sig.args[0].dtype), LANES)
+        loaded = []
+        for array_type, value in zip(sig.args[:2], args[:2], strict=True):
+            array = context.make_array(array_type)(context, builder, value=value)
+            pointer = builder.bitcast(builder.gep(array.data, [args[2]]), vector.as_pointer())
+            loaded.append(builder.load(pointer, align=1))
+        differ = builder.icmp_unsigned("!=", loaded[0], loaded[1])
+        return builder.bitcast(differ, ir.IntType(64))
+
+    return signature, codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def trailing_zeros(typingctx: Any, x: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def leading_zeros(typingctx: Any, x: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def bit_reverse(typingctx: Any, x: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitreverse(args[0])
+
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def load_be64(typingctx: Any, stream: Any, index: Any) -> Any:
+    """Bytes index .. index + 7 of a uint8 array as a big-endian uint64 (unchecked)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        word = ir.IntType(64)
+        pointer = builder.bitcast(builder.gep(array.data, [args[1]]), word.as_pointer())
+        return builder.bswap(builder.load(pointer, align=1))
+
+    return types.uint64(stream, index), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def prefetch_write(typingctx: Any, array: Any, index: Any) -> Any:
+    """Hint that array[index] is about to be written (no effect on results)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        byte_pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        function = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
+            "llvm.prefetch.p0",
+        )
+        address = builder.bitcast(builder.gep(data, [args[1]]), byte_pointer)
+        # write, high temporal locality, data cache
+        builder.call(
+            function, [address, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+        )
+        return context.get_dummy_value()
+
+    return types.none(array, index), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def store_be64(typingctx: Any, stream: Any, index: Any, value: Any) -> Any:
+    """Store ``value`` big-endian at bytes index .. index + 7 of a uint8 array
+    (unchecked)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        word = ir.IntType(64)
+        pointer = builder.bitcast(builder.gep(array.data, [args[1]]), word.as_pointer())
+        builder.store(builder.bswap(args[2]), pointer, align=1)
+        return context.get_dummy_value()
+
+    return types.none(stream, index, types.uint64), codegen
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def put_bits(stream: Any, acc: Any, held: int, index: int, value: Any, width: int) -> Any:
+    """Append the ``width`` (<= 40) low bits of ``value`` to a bit writer that holds
+    ``held`` bits in ``acc`` and stores whole 8-byte words at ``index``."""
+    if held + width < 64:
+        return (acc << np.uint64(width)) | value, held + width, index
+    spill = held + width - 64
+    word = (acc << np.uint64(64 - held)) | (value >> np.uint64(spill))
+    store_be64(stream, index, word)
+    return value & ((np.uint64(1) << np.uint64(spill)) - np.uint64(1)), spill, index + 8
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def peek(stream: Any, bit: int) -> Any:
+    """The 64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end
+    (at least 57 of them are stream bits when the stream is that long)."""
+    index = bit >> 3
+    if index + 8 <= stream.size:
+        word = load_be64(stream, index)
+    else:
+        word = np.uint64(0)
+        for j in range(8):
+            word <<= np.uint64(8)
+            if index + j < stream.size:
+                word |= np.uint64(stream[index + j])
+    return word << np.uint64(bit & 7)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def scan_diffs(base: Any, new: Any, out_pos: Any, out_diff: Any, start: int) -> Any:
+    """Changed elements from ``start`` on (a multiple of 64): positions and
+    new - base (wrapping), until the outputs could overflow: (elements
+    written, where to resume).
+
+    Each 64-lane mask is compacted into four output slots without branches
+    (a branch per lane or per mask mispredicts at a few percent changed);
+    the rare mask with more than four bits set finishes in a loop."""
+    n = base.size
+    main = n - n % LANES
+    cap = out_pos.size
+    k = 0
+    i = start
+    one = np.uint64(1)
+    last = np.uint64(LANES - 1)
+    while i < main:
+        if k + LANES > cap:
+            return k, i
+        mask = neq_mask(base, new, i)
+        for _ in range(3):
+            p = i + min(trailing_zeros(mask), last)
+            out_pos[k] = p
+            out_diff[k] = new[p] - base[p]
+            k += mask != 0
+            mask &= mask - one
+        while mask:
+            p = i + trailing_zeros(mask)
+            out_pos[k] = p
+            out_diff[k] = new[p] - base[p]
+            k += 1
+            mask &= mask - one
+        i += LANES
+    if k + LANES > cap:
+        return k, i
+    for p in range(i, n):
+        out_pos[k] = p
+        out_diff[k] = new[p] - base[p]
+        k += base[p] != new[p]
+    return k, n
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def signmag_diffs(diff: Any, top: int, signs: Any, big: Any, mags: Any) -> Any:
+    """Sign bits (into ``signs``), indices of magnitudes above one and
+    those magnitudes - 2, of differences modulo top + 1 (elements of at most 4
+    bytes): (count of magnitude one, count above one)."""
+    half = (top >> 1) + 1
+    ones = 0
+    nbig = 0
+    byte = np.int64(0)
+    for i in range(diff.size):
+        d = np.int64(diff[i])
+        negative = np.int64(d >= half)
+        # Branch-free: signs are fair coins, a branch on them mispredicts half the time.
+        magnitude = ((d ^ -negative) + negative) & top
+        # Sign bits gather in a register, a byte is stored every eighth element.
+        byte = (byte << 1) | negative
+        if i & 7 == 7:
+            signs[i >> 3] = byte
+            byte = np.int64(0)
+        big[nbig] = i
+        mags[nbig] = magnitude - 2
+        ones += magnitude == 1
+        nbig += magnitude != 1
+    if diff.size & 7:
+        signs[diff.size >> 3] = byte << (8 - (diff.size & 7))
+    return ones, nbig
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def unary_word(unary: Any, index: int) -> Any:
+    """Bytes index .. index + 7 of the unary stream (zeros past its end) with bit k
+    holding stream bit 8 * index + k, so ends of codes come out of trailing zeros."""
+    if index + 8 <= unary.size:
+        return bit_reverse(load_be64(unary, index))
+    word = np.uint64(0)
+    for j in range(8):
+        word <<= np.uint64(8)
+        if index + j < unary.size:
+            word |= np.uint64(unary[index + j])
+    return bit_reverse(word)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def write_batch(
+    target: Any,
+    positions: Any,
+    diffs: Any,
+    size: int,
+    first: int,
+    mode: int,
+    out_pos: Any,
+    out_val: Any,
+) -> None:
+    """target[positions] += diffs for one batch of walk_sparse (see there)."""
+    record = out_pos.size > 0
+    if mode == DIFFS:
+        for b in range(size):
+            out_pos[first + b] = positions[b]
+            out_val[first + b] = diffs[b]  # modulo the element width
+        return
+    for b in range(size):
+        p = positions[b]
+        old = target[p]
+        value = old + diffs[b]
+        if mode != DECODE:
+            target[p] = value
+        if record:
+            out_pos[first + b] = p
+            out_val[first + b] = value if mode == DECODE else old
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def walk_sparse(
+    unary: Any,
+    fixed: Any,
+    param: int,
+    count: int,
+    signs: Any,
+    big: Any,
+    planes: Any,
+    target: Any,
+    mode: int,
+    out_pos: Any,
+    out_val: Any,
+) -> Any:
+    """Walk ``count`` Rice-coded positions (unary + fixed streams, parameter
+    ``param``) with their sign-magnitude contents over ``target``, the base
+    contents: sign bits, ascending indices of magnitudes above one followed by a
+    sentinel >= count, and those magnitudes - 2 as byte planes (``planes``, least
+    significant plane first, as many planes as target's element width).
+
+    APPLY writes target[p] += diff and, when ``out_pos`` is not empty, records
+    positions and old contents; DECODE writes nothing and records positions
+    and new contents; UNDO takes back the first ``count`` elements of an APPLY;
+    DIFFS records positions and differences (new - old modulo the element
+    width) and touches nothing of ``target`` but its size.
+
+    Works in batches, each in short loops: find where the batch's unary codes
+    end (trailing zeros of bit-reversed words: one cheap dependency per element
+    instead of a load-shift-count chain), then turn ends and fixed bits into
+    positions and differences while prefetching the target lines, then fix up
+    the large magnitudes; the batch is written (many cache misses in flight)
+    after the next one is decoded.
+
+    Returns (elements done, DONE | BAD_*). On damage an APPLY has written
+    exactly the elements done; its caller UNDOes them."""
+    numel = target.size
+    width = target.itemsize
+    nbig = big.size - 1
+    top = (1 << (8 * width)) - 1
+    one = np.uint64(1)
+    low = np.uint64(63 - param)
+    flip = np.int64(1 if mode == UNDO else 0)
+    word = np.uint64(0)
+    word_bit = 0  # stream bit of the word's bit 0
+    next_byte = 0
+    prev_end = -1
+    fbit = 0
+    pos = -1
+    j = 0
+    # Two batches in flight: one is decoded (prefetching its lines) while the
+    # previous one, whose lines had a batch's time to arrive, is written.
+    pos_buffers = np.empty((2, BATCH), np.int64)
+    diff_buffers = np.empty((2, BATCH), np.int64)
+    for first in range(0, count, BATCH):
+        size = min(BATCH, count - first)
+        batch_pos = pos_buffers[(first // BATCH) & 1]
+        batch_diff = diff_buffers[(first // BATCH) & 1]
+        written = max(first - BATCH, 0)  # the previous batch is not written yet
+        b = 0
+        while b < size:
+            if word == 0:
+                if next_byte >= unary.size:
+                    return written, BAD_UNARY
+                word = unary_word(unary, next_byte)
+                word_bit = 8 * next_byte
+                next_byte += 8
+                continue
+            batch_pos[b] = word_bit + np.int64(trailing_zeros(word))
+            word &= word - one
+            b += 1
+        for b in range(size):
+            i = first + b
+            end = batch_pos[b]
+            quotient = end - prev_end - 1
+            prev_end = end
+            if quotient > (numel >> param):
+                return written, BAD_UNARY
+            rem = np.int64((peek(fixed, fbit) >> one) >> low)
+            fbit += param
+            pos += (quotient << param) + rem + 1
+            if pos >= numel:
+                return written, BAD_POSITION
+            if mode != DIFFS:
+                prefetch_write(target, pos)
+            batch_pos[b] = pos
+            negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
+            batch_diff[b] = (1 ^ -negative) + negative
+        while big[j] < first + size:
+            i = big[j]
+            magnitude = np.int64(2)
+            for plane in range(width):
+                magnitude += np.int64(planes[plane * nbig + j]) << (8 * plane)
+            if magnitude & top == 0:
+                return written, BAD_CONTENTS
+            negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
+            batch_diff[i - first] = (magnitude ^ -negative) + negative
+            j += 1
+        if first:
+            previous = ((first // BATCH) - 1) & 1
+            write_batch(
+                target,
+                pos_buffers[previous],
+                diff_buffers[previous],
+                BATCH,
+                first - BATCH,
+                mode,
+                out_pos,
+                out_val,
+            )
+    if count:
+        last = ((count - 1) // BATCH) * BATCH
+        slot = (last // BATCH) & 1
+        write_batch(
+            target,
+            pos_buffers[slot],
+            diff_buffers[slot],
+            count - last,
+            last,
+            mode,
+            out_pos,
+            out_val,
+        )
+    # Exactly ``count`` codes, the last in the last byte, then zero padding.
+    if word != 0 or (prev_end >> 3) != unary.size - 1:
+        return count, BAD_UNARY
+    return count, DONE
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def put_tail(stream: Any, index: int, acc: Any, held: int) -> None:
+    """Flush a bit writer's ``held`` bits byte by byte: nothing is stored past the
+    stream's last byte, so streams can be written back to back."""
+    if held:
+        acc <<= np.uint64(64 - held)
+        for j in range((held + 7) >> 3):
+            stream[index + j] = np.uint8((acc >> np.uint64(56 - 8 * j)) & np.uint64(0xFF))
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def rice_choose(positions: Any, count: int) -> Any:
+    """The Rice parameter rice.encode_positions picks for ``positions[:count]``
+    (count > 0), and the unary bits it takes: (param, unary bits)."""
+    mean = (positions[count - 1] + 1 - count) / max(count, 1)
+    guess = max(0, min(MAX_PARAM, int(np.log2(mean * 0.69 + 1.0))))
+    first = max(0, guess - 1)
+    candidates = min(3, MAX_PARAM + 1 - first)
+    shift0 = first
+    shift1 = min(first + 1, 63)
+    shift2 = min(first + 2, 63)
+    sum0 = positions[0] >> shift0
+    sum1 = positions[0] >> shift1
+    sum2 = positions[0] >> shift2
+    for i in range(1, count):
+        gap = positions[i] - positions[i - 1] - 1
+        sum0 += gap >> shift0
+        sum1 += gap >> shift1
+        sum2 += gap >> shift2
+    best = 0
+    best_cost = sum0 + count * (1 + first)
+    if candidates > 1 and sum1 + count * (2 + first) < best_cost:
+        best = 1
+        best_cost = sum1 + count * (2 + first)
+    if candidates > 2 and sum2 + count * (3 + first) < best_cost:
+        best = 2
+        best_cost = sum2 + count * (3 + first)
+    param = first + best
+    return param, best_cost - count * param
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def rice_write(positions: Any, count: int, param: int, out: Any, uindex: int, findex: int) -> None:
+    """Rice codes of the gaps of strictly increasing ``positions[:count]``, MSB
+    first: the unary stream into ``out`` from byte ``uindex``, the fixed stream
+    from byte ``findex``. Stores exactly the streams' bytes, so the two (and
+    others) can lie back to back in one buffer."""
+    prev = -1
+    uacc = facc = np.uint64(0)
+    uheld = fheld = 0
+    mask = np.uint64((1 << param) - 1)
+    one = np.uint64(1)
+    for i in range(count):
+        p = positions[i]
+        gap = p - prev - 1
+        prev = p
+        quotient = gap >> param
+        while quotient >= 32:
+            uacc, uheld, uindex = put_bits(out, uacc, uheld, uindex, np.uint64(0), 32)
+            quotient -= 32
+        uacc, uheld, uindex = put_bits(out, uacc, uheld, uindex, one, quotient + 1)
+        if param:
+            facc, fheld, findex = put_bits(out, facc, fheld, findex, np.uint64(gap) & mask, param)
+    put_tail(out, uindex, uacc, uheld)
+    put_tail(out, findex, facc, fheld)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def encode_sparse(
+    base: Any, new: Any, pos: Any, diff: Any, big: Any, mags: Any, out: Any, planes: Any
+) -> Any:
+    """The whole level-1 encoding of the common case in one call: scan, then
+    Rice-coded positions and sign-magnitude contents, the same bytes as the
+    step-by-step path. ``out`` receives the streams unary, fixed, sign,
+    big_unary, big_fixed back to back; ``planes`` the magnitudes - 2 as byte
+    planes (the caller compresses them).
+
+    Returns (status, changed, resume, param, unary bytes, fixed bytes, sign
+    bytes, large magnitudes, their param, their unary bytes, their fixed bytes).
+    With status FALLBACK the scan's results are in pos / diff up to ``changed``
+    (resume from ``resume`` when that is short of the end) and another encoding
+    applies: a bitmap may be smaller (at least 1/32 changed), the byte-plane
+    contents are (under 2/3 of differences are +-1), or ``out`` is too small."""
+    n = base.size
+    width = base.itemsize
+    changed, resume = scan_diffs(base, new, pos, diff, 0)
+    nothing = (FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0)
+    if resume < n or changed == 0 or 32 * changed >= n:
+        return nothing
+    top = (1 << (8 * width)) - 1
+    param, ubits = rice_choose(pos, changed)
+    unary_n = (ubits + 7) >> 3
+    fixed_n = (changed * param + 7) >> 3
+    sign_at = unary_n + fixed_n
+    sign_n = (changed + 7) >> 3
+    if sign_at + sign_n > out.size:
+        return nothing
+    ones, nbig = signmag_diffs(diff[:changed], top, out[sign_at : sign_at + sign_n], big, mags)
+    if 3 * ones < 2 * changed:
+        return nothing
+    big_param = big_ubits = 0
+    if nbig:
+        big_param, big_ubits = rice_choose(big, nbig)
+    big_unary_n = (big_ubits + 7) >> 3
+    big_fixed_n = (nbig * big_param + 7) >> 3
+    big_at = sign_at + sign_n
+    if big_at + big_unary_n + big_fixed_n > out.size:
+        return nothing
+    rice_write(pos, changed, param, out, 0, unary_n)
+    if nbig:
+        rice_write(big, nbig, big_param, out, big_at, big_at + big_unary_n)
+        for plane in range(width):
+            shift = 8 * plane
+            for j in range(nbig):
+                planes[plane * nbig + j] = np.uint8((mags[j] >> shift) & 0xFF)
+    return (
+        DONE,
+        changed,
+        resume,
+        param,
+        unary_n,
+        fixed_n,
+        sign_n,
+        nbig,
+        big_param,
+        big_unary_n,
+        big_fixed_n,
+    )
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def patch_chunk(
+    chunk: Any,
+    start: int,
+    positions: Any,
+    diffs: Any,
+    lo: int,
+    hi: int,
+    old_out: Any,
+    new_out: Any,
+) -> None:
+    """Add diffs[lo:hi] (modulo the element width) at positions[lo:hi] - start of
+    ``chunk``, a copy of a tensor's elements from ``start`` on, recording the old
+    and new contents (a chunk patched in cache, for hashing)."""
+    for k in range(lo, hi):
+        i = positions[k] - start
+        old = chunk[i]
+        chunk[i] = old + diffs[k]
+        old_out[k] = old
+        new_out[k] = chunk[i]
+
+
+FUSED = _Fused(
+    scan_diffs=scan_diffs,
+    signmag_diffs=signmag_diffs,
+    rice_write=rice_write,
+    walk_sparse=walk_sparse,
+    encode_sparse=encode_sparse,
+    patch_chunk=patch_chunk,
+)

@@ -1,0 +1,138 @@
+"""The compiled loops of kernels.py, imported only where numba is installed.
+
+Every function is defined at module level so that numba's disk cache
+(``cache=True``) serves it to the next process instead of compiling again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba  # type: ignore[import-untyped]
+import numpy as np
+
+from pipeline.codec.kernels import LEADING_ZEROS, _Kernels
+
+jit = numba.njit(cache=True, nogil=True)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def rice_costs(positions: Any, first_param: int, count: int) -> Any:
+    """Bits needed for the gaps of ``positions`` with parameters
+    first_param .. first_param + count - 1 (count <= 3)."""
+    shift0 = first_param
+    shift1 = min(first_param + 1, 63)
+    shift2 = min(first_param + 2, 63)
+    sum0 = sum1 = sum2 = 0
+    # Gaps from neighbours, three independent sums: the loop vectorises.
+    if positions.size:
+        sum0 = positions[0] >> shift0
+        sum1 = positions[0] >> shift1
+        sum2 = positions[0] >> shift2
+    for i in range(1, positions.size):
+        gap = positions[i] - positions[i - 1] - 1
+        sum0 += gap >> shift0
+        sum1 += gap >> shift1
+        sum2 += gap >> shift2
+    sums = (sum0, sum1, sum2)
+    costs = np.zeros(count, np.int64)
+    for c in range(count):
+        costs[c] = sums[c] + positions.size * (1 + first_param + c)
+    return costs
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def rice_decode(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
+    """Decode ``out.size`` positions; the unary bits used, or -1 when the streams
+    do not hold exactly that many codes or a gap reaches ``limit``."""
+    count = out.size
+    # First where each unary code ends (its one bit), byte by byte.
+    k = 0
+    for index in range(unary.size):
+        byte = unary[index]
+        while byte:
+            if k >= count:
+                return -1
+            lead = LEADING_ZEROS[byte]
+            out[k] = index * 8 + lead
+            k += 1
+            byte &= ~(0x80 >> lead)
+    if k != count:
+        return -1
+    # Then quotient = distance between ends, low bits from the fixed stream.
+    end = -1
+    pos = -1
+    fbyte = 0
+    acc = 0
+    nacc = 0
+    mask = (1 << param) - 1
+    for i in range(count):
+        q = out[i] - end - 1
+        end = out[i]
+        if q > (limit >> param):
+            return -1
+        rem = 0
+        if param:
+            while nacc < param:
+                if fbyte >= fixed.size:
+                    return -1
+                acc = ((acc << 8) | fixed[fbyte]) & 0xFFFFFFFFFFFFFF
+                fbyte += 1
+                nacc += 8
+            nacc -= param
+            rem = (acc >> nacc) & mask
+        pos += ((q << param) | rem) + 1
+        out[i] = pos
+    return end + 1
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def gather_add(base: Any, positions: Any, diff: Any, out: Any) -> None:
+    """out = base[positions] + diff, wrapping in the unsigned width."""
+    for i in range(positions.size):
+        out[i] = base[positions[i]] + diff[i]
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def signmag_values(
+    signs: Any, big: Any, mags: Any, base: Any, positions: Any, out: Any, top: int
+) -> int:
+    """out = base[positions] -+ magnitude, magnitudes 1 except at ``big`` where
+    they are mags + 2, all modulo top + 1 (elements of at most 4 bytes); -1
+    when a magnitude wraps to zero."""
+    j = 0
+    for i in range(positions.size):
+        magnitude = np.int64(1)
+        if j < big.size and big[j] == i:
+            magnitude = (np.int64(mags[j]) + 2) & top
+            if magnitude == 0:
+                return -1
+            j += 1
+        value = np.int64(base[positions[i]])
+        if (signs[i >> 3] >> (7 - (i & 7))) & 1:
+            value -= magnitude
+        else:
+            value += magnitude
+        out[i] = value & top
+    return 0
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def scatter(target: Any, positions: Any, values: Any) -> int:
+    """target[positions] = values; -1 and nothing written when a position is
+    out of range (compiled code does not check bounds by itself)."""
+    for i in range(positions.size):
+        if positions[i] < 0 or positions[i] >= target.size:
+            return -1
+    for i in range(positions.size):
+        target[positions[i]] = values[i]
+    return 0
+
+
+KERNELS = _Kernels(
+    rice_costs=rice_costs,
+    rice_decode=rice_decode,
+    gather_add=gather_add,
+    signmag_values=signmag_values,
+    scatter=scatter,
+)
