@@ -141,7 +141,7 @@ def main() -> None:
         r = redis.Redis.from_url(server.url)
         emitter = Emitter(RUN)
         nodes = {f"node-{i}": i for i in range(args.replicas)}
-        last = args.versions
+        last = args.versions + 1  # version 1 warms the processes up (compiled kernels)
         commands: dict[str, list[str]] = {"diff": ["worker", "diff"]}
         for name in nodes:
             commands[name] = [
@@ -203,7 +203,8 @@ def main() -> None:
                     "pause_s": statistics.median(float(d["pause_s"]) for _, d in applied.values()),
                     "node_s": statistics.median(t - t_avail for t, _ in applied.values()),
                 }
-                rows.append(row)
+                if step > 1:
+                    rows.append(row)
                 print(
                     f"v{step}: {100 * row['density']:.2f}% changed, "
                     f"delta {row['delta_bytes'] / 1e6:.1f} MB, latency {row['latency_s']:.2f} s "
