@@ -8,13 +8,13 @@ delays it. Whatever fails, the target keeps the last version that applied and
 verified; the node reports the error and recovers from the store.
 
 An inference server embeds a :class:`RolloutNode` (``run`` in a thread);
-``workers/rollout.py`` is the process entry that wraps it.
+``workers/rollout.py`` is the process entry that wraps it. Downloads live in
+``rollout_fetch.py``, event-stream following in ``rollout_stream.py`` and the
+state file in ``rollout_state.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import sys
 import threading
@@ -29,41 +29,28 @@ from typing import Any
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from pipeline import chain, faults, replicas
 from pipeline.checkpoint import write_checkpoint
-from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import (
     ChainError,
-    CorruptObjectError,
     DeltasyncError,
     MismatchError,
     ObjectNotFoundError,
     SignatureError,
 )
-from pipeline.event_stream import EventStream, parse_id
-from pipeline.events import (
-    AnchorAvailable,
-    DeltaApplied,
-    DeltaAvailable,
-    Event,
-    ReplicaError,
-    StepCompleted,
-)
-from pipeline.hashing import content_hash
+from pipeline.event_stream import EventStream
+from pipeline.events import DeltaApplied, Event, ReplicaError
 from pipeline.manifest import Kind, Manifest, dtype_name
+from pipeline.rollout_fetch import Fetched, fetch_delta, stream_anchor
+from pipeline.rollout_state import read_state, remove_state, write_state
+from pipeline.rollout_stream import StreamFollower
 from pipeline.store.base import ObjectStore
 from pipeline.targets.base import Target, VerifyMode
 
 log = structlog.get_logger(__name__)
 
-STATE_SCHEMA = 1
-_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for downloads larger than this
-_LATENCY_MEMORY = 256  # event times remembered for latency figures
-_RECONNECT_S = 1.0  # how often an unreachable event stream is tried again
 _HISTORY = 1000  # applied versions remembered in RolloutNode.history
-_STOP_CHECK_S = 1.0  # longest wait between checks of the stop flag
 
 
 @dataclass(frozen=True)
@@ -76,15 +63,6 @@ class Applied:
     apply_s: float  # target call: decode, checks, write, verify
     pause_s: float  # time the weights were being written (target unavailable)
     latency_s: float | None  # since the version's first event, when one was seen
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A version's objects, downloaded and checked (size and sha256)."""
-
-    manifest: Manifest
-    objects: dict[str, bytes]
-    fetch_s: float
 
 
 class RolloutNode:
@@ -131,7 +109,6 @@ class RolloutNode:
         self._state_hash: str | None = None
         self._started = False
         self._manifests: dict[tuple[Kind, int], Manifest] = {}  # write-once: safe to cache
-        self._event_times: dict[int, float] = {}  # version -> earliest event time (epoch s)
         self._failures = 0
         self._next_retry = 0.0  # monotonic time before which polling waits after a failure
         self._need_bootstrap = False
@@ -142,7 +119,7 @@ class RolloutNode:
         self.last_error: DeltasyncError | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.history: deque[Applied] = deque(maxlen=_HISTORY)
-        self._stream_down = False
+        self._stream = StreamFollower(events, run)
 
     # -- public ----------------------------------------------------------------------
 
@@ -184,7 +161,7 @@ class RolloutNode:
         """Follow the run until ``stop`` is set, or until ``until_version`` (or a later
         one) has been applied. Returns the applied version."""
         stop = stop or threading.Event()
-        after_id = self._stream_position()
+        after_id = self._stream.position()
         self.start()
         next_poll = 0.0
         try:
@@ -197,7 +174,7 @@ class RolloutNode:
                     break
                 self._heartbeat_if_due()
                 wait_s = max(0.0, max(next_poll, self._next_retry) - time.monotonic())
-                woken, after_id = self._wait_for_events(after_id, wait_s, stop)
+                woken, after_id = self._stream.wait(after_id, wait_s, stop, self._applied)
                 if woken:
                     next_poll = 0.0
                     self._next_retry = 0.0
@@ -219,7 +196,7 @@ class RolloutNode:
     # -- resume ----------------------------------------------------------------------
 
     def _resume(self) -> None:
-        recorded = self._read_state()
+        recorded = read_state(self.state_path, self.run_name)
         if recorded is None:
             return
         version, kind = recorded
@@ -241,43 +218,10 @@ class RolloutNode:
         self._set_applied(manifest)
         log.info("resumed", run=self.run_name, version=version)
 
-    def _read_state(self) -> tuple[int, Kind] | None:
-        if self.state_path is None or not self.state_path.exists():
-            return None
-        try:
-            doc = json.loads(self.state_path.read_text())
-            if doc.get("schema") != STATE_SCHEMA or doc.get("run") != self.run_name:
-                return None
-            version, kind = doc["version"], doc["kind"]
-            if not isinstance(version, int) or kind not in ("delta", "anchor"):
-                return None
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
-            log.warning("ignoring unreadable node state", path=str(self.state_path), error=str(exc))
-            return None
-        return version, kind
-
-    def _write_state(self, manifest: Manifest) -> None:
-        if self.state_path is None:
-            return
-        doc = {
-            "schema": STATE_SCHEMA,
-            "run": self.run_name,
-            "node": self.node_id,
-            "version": manifest.version,
-            "kind": manifest.kind,
-            "state_hash": manifest.state_hash,
-        }
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, sort_keys=True))
-        os.replace(tmp, self.state_path)
-
     def _forget_state(self) -> None:
         self._applied = None
         self._state_hash = None
-        if self.state_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.state_path.unlink()
+        remove_state(self.state_path)
 
     # -- sync ------------------------------------------------------------------------
 
@@ -338,7 +282,13 @@ class RolloutNode:
         self._check_specs(manifest)
         log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
         started = time.perf_counter()
-        tensors: Iterator[tuple[str, torch.Tensor]] = self._anchor_tensors(manifest)
+        tensors: Iterator[tuple[str, torch.Tensor]] = stream_anchor(
+            self.store,
+            manifest,
+            self._submit,
+            self.prefetch_depth if self.prefetch else 1,
+            self.progress,
+        )
         if self._applied is not None:
             # Serving a version: prove the whole anchor (sizes, sha256, tensor hashes)
             # before the first weight is overwritten, so a damaged anchor leaves the
@@ -383,39 +333,6 @@ class RolloutNode:
                     f"target holds {dtype_name(spec.dtype)}{list(spec.shape)}"
                 )
 
-    def _anchor_tensors(self, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-        """The anchor's tensors, part by part (the next part downloads meanwhile), each
-        checked against the manifest's content hash before it is handed over."""
-        expected = {t.name: t.hash for t in manifest.tensors}
-        entries = list(manifest.objects)
-        total = sum(e.size for e in entries)
-        with self._progress_bar(f"anchor v{manifest.version}", total) as advance:
-            pending: deque[Future[bytes]] = deque()
-            for entry in entries[: self.prefetch_depth if self.prefetch else 1]:
-                pending.append(self._submit(chain.fetch_object, self.store, manifest, entry))
-            for i, entry in enumerate(entries):
-                data = pending.popleft().result()
-                nxt = i + len(pending) + 1
-                if nxt < len(entries):
-                    pending.append(
-                        self._submit(chain.fetch_object, self.store, manifest, entries[nxt])
-                    )
-                advance(entry.size)
-                for name, tensor in anchor_tensors(data, entry.key):
-                    want = expected.get(name)
-                    if want is None:
-                        raise CorruptObjectError(
-                            f"object {entry.key} of anchor v{manifest.version} holds tensor "
-                            f"{name!r} that the manifest does not list"
-                        )
-                    if content_hash(tensor) != want:
-                        raise CorruptObjectError(
-                            f"tensor {name!r} of anchor v{manifest.version}: content hash "
-                            "does not match the manifest"
-                        )
-                    yield name, tensor
-                    faults.point("rollout.mid_bootstrap")
-
     def _apply_chain(self, path: list[Manifest]) -> None:
         """Apply deltas in order; downloads run ahead of the applies."""
         pending: deque[Future[Fetched]] = deque()
@@ -424,7 +341,9 @@ class RolloutNode:
         try:
             while todo or pending:
                 while todo and len(pending) < depth:
-                    pending.append(self._submit(self._fetch, todo.popleft()))
+                    pending.append(
+                        self._submit(fetch_delta, self.store, todo.popleft(), self.progress)
+                    )
                 self._apply_one(pending.popleft().result())
         finally:
             for future in pending:
@@ -458,17 +377,6 @@ class RolloutNode:
         )
         self._applied_event(manifest, fetched.fetch_s, apply_s, report.pause_s)
 
-    def _fetch(self, manifest: Manifest) -> Fetched:
-        started = time.perf_counter()
-        objects: dict[str, bytes] = {}
-        total = sum(e.size for e in manifest.objects)
-        with self._progress_bar(f"delta v{manifest.version}", total) as advance:
-            for entry in manifest.objects:
-                objects[entry.key] = chain.fetch_object(self.store, manifest, entry)
-                advance(entry.size)
-                faults.point("rollout.mid_fetch")
-        return Fetched(manifest, objects, time.perf_counter() - started)
-
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if not self.prefetch:
             future: Future[Any] = Future()
@@ -496,7 +404,7 @@ class RolloutNode:
     def _set_applied(self, manifest: Manifest) -> None:
         self._applied = manifest.version
         self._state_hash = manifest.state_hash
-        self._write_state(manifest)
+        write_state(self.state_path, self.run_name, self.node_id, manifest)
         self._heartbeat()
 
     # -- failures --------------------------------------------------------------------
@@ -532,87 +440,10 @@ class RolloutNode:
 
     # -- events and heartbeats -------------------------------------------------------
 
-    def _stream_position(self) -> str:
-        if self.events is None:
-            return "0-0"
-        try:
-            return self.events.last_id()
-        except DeltasyncError as exc:
-            log.warning("event stream unavailable, polling the store", error=str(exc))
-            return "0-0"
-
-    def _wait_for_events(
-        self, after_id: str, wait_s: float, stop: threading.Event
-    ) -> tuple[bool, str]:
-        """Wait up to ``wait_s`` for an event announcing a version newer than the held
-        one. Returns (woken, new stream position)."""
-        if self.events is None:
-            stop.wait(wait_s)
-            return False, after_id
-        try:
-            # Short blocks keep ``stop`` responsive; the caller loops until its deadline.
-            block_ms = max(1, int(min(wait_s, _STOP_CHECK_S) * 1000))
-            entries = self.events.read(after_id, block_ms=block_ms)
-        except DeltasyncError as exc:
-            if not self._stream_down:
-                log.warning("event stream unavailable, polling the store", error=str(exc))
-            self._stream_down = True
-            stop.wait(min(wait_s, _RECONNECT_S))
-            return False, after_id
-        # Events sent while the stream was unreachable are lost: sync once it is back.
-        woken, self._stream_down = self._stream_down, False
-        if not entries:
-            return woken, self._check_stream_reset(after_id)
-        woken = self._trimmed_past(after_id) or woken
-        for entry_id, event in entries:
-            after_id = entry_id
-            if event is not None and self._note_event(event):
-                woken = True
-        return woken, after_id
-
-    def _trimmed_past(self, after_id: str) -> bool:
-        """Events after our position were trimmed away: some may have announced
-        versions, so sync with the store now."""
-        assert self.events is not None
-        try:
-            gap = self.events.check_gap(after_id)
-        except DeltasyncError:
-            return True
-        if gap:
-            log.info("event stream trimmed past our position, syncing", position=after_id)
-        return gap
-
-    def _check_stream_reset(self, after_id: str) -> str:
-        """A stream recreated by a Redis restart restarts its ids below our position:
-        read it from the start again (the store sync makes replays harmless)."""
-        assert self.events is not None
-        try:
-            last = self.events.last_id()
-        except DeltasyncError:
-            return after_id
-        if parse_id(last) < parse_id(after_id):
-            log.info("event stream was reset, reading it from the start", position=after_id)
-            return "0-0"
-        return after_id
-
-    def _note_event(self, event: Event) -> bool:
-        if event.run != self.run_name:
-            return False
-        if isinstance(event, StepCompleted | DeltaAvailable | AnchorAvailable):
-            with contextlib.suppress(DeltasyncError):
-                when = event.at.timestamp()
-                known = self._event_times.get(event.version)
-                self._event_times[event.version] = when if known is None else min(known, when)
-                while len(self._event_times) > _LATENCY_MEMORY:
-                    self._event_times.pop(min(self._event_times))
-        if isinstance(event, DeltaAvailable | AnchorAvailable):
-            return self._applied is None or event.version > self._applied
-        return False
-
     def _applied_event(
         self, manifest: Manifest, fetch_s: float, apply_s: float, pause_s: float
     ) -> None:
-        since = self._event_times.pop(manifest.version, None)
+        since = self._stream.first_seen(manifest.version)
         latency = None if since is None else max(0.0, time.time() - since)
         self.history.append(
             Applied(manifest.version, manifest.kind, fetch_s, apply_s, pause_s, latency)
@@ -664,16 +495,6 @@ class RolloutNode:
             and self._applied is not None
             and self._applied >= until_version
         )
-
-    @contextlib.contextmanager
-    def _progress_bar(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
-        if not self.progress or total < _PROGRESS_MIN_BYTES:
-            yield lambda _n: None
-            return
-        columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-        with Progress(*columns, transient=True) as bar:
-            task = bar.add_task(label, total=total)
-            yield lambda n: bar.advance(task, n)
 
 
 def _newest_anchor(index: chain.VersionIndex, head: int | None) -> int | None:

@@ -1,0 +1,94 @@
+"""Downloads for the rollout node: a delta's objects whole, an anchor's tensors
+part by part, each checked before it is handed over, with a progress bar for
+large ones."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from pipeline import chain, faults
+from pipeline.codec.anchor import anchor_tensors
+from pipeline.errors import CorruptObjectError
+from pipeline.hashing import content_hash
+from pipeline.manifest import Manifest
+from pipeline.store.base import ObjectStore
+
+_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for downloads larger than this
+
+# Runs a download now or in the background; the result comes as a future.
+Submit = Callable[..., Future[Any]]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A version's objects, downloaded and checked (size and sha256)."""
+
+    manifest: Manifest
+    objects: dict[str, bytes]
+    fetch_s: float
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, label: str, total: int) -> Iterator[Callable[[int], None]]:
+    if not enabled or total < _PROGRESS_MIN_BYTES:
+        yield lambda _n: None
+        return
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def fetch_delta(store: ObjectStore, manifest: Manifest, progress: bool) -> Fetched:
+    started = time.perf_counter()
+    objects: dict[str, bytes] = {}
+    total = sum(e.size for e in manifest.objects)
+    with progress_bar(progress, f"delta v{manifest.version}", total) as advance:
+        for entry in manifest.objects:
+            objects[entry.key] = chain.fetch_object(store, manifest, entry)
+            advance(entry.size)
+            faults.point("rollout.mid_fetch")
+    return Fetched(manifest, objects, time.perf_counter() - started)
+
+
+def stream_anchor(
+    store: ObjectStore, manifest: Manifest, submit: Submit, ahead: int, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The anchor's tensors, part by part (up to ``ahead`` parts download meanwhile),
+    each checked against the manifest's content hash before it is handed over."""
+    expected = {t.name: t.hash for t in manifest.tensors}
+    entries = list(manifest.objects)
+    total = sum(e.size for e in entries)
+    with progress_bar(progress, f"anchor v{manifest.version}", total) as advance:
+        pending: deque[Future[bytes]] = deque()
+        for entry in entries[:ahead]:
+            pending.append(submit(chain.fetch_object, store, manifest, entry))
+        for i, entry in enumerate(entries):
+            data = pending.popleft().result()
+            nxt = i + len(pending) + 1
+            if nxt < len(entries):
+                pending.append(submit(chain.fetch_object, store, manifest, entries[nxt]))
+            advance(entry.size)
+            for name, tensor in anchor_tensors(data, entry.key):
+                want = expected.get(name)
+                if want is None:
+                    raise CorruptObjectError(
+                        f"object {entry.key} of anchor v{manifest.version} holds tensor "
+                        f"{name!r} that the manifest does not list"
+                    )
+                if content_hash(tensor) != want:
+                    raise CorruptObjectError(
+                        f"tensor {name!r} of anchor v{manifest.version}: content hash "
+                        "does not match the manifest"
+                    )
+                yield name, tensor
+                faults.point("rollout.mid_bootstrap")
