@@ -37,6 +37,7 @@ from pipeline.targets.patching import (
     apply_verified,
     decode_entries,
     int_view,
+    prove_entries,
 )
 from pipeline.targets.vllm_cpu import computes_from_weight
 from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
@@ -354,16 +355,23 @@ class DeltasyncWorkerExtension:
             specs = state.specs()
             if verify != "none":
                 _check_base(state, entries, request.get("parent_state_hash"), verify)
-            patches = decode_entries(entries, objects, state.shadow.__getitem__, specs)
+            shadow = state.shadow.__getitem__
+            if verify == "none":
+                patches, hashes = decode_entries(entries, objects, shadow, specs), {}
+                old_values = None
+            else:
+                # Each patched tensor's hash is proven against its entry before any
+                # write to the shadow (one pass per tensor on CPU).
+                proven = prove_entries(entries, objects, shadow, specs)
+                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
             for patch in patches:
                 if state.routes.get(patch.name) is None:
                     raise TargetError(f"tensor {patch.name}: no place for it in the vLLM model")
-            expected = None if verify == "none" else {e.name: e.hash for e in entries}
-            applied = apply_verified(patches, state.shadow.__getitem__, expected)
+            applied = apply_verified(patches, shadow, None, old_values)
             touched = [patch.name for patch in patches]
             for name in touched:
                 state.hashes.pop(name, None)
-            state.hashes.update(applied.hashes)
+            state.hashes.update(hashes)
             state.pending = _Pending(int(request["version"]), applied, touched)
             return {
                 "tensors": len(patches),

@@ -293,8 +293,19 @@ def decode_and_prove(
             f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
         )
     check_objects(manifest, objects)
+    return prove_entries(manifest.tensors, objects, base, specs)
+
+
+def prove_entries(
+    entries: Sequence[TensorEntry],
+    objects: Mapping[str, bytes],
+    base: Callable[[str], torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+) -> ProvenPatches:
+    """:func:`decode_and_prove` for callers that checked the objects themselves:
+    ``entries`` are all of a delta manifest's tensor entries."""
     proven = ProvenPatches([], {}, {})
-    for entry, delta, held, spec in _changes(manifest.tensors, objects, base, specs):
+    for entry, delta, held, spec in _changes(entries, objects, base, specs):
         hashed = None
         if held.device.type == "cpu":
             try:
