@@ -367,7 +367,9 @@ class DeltasyncWorkerExtension:
             for patch in patches:
                 if state.routes.get(patch.name) is None:
                     raise TargetError(f"tensor {patch.name}: no place for it in the vLLM model")
-            applied = apply_verified(patches, shadow, None, old_values)
+            # "all" also rehashes the written tensors, as the torch target does.
+            recheck = {e.name: e.hash for e in entries} if verify == "all" else None
+            applied = apply_verified(patches, shadow, recheck, old_values)
             touched = [patch.name for patch in patches]
             for name in touched:
                 state.hashes.pop(name, None)
