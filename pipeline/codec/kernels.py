@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -30,10 +31,9 @@ def get() -> Any | None:
 def _build() -> Any | None:
     # Module-level functions, so that numba's disk cache finds them again in the
     # next process (functions made inside a function are compiled anew each time).
-    try:
-        return importlib.import_module("pipeline.codec.kernels_jit").KERNELS
-    except ImportError:
-        return None
+    if importlib.util.find_spec("numba") is None:
+        return None  # the numpy paths serve
+    return importlib.import_module("pipeline.codec.kernels_jit").KERNELS
 
 
 class _Kernels:
