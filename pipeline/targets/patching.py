@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
+
+_T = TypeVar("_T")
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -128,8 +131,17 @@ def decode_entries(
 
 
 def _decode(delta: DeltaObject, entry: TensorEntry, held: torch.Tensor) -> TensorPatch:
+    return _guarded(delta.decode, entry, held)
+
+
+def _guarded(
+    decode: Callable[[str, torch.Tensor], _T], entry: TensorEntry, held: torch.Tensor
+) -> _T:
+    """``decode(entry.name, held)``, with any error that is not deltasync's own (a
+    damaged object may trip any parser) reported as a CorruptObjectError naming the
+    tensor."""
     try:
-        return delta.decode(entry.name, held)
+        return decode(entry.name, held)
     except DeltasyncError:
         raise
     except Exception as exc:
@@ -308,14 +320,7 @@ def prove_entries(
     for entry, delta, held, spec in _changes(entries, objects, base, specs):
         hashed = None
         if held.device.type == "cpu":
-            try:
-                hashed = delta.decode_hashed(entry.name, held)
-            except DeltasyncError:
-                raise
-            except Exception as exc:
-                raise CorruptObjectError(
-                    f"tensor {entry.name} in object {entry.object}: {exc}"
-                ) from exc
+            hashed = _guarded(delta.decode_hashed, entry, held)
         if hashed is None:
             patch = _decode(delta, entry, held)
             _check_patch(patch, entry, spec)
@@ -453,10 +458,7 @@ def apply_verified(
                 digest = content_hash(tensor(patch.name))
                 want = expected.get(patch.name)
                 if digest != want:
-                    raise MismatchError(
-                        f"tensor {patch.name}: content hash after patching is {digest}, "
-                        f"manifest says {want} (wrong base version?)"
-                    )
+                    raise _hash_mismatch(patch.name, digest, want)
                 applied.hashes[patch.name] = digest
         return applied
     except BaseException:
