@@ -59,7 +59,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import UpdateEmulator, calibrated_profile
-from pipeline.checkpoint import CheckpointReader, read_file_header, write_sharded
+from pipeline.checkpoint import CheckpointReader, read_file_header
+from pipeline.checkpoint_write import write_sharded
 from tests.pipeline_helpers import REPO, deltasync_env
 from tests.servers import RedisServer
 

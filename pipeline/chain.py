@@ -21,11 +21,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pipeline import faults
-from pipeline.checkpoint import (
-    CheckpointReader,
-    write_checkpoint,
-    write_sharded,
-)
+from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.codec import apply_patch, read_delta
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import (

@@ -20,7 +20,8 @@ from typing import Any
 import structlog
 import torch
 
-from pipeline.checkpoint import INDEX_NAME, CheckpointReader, write_checkpoint, write_sharded
+from pipeline.checkpoint import INDEX_NAME, CheckpointReader
+from pipeline.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.codec import (
     CODEC_NAME,
     CODEC_VERSION,

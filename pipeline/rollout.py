@@ -31,7 +31,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pipeline import chain, faults, replicas
-from pipeline.checkpoint import write_checkpoint
+from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import (
     ChainError,
     DeltasyncError,

@@ -20,7 +20,8 @@ import structlog
 import torch
 
 from pipeline import chain
-from pipeline.checkpoint import CheckpointReader, write_sharded
+from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_write import write_sharded
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
 from pipeline.hashing import content_hash
 from pipeline.manifest import Manifest, check_run, dtype_name

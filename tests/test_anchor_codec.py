@@ -18,7 +18,8 @@ import torch
 import zstandard
 
 from pipeline import chain
-from pipeline.checkpoint import parse_header, safetensors_bytes
+from pipeline.checkpoint import parse_header
+from pipeline.checkpoint_write import safetensors_bytes
 from pipeline.codec.anchor import (
     FORMAT,
     FORMAT_KEY,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pipeline import chain
-from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_write import write_checkpoint
 from pipeline.compaction import collect_garbage, compact
 from pipeline.errors import ChainError, CorruptObjectError
 from pipeline.manifest import TensorEntry, compute_state_hash, manifest_key

@@ -18,10 +18,9 @@ from pipeline.checkpoint import (
     CheckpointReader,
     is_complete,
     parse_header,
-    safetensors_bytes,
     tensors_from_bytes,
-    write_checkpoint,
 )
+from pipeline.checkpoint_write import safetensors_bytes, write_checkpoint
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.hashing import content_hash
 

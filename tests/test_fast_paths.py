@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pipeline import chain
-from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_write import write_checkpoint
 from pipeline.codec import TensorPatch, api, apply_patch, encode_delta, read_delta
 from pipeline.errors import MismatchError
 from pipeline.hashing import content_hash

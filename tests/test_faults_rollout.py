@@ -145,7 +145,7 @@ def resume_crash_scenario(tmp: Path, redis_url: str) -> Outcome:
     assert "resumed" in events and "bootstrapping" not in events, events
     # A dump that is not what the state file names is never resumed from.
     stale = tmp / "v0.safetensors"
-    from pipeline.checkpoint import write_checkpoint
+    from pipeline.checkpoint_write import write_checkpoint
 
     write_checkpoint(stale, run.states[0].items())
     events = converge(home, run, redis_url, tmp / "final2.safetensors", "--model", str(stale))

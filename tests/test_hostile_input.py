@@ -61,7 +61,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    from pipeline.checkpoint import write_checkpoint
+    from pipeline.checkpoint_write import write_checkpoint
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_checkpoint(path, tensors.items())

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint import INDEX_NAME, CheckpointReader, write_checkpoint
+from pipeline.checkpoint import INDEX_NAME, CheckpointReader
+from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.manifest import MANIFEST_NAME, parse_manifest
 from pipeline.offline import apply_delta, create_delta, inspect_delta

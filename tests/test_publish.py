@@ -16,7 +16,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline import chain
-from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_write import write_checkpoint
 from pipeline.compaction import compact
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
 from pipeline.manifest import manifest_key

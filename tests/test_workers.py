@@ -156,7 +156,7 @@ def test_user_checkpoint_is_never_removed(redis_url: str, tmp_path: Path) -> Non
     run = "byhand"
     env = deltasync_env(redis_url, tmp_path)
     generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), seed=1)
-    from pipeline.checkpoint import write_checkpoint
+    from pipeline.checkpoint_write import write_checkpoint
 
     paths = []
     state = generator.state()

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from pipeline import chain
-from pipeline.checkpoint import CheckpointReader, write_checkpoint
+from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_write import write_checkpoint
 from pipeline.config import Settings
 from pipeline.errors import ChainError, ConfigError
 from pipeline.event_stream import EventStream

@@ -37,7 +37,8 @@ import numpy.typing as npt
 import torch
 import zstandard
 
-from pipeline.checkpoint import HeaderEntry, parse_header, safetensors_bytes, tensors_from_bytes
+from pipeline.checkpoint import HeaderEntry, parse_header, tensors_from_bytes
+from pipeline.checkpoint_write import safetensors_bytes
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.manifest import DTYPES, MAX_ELEMENTS, MAX_NDIM, dtype_name
 
