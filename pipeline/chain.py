@@ -43,9 +43,9 @@ from pipeline.manifest import (
     dtype_name,
     manifest_key,
     parse_manifest,
-    verify_signature,
     version_prefix,
 )
+from pipeline.signing import verify_signature
 from pipeline.store.base import ObjectStore
 
 log = structlog.get_logger(__name__)

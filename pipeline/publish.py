@@ -47,10 +47,10 @@ from pipeline.manifest import (
     manifest_key,
     now_iso,
     parse_manifest,
-    sign,
     to_json,
     version_prefix,
 )
+from pipeline.signing import sign
 from pipeline.state_cache import StateCache, check_against
 from pipeline.store.base import ObjectStore
 

@@ -20,14 +20,16 @@ from pipeline.manifest import (
     ObjectEntry,
     TensorEntry,
     compute_state_hash,
-    generate_keypair,
-    load_private_key,
-    load_public_key,
     manifest_key,
     object_key,
     parse_manifest,
-    sign,
     to_json,
+)
+from pipeline.signing import (
+    generate_keypair,
+    load_private_key,
+    load_public_key,
+    sign,
     verify_signature,
 )
 

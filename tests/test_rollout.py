@@ -22,20 +22,12 @@ from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
 from pipeline.event_stream import EventStream
 from pipeline.events import CompactionRequested, DeltaApplied, DeltaAvailable, ReplicaError
 from pipeline.hashing import content_hash, sha256_bytes
-from pipeline.manifest import (
-    ObjectEntry,
-    TensorEntry,
-    compute_state_hash,
-    generate_keypair,
-    load_private_key,
-    load_public_key,
-    manifest_key,
-    to_json,
-)
+from pipeline.manifest import ObjectEntry, TensorEntry, compute_state_hash, manifest_key, to_json
 from pipeline.publish import publish_anchor, publish_step
 from pipeline.redis_server import redis_client
 from pipeline.replicas import list_replicas
 from pipeline.rollout import RolloutNode
+from pipeline.signing import generate_keypair, load_private_key, load_public_key
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state

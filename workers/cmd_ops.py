@@ -148,7 +148,7 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
 )
 def keygen(out: Path) -> None:
     """Make an Ed25519 key pair for signed versions."""
-    from pipeline.manifest import generate_keypair
+    from pipeline.signing import generate_keypair
 
     private, public = generate_keypair(out)
     click.echo(f"private key (DELTASYNC_SIGNING_KEY): {private}")

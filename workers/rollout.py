@@ -31,9 +31,10 @@ from pipeline.config import Settings
 from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.event_stream import EventStream
 from pipeline.logs import bind_context, configure_logging
-from pipeline.manifest import dtype_from_name, load_public_key
+from pipeline.manifest import dtype_from_name
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
 from pipeline.rollout import RolloutNode
+from pipeline.signing import load_public_key
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.targets import target_class
