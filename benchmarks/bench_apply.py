@@ -32,7 +32,7 @@ import torch
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
-from pipeline.publish import publish_step
+from pipeline.diff_step import publish_step
 from pipeline.rollout import RolloutNode
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, qwen_like_shapes
 from pipeline import chain
+from pipeline.diff_step import publish_step
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaAvailable
 from pipeline.manifest import manifest_key
-from pipeline.publish import publish_step
 from pipeline.rollout import RolloutNode
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore

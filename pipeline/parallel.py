@@ -40,7 +40,7 @@ from pipeline.manifest import (
     TensorEntry,
     version_prefix,
 )
-from pipeline.publish import PrivateKey, _entry, _write_manifest, delta_manifest
+from pipeline.publish import PrivateKey, delta_manifest, tensor_entry, write_manifest
 from pipeline.replicas import run_lock
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
@@ -149,7 +149,7 @@ def encode_part(
             )
     data = encode_delta(pairs, fanout.level)
     changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
-    entries = [_entry(n, t, key, changed[n]) for n, _, t in pairs]
+    entries = [tensor_entry(n, t, key, changed[n]) for n, _, t in pairs]
     obj = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
     del pairs
     base.close()
@@ -259,7 +259,7 @@ def assemble(
             f"{fanout.parent}, but the head is now {head}"
         )
     manifest = delta_manifest(fanout.run, fanout.step, parent, fanout.level, objects, entries)
-    manifest = _write_manifest(store, manifest, signing_key, "parallel")
+    manifest = write_manifest(store, manifest, signing_key, "parallel")
     log.info(
         "delta published in parallel",
         run=fanout.run,

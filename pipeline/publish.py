@@ -16,14 +16,11 @@ for anchors.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -41,7 +38,6 @@ from pipeline.manifest import (
     Manifest,
     ObjectEntry,
     TensorEntry,
-    check_tensor_name,
     compute_state_hash,
     dtype_name,
     manifest_key,
@@ -51,7 +47,7 @@ from pipeline.manifest import (
     version_prefix,
 )
 from pipeline.signing import sign
-from pipeline.state_cache import StateCache, check_against
+from pipeline.state_cache import check_against
 from pipeline.store.base import ObjectStore
 
 log = structlog.get_logger(__name__)
@@ -153,7 +149,7 @@ class _Uploader:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _StaleBaseError(MismatchError):
+class StaleBaseError(MismatchError):
     """The diff base does not hold the parent's state (a damaged or outdated cache)."""
 
 
@@ -163,7 +159,7 @@ def _existing(store: ObjectStore, run: str, kind: Kind, version: int) -> Manifes
     return chain.load_manifest(store, run, kind, version)
 
 
-def _write_manifest(
+def write_manifest(
     store: ObjectStore, manifest: Manifest, signing_key: PrivateKey | None, fault: str
 ) -> Manifest:
     if signing_key is not None:
@@ -193,7 +189,7 @@ def _pair_hashes(
     )
 
 
-def _entry(
+def tensor_entry(
     name: str, tensor: torch.Tensor, obj: str, changed: int = 0, digest: str | None = None
 ) -> TensorEntry:
     return TensorEntry(
@@ -277,7 +273,7 @@ def _anchor_part(
     faults.point("anchor.after_read")
     clock = _Clock()
     for name, tensor in part:
-        entry = _entry(name, tensor, key)
+        entry = tensor_entry(name, tensor, key)
         if want is not None:
             w = want.get(name)
             if w is None or (w.dtype, w.shape, w.hash) != (entry.dtype, entry.shape, entry.hash):
@@ -358,7 +354,7 @@ def publish_anchor(
         extra={"reason": reason},
         parent_state_hash=parent_state_hash,
     )
-    manifest = _write_manifest(store, manifest, signing_key, "anchor")
+    manifest = write_manifest(store, manifest, signing_key, "anchor")
     log.info(
         "anchor published",
         run=run,
@@ -454,11 +450,13 @@ def publish_delta(
             timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
             for n, digest in base_hashes.items():
                 if digest != parent_hashes[n]:
-                    raise _StaleBaseError(
+                    raise StaleBaseError(
                         f"base tensor {n!r} in {base.path} does not match version {parent.version}"
                     )
             changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
-            entries.extend(_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs)
+            entries.extend(
+                tensor_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs
+            )
             objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
             timings.encode_s += clock.lap()
             del pairs
@@ -478,7 +476,7 @@ def publish_delta(
             f"{parent.version}; not published"
         )
     manifest = delta_manifest(run, version, parent, level, objects, entries)
-    manifest = _write_manifest(store, manifest, signing_key, "publish")
+    manifest = write_manifest(store, manifest, signing_key, "publish")
     log.info(
         "delta published",
         run=run,
@@ -490,150 +488,3 @@ def publish_delta(
     )
     return manifest
 
-
-# ---------------------------------------------------------------- the diff job
-
-
-@dataclass(frozen=True)
-class PublishResult:
-    run: str
-    version: int
-    status: Literal["published", "skipped"]
-    kind: Kind | None = None  # what was published
-    manifest: Manifest | None = None  # the version's manifest (None for a stale step)
-    head: int | None = None  # the head before this job
-    reason: str = ""
-    bytes: int = 0
-    changed: int = 0
-    total: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def published(
-        cls, manifest: Manifest, head: int | None, timings: dict[str, float]
-    ) -> PublishResult:
-        return cls(
-            run=manifest.run,
-            version=manifest.version,
-            status="published",
-            kind=manifest.kind,
-            manifest=manifest,
-            head=head,
-            bytes=manifest.total_bytes,
-            changed=sum(t.changed for t in manifest.tensors),
-            total=sum(t.numel for t in manifest.tensors),
-            timings=timings,
-        )
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-friendly summary (the rq job result)."""
-        return {
-            "run": self.run,
-            "version": self.version,
-            "status": self.status,
-            "kind": self.kind,
-            "head": self.head,
-            "reason": self.reason,
-            "bytes": self.bytes,
-            "changed": self.changed,
-            "total": self.total,
-            "timings": self.timings,
-        }
-
-
-def publish_step(
-    store: ObjectStore,
-    run: str,
-    step: int,
-    checkpoint_path: str | os.PathLike[str],
-    cache: StateCache,
-    *,
-    level: int,
-    signing_key: PrivateKey | None = None,
-    part_bytes: int = DEFAULT_PART_BYTES,
-    on_published: Callable[[Manifest], None] | None = None,
-    adopt: bool = False,
-    anchor_compression: str = "none",
-) -> PublishResult:
-    """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
-
-    ``on_published`` runs once the version's manifest is in the store and before the
-    state cache catches up with it (still under the caller's lock): announcing there
-    keeps the cache update off the replicas' critical path. With ``adopt`` the
-    checkpoint is deltasync's own staging copy: it is moved into the state cache
-    instead of copied (no byte is read or written), and is gone from its path after.
-    ``anchor_compression`` applies to the run's first version (an anchor)."""
-    index = chain.list_versions(store, run)
-    head = index.head
-    if head is not None and step <= head:
-        existing = None
-        if step in index.deltas:
-            existing = chain.load_manifest(store, run, "delta", step)
-        elif step in index.anchors:
-            existing = chain.load_manifest(store, run, "anchor", step)
-        reason = "already published" if existing else f"stale: head is {head}"
-        log.info("step skipped", run=run, step=step, reason=reason)
-        return PublishResult(run, step, "skipped", None, existing, head, reason)
-    timings = PublishTimings()
-    started = time.perf_counter()
-    with CheckpointReader(checkpoint_path) as new:
-        for name in new.names():  # refused before anything is written
-            check_tensor_name(name, f"checkpoint {new.path}")
-        if head is None:
-            manifest = publish_anchor(
-                store,
-                run,
-                step,
-                new,
-                parent=None,
-                reason="first version",
-                signing_key=signing_key,
-                part_bytes=part_bytes,
-                timings=timings,
-                anchor_compression=anchor_compression,
-            )
-        else:
-            parent_kind: Kind = "anchor" if head in index.anchors else "delta"
-            parent = chain.load_manifest(store, run, parent_kind, head)
-            if not cache.is_valid_for(parent):
-                log.info(
-                    "state cache is stale, rebuilding", run=run, head=head, cached=cache.version
-                )
-                cache.rebuild(store, run, head)
-
-            def delta(parent: Manifest = parent, head: int = head) -> Manifest:
-                with cache.reader() as base:
-                    return publish_delta(
-                        store,
-                        run,
-                        step,
-                        base,
-                        new,
-                        parent,
-                        level=level,
-                        signing_key=signing_key,
-                        timings=timings,
-                        index=index,
-                    )
-
-            try:
-                manifest = delta()
-            except _StaleBaseError as e:
-                # The cache claimed the head's state but its bytes disagree: rebuild once.
-                log.warning("state cache is damaged, rebuilding", run=run, error=str(e))
-                cache.rebuild(store, run, head)
-                manifest = delta()
-        published_s = time.perf_counter() - started
-        if on_published is not None:
-            on_published(manifest)
-        clock = _Clock()
-        new.close()
-        if not (adopt and cache.adopt(Path(checkpoint_path), manifest)):
-            cache.advance(new, manifest)
-        timings.cache_s = clock.lap()
-    elapsed = {
-        **timings.as_dict(),
-        "published_s": round(published_s, 4),
-        "total_s": round(time.perf_counter() - started, 4),
-    }
-    return PublishResult.published(manifest, head, elapsed)

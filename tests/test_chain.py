@@ -12,9 +12,9 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.compaction import collect_garbage, compact
+from pipeline.diff_step import PublishResult, publish_step
 from pipeline.errors import ChainError, CorruptObjectError
 from pipeline.manifest import TensorEntry, compute_state_hash, manifest_key
-from pipeline.publish import PublishResult, publish_step
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore

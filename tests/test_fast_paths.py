@@ -11,10 +11,10 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.codec import TensorPatch, api, apply_patch, encode_delta, read_delta
+from pipeline.diff_step import publish_step
 from pipeline.errors import MismatchError
 from pipeline.hashing import content_hash
 from pipeline.manifest import Manifest
-from pipeline.publish import publish_step
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state

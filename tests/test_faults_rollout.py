@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from pipeline.checkpoint import CheckpointReader
+from pipeline.diff_step import publish_step
 from pipeline.hashing import content_hash
-from pipeline.publish import publish_step
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state

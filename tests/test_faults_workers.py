@@ -31,10 +31,10 @@ from rq.serializers import JSONSerializer
 
 from pipeline import chain, replicas
 from pipeline.config import Settings
+from pipeline.diff_step import publish_step
 from pipeline.event_stream import EventStream
 from pipeline.events import AnchorAvailable, DeltaAvailable
 from pipeline.hashing import content_hash
-from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client
 from pipeline.state_cache import StateCache
 from pipeline.store import open_store

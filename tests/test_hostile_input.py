@@ -23,11 +23,11 @@ from rq.serializers import JSONSerializer
 from pipeline.checkpoint import CheckpointReader, tensors_from_bytes
 from pipeline.codec import encode_delta, read_delta
 from pipeline.config import Settings
+from pipeline.diff_step import publish_step
 from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError, EventError
 from pipeline.event_stream import EventStream
 from pipeline.events import parse_event
 from pipeline.manifest import manifest_key, parse_manifest
-from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client
 from pipeline.rollout import RolloutNode
 from pipeline.state_cache import StateCache

@@ -20,6 +20,7 @@ import torch
 
 from pipeline import chain, synthetic
 from pipeline.config import Settings
+from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaAvailable
@@ -33,7 +34,6 @@ from pipeline.parallel import (
     start_fanout,
     work_parts,
 )
-from pipeline.publish import publish_step
 from pipeline.redis_server import redis_client
 from pipeline.replicas import RunLock
 from pipeline.state_cache import StateCache

@@ -19,9 +19,10 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.compaction import compact
+from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
 from pipeline.manifest import manifest_key
-from pipeline.publish import plan_parts, publish_anchor, publish_delta, publish_step
+from pipeline.publish import plan_parts, publish_anchor, publish_delta
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
@@ -259,7 +260,7 @@ def test_anchor_must_match_what_it_replaces(file_store: FileStore, tmp_path: Pat
 _CRASH_SCRIPT = """
 import sys
 from pathlib import Path
-from pipeline.publish import publish_step
+from pipeline.diff_step import publish_step
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 

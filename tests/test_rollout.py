@@ -18,12 +18,13 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
 from pipeline.compaction import collect_garbage, compact
+from pipeline.diff_step import publish_step
 from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
 from pipeline.event_stream import EventStream
 from pipeline.events import CompactionRequested, DeltaApplied, DeltaAvailable, ReplicaError
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import ObjectEntry, TensorEntry, compute_state_hash, manifest_key, to_json
-from pipeline.publish import publish_anchor, publish_step
+from pipeline.publish import publish_anchor
 from pipeline.redis_server import redis_client
 from pipeline.replicas import list_replicas
 from pipeline.rollout import RolloutNode

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pipeline.compaction import compact
-from pipeline.publish import publish_step
+from pipeline.diff_step import publish_step
 from pipeline.rollout import RolloutNode
 from pipeline.state_cache import StateCache
 from pipeline.store import ObjectStore

@@ -10,13 +10,13 @@ from typing import Any
 from rq import get_current_job
 
 from pipeline import faults
+from pipeline.diff_step import PublishResult, publish_step
 from pipeline.errors import DeltasyncError, LockError, ServiceUnavailableError, StoreError
 from pipeline.event_stream import EventStream
 from pipeline.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
 from pipeline.policy import compaction_reason
-from pipeline.publish import PublishResult, publish_step
 from pipeline.replicas import claim_once, run_lock
 from pipeline.state_cache import StateCache
 from workers import parallel_diff, queues

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
+from pipeline.diff_step import PublishResult, publish_step
 from pipeline.errors import DeltasyncError, LockError, MismatchError
 from pipeline.logs import get_logger
 from pipeline.manifest import Kind, check_tensor_name
@@ -25,7 +26,6 @@ from pipeline.parallel import (
     start_fanout,
     work_parts,
 )
-from pipeline.publish import PublishResult, publish_step
 from pipeline.replicas import RunLock, _Renewer
 from pipeline.state_cache import StateCache, check_against
 from workers import queues
