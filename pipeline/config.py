@@ -81,6 +81,17 @@ class Settings:
             "Workers' cache of the last published weights (memory-mapped).",
         ),
     )
+    cache_link: bool = field(
+        default=False,
+        metadata=_var(
+            "DELTASYNC_CACHE_LINK",
+            "false",
+            "Hard-link the trainer's checkpoint files (emit --checkpoint) into the diff "
+            "worker's cache instead of copying them: no copy and no second copy on disk. "
+            "Only for trainers that write every step to a new path and never rewrite a "
+            "published checkpoint in place (a rewrite is caught, and costs a rebuild).",
+        ),
+    )
     level: int = field(
         default=1,
         metadata=_var("DELTASYNC_LEVEL", "1", "Delta codec level (one of the codec's LEVELS)."),
@@ -374,6 +385,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "log_json": _bool,
     "keep_staging": _bool,
     "parallel_parts": _bool,
+    "cache_link": _bool,
     "part_bytes": _int,
     "anchor_compression": _choice,
 }

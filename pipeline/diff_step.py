@@ -93,6 +93,7 @@ def publish_step(
     part_bytes: int = DEFAULT_PART_BYTES,
     on_published: Callable[[Manifest], None] | None = None,
     adopt: bool = False,
+    link: bool = False,
     anchor_compression: str = "none",
 ) -> PublishResult:
     """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
@@ -102,6 +103,9 @@ def publish_step(
     keeps the cache update off the replicas' critical path. With ``adopt`` the
     checkpoint is deltasync's own staging copy: it is moved into the state cache
     instead of copied (no byte is read or written), and is gone from its path after.
+    With ``link`` the trainer's own checkpoint files are hard-linked into the cache
+    instead of copied; the trainer must then not rewrite them in place (a rewrite is
+    detected, the cache rebuilt from the store, and linking turned off for the run).
     ``anchor_compression`` applies to the run's first version (an anchor)."""
     index = chain.list_versions(store, run)
     head = index.head
@@ -154,13 +158,20 @@ def publish_step(
                         signing_key=signing_key,
                         timings=timings,
                         index=index,
+                        base_unchanged=cache.linked_files_unchanged,
                     )
 
             try:
                 manifest = delta()
             except StaleBaseError as e:
                 # The cache claimed the head's state but its bytes disagree: rebuild once.
-                log.warning("state cache is damaged, rebuilding", run=run, error=str(e))
+                rewritten = not cache.linked_files_unchanged()  # turns linking off if so
+                log.warning(
+                    "state cache is damaged, rebuilding",
+                    run=run,
+                    error=str(e),
+                    linked_checkpoint_rewritten=rewritten,
+                )
                 cache.rebuild(store, run, head)
                 manifest = delta()
         published_s = time.perf_counter() - started
@@ -168,7 +179,9 @@ def publish_step(
             on_published(manifest)
         cache_started = time.perf_counter()
         new.close()
-        if not (adopt and cache.adopt(Path(checkpoint_path), manifest)):
+        checkpoint = Path(checkpoint_path)
+        moved = adopt and cache.adopt(checkpoint, manifest)
+        if not (moved or (link and cache.link(checkpoint, manifest))):
             cache.advance(new, manifest)
         timings.cache_s = time.perf_counter() - cache_started
     elapsed = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -409,10 +409,13 @@ def publish_delta(
     signing_key: PrivateKey | None = None,
     timings: PublishTimings | None = None,
     index: chain.VersionIndex | None = None,
+    base_unchanged: Callable[[], bool] | None = None,
 ) -> Manifest:
     """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
     as delta ``version``, part by part in the run's partition, manifest last. ``index``
-    saves a listing when the caller has just made one."""
+    saves a listing when the caller has just made one. ``base_unchanged`` is asked once
+    every part is encoded, before the manifest: False means the base's files were
+    modified while they were read (StaleBaseError, nothing published)."""
     found = _existing(store, run, "delta", version)
     if found is not None:
         log.info("delta exists, nothing to do", run=run, version=version)
@@ -467,6 +470,8 @@ def publish_delta(
             uploader.submit(version_prefix(run, "delta", version) + key, data)
             del data
         uploader.finish()
+    if base_unchanged is not None and not base_unchanged():
+        raise StaleBaseError(f"base {base.path} was modified while delta {version} was encoded")
     # The run lock makes this the only writer; a holder that stalled past its lease
     # could have been overtaken meanwhile, so the head is looked at again.
     now = chain.list_versions(store, run).head

@@ -1,7 +1,10 @@
 """The diff worker's state cache: the last published version on local disk.
 
 One safetensors file per part, memory-mapped for the next diff; trusted only
-when its recorded version and state hash equal the head's.
+when its recorded version and state hash equal the head's. With linking on, the
+cache holds hard links to the trainer's own checkpoint files instead of a copy;
+their (inode, size, mtime) is recorded and checked before every use, and files
+shared with anyone else are never written in place.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import structlog
 import torch
 
 from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.checkpoint_write import write_sharded
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
 from pipeline.hashing import content_hash
@@ -63,6 +66,11 @@ def _remove_in_background(folders: list[Path]) -> None:
     threading.Thread(target=remove, name="deltasync-cache-cleanup", daemon=True).start()
 
 
+def _fingerprint(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 class StateCache:
     """The diff worker's local copy of a run's last published version.
 
@@ -73,6 +81,7 @@ class StateCache:
     """
 
     STATE = "state.json"
+    LINKS_OFF = "links-off"  # written when a linked checkpoint was rewritten in place
 
     def __init__(self, cache_dir: str | os.PathLike[str], run: str) -> None:
         self.run = run
@@ -90,6 +99,7 @@ class StateCache:
             or not isinstance(doc.get("state_hash"), str)
             or not isinstance(doc.get("folder"), str)
             or "/" in doc["folder"]
+            or not isinstance(doc.get("linked", {}), dict)
         ):
             return None
         return doc
@@ -117,6 +127,10 @@ class StateCache:
             return False
         if state["state_hash"] != manifest.state_hash:
             return False
+        changed = self._changed_link(state)
+        if changed is not None:
+            self._links_off(changed)
+            return False
         try:
             with self.reader() as reader:
                 check_against(manifest, reader.specs(), f"state cache {self.root}")
@@ -124,13 +138,50 @@ class StateCache:
             return False
         return True
 
-    def _switch(self, folder: Path, manifest: Manifest) -> None:
-        doc = {
+    def linked_files_unchanged(self) -> bool:
+        """False when a file the cache links to was modified since it was linked (the
+        trainer rewrote its checkpoint in place); linking is then turned off for the run."""
+        state = self._state()
+        changed = None if state is None else self._changed_link(state)
+        if changed is not None:
+            self._links_off(changed)
+        return changed is None
+
+    def _changed_link(self, state: dict[str, Any]) -> str | None:
+        """The first linked file whose fingerprint differs from the recorded one."""
+        folder = self.root / str(state["folder"])
+        for name, recorded in state.get("linked", {}).items():
+            try:
+                if _fingerprint(folder / str(name)) != recorded:
+                    return str(name)
+            except (OSError, TypeError):
+                return str(name)
+        return None
+
+    def _links_off(self, name: str) -> None:
+        marker = self.root / self.LINKS_OFF
+        if marker.exists():
+            return
+        log.warning(
+            "a checkpoint linked into the state cache was modified after it was published; "
+            "rebuilding the cache, and copying instead of linking from now on for this run "
+            "(write each step's checkpoint to a new path to keep linking)",
+            run=self.run,
+            file=name,
+        )
+        marker.touch()
+
+    def _switch(
+        self, folder: Path, manifest: Manifest, linked: dict[str, list[int]] | None = None
+    ) -> None:
+        doc: dict[str, Any] = {
             "run": self.run,
             "version": manifest.version,
             "state_hash": manifest.state_hash,
             "folder": folder.name,
         }
+        if linked:
+            doc["linked"] = linked
         tmp = self.root / f".{self.STATE}.tmp"
         tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
         os.replace(tmp, self.root / self.STATE)
@@ -207,12 +258,43 @@ class StateCache:
         self._switch(folder, manifest)
         return True
 
+    def link(self, checkpoint: Path, manifest: Manifest) -> bool:
+        """Hard-link the files of ``checkpoint`` (the trainer's own, holding exactly
+        ``manifest``'s state) into the cache as that version: no byte is copied. False,
+        with nothing changed, when linking is off for this run or not possible here
+        (another file system)."""
+        if (self.root / self.LINKS_OFF).exists():
+            return False
+        with CheckpointReader(checkpoint) as reader:
+            files = {reader.location(n)[0] for n in reader.names()}
+        if (checkpoint / INDEX_NAME).is_file():
+            files.add(checkpoint / INDEX_NAME)
+        folder = self._folder_for(manifest.version)
+        if folder.exists():  # left by a crashed rewrite
+            shutil.rmtree(folder)
+        linked: dict[str, list[int]] = {}
+        try:
+            folder.mkdir()
+            for source in sorted(files):
+                name = source.name if checkpoint.is_dir() else "model.safetensors"
+                os.link(source, folder / name)
+                linked[name] = _fingerprint(folder / name)
+        except OSError as e:
+            log.info("checkpoint cannot be linked into the state cache, copying", error=str(e))
+            shutil.rmtree(folder, ignore_errors=True)
+            return False
+        self._switch(folder, manifest, linked)
+        return True
+
     def _advance_in_place(self, folder: Path, new: CheckpointReader, manifest: Manifest) -> None:
         with CheckpointReader(folder) as cached:
             specs = cached.specs()
             if specs != new.specs() or set(specs) != {t.name for t in manifest.tensors}:
                 raise ChainError(f"state cache {self.root} holds other tensors than {new.path}")
             locations = {n: cached.location(n) for n in specs}
+        if any(path.stat().st_nlink > 1 for path, _, _ in locations.values()):
+            # Linked from a trainer's checkpoint: writing here would change the trainer's file.
+            raise ChainError(f"state cache {self.root} shares its files with a checkpoint")
         (self.root / self.STATE).unlink(missing_ok=True)
         # The manifest's hashes were taken from ``new`` while publishing, and every diff
         # checks its base's hashes before use (a mismatch rebuilds the cache), so the

@@ -14,6 +14,7 @@ from pipeline.config import Settings
 from pipeline.errors import ChainError
 from pipeline.event_stream import EventStream
 from pipeline.redis_server import redis_client
+from pipeline.state_cache import StateCache
 from pipeline.store import open_store
 from tests.pipeline_helpers import (
     assert_same_state,
@@ -152,9 +153,12 @@ def test_emit_diff_compact_tail_status(redis_url: str, tmp_path: Path) -> None:
     assert text.returncode == 0 and f"head {STEPS - 1}" in text.stdout
 
 
-def test_user_checkpoint_is_never_removed(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("link", ["0", "1"])
+def test_user_checkpoint_is_never_removed(redis_url: str, tmp_path: Path, link: str) -> None:
+    """Nor modified: copied into the diff worker's cache, or hard-linked with
+    DELTASYNC_CACHE_LINK=1."""
     run = "byhand"
-    env = deltasync_env(redis_url, tmp_path)
+    env = deltasync_env(redis_url, tmp_path, DELTASYNC_CACHE_LINK=link)
     generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), seed=1)
     from pipeline.checkpoint_write import write_checkpoint
 
@@ -173,6 +177,10 @@ def test_user_checkpoint_is_never_removed(redis_url: str, tmp_path: Path) -> Non
     worked = cli(env, "worker", "diff", "--burst")
     assert worked.returncode == 0, worked.stderr
     assert [p.read_bytes() for p in paths] == before
+    cache = StateCache(Settings.from_env(env).cache_dir, run)
+    assert cache.version == 20 and cache.folder is not None
+    cached = {f.stat().st_ino for f in cache.folder.iterdir()}
+    assert (paths[1].stat().st_ino in cached) is (link == "1")
     store = open_store(Settings.from_env(env).store_url)
     assert chain.list_versions(store, run).versions == (10, 20)
     rebuilt = dict(chain.reconstruct_tensors(store, run, 20))

@@ -154,6 +154,7 @@ def _diff_one(
                 part_bytes=settings.part_bytes,
                 on_published=published,
                 adopt=staged,
+                link=settings.cache_link,
                 anchor_compression=settings.anchor_compression,
             )
     if result.manifest is not None and result.manifest.version == step and not announced:
