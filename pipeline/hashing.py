@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import xxhash
 
 OBJECT_HASH = "sha256"
 CONTENT_HASH = "xxh3-128"
+PATCHED_CHUNK_BYTES = 4 << 20  # scratch for hashing a patched tensor: stays in cache
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
@@ -28,6 +32,28 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def content_hash(tensor: torch.Tensor) -> str:
     """Hash of a tensor's bytes; dtype and shape are checked separately."""
     return xxhash.xxh3_128_hexdigest(tensor_bytes(tensor))
+
+
+def patched_content_hash(
+    flat: npt.NDArray[Any],
+    positions: npt.NDArray[np.int64],
+    patch: Callable[[npt.NDArray[Any], int, int, int], None],
+) -> str:
+    """The content hash of ``flat`` (a tensor's elements as integers) with changes at
+    the ascending ``positions`` applied, without writing ``flat``: each chunk is copied
+    into one small scratch buffer, ``patch(chunk, start, lo, hi)`` writes the changes
+    ``lo:hi`` (those between element ``start`` and the chunk's end) into it, and it is
+    hashed while in cache. The same digest as hashing a patched full copy."""
+    step = max(1, PATCHED_CHUNK_BYTES // flat.itemsize)
+    scratch = np.empty(min(step, flat.size), flat.dtype)
+    bounds = np.searchsorted(positions, np.arange(0, flat.size + step, step)).tolist()
+    hasher = xxhash.xxh3_128()
+    for k, start in enumerate(range(0, flat.size, step)):
+        chunk = scratch[: min(step, flat.size - start)]
+        np.copyto(chunk, flat[start : start + chunk.size])  # memcpy speed
+        patch(chunk, start, bounds[k], bounds[k + 1])
+        hasher.update(chunk.data)
+    return hasher.hexdigest()
 
 
 def state_hash(tensor_hashes: Iterable[tuple[str, str]]) -> str:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
+from pipeline import chain, hashing
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
-from pipeline.codec import TensorPatch, api, apply_patch, encode_delta, read_delta
+from pipeline.codec import TensorPatch, apply_patch, encode_delta, read_delta
 from pipeline.diff_step import publish_step
 from pipeline.errors import MismatchError
 from pipeline.hashing import content_hash
@@ -30,7 +30,7 @@ INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def test_hash_patched_equals_hash_of_patched_copy(
     dtype: torch.dtype, numel: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(patching, "_HASH_CHUNK_BYTES", 4096)  # many chunks, ragged end
+    monkeypatch.setattr(hashing, "PATCHED_CHUNK_BYTES", 4096)  # many chunks, ragged end
     gen = torch.Generator().manual_seed(numel)
     held = torch.randint(0, 255, (numel * torch.empty(0, dtype=dtype).element_size(),),
                          dtype=torch.uint8, generator=gen).view(dtype)  # fmt: skip
@@ -155,7 +155,7 @@ def test_decode_hashed_equals_decode_then_hash_then_gather(
     """The one-pass proof (codec.decode_hashed, via patching.decode_and_prove) gives the
     same patch, old contents and hash as decoding, hashing a patched copy and gathering
     separately, for many chunks with a ragged end; a wrong base is refused."""
-    monkeypatch.setattr(api, "_HASH_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(hashing, "PATCHED_CHUNK_BYTES", 4096)
     gen = torch.Generator().manual_seed(numel + int(density * 1000))
     width = torch.empty(0, dtype=dtype).element_size()
     base = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=gen).view(dtype)

@@ -29,6 +29,7 @@ from pipeline.codec.tensorcodec import (
     walk_sparse,
 )
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
+from pipeline.hashing import patched_content_hash
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
@@ -37,7 +38,6 @@ DEFAULT_LEVEL = 1
 # The scan for changes is bound by memory bandwidth: a second thread on a two-CPU
 # machine measured slower than one (hand-offs, a busy neighbour core).
 ENCODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
-_HASH_CHUNK_BYTES = 4 << 20  # decode_hashed's scratch: stays in cache
 
 
 @dataclass(frozen=True)
@@ -150,15 +150,11 @@ class DeltaObject:
         info = record.info
         flat = int_view_flat(base, info).numpy().view(info.unsigned)
         old, new = np.empty_like(diffs), np.empty_like(diffs)
-        step = max(1, _HASH_CHUNK_BYTES // flat.itemsize)
-        scratch = np.empty(min(step, flat.size), flat.dtype)
-        bounds = np.searchsorted(positions, np.arange(0, flat.size + step, step)).tolist()
-        hasher = xxhash.xxh3_128()
-        for k, start in enumerate(range(0, flat.size, step)):
-            chunk = scratch[: min(step, flat.size - start)]
-            np.copyto(chunk, flat[start : start + chunk.size])  # memcpy speed
-            walker.patch_chunk(chunk, start, positions, diffs, bounds[k], bounds[k + 1], old, new)
-            hasher.update(chunk.data)
+
+        def patch_chunk(chunk: npt.NDArray[Any], start: int, lo: int, hi: int) -> None:
+            walker.patch_chunk(chunk, start, positions, diffs, lo, hi, old, new)
+
+        digest = patched_content_hash(flat, positions, patch_chunk)
         signed = _numpy_dtype(info.view)
         patch = TensorPatch(
             name=name,
@@ -167,7 +163,7 @@ class DeltaObject:
             positions=torch.from_numpy(positions),
             values=torch.from_numpy(new.view(signed)),
         )
-        return HashedPatch(patch, torch.from_numpy(old.view(signed)), hasher.hexdigest())
+        return HashedPatch(patch, torch.from_numpy(old.view(signed)), digest)
 
     def _differences(
         self, name: str, base: torch.Tensor

@@ -29,12 +29,11 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-import xxhash
 
 from pipeline import faults
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
-from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.hashing import content_hash, patched_content_hash, sha256_bytes
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
 
@@ -227,30 +226,17 @@ def decode_manifest(
     return decode_entries(manifest.tensors, objects, base, specs)
 
 
-_HASH_CHUNK_BYTES = 4 << 20  # scratch for hashing patched CPU tensors (stays in cache)
-
-
 def _hash_patched_cpu(held: torch.Tensor, patch: TensorPatch) -> str:
-    """xxh3-128 of ``held`` with ``patch`` applied, built chunk by chunk in a small
-    scratch buffer: the same digest as hashing a patched full copy."""
-    flat = int_view(held.detach()).reshape(-1)
-    if flat.numel() == 0:
-        return content_hash(held)
-    source = flat.numpy()
-    where, values = patch.positions.numpy(), patch.values.numpy().view(source.dtype)
-    step = max(1, _HASH_CHUNK_BYTES // source.itemsize)
-    scratch = np.empty(min(step, source.size), dtype=source.dtype)
-    bounds = np.searchsorted(where, np.arange(0, source.size + step, step)).tolist()
-    hasher = xxhash.xxh3_128()
-    for k, start in enumerate(range(0, source.size, step)):
-        end = min(start + step, source.size)
-        buf = scratch[: end - start]
-        np.copyto(buf, source[start:end])
-        lo, hi = bounds[k], bounds[k + 1]
+    """xxh3-128 of ``held`` with ``patch`` applied, without a patched full copy."""
+    flat = int_view(held.detach()).reshape(-1).numpy()
+    where = patch.positions.numpy()
+    values = patch.values.numpy().view(flat.dtype)
+
+    def put(chunk: np.ndarray, start: int, lo: int, hi: int) -> None:
         if hi > lo:
-            buf[where[lo:hi] - start] = values[lo:hi]
-        hasher.update(buf.data)
-    return hasher.hexdigest()
+            chunk[where[lo:hi] - start] = values[lo:hi]
+
+    return patched_content_hash(flat, where, put)
 
 
 def hash_patched(
