@@ -14,11 +14,12 @@ from pipeline.codec import TensorPatch, apply_patch, encode_delta, read_delta
 from pipeline.diff_step import publish_step
 from pipeline.errors import MismatchError
 from pipeline.hashing import content_hash
-from pipeline.manifest import Manifest
+from pipeline.manifest import Manifest, object_key
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets import patching
+from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import hash_patched
 from tests.pipeline_helpers import bits
 
@@ -216,3 +217,36 @@ def test_two_writers_write_everything_and_roll_everything_back() -> None:
     assert applied.hashes == expected
     for name, tensor in held.items():
         assert content_hash(tensor) == expected[name], name
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_proof_on_threads_equals_the_sequential_proof_and_names_the_first_fault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Tensors proven on several threads give the same patches, hashes and old
+    contents as one thread; with two tensors at fault, the first in manifest order
+    is reported, and the held weights are not written."""
+    store, _, _ = _publish(tmp_path, 2)
+    manifest = chain.load_manifest(store, "r", "delta", 1)
+    objects = {o.key: store.get(object_key("r", "delta", 1, o.key)) for o in manifest.objects}
+    held = dict(chain.reconstruct_tensors(store, "r", 0))
+    specs = {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in held.items()}
+    monkeypatch.setattr(patching, "PROVE_THREADS", 1)
+    want = patching.decode_and_prove(manifest, objects, held.__getitem__, specs)
+    monkeypatch.setattr(patching, "PROVE_THREADS", threads)
+    monkeypatch.setattr(patching, "_prove_pool", None)
+    got = patching.decode_and_prove(manifest, objects, held.__getitem__, specs)
+    assert [p.name for p in got.patches] == [p.name for p in want.patches]
+    for a, b in zip(got.patches, want.patches, strict=True):
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.values, b.values)
+        assert torch.equal(got.old_values[a.name], want.old_values[b.name])
+    assert got.hashes == want.hashes and len(got.hashes) > 2
+
+    touched = [e.name for e in manifest.tensors if e.changed > 0]
+    first, later = touched[1], touched[-1]
+    for name in (later, first):  # damage a later tensor too: the first must be named
+        bits(held[name]).view(-1)[-1] ^= 1
+    before = {n: bits(t).clone() for n, t in held.items()}
+    with pytest.raises(MismatchError, match=f"tensor {first}:"):
+        patching.decode_and_prove(manifest, objects, held.__getitem__, specs)
+    assert all(torch.equal(bits(held[n]), before[n]) for n in held)
