@@ -329,8 +329,9 @@ def prove_entries(
 
 # Proving is one pass over each touched tensor, about half of it compiled walking and
 # half memory copy and hashing; tensors are independent, so a node with idle cores
-# proves several at once (2 threads: ~1.7x faster in one process here).
-PROVE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# proves several at once (2 threads on 2 idle cores: 1.7x faster). Half the cores, as
+# for encoding: two replicas of 2 threads each on 2 cores were 1.3x slower than 1.
+PROVE_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 _prove_pool: ThreadPoolExecutor | None = None
 
 
