@@ -184,6 +184,16 @@ class Settings:
             "Bytes of weights per part object, fixed by a run's first anchor.",
         ),
     )
+    early_start: bool = field(
+        default=False,
+        metadata=_var(
+            "DELTASYNC_EARLY_START",
+            "false",
+            "Rollout nodes (torch target) fetch, decode and hash each part of the next "
+            "version as soon as the diff worker announces it, before the manifest: faster "
+            "when nodes have cores of their own, slower when they share the diff worker's.",
+        ),
+    )
     anchor_compression: str = field(
         default="none",
         metadata=_var(
@@ -386,6 +396,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "keep_staging": _bool,
     "parallel_parts": _bool,
     "cache_link": _bool,
+    "early_start": _bool,
     "part_bytes": _int,
     "anchor_compression": _choice,
 }

@@ -19,6 +19,7 @@ import structlog
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
+from pipeline.events import DeltaPart
 from pipeline.manifest import Kind, Manifest, check_tensor_name
 from pipeline.publish import (
     DEFAULT_PART_BYTES,
@@ -95,6 +96,7 @@ def publish_step(
     adopt: bool = False,
     link: bool = False,
     anchor_compression: str = "none",
+    on_part: Callable[[DeltaPart], None] | None = None,
 ) -> PublishResult:
     """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
 
@@ -106,7 +108,8 @@ def publish_step(
     With ``link`` the trainer's own checkpoint files are hard-linked into the cache
     instead of copied; the trainer must then not rewrite them in place (a rewrite is
     detected, the cache rebuilt from the store, and linking turned off for the run).
-    ``anchor_compression`` applies to the run's first version (an anchor)."""
+    ``anchor_compression`` applies to the run's first version (an anchor). ``on_part``
+    gets a hint for each delta object once it is stored, before the manifest."""
     index = chain.list_versions(store, run)
     head = index.head
     if head is not None and step <= head:
@@ -159,6 +162,7 @@ def publish_step(
                         timings=timings,
                         index=index,
                         base_unchanged=cache.linked_files_unchanged,
+                        on_part=on_part,
                     )
 
             try:

@@ -157,6 +157,33 @@ class DeltaAvailable(_Event):
             raise EventError(f"{what} of run {self.run}: empty manifest key")
 
 
+_OBJECT_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaPart(_Event):
+    """Object ``key`` of delta ``version`` (against ``parent``) is uploaded, before the
+    version's manifest: a hint that lets replicas start decoding early. Sent on the
+    run's hint channel (pipeline/part_hints.py), not on its event stream."""
+
+    TYPE: ClassVar[str] = "delta-part"
+
+    parent: int
+    key: str
+    size: int
+    sha256: str
+
+    def _check(self, what: str) -> None:
+        self._non_negative(what, "parent", "size")
+        if self.parent >= self.version:
+            raise EventError(f"{what} of run {self.run}: parent is not before version")
+        if not _OBJECT_KEY.fullmatch(self.key):
+            raise EventError(f"{what} of run {self.run}: invalid object key {_short(self.key)}")
+        if not _SHA256.fullmatch(self.sha256):
+            raise EventError(f"{what} of run {self.run}: sha256 is not 64 hex digits")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AnchorAvailable(_Event):
     """A full anchor of ``version`` is published."""
@@ -224,6 +251,7 @@ Event = (
     | CompactionRequested
     | DeltaApplied
     | ReplicaError
+    | DeltaPart
 )
 EVENT_TYPES: dict[str, type[_Event]] = {
     cls.TYPE: cls
@@ -234,6 +262,7 @@ EVENT_TYPES: dict[str, type[_Event]] = {
         CompactionRequested,
         DeltaApplied,
         ReplicaError,
+        DeltaPart,
     )
 }
 

@@ -16,6 +16,7 @@ for anchors.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,7 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
 from pipeline.errors import ChainError, ConfigError, MismatchError
+from pipeline.events import DeltaPart
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
     CodecInfo,
@@ -123,17 +125,24 @@ class _Uploader:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-upload")
         self.pending: deque[Future[float]] = deque()
 
-    def _put(self, key: str, data: bytes) -> float:
+    def _put(self, key: str, data: bytes, then: Callable[[], None] | None) -> float:
         started = time.perf_counter()
         self.store.put(key, data)
-        return time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        if then is not None:
+            try:
+                then()
+            except Exception as exc:  # an announcement is a hint: it never fails a publish
+                log.warning("after-upload callback failed", key=key, error=str(exc))
+        return elapsed
 
     def _collect(self) -> None:
         self.timings.upload_s += self.pending.popleft().result()
         faults.point(f"{self.fault}.after_upload")
 
-    def submit(self, key: str, data: bytes) -> None:
-        self.pending.append(self.pool.submit(self._put, key, data))
+    def submit(self, key: str, data: bytes, then: Callable[[], None] | None = None) -> None:
+        """Upload in the background; ``then`` runs once the object is stored."""
+        self.pending.append(self.pool.submit(self._put, key, data, then))
         while len(self.pending) > self.depth:
             self._collect()
 
@@ -410,12 +419,14 @@ def publish_delta(
     timings: PublishTimings | None = None,
     index: chain.VersionIndex | None = None,
     base_unchanged: Callable[[], bool] | None = None,
+    on_part: Callable[[DeltaPart], None] | None = None,
 ) -> Manifest:
     """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
     as delta ``version``, part by part in the run's partition, manifest last. ``index``
     saves a listing when the caller has just made one. ``base_unchanged`` is asked once
     every part is encoded, before the manifest: False means the base's files were
-    modified while they were read (StaleBaseError, nothing published)."""
+    modified while they were read (StaleBaseError, nothing published). ``on_part``
+    gets a hint for each part object once it is stored (before the manifest)."""
     found = _existing(store, run, "delta", version)
     if found is not None:
         log.info("delta exists, nothing to do", run=run, version=version)
@@ -460,14 +471,26 @@ def publish_delta(
             entries.extend(
                 tensor_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs
             )
-            objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
+            stored = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
+            objects.append(stored)
             timings.encode_s += clock.lap()
             del pairs
             # Unmap this part's pages: a model larger than RAM stays one part resident.
             base.close()
             new.close()
             faults.point("publish.after_encode")
-            uploader.submit(version_prefix(run, "delta", version) + key, data)
+            then = None
+            if on_part is not None:
+                hint = DeltaPart.now(
+                    run=run,
+                    version=version,
+                    parent=parent.version,
+                    key=key,
+                    size=stored.size,
+                    sha256=stored.sha256,
+                )
+                then = functools.partial(on_part, hint)
+            uploader.submit(version_prefix(run, "delta", version) + key, data, then)
             del data
         uploader.finish()
     if base_unchanged is not None and not base_unchanged():
@@ -492,4 +515,3 @@ def publish_delta(
         elements=manifest.extra["elements"],
     )
     return manifest
-

@@ -42,11 +42,12 @@ from pipeline.errors import (
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaApplied, Event, ReplicaError
 from pipeline.manifest import Kind, Manifest, dtype_name
+from pipeline.rollout_early import EarlyParts
 from pipeline.rollout_fetch import Fetched, fetch_delta, stream_anchor
 from pipeline.rollout_state import read_state, remove_state, write_state
 from pipeline.rollout_stream import StreamFollower
 from pipeline.store.base import ObjectStore
-from pipeline.targets.base import Target, VerifyMode
+from pipeline.targets.base import EarlyProver, Target, VerifyMode
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +64,7 @@ class Applied:
     apply_s: float  # target call: decode, checks, write, verify
     pause_s: float  # time the weights were being written (target unavailable)
     latency_s: float | None  # since the version's first event, when one was seen
+    early_parts: int = 0  # objects decoded and hashed from part hints, before the manifest
 
 
 class RolloutNode:
@@ -87,6 +89,7 @@ class RolloutNode:
         replica_ttl_s: float = 600.0,
         max_backoff_s: float = 30.0,
         progress: bool | None = None,
+        early_start: bool = False,
     ) -> None:
         self.store = store
         self.run_name = run
@@ -120,6 +123,11 @@ class RolloutNode:
         self._pool: ThreadPoolExecutor | None = None
         self.history: deque[Applied] = deque(maxlen=_HISTORY)
         self._stream = StreamFollower(events, run)
+        # Part hints start downloads and proofs before a manifest exists (asked for,
+        # prefetch on, a target that can prove early, and Redis to hear the hints on).
+        self.early: EarlyParts | None = None
+        if early_start and prefetch and redis is not None and isinstance(target, EarlyProver):
+            self.early = EarlyParts(store, run, target, lambda: self._applied)
 
     # -- public ----------------------------------------------------------------------
 
@@ -163,6 +171,8 @@ class RolloutNode:
         stop = stop or threading.Event()
         after_id = self._stream.position()
         self.start()
+        if self.early is not None:
+            self.early.listen(self.redis)
         next_poll = 0.0
         try:
             while not stop.is_set():
@@ -189,6 +199,8 @@ class RolloutNode:
         return out
 
     def close(self) -> None:
+        if self.early is not None:
+            self.early.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -340,9 +352,10 @@ class RolloutNode:
         depth = self.prefetch_depth if self.prefetch else 1
         try:
             while todo or pending:
+                have = None if self.early is None else self.early.data
                 while todo and len(pending) < depth:
                     pending.append(
-                        self._submit(fetch_delta, self.store, todo.popleft(), self.progress)
+                        self._submit(fetch_delta, self.store, todo.popleft(), self.progress, have)
                     )
                 self._apply_one(pending.popleft().result())
         finally:
@@ -357,11 +370,18 @@ class RolloutNode:
                 f"the held v{self._applied}"
             )
         started = time.perf_counter()
+        early = [] if self.early is None else self.early.proofs(manifest)
         try:
-            report = self.target.apply_delta(manifest, fetched.objects, self.verify)
+            if early and isinstance(self.target, EarlyProver):
+                report = self.target.apply_delta(manifest, fetched.objects, self.verify, early)
+            else:
+                report = self.target.apply_delta(manifest, fetched.objects, self.verify)
         except MismatchError:
             self._need_bootstrap = True  # the held weights may be what is wrong
             raise
+        finally:
+            if self.early is not None:
+                self.early.forget(manifest.version)
         apply_s = time.perf_counter() - started
         faults.point("rollout.after_apply")
         self._set_applied(manifest)
@@ -374,8 +394,9 @@ class RolloutNode:
             fetch_s=round(fetched.fetch_s, 4),
             apply_s=round(apply_s, 4),
             pause_s=round(report.pause_s, 4),
+            early_parts=len(early),
         )
-        self._applied_event(manifest, fetched.fetch_s, apply_s, report.pause_s)
+        self._applied_event(manifest, fetched.fetch_s, apply_s, report.pause_s, len(early))
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if not self.prefetch:
@@ -441,12 +462,19 @@ class RolloutNode:
     # -- events and heartbeats -------------------------------------------------------
 
     def _applied_event(
-        self, manifest: Manifest, fetch_s: float, apply_s: float, pause_s: float
+        self,
+        manifest: Manifest,
+        fetch_s: float,
+        apply_s: float,
+        pause_s: float,
+        early_parts: int = 0,
     ) -> None:
         since = self._stream.first_seen(manifest.version)
         latency = None if since is None else max(0.0, time.time() - since)
         self.history.append(
-            Applied(manifest.version, manifest.kind, fetch_s, apply_s, pause_s, latency)
+            Applied(
+                manifest.version, manifest.kind, fetch_s, apply_s, pause_s, latency, early_parts
+            )
         )
         self._publish(
             DeltaApplied(

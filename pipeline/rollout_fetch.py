@@ -48,12 +48,24 @@ def progress_bar(enabled: bool, label: str, total: int) -> Iterator[Callable[[in
         yield lambda n: bar.advance(task, n)
 
 
-def fetch_delta(store: ObjectStore, manifest: Manifest, progress: bool) -> Fetched:
+def fetch_delta(
+    store: ObjectStore,
+    manifest: Manifest,
+    progress: bool,
+    have: Callable[[int, str, str], bytes | None] | None = None,
+) -> Fetched:
+    """Every object of ``manifest``, checked; ``have(version, key, sha256)`` may hand
+    over bytes already fetched (and checked against that sha256) instead."""
     started = time.perf_counter()
     objects: dict[str, bytes] = {}
     total = sum(e.size for e in manifest.objects)
     with progress_bar(progress, f"delta v{manifest.version}", total) as advance:
         for entry in manifest.objects:
+            held = None if have is None else have(manifest.version, entry.key, entry.sha256)
+            if held is not None and len(held) == entry.size:
+                objects[entry.key] = held
+                advance(entry.size)
+                continue
             objects[entry.key] = chain.fetch_object(store, manifest, entry)
             advance(entry.size)
             faults.point("rollout.mid_fetch")

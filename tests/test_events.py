@@ -21,6 +21,7 @@ from pipeline.events import (
     CompactionRequested,
     DeltaApplied,
     DeltaAvailable,
+    DeltaPart,
     Event,
     ReplicaError,
     StepCompleted,
@@ -76,6 +77,9 @@ def sample_events(run: str = RUN) -> list[Event]:
         DeltaApplied.now(run=run, version=2, node="node-b", fetch_s=1, apply_s=2, pause_s=3),
         ReplicaError.now(
             run=run, version=3, node="node-a", error="hash mismatch in w.0", recovering=True
+        ),
+        DeltaPart.now(
+            run=run, version=4, parent=3, key="part-00002.safetensors", size=77, sha256="0f" * 32
         ),
     ]
 
@@ -162,6 +166,34 @@ BAD_DOCS: dict[str, Any] = {
     "bad time": _with(time="yesterday"),
     "not an object": [1, 2, 3],
 }
+
+
+def _part(**changes: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "type": "delta-part",
+        "schema": 1,
+        "run": RUN,
+        "version": 4,
+        "time": "2026-01-01T00:00:00Z",
+        "parent": 3,
+        "key": "part-00000.safetensors",
+        "size": 10,
+        "sha256": "ab" * 32,
+    }
+    doc.update(changes)
+    return doc
+
+
+BAD_DOCS.update(
+    {
+        "part: parent not before version": _part(parent=4),
+        "part: key with a slash": _part(key="../part-00000.safetensors"),
+        "part: empty key": _part(key=""),
+        "part: negative size": _part(size=-1),
+        "part: short sha256": _part(sha256="ab" * 31),
+        "part: upper-case sha256": _part(sha256="AB" * 32),
+    }
+)
 
 
 @pytest.mark.parametrize("doc", BAD_DOCS.values(), ids=list(BAD_DOCS))

@@ -16,6 +16,7 @@ from pipeline.event_stream import EventStream
 from pipeline.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.logs import bind_context, get_logger
 from pipeline.manifest import Manifest, manifest_key
+from pipeline.part_hints import publish_part
 from pipeline.policy import compaction_reason
 from pipeline.replicas import claim_once, run_lock
 from pipeline.state_cache import StateCache
@@ -156,6 +157,7 @@ def _diff_one(
                 adopt=staged,
                 link=settings.cache_link,
                 anchor_compression=settings.anchor_compression,
+                on_part=lambda hint: publish_part(runtime.redis, hint),
             )
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.

@@ -125,6 +125,7 @@ def run_rollout(
             ),
             state_path=state_path_for(settings.data_dir, run, node_id),
             replica_ttl_s=settings.replica_ttl_s,
+            early_start=settings.early_start,
         )
         try:
             applied = node.run(until_version=until_version, stop=stop)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
 
 from pipeline.manifest import Manifest
+
+if TYPE_CHECKING:
+    from pipeline.targets.patching import EarlyProof
 
 VerifyMode = Literal["touched", "all", "none"]
 
@@ -53,3 +56,23 @@ class Target(Protocol):
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """CPU copies of every tensor in checkpoint names (for dumps and checks)."""
+
+
+@runtime_checkable
+class EarlyProver(Protocol):
+    """A target that can decode and hash a delta object against its held weights
+    before the version's manifest exists (see pipeline/part_hints.py)."""
+
+    def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
+        """Decode and hash object ``key`` (of sha256 ``sha256``) against the held
+        weights; nothing is written. Valid until the next write."""
+
+    def apply_delta(
+        self,
+        manifest: Manifest,
+        objects: dict[str, bytes],
+        verify: VerifyMode,
+        early: Sequence[EarlyProof] = (),
+    ) -> ApplyReport:
+        """``Target.apply_delta``, reusing ``early`` proofs whose object the manifest
+        names with the same sha256 and that were made against the held weights."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from pipeline import faults
-from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
+from pipeline.codec import DeltaObject, HashedPatch, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.hashing import content_hash, patched_content_hash, sha256_bytes
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
@@ -281,6 +281,7 @@ def decode_and_prove(
     objects: Mapping[str, bytes],
     base: Callable[[str], torch.Tensor],
     specs: Mapping[str, TensorSpec],
+    early: Mapping[str, HashedPatch] | None = None,
 ) -> ProvenPatches:
     """``decode_manifest``, ``hash_patched`` and ``saved_old_values`` in one go, with
     the same checks and errors, writing nothing. For CPU tensors in the common
@@ -291,7 +292,7 @@ def decode_and_prove(
             f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
         )
     check_objects(manifest, objects)
-    return prove_entries(manifest.tensors, objects, base, specs)
+    return prove_entries(manifest.tensors, objects, base, specs, early)
 
 
 def prove_entries(
@@ -299,17 +300,21 @@ def prove_entries(
     objects: Mapping[str, bytes],
     base: Callable[[str], torch.Tensor],
     specs: Mapping[str, TensorSpec],
+    early: Mapping[str, HashedPatch] | None = None,
 ) -> ProvenPatches:
     """:func:`decode_and_prove` for callers that checked the objects themselves:
     ``entries`` are all of a delta manifest's tensor entries. CPU tensors are proven
     on ``PROVE_THREADS`` threads (the compiled walk, copies and hashes release the
-    GIL); the first tensor at fault, in manifest order, is the one reported."""
+    GIL); the first tensor at fault, in manifest order, is the one reported.
+    ``early`` holds results already computed for some tensors (see
+    :func:`early_patches`); they are checked like the others, not recomputed."""
+    early = early or {}
     changes = list(_changes(entries, objects, base, specs))
     # CPU only: on a GPU each proof holds a scratch copy of its tensor on the device.
     on_cpu = all(held.device.type == "cpu" for _, _, held, _ in changes)
     if PROVE_THREADS > 1 and len(changes) > 1 and on_cpu:
         pool = _provers()
-        futures = [pool.submit(_prove_one, *change, base) for change in changes]
+        futures = [pool.submit(_prove_one, *change, base, early) for change in changes]
         try:
             results = [f.result() for f in futures]
         except BaseException:
@@ -318,7 +323,7 @@ def prove_entries(
             wait(futures)  # none still reads the weights once the caller goes on
             raise
     else:
-        results = [_prove_one(*change, base) for change in changes]
+        results = [_prove_one(*change, base, early) for change in changes]
     proven = ProvenPatches([], {}, {})
     for patch, digest, old in results:
         proven.patches.append(patch)
@@ -348,11 +353,12 @@ def _prove_one(
     held: torch.Tensor,
     spec: TensorSpec,
     base: Callable[[str], torch.Tensor],
+    early: Mapping[str, HashedPatch],
 ) -> tuple[TensorPatch, str, torch.Tensor]:
     """(patch, content hash after it, held contents at its positions) of one tensor,
     checked against its manifest entry; nothing is written."""
-    hashed = None
-    if held.device.type == "cpu":
+    hashed = early.get(entry.name)
+    if hashed is None and held.device.type == "cpu":
         hashed = _guarded(delta.decode_hashed, entry, held)
     if hashed is None:
         patch = _decode(delta, entry, held)
@@ -363,6 +369,63 @@ def _prove_one(
     if hashed.digest != entry.hash:
         raise _hash_mismatch(entry.name, hashed.digest, entry.hash)
     return hashed.patch, hashed.digest, hashed.old
+
+
+@dataclass(frozen=True)
+class EarlyProof:
+    """A delta object decoded and hashed against a target's held weights before its
+    manifest was read: what :func:`prove_entries` would compute for its tensors."""
+
+    key: str  # the object's key in its version folder
+    sha256: str  # of the object's bytes
+    generation: str  # the target and its write count when made: stale after a write
+    hashed: dict[str, HashedPatch]
+
+
+def prove_object(
+    key: str, data: bytes, base: Callable[[str], torch.Tensor]
+) -> dict[str, HashedPatch]:
+    """The one-pass proof (patch, old contents, hash after it) of every changed CPU
+    tensor of one delta object, against ``base(name)``; nothing is written. Tensors
+    the compiled walk does not handle are left to the full proof."""
+    delta = _parse({key: data}, [key])[key]
+    out: dict[str, HashedPatch] = {}
+    for info in delta.tensors:
+        if info.changed == 0:
+            continue
+        held = base(info.name)
+        if held.device.type != "cpu":
+            continue
+        named = TensorEntry(
+            name=info.name,
+            dtype=dtype_name(info.dtype),
+            shape=tuple(info.shape),
+            hash="",  # not known before the manifest: checked against it later
+            object=key,
+            changed=info.changed,
+        )
+        hashed = _guarded(delta.decode_hashed, named, held)
+        if hashed is not None:
+            out[info.name] = hashed
+    return out
+
+
+def early_patches(
+    manifest: Manifest, proofs: Sequence[EarlyProof], generation: str
+) -> dict[str, HashedPatch]:
+    """The early results that hold for ``manifest``: made at ``generation`` (no write
+    since), from an object the manifest lists with the same sha256, for a tensor the
+    manifest places in that object."""
+    objects = {o.key: o.sha256 for o in manifest.objects}
+    valid = {
+        p.key: p for p in proofs if p.generation == generation and objects.get(p.key) == p.sha256
+    }
+    out: dict[str, HashedPatch] = {}
+    for entry in manifest.tensors:
+        proof = valid.get(entry.object)
+        if proof is not None and entry.name in proof.hashed:
+            out[entry.name] = proof.hashed[entry.name]
+    return out
 
 
 def _hash_mismatch(name: str, digest: str, want: str | None) -> MismatchError:

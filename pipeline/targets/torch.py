@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import structlog
@@ -26,11 +27,14 @@ from pipeline.hashing import content_hash, state_hash
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import (
+    EarlyProof,
     ProvenPatches,
     apply_verified,
     decode_and_prove,
     decode_manifest,
+    early_patches,
     int_view,
+    prove_object,
     saved_old_values,
 )
 
@@ -92,6 +96,8 @@ class TorchTarget:
         # Names as the checkpoint carries them (for export); all names until known.
         self._checkpoint_names: list[str] = list(self._names)
         self._hash_cache: dict[str, str] = {}  # canonical name -> content hash
+        # This target's writes so far: an early proof holds until the next one.
+        self._generation = f"{uuid.uuid4().hex}/0"
 
     # -- introspection -------------------------------------------------------------
 
@@ -170,6 +176,7 @@ class TorchTarget:
         order: list[str] = []
         with self._write_lock, self.lock:
             self._hash_cache.clear()
+            self._next_generation()
             for name, src in tensors:
                 canonical = self._resolve(name, "load_state")
                 self._check_spec(name, src.dtype, tuple(src.shape), "load_state")
@@ -202,14 +209,32 @@ class TorchTarget:
 
     # -- delta apply ---------------------------------------------------------------
 
+    def _next_generation(self) -> None:
+        token, count = self._generation.split("/")
+        self._generation = f"{token}/{int(count) + 1}"
+
+    def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
+        """Decode and hash one delta object against the held weights before its
+        manifest is known (a part hint); ``apply_delta(early=...)`` reuses the result
+        if the manifest confirms the object and nothing was written meanwhile."""
+        with self._write_lock:
+            generation = self._generation
+            hashed = prove_object(key, data, self.tensor)
+        return EarlyProof(key, sha256, generation, hashed)
+
     def apply_delta(
-        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode = "touched"
+        self,
+        manifest: Manifest,
+        objects: dict[str, bytes],
+        verify: VerifyMode = "touched",
+        early: Sequence[EarlyProof] = (),
     ) -> ApplyReport:
         """Check names/dtypes/shapes and the base, decode every patch and prove each
         touched tensor's result against the manifest on a scratch copy, then take
         ``lock`` only to write the patches. ``verify="all"`` also rehashes every tensor:
         the untouched ones before writing, the touched ones again after (a mismatch then
-        restores the old contents at the patched positions)."""
+        restores the old contents at the patched positions). ``early`` proofs (see
+        ``prove_object``) stand in for the decode and hash of their tensors."""
         if verify not in ("touched", "all", "none"):
             raise TargetError(f"unknown verify mode {verify!r}")
         where = f"{manifest.run} v{manifest.version}"
@@ -224,7 +249,8 @@ class TorchTarget:
                 patches = decode_manifest(manifest, objects, self.tensor, specs)
             else:
                 # Decoded and proven against the manifest's hashes, nothing written yet.
-                proven = decode_and_prove(manifest, objects, self.tensor, specs)
+                ready = early_patches(manifest, early, self._generation)
+                proven = decode_and_prove(manifest, objects, self.tensor, specs, ready)
                 patches = proven.patches
             # A tied weight carried under both names decodes twice: write it once.
             touched: dict[str, TensorPatch] = {}
@@ -252,6 +278,7 @@ class TorchTarget:
             else:
                 new_hashes, old_values = proven.hashes, proven.old_values
             with self.lock:
+                self._next_generation()
                 for canonical in touched:
                     self._hash_cache.pop(canonical, None)
                 start = time.perf_counter()

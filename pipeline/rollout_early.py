@@ -1,0 +1,126 @@
+"""Early starts for the rollout node: part hints turned into downloads and proofs.
+
+When the diff job announces a part of the version after the held one (see
+pipeline/part_hints.py), the node downloads that object and has the target decode
+and hash it against its held weights while later parts are still being encoded.
+Once the manifest is read, objects whose sha256 it confirms are not downloaded
+again and their proofs are reused; everything else goes the usual way. A hint
+can only save time: a wrong, late or missing one changes nothing applied.
+
+It pays where the node has cores of its own. Where replicas share cores with the
+diff worker, their early work slows the diff, which decides when the version
+exists (docs/PERFORMANCE.md), so nodes start early only when asked to
+(``DELTASYNC_EARLY_START``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from pipeline.errors import CorruptObjectError
+from pipeline.events import DeltaPart
+from pipeline.hashing import sha256_bytes
+from pipeline.manifest import Manifest, object_key
+from pipeline.part_hints import PartListener
+from pipeline.store.base import ObjectStore
+from pipeline.targets.base import EarlyProver
+from pipeline.targets.patching import EarlyProof
+
+log = structlog.get_logger("pipeline.rollout")
+
+MAX_EARLY_PARTS = 256  # parts held ahead of their manifest at most
+
+
+@dataclass(frozen=True)
+class EarlyPart:
+    data: bytes
+    proof: EarlyProof
+
+
+class EarlyParts:
+    """Early downloads and proofs of the next version's parts, keyed by (version, key)."""
+
+    def __init__(
+        self, store: ObjectStore, run: str, target: EarlyProver, held: Callable[[], int | None]
+    ) -> None:
+        self.store, self.run, self.target, self._held = store, run, target, held
+        self._pool: ThreadPoolExecutor | None = None
+        self._parts: dict[tuple[int, str], tuple[str, Future[EarlyPart]]] = {}
+        self._lock = threading.Lock()
+        self._listener: PartListener | None = None
+
+    def listen(self, client: Any) -> None:
+        """Follow the run's hint channel on ``client`` (a Redis client)."""
+        if self._listener is None:
+            self._listener = PartListener(client, self.run, self.on_part).start()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            for _, future in self._parts.values():
+                future.cancel()
+            self._parts.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def on_part(self, hint: DeltaPart) -> None:
+        """Start on a hinted part if it follows the held version."""
+        if hint.run != self.run or hint.parent != self._held():
+            return
+        with self._lock:
+            if (hint.version, hint.key) in self._parts or len(self._parts) >= MAX_EARLY_PARTS:
+                return
+            if self._pool is None:
+                # Its own thread: downloads of whole versions wait on these, never the
+                # reverse, so they cannot share the node's download threads.
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-early")
+            future = self._pool.submit(self._prove, hint)
+            self._parts[(hint.version, hint.key)] = (hint.sha256, future)
+
+    def _prove(self, hint: DeltaPart) -> EarlyPart:
+        data = self.store.get(object_key(self.run, "delta", hint.version, hint.key))
+        if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
+            raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
+        return EarlyPart(data, self.target.prove_object(hint.key, data, hint.sha256))
+
+    def _ready(self, version: int, key: str, sha256: str) -> EarlyPart | None:
+        with self._lock:
+            found = self._parts.get((version, key))
+        if found is None or found[0] != sha256:
+            return None
+        try:
+            return found[1].result()
+        except Exception as exc:  # an early start never fails an apply
+            log.info("early part not used", version=version, key=key, error=str(exc))
+            return None
+
+    def data(self, version: int, key: str, sha256: str) -> bytes | None:
+        """The object's bytes if an early start fetched exactly these (waits for it)."""
+        ready = self._ready(version, key, sha256)
+        return None if ready is None else ready.data
+
+    def proofs(self, manifest: Manifest) -> list[EarlyProof]:
+        """The finished early proofs of ``manifest``'s objects, as the manifest lists
+        them (the target checks the rest: generation, tensor placement, hashes)."""
+        found = (self._ready(manifest.version, o.key, o.sha256) for o in manifest.objects)
+        return [ready.proof for ready in found if ready is not None]
+
+    def started(self, version: int) -> int:
+        """How many parts of ``version`` have an early start."""
+        with self._lock:
+            return sum(1 for v, _ in self._parts if v == version)
+
+    def forget(self, upto: int) -> None:
+        """Drop what was started for versions up to ``upto``."""
+        with self._lock:
+            for key in [k for k in self._parts if k[0] <= upto]:
+                self._parts.pop(key)[1].cancel()

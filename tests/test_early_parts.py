@@ -1,0 +1,302 @@
+"""Part hints: replicas decode and hash a version's objects before its manifest exists.
+
+An early start may only save time: the applied weights are the same bit for bit,
+objects are fetched once, and a stale, foreign or wrong early result is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline import chain
+from pipeline.checkpoint import CheckpointReader
+from pipeline.codec import api
+from pipeline.config import Settings
+from pipeline.diff_step import publish_step
+from pipeline.errors import MismatchError
+from pipeline.event_stream import EventStream
+from pipeline.events import DeltaApplied, DeltaPart
+from pipeline.manifest import Manifest, object_key
+from pipeline.part_hints import channel, publish_part
+from pipeline.redis_server import redis_client
+from pipeline.rollout import RolloutNode
+from pipeline.store.file import FileStore
+from pipeline.synthetic import ModelConfig, UpdateGenerator
+from pipeline.targets.patching import EarlyProof
+from pipeline.targets.torch import TorchTarget
+from tests.pipeline_helpers import deltasync_env, processes, wait_for
+from tests.servers import RedisServer
+from tests.test_rollout import (
+    PART_BYTES,
+    RUN,
+    Trainer,
+    announce,
+    assert_holds,
+    wait_for_version,
+)
+from workers.runtime import Runtime, set_current
+from workers.trainer import Emitter
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FileStore:
+    return FileStore(tmp_path / "store")
+
+
+@pytest.fixture
+def trainer(store: FileStore, tmp_path: Path) -> Trainer:
+    return Trainer(store, tmp_path / "trainer")
+
+
+def objects_of(store: FileStore, manifest: Manifest) -> dict[str, bytes]:
+    return {
+        o.key: store.get(object_key(RUN, "delta", manifest.version, o.key))
+        for o in manifest.objects
+    }
+
+
+def count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the tensors the one-pass proof decodes from here on."""
+    calls: list[str] = []
+    real = api.DeltaObject.decode_hashed
+
+    def counted(self: api.DeltaObject, name: str, base: torch.Tensor) -> Any:
+        calls.append(name)
+        return real(self, name, base)
+
+    monkeypatch.setattr(api.DeltaObject, "decode_hashed", counted)
+    return calls
+
+
+def early_proofs(target: TorchTarget, store: FileStore, manifest: Manifest) -> list[EarlyProof]:
+    return [
+        target.prove_object(o.key, data, o.sha256)
+        for o in manifest.objects
+        for data in [objects_of(store, manifest)[o.key]]
+    ]
+
+
+def held_copy(trainer: Trainer, version: int) -> tuple[TorchTarget, dict[str, torch.Tensor]]:
+    held = {n: t.clone() for n, t in trainer.states[version].items()}
+    return TorchTarget(held), held
+
+
+def test_early_proofs_stand_in_for_the_decode_and_give_the_same_weights(
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer.publish()
+    version = trainer.publish()
+    manifest = chain.load_manifest(store, RUN, "delta", version)
+    target, held = held_copy(trainer, 0)
+    proofs = early_proofs(target, store, manifest)
+    covered = {name for p in proofs for name in p.hashed}
+    assert len(covered) > 1  # (tensors in other encodings are proven at the apply)
+    decoded = count_decodes(monkeypatch)
+    report = target.apply_delta(manifest, objects_of(store, manifest), "touched", proofs)
+    assert not covered & set(decoded)  # those came from the early proofs
+    assert report.version == version
+    assert_holds(held, trainer.states[version])
+
+
+@pytest.mark.parametrize("why", ["stale", "other target", "other bytes"])
+def test_early_proofs_that_do_not_hold_are_ignored(
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    trainer.publish()
+    version = trainer.publish()
+    manifest = chain.load_manifest(store, RUN, "delta", version)
+    target, held = held_copy(trainer, 0)
+    if why == "stale":  # made, then the weights were written (reloaded) before the apply
+        proofs = early_proofs(target, store, manifest)
+        target.load_state(trainer.states[0].items())
+    elif why == "other target":  # made by another replica holding the same version
+        other, _ = held_copy(trainer, 0)
+        proofs = early_proofs(other, store, manifest)
+    else:  # made from bytes the manifest does not list
+        proofs = [
+            EarlyProof(p.key, "0" * 64, p.generation, p.hashed)
+            for p in early_proofs(target, store, manifest)
+        ]
+    decoded = count_decodes(monkeypatch)
+    target.apply_delta(manifest, objects_of(store, manifest), "touched", proofs)
+    assert len(decoded) == sum(1 for t in manifest.tensors if t.changed > 0)
+    assert_holds(held, trainer.states[version])
+
+
+def test_an_early_proof_against_the_wrong_weights_is_refused_before_any_write(
+    trainer: Trainer, store: FileStore
+) -> None:
+    """Held weights that are not the delta's base give hashes the manifest refutes."""
+    trainer.publish()
+    trainer.publish()
+    version = trainer.publish()
+    manifest = chain.load_manifest(store, RUN, "delta", version)
+    target, held = held_copy(trainer, 0)  # two versions behind
+    proofs = early_proofs(target, store, manifest)
+    before = {n: t.clone() for n, t in held.items()}
+    with pytest.raises(MismatchError, match=r"not the delta's base|content hash after patching"):
+        target.apply_delta(manifest, objects_of(store, manifest), "touched", proofs)
+    assert_holds(held, before)
+
+
+def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
+    trainer: Trainer, store: FileStore, private_redis: RedisServer
+) -> None:
+    publisher = redis_client(private_redis.url)
+    node_client = redis_client(private_redis.url)
+    stream = EventStream(publisher, RUN)
+    trainer.publish()
+    target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.current.items()})
+    reads: list[str] = []
+    real_get = store.get
+
+    def counted_get(key: str) -> bytes:
+        reads.append(key)
+        return real_get(key)
+
+    store.get = counted_get  # type: ignore[method-assign]
+    node = RolloutNode(
+        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
+        node_id="early", poll_interval_s=3600, early_start=True,
+    )  # fmt: skip
+    assert node.early is not None
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
+    thread.start()
+    try:
+        announce(stream, store, 0)
+        wait_for_version(node, 0, thread)
+        for _ in range(200):  # the node listens on the hint channel
+            if publisher.pubsub_numsub(channel(RUN))[0][1] == 1:
+                break
+            time.sleep(0.05)
+        sent: list[DeltaPart] = []
+        for _ in range(3):
+            trainer.current = trainer.generator.step()
+            trainer.step += 1
+            step = trainer.step
+            result = publish_step(
+                store, RUN, step, trainer.checkpoint(step, trainer.current), trainer.cache,
+                level=1, part_bytes=PART_BYTES,
+                on_part=lambda hint: (sent.append(hint), publish_part(publisher, hint)),
+            )  # fmt: skip
+            assert result.status == "published"
+            trainer.states[step] = {k: v.clone() for k, v in trainer.current.items()}
+            manifest = chain.load_manifest(store, RUN, "delta", step)
+            for _ in range(200):  # the hints arrived before the announcement
+                if node.early.started(step) == len(manifest.objects):
+                    break
+                time.sleep(0.05)
+            announce(stream, store, step)
+            wait_for_version(node, step, thread)
+            assert node.history[-1].early_parts == len(manifest.objects) > 1
+        listed = [chain.load_manifest(store, RUN, "delta", s).objects for s in (1, 2, 3)]
+        assert [h.key for h in sent] == [o.key for objects in listed for o in objects]
+    finally:
+        stop.set()
+        thread.join(30)
+        publisher.close()
+        node_client.close()
+    weights = dict(target.export())
+    assert_holds(weights, trainer.states[trainer.step])
+    objects = [k for k in reads if "/deltas/" in k and not k.endswith("manifest.json")]
+    assert len(objects) == len(set(objects)) > 0  # each object fetched once
+
+
+def test_wrong_hints_change_nothing_applied(
+    trainer: Trainer, store: FileStore, private_redis: RedisServer
+) -> None:
+    """Hints naming bytes that are not the published object (or a version never
+    published) start work that is dropped; the node applies what the store holds."""
+    publisher = redis_client(private_redis.url)
+    node_client = redis_client(private_redis.url)
+    stream = EventStream(publisher, RUN)
+    trainer.publish()
+    target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.current.items()})
+    node = RolloutNode(
+        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
+        node_id="misled", poll_interval_s=3600, early_start=True,
+    )  # fmt: skip
+    assert node.early is not None
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
+    thread.start()
+    try:
+        announce(stream, store, 0)
+        wait_for_version(node, 0, thread)
+        step = trainer.publish()
+        manifest = chain.load_manifest(store, RUN, "delta", step)
+        first = manifest.objects[0]
+        bogus = [
+            DeltaPart.now(
+                run=RUN, version=step, parent=0, key=first.key, size=first.size, sha256="ab" * 32
+            ),
+            DeltaPart.now(
+                run=RUN, version=step + 7, parent=0, key=first.key, size=1, sha256="cd" * 32
+            ),
+        ]
+        for hint in bogus:
+            node.early.on_part(hint)
+        publisher.publish(channel(RUN), b"{not json")
+        announce(stream, store, step)
+        wait_for_version(node, step, thread)
+        assert node.history[-1].early_parts == 0
+    finally:
+        stop.set()
+        thread.join(30)
+        publisher.close()
+        node_client.close()
+    assert_holds(dict(target.export()), trainer.states[step])
+
+
+@pytest.mark.slow
+def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: Path) -> None:
+    """A diff worker and a `deltasync rollout` process, both real, with early start on
+    and small parts: the node starts on hinted parts of every version and its dump
+    equals the trainer's last version bit for bit."""
+    run = "early"
+    env = deltasync_env(
+        redis_url, tmp_path, DELTASYNC_EARLY_START="1", DELTASYNC_PART_BYTES=str(256 << 10)
+    )
+    settings = Settings.from_env(env)
+    set_current(Runtime(settings))
+    emitter = Emitter(run, settings=settings)
+    generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=1e-5, seed=5)
+    client = redis_client(redis_url)
+    events = EventStream(client, run)
+    dump = tmp_path / "node.safetensors"
+    state = generator.state()
+    rollout = ["rollout", "--run", run, "--target", "torch", "--node-id", "n1",
+               "--until", "4", "--poll", "30", "--dump", str(dump)]  # fmt: skip
+    with processes(env, tmp_path / "logs", diff=["worker", "diff"], node=rollout) as procs:
+
+        def applied(version: int) -> bool:
+            return any(
+                isinstance(e, DeltaApplied) and e.version == version
+                for _, e in events.read("0-0", count=10_000)
+            )
+
+        emitter.emit_state(0, state)
+        wait_for(lambda: applied(0), "v0 applied")
+        wait_for(lambda: client.pubsub_numsub(channel(run))[0][1] >= 1, "the node listening")
+        for step in range(1, 5):  # each hinted while the node holds its parent
+            state = generator.step()
+            emitter.emit_state(step, state)
+            wait_for(lambda step=step: applied(step), f"v{step} applied")
+        assert procs["node"].wait(timeout=300) == 0
+    client.close()
+    with CheckpointReader(dump) as reader:
+        got = {name: reader.get(name) for name in reader.names()}
+    assert_holds(got, state)
+    logs = [json.loads(line) for line in (tmp_path / "logs" / "node.log").read_text().splitlines()
+            if line.startswith("{")]  # fmt: skip
+    applied = [e for e in logs if e.get("event") == "applied"]
+    assert [e["version"] for e in applied] == [1, 2, 3, 4]
+    assert all(e["early_parts"] > 0 for e in applied), applied
