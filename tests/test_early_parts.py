@@ -300,3 +300,21 @@ def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: 
     applied = [e for e in logs if e.get("event") == "applied"]
     assert [e["version"] for e in applied] == [1, 2, 3, 4]
     assert all(e["early_parts"] > 0 for e in applied), applied
+
+
+def test_tail_hints_prints_each_hint_as_it_comes(redis_url: str, tmp_path: Path) -> None:
+    """`deltasync tail --hints`, a real process, shows the hints a diff job sends."""
+    env = deltasync_env(redis_url, tmp_path)
+    client = redis_client(redis_url)
+    hint = DeltaPart.now(
+        run="hinted", version=3, parent=2, key="part-00001.safetensors", size=5, sha256="e" * 64
+    )
+    with processes(env, tmp_path / "logs", tail=["tail", "--run", "hinted", "--hints", "--json"]):
+        wait_for(lambda: client.pubsub_numsub(channel("hinted"))[0][1] >= 1, "tail listening")
+        publish_part(client, hint)
+        log = tmp_path / "logs" / "tail.log"
+        wait_for(lambda: '"delta-part"' in log.read_text(), "the hint printed")
+    shown = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert [DeltaPart(**{k: v for k, v in d.items() if k not in ("type", "schema")})
+            for d in shown if d.get("type") == "delta-part"] == [hint]  # fmt: skip
+    client.close()

@@ -197,9 +197,10 @@ def test_cli_errors_are_one_line(redis_url: str, tmp_path: Path) -> None:
     out = cli(env, "emit", "--run", "../evil", "--step", "1", "--checkpoint", str(bad_run))
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     unreachable = deltasync_env("redis://127.0.0.1:1/0", tmp_path)
-    out = cli(unreachable, "tail", "--run", "r")
-    assert out.returncode != 0
-    assert "127.0.0.1:1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    for extra in ([], ["--hints"]):
+        out = cli(unreachable, "tail", "--run", "r", *extra)
+        assert out.returncode != 0
+        assert "127.0.0.1:1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 def test_a_later_job_publishes_earlier_pending_steps_first(redis_url: str, tmp_path: Path) -> None:

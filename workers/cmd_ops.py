@@ -83,13 +83,29 @@ def _last_line(job: object) -> str:
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of readable lines.")
 @click.option("--type", "types", multiple=True, help="Only events of this type (repeatable).")
 @click.option("--since", default="0-0", show_default=True, help="Stream id to start after.")
+@click.option(
+    "--hints",
+    is_flag=True,
+    help="Instead of the stream: print delta-part hints (each part as it is stored, before "
+    "its manifest) live, until interrupted. Hints are not kept: only new ones show.",
+)
 @click.pass_context
 def tail(
-    ctx: click.Context, run: str, follow: bool, as_json: bool, types: tuple[str, ...], since: str
+    ctx: click.Context,
+    run: str,
+    follow: bool,
+    as_json: bool,
+    types: tuple[str, ...],
+    since: str,
+    hints: bool,
 ) -> None:
-    """Print a run's event stream, oldest first; --follow to keep going."""
-    from workers.ops import tail_events
+    """Print a run's event stream, oldest first; --follow to keep going, --hints for
+    the live part hints instead."""
+    from workers.ops import tail_events, tail_hints
 
+    if hints:
+        tail_hints(from_context(ctx), run, as_json=as_json)
+        return
     tail_events(
         from_context(ctx), run, follow=follow, as_json=as_json, types=set(types), since=since
     )

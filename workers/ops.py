@@ -16,7 +16,9 @@ from rq.serializers import JSONSerializer
 from pipeline import chain
 from pipeline.errors import ChainError
 from pipeline.event_stream import EventStream
-from pipeline.events import Event
+from pipeline.events import DeltaPart, Event
+from pipeline.part_hints import PartListener
+from pipeline.redis_server import redis_errors
 from pipeline.replicas import list_replicas
 from workers import queues
 from workers.runtime import Runtime
@@ -78,6 +80,32 @@ def tail_events(
                 show(event_id, maybe)
                 last = event_id
     return printed
+
+
+def tail_hints(
+    runtime: Runtime, run: str, *, as_json: bool, stop: threading.Event | None = None
+) -> None:
+    """Print delta-part hints of ``run`` as they arrive, until ``stop`` or Ctrl-C."""
+    stop = stop or threading.Event()
+
+    def show(hint: DeltaPart) -> None:
+        if as_json:
+            click.echo(json.dumps(hint.to_dict(), sort_keys=True))
+        else:
+            click.echo(format_event("hint", hint))
+        sys.stdout.flush()
+
+    client = runtime.redis
+    with redis_errors(client, "subscribing to part hints"):
+        client.ping()  # an unreachable Redis is a one-line error, not a silent wait
+    listener = PartListener(client, run, show).start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        listener.close()
 
 
 def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
