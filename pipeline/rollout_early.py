@@ -30,7 +30,7 @@ from pipeline.manifest import Manifest, object_key
 from pipeline.part_hints import PartListener
 from pipeline.store.base import ObjectStore
 from pipeline.targets.base import EarlyProver
-from pipeline.targets.patching import EarlyProof
+from pipeline.targets.proving import EarlyProof
 
 log = structlog.get_logger("pipeline.rollout")
 

@@ -29,7 +29,7 @@ from pipeline.redis_server import redis_client
 from pipeline.rollout import RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator
-from pipeline.targets.patching import EarlyProof
+from pipeline.targets.proving import EarlyProof
 from pipeline.targets.torch import TorchTarget
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
 from tests.servers import RedisServer

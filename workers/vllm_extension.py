@@ -32,13 +32,8 @@ from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError, T
 from pipeline.hashing import content_hash, sha256_bytes, state_hash
 from pipeline.manifest import TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
-from pipeline.targets.patching import (
-    AppliedPatches,
-    apply_verified,
-    decode_entries,
-    int_view,
-    prove_entries,
-)
+from pipeline.targets.patching import AppliedPatches, apply_verified, decode_entries, int_view
+from pipeline.targets.proving import prove_entries
 from pipeline.targets.vllm_cpu import computes_from_weight
 from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm_mapping import (

@@ -15,7 +15,7 @@ import torch
 from pipeline.manifest import Manifest
 
 if TYPE_CHECKING:
-    from pipeline.targets.patching import EarlyProof
+    from pipeline.targets.proving import EarlyProof
 
 VerifyMode = Literal["touched", "all", "none"]
 

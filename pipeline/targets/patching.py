@@ -13,6 +13,8 @@ Shared by every target. The flow a target follows:
    content on a scratch copy (one tensor at a time, so memory stays bounded by the
    largest tensor) and check its hash against the manifest, still before any
    write, so a target can keep hashing out of the time its weights are locked.
+   ``pipeline.targets.proving.decode_and_prove`` does 2 and 3 (and gathers the old
+   contents) in one pass per tensor; targets call that.
 4. ``apply_verified(patches, tensor, expected)``: write the patches into the held
    tensors in place, optionally hash the result, and roll every written element
    back if any hash differs from the manifest. Only the old contents at the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from pipeline import faults
-from pipeline.codec import DeltaObject, HashedPatch, TensorPatch, apply_patch, read_delta
+from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.hashing import content_hash, patched_content_hash, sha256_bytes
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
@@ -92,7 +94,7 @@ def check_entry_spec(entry: TensorEntry, specs: Mapping[str, TensorSpec]) -> Non
         )
 
 
-def _parse(objects: Mapping[str, bytes], keys: Iterable[str]) -> dict[str, DeltaObject]:
+def parse_objects(objects: Mapping[str, bytes], keys: Iterable[str]) -> dict[str, DeltaObject]:
     parsed: dict[str, DeltaObject] = {}
     for key in sorted(set(keys)):
         data = objects.get(key)
@@ -122,18 +124,18 @@ def decode_entries(
     that cannot be read or decoded.
     """
     patches: list[TensorPatch] = []
-    for entry, delta, held, spec in _changes(entries, objects, base, specs):
-        patch = _decode(delta, entry, held)
-        _check_patch(patch, entry, spec)
+    for entry, delta, held, spec in changed_entries(entries, objects, base, specs):
+        patch = decode_entry(delta, entry, held)
+        check_patch(patch, entry, spec)
         patches.append(patch)
     return patches
 
 
-def _decode(delta: DeltaObject, entry: TensorEntry, held: torch.Tensor) -> TensorPatch:
-    return _guarded(delta.decode, entry, held)
+def decode_entry(delta: DeltaObject, entry: TensorEntry, held: torch.Tensor) -> TensorPatch:
+    return guarded(delta.decode, entry, held)
 
 
-def _guarded(
+def guarded(
     decode: Callable[[str, torch.Tensor], _T], entry: TensorEntry, held: torch.Tensor
 ) -> _T:
     """``decode(entry.name, held)``, with any error that is not deltasync's own (a
@@ -147,7 +149,7 @@ def _guarded(
         raise CorruptObjectError(f"tensor {entry.name} in object {entry.object}: {exc}") from exc
 
 
-def _changes(
+def changed_entries(
     entries: Sequence[TensorEntry],
     objects: Mapping[str, bytes],
     base: Callable[[str], torch.Tensor],
@@ -162,7 +164,7 @@ def _changes(
     for entry in entries:
         check_entry_spec(entry, specs)
     changed = [entry for entry in entries if entry.changed > 0]
-    parsed = _parse(objects, (entry.object for entry in changed))
+    parsed = parse_objects(objects, (entry.object for entry in changed))
     listed = {entry.name for entry in changed}
     for key, delta in parsed.items():
         for stored in delta.tensors:
@@ -194,7 +196,7 @@ def _changes(
         yield entry, delta, held, spec
 
 
-def _check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> None:
+def check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> None:
     count = patch.positions.numel()
     if count != entry.changed or patch.values.numel() != count:
         raise CorruptObjectError(
@@ -261,174 +263,12 @@ def hash_patched(
             del scratch
         want = expected.get(patch.name)
         if digest != want:
-            raise _hash_mismatch(patch.name, digest, want)
+            raise hash_mismatch(patch.name, digest, want)
         hashes[patch.name] = digest
     return hashes
 
 
-@dataclass(frozen=True)
-class ProvenPatches:
-    """Patches whose results were checked against the manifest's hashes before any
-    write, with the held contents at their positions (for undo)."""
-
-    patches: list[TensorPatch]
-    hashes: dict[str, str]  # new content hash per touched tensor
-    old_values: dict[str, torch.Tensor]
-
-
-def decode_and_prove(
-    manifest: Manifest,
-    objects: Mapping[str, bytes],
-    base: Callable[[str], torch.Tensor],
-    specs: Mapping[str, TensorSpec],
-    early: Mapping[str, HashedPatch] | None = None,
-) -> ProvenPatches:
-    """``decode_manifest``, ``hash_patched`` and ``saved_old_values`` in one go, with
-    the same checks and errors, writing nothing. For CPU tensors in the common
-    encodings one chunked pass over each held tensor does all three (the codec's
-    ``decode_hashed``) instead of three passes, two of them scattered."""
-    if manifest.kind != "delta":
-        raise MismatchError(
-            f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
-        )
-    check_objects(manifest, objects)
-    return prove_entries(manifest.tensors, objects, base, specs, early)
-
-
-def prove_entries(
-    entries: Sequence[TensorEntry],
-    objects: Mapping[str, bytes],
-    base: Callable[[str], torch.Tensor],
-    specs: Mapping[str, TensorSpec],
-    early: Mapping[str, HashedPatch] | None = None,
-) -> ProvenPatches:
-    """:func:`decode_and_prove` for callers that checked the objects themselves:
-    ``entries`` are all of a delta manifest's tensor entries. CPU tensors are proven
-    on ``PROVE_THREADS`` threads (the compiled walk, copies and hashes release the
-    GIL); the first tensor at fault, in manifest order, is the one reported.
-    ``early`` holds results already computed for some tensors (see
-    :func:`early_patches`); they are checked like the others, not recomputed."""
-    early = early or {}
-    changes = list(_changes(entries, objects, base, specs))
-    # CPU only: on a GPU each proof holds a scratch copy of its tensor on the device.
-    on_cpu = all(held.device.type == "cpu" for _, _, held, _ in changes)
-    if PROVE_THREADS > 1 and len(changes) > 1 and on_cpu:
-        pool = _provers()
-        futures = [pool.submit(_prove_one, *change, base, early) for change in changes]
-        try:
-            results = [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            wait(futures)  # none still reads the weights once the caller goes on
-            raise
-    else:
-        results = [_prove_one(*change, base, early) for change in changes]
-    proven = ProvenPatches([], {}, {})
-    for patch, digest, old in results:
-        proven.patches.append(patch)
-        proven.hashes[patch.name] = digest
-        proven.old_values[patch.name] = old
-    return proven
-
-
-# Proving is one pass over each touched tensor, about half of it compiled walking and
-# half memory copy and hashing; tensors are independent, so a node with idle cores
-# proves several at once (2 threads on 2 idle cores: 1.7x faster). Half the cores, as
-# for encoding: two replicas of 2 threads each on 2 cores were 1.3x slower than 1.
-PROVE_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
-_prove_pool: ThreadPoolExecutor | None = None
-
-
-def _provers() -> ThreadPoolExecutor:
-    global _prove_pool
-    if _prove_pool is None:
-        _prove_pool = ThreadPoolExecutor(PROVE_THREADS, thread_name_prefix="deltasync-prove")
-    return _prove_pool
-
-
-def _prove_one(
-    entry: TensorEntry,
-    delta: DeltaObject,
-    held: torch.Tensor,
-    spec: TensorSpec,
-    base: Callable[[str], torch.Tensor],
-    early: Mapping[str, HashedPatch],
-) -> tuple[TensorPatch, str, torch.Tensor]:
-    """(patch, content hash after it, held contents at its positions) of one tensor,
-    checked against its manifest entry; nothing is written."""
-    hashed = early.get(entry.name)
-    if hashed is None and held.device.type == "cpu":
-        hashed = _guarded(delta.decode_hashed, entry, held)
-    if hashed is None:
-        patch = _decode(delta, entry, held)
-        _check_patch(patch, entry, spec)
-        digest = hash_patched([patch], base, {entry.name: entry.hash})[entry.name]
-        return patch, digest, saved_old_values([patch], base)[entry.name]
-    _check_patch(hashed.patch, entry, spec)
-    if hashed.digest != entry.hash:
-        raise _hash_mismatch(entry.name, hashed.digest, entry.hash)
-    return hashed.patch, hashed.digest, hashed.old
-
-
-@dataclass(frozen=True)
-class EarlyProof:
-    """A delta object decoded and hashed against a target's held weights before its
-    manifest was read: what :func:`prove_entries` would compute for its tensors."""
-
-    key: str  # the object's key in its version folder
-    sha256: str  # of the object's bytes
-    generation: str  # the target and its write count when made: stale after a write
-    hashed: dict[str, HashedPatch]
-
-
-def prove_object(
-    key: str, data: bytes, base: Callable[[str], torch.Tensor]
-) -> dict[str, HashedPatch]:
-    """The one-pass proof (patch, old contents, hash after it) of every changed CPU
-    tensor of one delta object, against ``base(name)``; nothing is written. Tensors
-    the compiled walk does not handle are left to the full proof."""
-    delta = _parse({key: data}, [key])[key]
-    out: dict[str, HashedPatch] = {}
-    for info in delta.tensors:
-        if info.changed == 0:
-            continue
-        held = base(info.name)
-        if held.device.type != "cpu":
-            continue
-        named = TensorEntry(
-            name=info.name,
-            dtype=dtype_name(info.dtype),
-            shape=tuple(info.shape),
-            hash="",  # not known before the manifest: checked against it later
-            object=key,
-            changed=info.changed,
-        )
-        hashed = _guarded(delta.decode_hashed, named, held)
-        if hashed is not None:
-            out[info.name] = hashed
-    return out
-
-
-def early_patches(
-    manifest: Manifest, proofs: Sequence[EarlyProof], generation: str
-) -> dict[str, HashedPatch]:
-    """The early results that hold for ``manifest``: made at ``generation`` (no write
-    since), from an object the manifest lists with the same sha256, for a tensor the
-    manifest places in that object."""
-    objects = {o.key: o.sha256 for o in manifest.objects}
-    valid = {
-        p.key: p for p in proofs if p.generation == generation and objects.get(p.key) == p.sha256
-    }
-    out: dict[str, HashedPatch] = {}
-    for entry in manifest.tensors:
-        proof = valid.get(entry.object)
-        if proof is not None and entry.name in proof.hashed:
-            out[entry.name] = proof.hashed[entry.name]
-    return out
-
-
-def _hash_mismatch(name: str, digest: str, want: str | None) -> MismatchError:
+def hash_mismatch(name: str, digest: str, want: str | None) -> MismatchError:
     return MismatchError(
         f"tensor {name}: content hash after patching is {digest}, "
         f"manifest says {want} (wrong base version?)"
@@ -549,7 +389,7 @@ def apply_verified(
                 digest = content_hash(tensor(patch.name))
                 want = expected.get(patch.name)
                 if digest != want:
-                    raise _hash_mismatch(patch.name, digest, want)
+                    raise hash_mismatch(patch.name, digest, want)
                 applied.hashes[patch.name] = digest
         return applied
     except BaseException:

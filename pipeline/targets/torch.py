@@ -26,16 +26,13 @@ from pipeline.errors import MismatchError, TargetError
 from pipeline.hashing import content_hash, state_hash
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
-from pipeline.targets.patching import (
+from pipeline.targets.patching import apply_verified, decode_manifest, int_view, saved_old_values
+from pipeline.targets.proving import (
     EarlyProof,
     ProvenPatches,
-    apply_verified,
     decode_and_prove,
-    decode_manifest,
     early_patches,
-    int_view,
     prove_object,
-    saved_old_values,
 )
 
 log = structlog.get_logger(__name__)
