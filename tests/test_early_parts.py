@@ -6,13 +6,15 @@ objects are fetched once, and a stale, foreign or wrong early result is ignored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 
 from pipeline import chain
@@ -146,14 +148,39 @@ def test_an_early_proof_against_the_wrong_weights_is_refused_before_any_write(
     assert_holds(held, before)
 
 
+@contextlib.contextmanager
+def early_node(
+    store: FileStore, trainer: Trainer, redis_url: str, node_id: str
+) -> Iterator[tuple[RolloutNode, TorchTarget, redis.Redis, EventStream]]:
+    """A node with early start following the run from version 0 on its own thread,
+    listening for hints; yields (node, its target, a publisher client, the stream)."""
+    publisher = redis_client(redis_url)
+    node_client = redis_client(redis_url)
+    stream = EventStream(publisher, RUN)
+    target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.states[0].items()})
+    node = RolloutNode(
+        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
+        node_id=node_id, poll_interval_s=3600, early_start=True,
+    )  # fmt: skip
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
+    thread.start()
+    try:
+        announce(stream, store, 0)
+        wait_for_version(node, 0, thread)
+        wait_for(lambda: publisher.pubsub_numsub(channel(RUN))[0][1] == 1, "node listening")
+        yield node, target, publisher, stream
+    finally:
+        stop.set()
+        thread.join(30)
+        publisher.close()
+        node_client.close()
+
+
 def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
     trainer: Trainer, store: FileStore, private_redis: RedisServer
 ) -> None:
-    publisher = redis_client(private_redis.url)
-    node_client = redis_client(private_redis.url)
-    stream = EventStream(publisher, RUN)
     trainer.publish()
-    target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.current.items()})
     reads: list[str] = []
     real_get = store.get
 
@@ -162,22 +189,9 @@ def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
         return real_get(key)
 
     store.get = counted_get  # type: ignore[method-assign]
-    node = RolloutNode(
-        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
-        node_id="early", poll_interval_s=3600, early_start=True,
-    )  # fmt: skip
-    assert node.early is not None
-    stop = threading.Event()
-    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
-    thread.start()
-    try:
-        announce(stream, store, 0)
-        wait_for_version(node, 0, thread)
-        for _ in range(200):  # the node listens on the hint channel
-            if publisher.pubsub_numsub(channel(RUN))[0][1] == 1:
-                break
-            time.sleep(0.05)
-        sent: list[DeltaPart] = []
+    sent: list[DeltaPart] = []
+    with early_node(store, trainer, private_redis.url, "early") as (node, target, client, stream):
+        assert node.early is not None
         for _ in range(3):
             trainer.current = trainer.generator.step()
             trainer.step += 1
@@ -185,27 +199,22 @@ def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
             result = publish_step(
                 store, RUN, step, trainer.checkpoint(step, trainer.current), trainer.cache,
                 level=1, part_bytes=PART_BYTES,
-                on_part=lambda hint: (sent.append(hint), publish_part(publisher, hint)),
+                on_part=lambda hint: (sent.append(hint), publish_part(client, hint)),
             )  # fmt: skip
             assert result.status == "published"
             trainer.states[step] = {k: v.clone() for k, v in trainer.current.items()}
-            manifest = chain.load_manifest(store, RUN, "delta", step)
-            for _ in range(200):  # the hints arrived before the announcement
-                if node.early.started(step) == len(manifest.objects):
-                    break
-                time.sleep(0.05)
+            parts = len(chain.load_manifest(store, RUN, "delta", step).objects)
+            early = node.early
+            wait_for(
+                lambda early=early, step=step, parts=parts: early.started(step) == parts,
+                "the hints, before the announcement",
+            )
             announce(stream, store, step)
-            wait_for_version(node, step, thread)
-            assert node.history[-1].early_parts == len(manifest.objects) > 1
-        listed = [chain.load_manifest(store, RUN, "delta", s).objects for s in (1, 2, 3)]
-        assert [h.key for h in sent] == [o.key for objects in listed for o in objects]
-    finally:
-        stop.set()
-        thread.join(30)
-        publisher.close()
-        node_client.close()
-    weights = dict(target.export())
-    assert_holds(weights, trainer.states[trainer.step])
+            wait_for(lambda step=step: node.applied_version == step, f"v{step} applied")
+            assert node.history[-1].early_parts == parts > 1
+    listed = [chain.load_manifest(store, RUN, "delta", s).objects for s in (1, 2, 3)]
+    assert [h.key for h in sent] == [o.key for objects in listed for o in objects]
+    assert_holds(dict(target.export()), trainer.states[trainer.step])
     objects = [k for k in reads if "/deltas/" in k and not k.endswith("manifest.json")]
     assert len(objects) == len(set(objects)) > 0  # each object fetched once
 
@@ -215,44 +224,24 @@ def test_wrong_hints_change_nothing_applied(
 ) -> None:
     """Hints naming bytes that are not the published object (or a version never
     published) start work that is dropped; the node applies what the store holds."""
-    publisher = redis_client(private_redis.url)
-    node_client = redis_client(private_redis.url)
-    stream = EventStream(publisher, RUN)
     trainer.publish()
-    target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.current.items()})
-    node = RolloutNode(
-        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
-        node_id="misled", poll_interval_s=3600, early_start=True,
-    )  # fmt: skip
-    assert node.early is not None
-    stop = threading.Event()
-    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
-    thread.start()
-    try:
-        announce(stream, store, 0)
-        wait_for_version(node, 0, thread)
+    with early_node(store, trainer, private_redis.url, "misled") as (node, target, client, stream):
+        assert node.early is not None
         step = trainer.publish()
-        manifest = chain.load_manifest(store, RUN, "delta", step)
-        first = manifest.objects[0]
-        bogus = [
+        first = chain.load_manifest(store, RUN, "delta", step).objects[0]
+        for hint in (
             DeltaPart.now(
                 run=RUN, version=step, parent=0, key=first.key, size=first.size, sha256="ab" * 32
             ),
             DeltaPart.now(
                 run=RUN, version=step + 7, parent=0, key=first.key, size=1, sha256="cd" * 32
             ),
-        ]
-        for hint in bogus:
+        ):
             node.early.on_part(hint)
-        publisher.publish(channel(RUN), b"{not json")
+        client.publish(channel(RUN), b"{not json")
         announce(stream, store, step)
-        wait_for_version(node, step, thread)
+        wait_for(lambda: node.applied_version == step, f"v{step} applied")
         assert node.history[-1].early_parts == 0
-    finally:
-        stop.set()
-        thread.join(30)
-        publisher.close()
-        node_client.close()
     assert_holds(dict(target.export()), trainer.states[step])
 
 
