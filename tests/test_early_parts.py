@@ -252,7 +252,7 @@ def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: 
     equals the trainer's last version bit for bit."""
     run = "early"
     env = deltasync_env(
-        redis_url, tmp_path, DELTASYNC_EARLY_START="1", DELTASYNC_PART_BYTES=str(256 << 10)
+        redis_url, tmp_path, DELTASYNC_EARLY_START="0", DELTASYNC_PART_BYTES=str(256 << 10)
     )
     settings = Settings.from_env(env)
     set_current(Runtime(settings))
@@ -262,7 +262,8 @@ def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: 
     events = EventStream(client, run)
     dump = tmp_path / "node.safetensors"
     state = generator.state()
-    rollout = ["rollout", "--run", run, "--target", "torch", "--node-id", "n1",
+    # The option overrides the environment's DELTASYNC_EARLY_START=0.
+    rollout = ["rollout", "--run", run, "--target", "torch", "--node-id", "n1", "--early-start",
                "--until", "4", "--poll", "30", "--dump", str(dump)]  # fmt: skip
     with processes(env, tmp_path / "logs", diff=["worker", "diff"], node=rollout) as procs:
 

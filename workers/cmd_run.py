@@ -68,6 +68,13 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
     default=None,
     help="On exit, write the held weights as safetensors (checkpoint names).",
 )
+@click.option(
+    "--early-start/--no-early-start",
+    default=None,
+    help="Fetch and prove each part as the diff worker announces it, before the "
+    "manifest (torch target; pays when the node has cores of its own). "
+    "Default: DELTASYNC_EARLY_START.",
+)
 @click.pass_context
 def rollout(
     ctx: click.Context,
@@ -80,6 +87,7 @@ def rollout(
     poll_interval_s: float,
     until_version: int | None,
     dump_path: Path | None,
+    early_start: bool | None,
 ) -> None:
     """Follow a run and keep a target's weights at the newest published version."""
     from workers.rollout import run_rollout
@@ -97,6 +105,7 @@ def rollout(
         until_version=until_version,
         dump_path=dump_path,
         model_path=model_path,
+        early_start=early_start,
     )
 
 

@@ -74,10 +74,12 @@ def run_rollout(
     vllm_options: Mapping[str, Any] | None = None,
     stop: threading.Event | None = None,
     configure_logs: bool = False,
+    early_start: bool | None = None,
 ) -> int | None:
     """Run a rollout node until ``stop`` (or SIGINT/SIGTERM), or until ``until_version``
     is applied. Returns the applied version. ``store_url``/``redis_url`` override the
-    settings; without a Redis URL an embedded server in the data folder is used."""
+    settings; without a Redis URL an embedded server in the data folder is used.
+    ``early_start`` overrides ``DELTASYNC_EARLY_START``."""
     if verify not in ("touched", "all", "none"):
         raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
     if poll_interval_s <= 0:
@@ -125,7 +127,7 @@ def run_rollout(
             ),
             state_path=state_path_for(settings.data_dir, run, node_id),
             replica_ttl_s=settings.replica_ttl_s,
-            early_start=settings.early_start,
+            early_start=settings.early_start if early_start is None else early_start,
         )
         try:
             applied = node.run(until_version=until_version, stop=stop)
