@@ -222,11 +222,12 @@ class DeltaApplied(_Event):
     pause_s: float
     latency_s: float | None = None  # from step-completed to applied (clocks may differ)
     state_hash: str | None = None  # the replica's state hash after applying
+    early_parts: int | None = None  # objects proven from part hints before the manifest
 
     def _check(self, what: str) -> None:
         if not self.node:
             raise EventError(f"{what} of run {self.run}: empty node")
-        self._non_negative(what, "fetch_s", "apply_s", "pause_s")
+        self._non_negative(what, "fetch_s", "apply_s", "pause_s", "early_parts")
 
 
 @dataclass(frozen=True, kw_only=True)

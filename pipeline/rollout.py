@@ -486,6 +486,7 @@ class RolloutNode:
                 pause_s=pause_s,
                 latency_s=latency,
                 state_hash=manifest.state_hash,
+                early_parts=early_parts if self.early is not None else None,
             )
         )
 

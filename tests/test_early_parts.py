@@ -281,7 +281,6 @@ def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: 
             emitter.emit_state(step, state)
             wait_for(lambda step=step: applied(step), f"v{step} applied")
         assert procs["node"].wait(timeout=300) == 0
-    client.close()
     with CheckpointReader(dump) as reader:
         got = {name: reader.get(name) for name in reader.names()}
     assert_holds(got, state)
@@ -290,6 +289,11 @@ def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: 
     applied = [e for e in logs if e.get("event") == "applied"]
     assert [e["version"] for e in applied] == [1, 2, 3, 4]
     assert all(e["early_parts"] > 0 for e in applied), applied
+    # The node's delta-applied events say so too (what `deltasync tail` shows).
+    announced = {e.version: e.early_parts for _, e in events.read("0-0", count=10_000)
+                 if isinstance(e, DeltaApplied) and e.version > 0}  # fmt: skip
+    assert sorted(announced) == [1, 2, 3, 4] and all(announced.values()), announced
+    client.close()
 
 
 def test_tail_hints_prints_each_hint_as_it_comes(redis_url: str, tmp_path: Path) -> None:
