@@ -350,9 +350,9 @@ class RolloutNode:
         pending: deque[Future[Fetched]] = deque()
         todo = deque(path)
         depth = self.prefetch_depth if self.prefetch else 1
+        have = None if self.early is None else self.early.data  # early downloads, if any
         try:
             while todo or pending:
-                have = None if self.early is None else self.early.data
                 while todo and len(pending) < depth:
                     pending.append(
                         self._submit(fetch_delta, self.store, todo.popleft(), self.progress, have)

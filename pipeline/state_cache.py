@@ -127,9 +127,7 @@ class StateCache:
             return False
         if state["state_hash"] != manifest.state_hash:
             return False
-        changed = self._changed_link(state)
-        if changed is not None:
-            self._links_off(changed)
+        if not self._links_unchanged(state):
             return False
         try:
             with self.reader() as reader:
@@ -142,21 +140,21 @@ class StateCache:
         """False when a file the cache links to was modified since it was linked (the
         trainer rewrote its checkpoint in place); linking is then turned off for the run."""
         state = self._state()
-        changed = None if state is None else self._changed_link(state)
-        if changed is not None:
-            self._links_off(changed)
-        return changed is None
+        return state is None or self._links_unchanged(state)
 
-    def _changed_link(self, state: dict[str, Any]) -> str | None:
-        """The first linked file whose fingerprint differs from the recorded one."""
+    def _links_unchanged(self, state: dict[str, Any]) -> bool:
+        """False (and linking turned off) when a linked file's fingerprint differs from
+        the recorded one."""
         folder = self.root / str(state["folder"])
         for name, recorded in state.get("linked", {}).items():
             try:
-                if _fingerprint(folder / str(name)) != recorded:
-                    return str(name)
+                unchanged = _fingerprint(folder / str(name)) == recorded
             except (OSError, TypeError):
-                return str(name)
-        return None
+                unchanged = False
+            if not unchanged:
+                self._links_off(str(name))
+                return False
+        return True
 
     def _links_off(self, name: str) -> None:
         marker = self.root / self.LINKS_OFF

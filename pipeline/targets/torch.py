@@ -93,8 +93,9 @@ class TorchTarget:
         # Names as the checkpoint carries them (for export); all names until known.
         self._checkpoint_names: list[str] = list(self._names)
         self._hash_cache: dict[str, str] = {}  # canonical name -> content hash
-        # This target's writes so far: an early proof holds until the next one.
-        self._generation = f"{uuid.uuid4().hex}/0"
+        # This target and its writes so far: an early proof holds until the next write.
+        self._token = uuid.uuid4().hex
+        self._writes = 0
 
     # -- introspection -------------------------------------------------------------
 
@@ -173,7 +174,7 @@ class TorchTarget:
         order: list[str] = []
         with self._write_lock, self.lock:
             self._hash_cache.clear()
-            self._next_generation()
+            self._writes += 1
             for name, src in tensors:
                 canonical = self._resolve(name, "load_state")
                 self._check_spec(name, src.dtype, tuple(src.shape), "load_state")
@@ -206,9 +207,9 @@ class TorchTarget:
 
     # -- delta apply ---------------------------------------------------------------
 
-    def _next_generation(self) -> None:
-        token, count = self._generation.split("/")
-        self._generation = f"{token}/{int(count) + 1}"
+    @property
+    def _generation(self) -> str:
+        return f"{self._token}/{self._writes}"
 
     def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
         """Decode and hash one delta object against the held weights before its
@@ -275,7 +276,7 @@ class TorchTarget:
             else:
                 new_hashes, old_values = proven.hashes, proven.old_values
             with self.lock:
-                self._next_generation()
+                self._writes += 1
                 for canonical in touched:
                     self._hash_cache.pop(canonical, None)
                 start = time.perf_counter()
