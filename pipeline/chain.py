@@ -1,4 +1,4 @@
-"""The version chain of a run: list, resolve, reconstruct, verify, plan GC.
+"""The version chain of a run: list, resolve and reconstruct versions.
 
 Everything here works from the store alone (the store is the truth). A
 version V is rebuilt from the newest anchor at or below it plus the deltas
@@ -12,25 +12,20 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pipeline import faults
-from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.codec import apply_patch, read_delta
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import (
     ChainError,
     CorruptObjectError,
-    DeltasyncError,
     ObjectNotFoundError,
-    StoreError,
 )
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
@@ -42,9 +37,8 @@ from pipeline.manifest import (
     check_run,
     dtype_name,
     manifest_key,
-    parse_manifest,
-    version_prefix,
 )
+from pipeline.manifest_parse import parse_manifest
 from pipeline.signing import verify_signature
 from pipeline.store.base import ObjectStore
 
@@ -77,7 +71,7 @@ class VersionIndex:
         return max((a for a in self.anchors if a <= version), default=None)
 
 
-def _scan(store: ObjectStore, run: str, kind: Kind) -> dict[int, list[str]]:
+def version_folders(store: ObjectStore, run: str, kind: Kind) -> dict[int, list[str]]:
     """Every key under ``<run>/<kind folder>/``, grouped by version folder."""
     prefix = f"{check_run(run)}/{KIND_FOLDERS[kind]}/"
     folders: dict[int, list[str]] = {}
@@ -88,7 +82,7 @@ def _scan(store: ObjectStore, run: str, kind: Kind) -> dict[int, list[str]]:
     return folders
 
 
-def _with_manifest(folders: dict[int, list[str]]) -> tuple[int, ...]:
+def with_manifest(folders: dict[int, list[str]]) -> tuple[int, ...]:
     return tuple(
         sorted(
             v
@@ -101,8 +95,8 @@ def _with_manifest(folders: dict[int, list[str]]) -> tuple[int, ...]:
 def list_versions(store: ObjectStore, run: str) -> VersionIndex:
     return VersionIndex(
         run=run,
-        deltas=_with_manifest(_scan(store, run, "delta")),
-        anchors=_with_manifest(_scan(store, run, "anchor")),
+        deltas=with_manifest(version_folders(store, run, "delta")),
+        anchors=with_manifest(version_folders(store, run, "anchor")),
     )
 
 
@@ -350,174 +344,3 @@ def reconstruct(
         )
     log.info("version reconstructed", run=run, version=version, out=str(out_path))
     return plan.target
-
-
-# ---------------------------------------------------------------- verify
-
-
-@dataclass(frozen=True)
-class TensorDifference:
-    name: str
-    reason: str  # "content", "dtype", "shape", "missing", "extra", "manifest-hash"
-    differing: int = 0  # elements that differ (content only)
-
-
-@dataclass
-class VerifyReport:
-    run: str
-    version: int
-    tensors: int = 0  # tensors compared
-    objects: int = 0  # objects whose size and sha256 were checked
-    bad_objects: list[str] = field(default_factory=list)
-    differences: list[TensorDifference] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.bad_objects and not self.differences
-
-    def describe(self) -> str:
-        head = f"run {self.run} version {self.version}"
-        if self.bad_objects:
-            return f"{head}: {len(self.bad_objects)} bad object(s): {self.bad_objects[0]}"
-        if not self.differences:
-            return f"{head}: bit-identical ({self.tensors} tensors, {self.objects} objects checked)"
-        shown = ", ".join(
-            f"{d.name} ({d.reason}" + (f", {d.differing} elements)" if d.differing else ")")
-            for d in self.differences[:3]
-        )
-        more = f" and {len(self.differences) - 3} more" if len(self.differences) > 3 else ""
-        return f"{head}: {len(self.differences)} tensor(s) differ: {shown}{more}"
-
-
-_BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bit_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The same bytes as integers of the same width (compare these, never floats)."""
-    return tensor.contiguous().view(_BIT_VIEWS[tensor.element_size()])
-
-
-def count_differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((bit_view(a) != bit_view(b)).sum().item())
-
-
-def verify(
-    store: ObjectStore,
-    run: str,
-    version: int,
-    against_checkpoint: str | os.PathLike[str],
-) -> VerifyReport:
-    """Compare a stored version bitwise with a checkpoint; also check every object."""
-    plan = resolve(store, run, version)
-    report = VerifyReport(run, version)
-    for m in plan.manifests:
-        for entry in m.objects:
-            try:
-                fetch_object(store, m, entry)
-            except (CorruptObjectError, StoreError) as e:
-                report.bad_objects.append(str(e))
-            report.objects += 1
-    if report.bad_objects:
-        return report
-    reader = CheckpointReader(Path(against_checkpoint))
-    target = {t.name: t for t in plan.target.tensors}
-    for name in target:
-        if name not in reader:
-            report.differences.append(TensorDifference(name, "missing"))
-    for name in reader.names():
-        if name not in target:
-            report.differences.append(TensorDifference(name, "extra"))
-    try:
-        for name, tensor in reconstruct_tensors(
-            store, run, version, plan=plan, verify_hashes=False
-        ):
-            report.tensors += 1
-            if content_hash(tensor) != target[name].hash:
-                report.differences.append(TensorDifference(name, "manifest-hash"))
-            if name not in reader:
-                continue
-            theirs = reader.get(name)
-            if theirs.dtype != tensor.dtype:
-                report.differences.append(TensorDifference(name, "dtype"))
-            elif tuple(theirs.shape) != tuple(tensor.shape):
-                report.differences.append(TensorDifference(name, "shape"))
-            else:
-                n = count_differing(tensor, theirs)
-                if n:
-                    report.differences.append(TensorDifference(name, "content", n))
-            del theirs
-            reader.close()  # unmap: a checkpoint larger than RAM stays one tensor resident
-    finally:
-        reader.close()
-    return report
-
-
-# ---------------------------------------------------------------- garbage collection
-
-
-def gc_plan(index: VersionIndex, keep_anchors: int, min_live_version: int | None) -> list[str]:
-    """Manifest keys of the versions that may be deleted.
-
-    Kept: the newest ``keep_anchors`` anchors (at least one), every delta after the
-    newest anchor (the head's chain), and every delta after ``min_live_version`` (the
-    oldest version a live replica holds) so that it can still reach the head.
-    """
-    head = index.head
-    if head is None:
-        return []
-    newest_anchor = index.anchor_at_or_below(head)
-    if newest_anchor is None:
-        return []  # without an anchor every delta is part of the only chain
-    kept_anchors = set(sorted(index.anchors)[-max(1, keep_anchors) :])
-    cutoff = newest_anchor if min_live_version is None else min(newest_anchor, min_live_version)
-    doomed = [manifest_key(index.run, "anchor", a) for a in index.anchors if a not in kept_anchors]
-    doomed += [manifest_key(index.run, "delta", d) for d in index.deltas if d <= cutoff]
-    return sorted(doomed)
-
-
-def orphan_delta_folders(store: ObjectStore, run: str, below: int) -> list[str]:
-    """Delta folders under ``below`` (the head) holding objects but no manifest: remains
-    of a publish, or of a parallel diff's coordinator, that died. None can be published
-    any more (publish refuses steps not newer than the head) and a diff in flight writes
-    above the head. A helper of a dead fan-out may still upload into such a folder after
-    it is collected; the next collection takes that object too."""
-    folders = _scan(store, run, "delta")
-    published = set(_with_manifest(folders))
-    return [
-        version_prefix(run, "delta", v) for v in sorted(folders) if v < below and v not in published
-    ]
-
-
-def orphan_anchor_folders(store: ObjectStore, run: str, below: int) -> list[str]:
-    """Anchor folders under ``below`` holding objects but no manifest: remains of a
-    compaction or a garbage collection that crashed. Only safe to collect while holding
-    the run's compaction lock (no anchor is being written then)."""
-    folders = _scan(store, run, "anchor")
-    published = set(_with_manifest(folders))
-    return [
-        version_prefix(run, "anchor", v)
-        for v in sorted(folders)
-        if v < below and v not in published
-    ]
-
-
-def delete_versions(
-    store: ObjectStore, manifest_keys: Iterable[str], folders: Iterable[str]
-) -> list[str]:
-    """Delete manifests first (so no half-version is ever visible), then the objects of
-    their folders and of the orphan ``folders``; returns every deleted key."""
-    deleted: list[str] = []
-    keys = list(manifest_keys)
-    for key in keys:
-        store.delete(key)
-        deleted.append(key)
-    faults.point("gc.after_manifests")
-    for prefix in [k.rsplit("/", 1)[0] + "/" for k in keys] + list(folders):
-        for key in list(store.list(prefix)):
-            try:
-                store.delete(key)
-            except DeltasyncError as e:
-                log.warning("could not delete object", key=key, error=str(e))
-                continue
-            deleted.append(key)
-    return deleted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import structlog
 
-from pipeline import chain
+from pipeline import chain, retention
 from pipeline.errors import ChainError
 from pipeline.manifest import Manifest
 from pipeline.publish import PrivateKey, publish_anchor
@@ -51,17 +51,19 @@ def compact(
 def collect_garbage(
     store: ObjectStore, run: str, keep_anchors: int, min_live_version: int | None
 ) -> list[str]:
-    """Delete what no live replica and no bootstrap needs (see ``chain.gc_plan``), manifests
+    """Delete what no live replica and no bootstrap needs (see ``retention.gc_plan``), manifests
     first; also the remains of crashed delta publishes below the head, and of crashed
     compactions or collections below the newest anchor (callers hold the run's
     compaction lock, so no anchor is being written)."""
     index = chain.list_versions(store, run)
-    doomed = chain.gc_plan(index, keep_anchors, min_live_version)
-    orphans = chain.orphan_delta_folders(store, run, index.head) if index.head is not None else []
+    doomed = retention.gc_plan(index, keep_anchors, min_live_version)
+    orphans = (
+        retention.orphan_delta_folders(store, run, index.head) if index.head is not None else []
+    )
     newest_anchor = max(index.anchors, default=None)
     if newest_anchor is not None:
-        orphans += chain.orphan_anchor_folders(store, run, newest_anchor)
-    deleted = chain.delete_versions(store, doomed, orphans)
+        orphans += retention.orphan_anchor_folders(store, run, newest_anchor)
+    deleted = retention.delete_versions(store, doomed, orphans)
     if deleted:
         log.info(
             "garbage collected",

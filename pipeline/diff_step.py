@@ -20,7 +20,8 @@ import structlog
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.events import DeltaPart
-from pipeline.manifest import Kind, Manifest, check_tensor_name
+from pipeline.manifest import Kind, Manifest
+from pipeline.manifest_parse import check_tensor_name
 from pipeline.publish import (
     DEFAULT_PART_BYTES,
     PrivateKey,

@@ -42,9 +42,9 @@ from pipeline.manifest import (
     compute_state_hash,
     dtype_name,
     now_iso,
-    parse_manifest,
     to_json,
 )
+from pipeline.manifest_parse import parse_manifest
 from pipeline.publish import DEFAULT_PART_BYTES, plan_parts
 
 log = structlog.get_logger(__name__)

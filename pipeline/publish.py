@@ -44,10 +44,10 @@ from pipeline.manifest import (
     dtype_name,
     manifest_key,
     now_iso,
-    parse_manifest,
     to_json,
     version_prefix,
 )
+from pipeline.manifest_parse import parse_manifest
 from pipeline.signing import sign
 from pipeline.state_cache import check_against
 from pipeline.store.base import ObjectStore

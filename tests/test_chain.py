@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
+from pipeline import chain, retention, verify
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.compaction import collect_garbage, compact
@@ -99,7 +99,7 @@ def test_every_version_rebuilds_bit_exactly(store: ObjectStore, tmp_path: Path) 
     assert out.version == 9
     with CheckpointReader(tmp_path / "rebuilt.safetensors") as reader:
         assert all(same_bits(reader.get(n), t) for n, t in trainer.states[9].items())
-    report = chain.verify(store, trainer.run, 9, trainer.paths[9])
+    report = verify.verify(store, trainer.run, 9, trainer.paths[9])
     assert report.ok, report.describe()
     assert report.tensors == len(trainer.states[9]) and report.objects > 0
 
@@ -173,7 +173,7 @@ def test_damaged_object_is_named(file_store: FileStore, tmp_path: Path, damage: 
         chain.reconstruct(file_store, trainer.run, 2, out)
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
-    report = chain.verify(file_store, trainer.run, 2, trainer.paths[2])
+    report = verify.verify(file_store, trainer.run, 2, trainer.paths[2])
     assert not report.ok and key in report.bad_objects[0]
     trainer.assert_rebuilds(0)  # versions that do not need the object still rebuild
 
@@ -205,7 +205,7 @@ def test_manifest_hash_is_enforced(file_store: FileStore, tmp_path: Path) -> Non
     file_store.put(key, json.dumps(doc).encode())
     with pytest.raises(CorruptObjectError, match=victim["name"]):
         list(chain.reconstruct_tensors(file_store, trainer.run, 1))
-    report = chain.verify(file_store, trainer.run, 1, trainer.paths[1])
+    report = verify.verify(file_store, trainer.run, 1, trainer.paths[1])
     assert [(d.name, d.reason) for d in report.differences] == [(victim["name"], "manifest-hash")]
 
 
@@ -221,7 +221,7 @@ def test_verify_names_differing_tensors(file_store: FileStore, tmp_path: Path) -
     dropped = "model.norm.weight"
     del state[dropped]
     write_checkpoint(tmp_path / "other.safetensors", state.items())
-    report = chain.verify(file_store, trainer.run, 1, tmp_path / "other.safetensors")
+    report = verify.verify(file_store, trainer.run, 1, tmp_path / "other.safetensors")
     assert not report.ok
     found = {d.name: d for d in report.differences}
     assert found[name].reason == "content" and found[name].differing == 2
@@ -235,7 +235,8 @@ def test_gc_plan() -> None:
 
     def versions(keep: int, live: int | None) -> list[str]:
         return [
-            k.split("/")[1][0] + str(int(k.split("/")[2])) for k in chain.gc_plan(index, keep, live)
+            k.split("/")[1][0] + str(int(k.split("/")[2]))
+            for k in retention.gc_plan(index, keep, live)
         ]
 
     # Nothing live: keep the newest anchor and the head's chain after it.
@@ -244,8 +245,8 @@ def test_gc_plan() -> None:
     assert versions(2, 3) == ["a0", "d1", "d2", "d3"]
     # A replica at the head needs nothing old; keep_anchors < 1 still keeps one.
     assert versions(0, 9) == ["a0", "a5", "d1", "d2", "d3", "d5", "d6", "d8"]
-    assert chain.gc_plan(chain.VersionIndex("r", (), ()), 1, None) == []
-    assert chain.gc_plan(chain.VersionIndex("r", (1, 2), ()), 1, None) == []
+    assert retention.gc_plan(chain.VersionIndex("r", (), ()), 1, None) == []
+    assert retention.gc_plan(chain.VersionIndex("r", (1, 2), ()), 1, None) == []
 
 
 def test_collect_garbage_keeps_what_is_needed(file_store: FileStore, tmp_path: Path) -> None:

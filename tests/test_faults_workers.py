@@ -29,7 +29,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline import chain, replicas
+from pipeline import chain, replicas, retention
 from pipeline.config import Settings
 from pipeline.diff_step import publish_step
 from pipeline.event_stream import EventStream
@@ -411,8 +411,8 @@ def compaction_crash_scenario(tmp: Path, points: tuple[str, ...]) -> Outcome:
         assert index.head == c.step
         # The run's folders hold nothing but published versions (no half anchors left
         # below the newest one, no orphan delta objects).
-        assert not chain.orphan_delta_folders(c.store, c.run, c.step)
-        assert not chain.orphan_anchor_folders(c.store, c.run, max(index.anchors))
+        assert not retention.orphan_delta_folders(c.store, c.run, c.step)
+        assert not retention.orphan_anchor_folders(c.store, c.run, max(index.anchors))
     return outcome
 
 

@@ -27,7 +27,8 @@ from pipeline.diff_step import publish_step
 from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError, EventError
 from pipeline.event_stream import EventStream
 from pipeline.events import parse_event
-from pipeline.manifest import manifest_key, parse_manifest
+from pipeline.manifest import manifest_key
+from pipeline.manifest_parse import parse_manifest
 from pipeline.redis_server import redis_client
 from pipeline.rollout import RolloutNode
 from pipeline.state_cache import StateCache

@@ -22,9 +22,9 @@ from pipeline.manifest import (
     compute_state_hash,
     manifest_key,
     object_key,
-    parse_manifest,
     to_json,
 )
+from pipeline.manifest_parse import parse_manifest
 from pipeline.signing import (
     generate_keypair,
     load_private_key,

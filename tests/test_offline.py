@@ -11,7 +11,8 @@ import torch
 from pipeline.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.manifest import MANIFEST_NAME, parse_manifest
+from pipeline.manifest import MANIFEST_NAME
+from pipeline.manifest_parse import parse_manifest
 from pipeline.offline import apply_delta, create_delta, inspect_delta
 from pipeline.synthetic import UpdateGenerator
 from tests.test_chain import SMALL

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain, synthetic
+from pipeline import chain, retention, synthetic
 from pipeline.config import Settings
 from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError
@@ -280,7 +280,7 @@ def helper_kill_scenario(tmp: Path) -> Outcome:
         assert coordinator.poll() is None
         _step_done(c, c.emit(), "after the version the helper left")
         c.check_versions(set(range(c.step + 1)))
-        assert not chain.orphan_delta_folders(c.store, c.run, c.step)
+        assert not retention.orphan_delta_folders(c.store, c.run, c.step)
         outcome.runs = outcome.recovered = 1
     return outcome
 
@@ -318,7 +318,7 @@ def coordinator_kill_scenario(tmp: Path, fault: str, *, rq_retry: bool) -> Outco
             job_id = queues.diff_job_id(c.run, step)
             wait_for(lambda: _job_done(c.redis, job_id), f"the late retry of {job_id}")
         c.check_versions(set(range(c.step + 1)))
-        assert not chain.orphan_delta_folders(c.store, c.run, c.step)
+        assert not retention.orphan_delta_folders(c.store, c.run, c.step)
         outcome.runs = outcome.recovered = 1
     return outcome
 

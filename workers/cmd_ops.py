@@ -142,6 +142,7 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
     Also checks every object's size and sha256 on the way; names the damage.
     """
     from pipeline import chain
+    from pipeline.verify import verify as verify_version
 
     runtime = from_context(ctx)
     if version is None:
@@ -149,7 +150,7 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
         if head is None:
             raise ChainError(f"run {run!r} has no published version")
         version = head
-    report = chain.verify(runtime.store, run, version, against)
+    report = verify_version(runtime.store, run, version, against)
     click.echo(report.describe())
     if not report.ok:
         raise SystemExit(1)

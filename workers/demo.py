@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline import chain, synthetic
+from pipeline import synthetic, verify
 from pipeline.checkpoint import CheckpointReader
 from pipeline.event_stream import EventStream
 from pipeline.events import (
@@ -64,7 +64,7 @@ class VersionRow:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and chain.count_differing(a, b) == 0
+    return a.dtype == b.dtype and a.shape == b.shape and verify.count_differing(a, b) == 0
 
 
 class Demo:
@@ -223,7 +223,7 @@ class Demo:
                     row.trainer_hash = state_hash(hashes.items())
                     if step:
                         row.changed = sum(
-                            chain.count_differing(t, final_state[n]) for n, t in state.items()
+                            verify.count_differing(t, final_state[n]) for n, t in state.items()
                         )
                     row.total = sum(t.numel() for t in state.values())
                     final_state = {n: t.clone() for n, t in state.items()}

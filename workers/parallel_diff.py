@@ -16,7 +16,8 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.diff_step import PublishResult, publish_step
 from pipeline.errors import DeltasyncError, LockError, MismatchError
 from pipeline.logs import get_logger
-from pipeline.manifest import Kind, check_tensor_name
+from pipeline.manifest import Kind
+from pipeline.manifest_parse import check_tensor_name
 from pipeline.parallel import (
     Fanout,
     assemble,
