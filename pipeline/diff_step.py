@@ -22,16 +22,11 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.events import DeltaPart
 from pipeline.manifest import Kind, Manifest
 from pipeline.manifest_parse import check_tensor_name
-from pipeline.publish import (
-    DEFAULT_PART_BYTES,
-    PrivateKey,
-    PublishTimings,
-    StaleBaseError,
-    publish_anchor,
-    publish_delta,
-)
+from pipeline.parts import DEFAULT_PART_BYTES
+from pipeline.publish import PrivateKey, StaleBaseError, publish_anchor, publish_delta
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
+from pipeline.uploads import PublishTimings
 
 log = structlog.get_logger(__name__)
 

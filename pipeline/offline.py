@@ -45,7 +45,7 @@ from pipeline.manifest import (
     to_json,
 )
 from pipeline.manifest_parse import parse_manifest
-from pipeline.publish import DEFAULT_PART_BYTES, plan_parts
+from pipeline.parts import DEFAULT_PART_BYTES, plan_parts
 
 log = structlog.get_logger(__name__)
 

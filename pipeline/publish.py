@@ -1,10 +1,8 @@
 """Publishing versions to a store: the core of the diff and compaction jobs.
 
-A version's tensors are split into parts of at most ``part_bytes`` of weights
-in checkpoint order. The run's first anchor fixes that partition and every
-later delta and anchor reuses it (each manifest names the object of every
-tensor), so parts can be diffed, stored, fetched and applied independently.
-Objects are ``part-00000.safetensors`` etc. inside the version folder.
+Each version is stored as one object per part of the run's partition
+(:mod:`pipeline.parts`): ``part-00000.safetensors`` etc. inside the version
+folder.
 
 Every publish uploads all objects first and writes the manifest last, and is
 idempotent: an existing manifest is returned untouched. Crash points for
@@ -17,11 +15,8 @@ for anchors.
 from __future__ import annotations
 
 import functools
-import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
@@ -31,7 +26,7 @@ from pipeline import chain, faults
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
-from pipeline.errors import ChainError, ConfigError, MismatchError
+from pipeline.errors import ChainError, MismatchError
 from pipeline.events import DeltaPart
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
@@ -48,114 +43,22 @@ from pipeline.manifest import (
     version_prefix,
 )
 from pipeline.manifest_parse import parse_manifest
+from pipeline.parts import DEFAULT_PART_BYTES, Layout, read_parts
 from pipeline.signing import sign
 from pipeline.state_cache import check_against
 from pipeline.store.base import ObjectStore
+from pipeline.uploads import Clock, PublishTimings, Uploader
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_PART_BYTES = 512 << 20
+PrivateKey = Ed25519PrivateKey | bytes
+
 ANCHOR_CODEC = CodecInfo(name="safetensors", version=1, level=0)
 # Per anchor compression (pipeline/codec/anchor.py): what the manifest records.
 ANCHOR_CODECS = {
     "none": ANCHOR_CODEC,
     "zstd": CodecInfo(name="safetensors-planes-zstd", version=1, level=ZSTD_LEVEL),
 }
-
-PrivateKey = Ed25519PrivateKey | bytes
-Layout = list[tuple[str, list[str]]]  # (object key, tensor names) per part
-
-
-def part_key(index: int) -> str:
-    return f"part-{index:05d}.safetensors"
-
-
-def plan_parts(sizes: Iterable[tuple[str, int]], part_bytes: int = DEFAULT_PART_BYTES) -> Layout:
-    """Split (name, bytes) in order into parts of at most ``part_bytes`` (a larger tensor
-    gets a part of its own)."""
-    if part_bytes <= 0:
-        raise ConfigError(f"part_bytes must be positive, not {part_bytes}")
-    parts: Layout = []
-    size = 0
-    for name, n in sizes:
-        if not parts or (size + n > part_bytes and parts[-1][1]):
-            parts.append((part_key(len(parts)), []))
-            size = 0
-        parts[-1][1].append(name)
-        size += n
-    return parts
-
-
-@dataclass
-class PublishTimings:
-    """Seconds spent per phase of one publish."""
-
-    read_s: float = 0.0
-    verify_s: float = 0.0  # waiting for the hashes (base: is it the parent?; new)
-    encode_s: float = 0.0
-    upload_s: float = 0.0
-    cache_s: float = 0.0  # bringing the state cache to the new version
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "read_s": round(self.read_s, 4),
-            "verify_s": round(self.verify_s, 4),
-            "encode_s": round(self.encode_s, 4),
-            "upload_s": round(self.upload_s, 4),
-            "cache_s": round(self.cache_s, 4),
-        }
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        elapsed, self.t = now - self.t, now
-        return elapsed
-
-
-class _Uploader:
-    """Uploads a version's objects on one background thread, so the next part is read and
-    encoded while the previous one travels; at most ``depth`` finished parts wait."""
-
-    def __init__(self, store: ObjectStore, fault: str, timings: PublishTimings, depth: int = 1):
-        self.store, self.fault, self.timings, self.depth = store, fault, timings, depth
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-upload")
-        self.pending: deque[Future[float]] = deque()
-
-    def _put(self, key: str, data: bytes, then: Callable[[], None] | None) -> float:
-        started = time.perf_counter()
-        self.store.put(key, data)
-        elapsed = time.perf_counter() - started
-        if then is not None:
-            try:
-                then()
-            except Exception as exc:  # an announcement is a hint: it never fails a publish
-                log.warning("after-upload callback failed", key=key, error=str(exc))
-        return elapsed
-
-    def _collect(self) -> None:
-        self.timings.upload_s += self.pending.popleft().result()
-        faults.point(f"{self.fault}.after_upload")
-
-    def submit(self, key: str, data: bytes, then: Callable[[], None] | None = None) -> None:
-        """Upload in the background; ``then`` runs once the object is stored."""
-        self.pending.append(self.pool.submit(self._put, key, data, then))
-        while len(self.pending) > self.depth:
-            self._collect()
-
-    def finish(self) -> None:
-        """Wait for every upload; raises the first upload error."""
-        while self.pending:
-            self._collect()
-
-    def __enter__(self) -> _Uploader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class StaleBaseError(MismatchError):
@@ -214,59 +117,6 @@ def tensor_entry(
 # ---------------------------------------------------------------- anchors
 
 
-def _parts_from(
-    tensors: CheckpointReader | Iterable[tuple[str, torch.Tensor]],
-    layout: Layout | None,
-    part_bytes: int,
-    timings: PublishTimings,
-) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
-    """Group tensors into the run's parts, reading one part at a time."""
-    clock = _Clock()
-    if isinstance(tensors, CheckpointReader):
-        reader = tensors
-        layout = layout or plan_parts(((n, reader.nbytes(n)) for n in reader.names()), part_bytes)
-        for key, names in layout:
-            clock.lap()
-            part = [(n, reader.get(n)) for n in names]
-            timings.read_s += clock.lap()
-            yield key, part
-            # Unmap what this part touched: mapped pages stay resident until unmapped.
-            del part
-            reader.close()
-        return
-    stream = iter(tensors)
-    if layout is None:
-        group: list[tuple[str, torch.Tensor]] = []
-        size, index = 0, 0
-        for name, tensor in stream:
-            n = tensor.numel() * tensor.element_size()
-            if group and size + n > part_bytes:
-                timings.read_s += clock.lap()
-                yield part_key(index), group
-                clock.lap()
-                group, size, index = [], 0, index + 1
-            group.append((name, tensor))
-            size += n
-        if group:
-            timings.read_s += clock.lap()
-            yield part_key(index), group
-        return
-    for key, names in layout:
-        part = []
-        for expected in names:
-            item = next(stream, None)
-            if item is None or item[0] != expected:
-                got = None if item is None else item[0]
-                raise MismatchError(f"part {key}: expected tensor {expected!r}, got {got!r}")
-            part.append(item)
-        timings.read_s += clock.lap()
-        yield key, part
-        clock.lap()
-    extra = next(stream, None)
-    if extra is not None:
-        raise MismatchError(f"tensor {extra[0]!r} is not in the run's partition")
-
-
 def _anchor_part(
     run: str,
     version: int,
@@ -275,12 +125,12 @@ def _anchor_part(
     want: dict[str, TensorEntry] | None,
     entries: list[TensorEntry],
     objects: list[ObjectEntry],
-    uploader: _Uploader,
+    uploader: Uploader,
     timings: PublishTimings,
     compression: str,
 ) -> None:
     faults.point("anchor.after_read")
-    clock = _Clock()
+    clock = Clock()
     for name, tensor in part:
         entry = tensor_entry(name, tensor, key)
         if want is not None:
@@ -328,8 +178,8 @@ def publish_anchor(
     want = {t.name: t for t in expected.tensors} if expected is not None else None
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
-    with _Uploader(store, "anchor", timings) as uploader:
-        for key, part in _parts_from(tensors, layout, part_bytes, timings):
+    with Uploader(store, "anchor", timings) as uploader:
+        for key, part in read_parts(tensors, layout, part_bytes, timings):
             _anchor_part(
                 run,
                 version,
@@ -441,14 +291,14 @@ def publish_delta(
     check_against(parent, new.specs(), f"checkpoint {new.path}")
     check_against(parent, base.specs(), f"base {base.path}")
     timings = timings or PublishTimings()
-    clock = _Clock()
+    clock = Clock()
     parent_hashes = {t.name: t.hash for t in parent.tensors}
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
     # The base and new tensors are hashed on a second thread while the codec encodes
     # (both release the GIL); the base is proven before the part is uploaded.
     with (
-        _Uploader(store, "publish", timings) as uploader,
+        Uploader(store, "publish", timings) as uploader,
         ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-hash") as hasher,
     ):
         for key, names in parent.parts():

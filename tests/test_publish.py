@@ -22,7 +22,8 @@ from pipeline.compaction import compact
 from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
 from pipeline.manifest import manifest_key
-from pipeline.publish import plan_parts, publish_anchor, publish_delta
+from pipeline.parts import plan_parts
+from pipeline.publish import publish_anchor, publish_delta
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
