@@ -186,10 +186,12 @@ class EventStream:
     def check_gap(self, after_id: str) -> bool:
         """True if entries newer than ``after_id`` may have been trimmed away.
 
-        Exact on Redis >= 7 (``max-deleted-entry-id``). On older servers it is
-        conservative: once the stream has been trimmed at all, a position older
-        than the first remaining entry counts as a gap, even when the only
-        entries removed were at or before it.
+        Conservative: once the stream has lost entries at all, a position older than
+        the first remaining entry counts as a gap, even when the only entries removed
+        were at or before it (a spurious sync with the store is harmless). Whether
+        entries were lost comes from ``entries-added`` on Redis >= 7, else from this
+        stream's own count of publishes. ``max-deleted-entry-id`` alone is not enough:
+        Redis 7.0 moves it on XDEL but not when XTRIM or XADD's MAXLEN trims.
         """
         position = parse_id(after_id)
         with (
@@ -198,16 +200,17 @@ class EventStream:
         ):
             pipe.xinfo_stream(self.key)
             pipe.get(self.added_key)
-            info, added = pipe.execute(raise_on_error=False)
+            info, counted = pipe.execute(raise_on_error=False)
         if isinstance(info, redis.ResponseError):  # no stream: nothing to compare with
             return False
         if isinstance(info, Exception):
             raise info
         deleted = info.get("max-deleted-entry-id")
-        if deleted is not None:
-            return parse_id(deleted) > position
+        if deleted is not None and parse_id(deleted) > position:
+            return True
+        added = info.get("entries-added", counted)
         if added is None or int(added) <= int(info["length"]):
-            return False  # never trimmed
+            return False  # nothing ever removed
         first = info.get("first-entry")
         if not first:
             return parse_id(info["last-generated-id"]) > position
