@@ -9,8 +9,8 @@ verified; the node reports the error and recovers from the store.
 
 An inference server embeds a :class:`RolloutNode` (``run`` in a thread);
 ``workers/rollout.py`` is the process entry that wraps it. Downloads live in
-``rollout_fetch.py``, event-stream following in ``rollout_stream.py`` and the
-state file in ``rollout_state.py``.
+``rollout_fetch.py``, event-stream following in ``rollout_stream.py``, events and
+heartbeats in ``rollout_report.py`` and the state file in ``rollout_state.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pipeline import chain, faults, replicas
+from pipeline import chain, faults
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import (
     ChainError,
@@ -40,31 +39,16 @@ from pipeline.errors import (
     SignatureError,
 )
 from pipeline.event_stream import EventStream
-from pipeline.events import DeltaApplied, Event, ReplicaError
 from pipeline.manifest import Kind, Manifest, dtype_name
 from pipeline.rollout_early import EarlyParts
 from pipeline.rollout_fetch import Fetched, fetch_delta, stream_anchor
+from pipeline.rollout_report import Reporter
 from pipeline.rollout_state import read_state, remove_state, write_state
 from pipeline.rollout_stream import StreamFollower
 from pipeline.store.base import ObjectStore
 from pipeline.targets.base import EarlyProver, Target, VerifyMode
 
 log = structlog.get_logger(__name__)
-
-_HISTORY = 1000  # applied versions remembered in RolloutNode.history
-
-
-@dataclass(frozen=True)
-class Applied:
-    """One version the node applied (newest last in ``RolloutNode.history``)."""
-
-    version: int
-    kind: str  # "anchor" (a bootstrap load) or "delta"
-    fetch_s: float  # download time (overlaps earlier applies when prefetching)
-    apply_s: float  # target call: decode, checks, write, verify
-    pause_s: float  # time the weights were being written (target unavailable)
-    latency_s: float | None  # since the version's first event, when one was seen
-    early_parts: int = 0  # objects decoded and hashed from part hints, before the manifest
 
 
 class RolloutNode:
@@ -103,8 +87,6 @@ class RolloutNode:
         self.prefetch_depth = max(1, prefetch_depth)
         self.public_key = public_key
         self.state_path = state_path
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.replica_ttl_s = replica_ttl_s
         self.max_backoff_s = max_backoff_s
         self.progress = sys.stderr.isatty() if progress is None else progress
 
@@ -118,16 +100,25 @@ class RolloutNode:
         # (anchor, head, head's creation time) of a bootstrap whose replay failed: the
         # same store state is not bootstrapped again.
         self._stuck_on: tuple[int, int | None, str] | None = None
-        self._last_heartbeat = 0.0
         self.last_error: DeltasyncError | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.history: deque[Applied] = deque(maxlen=_HISTORY)
         self._stream = StreamFollower(events, run)
         # Part hints start downloads and proofs before a manifest exists (asked for,
         # prefetch on, a target that can prove early, and Redis to hear the hints on).
         self.early: EarlyParts | None = None
         if early_start and prefetch and redis is not None and isinstance(target, EarlyProver):
             self.early = EarlyParts(store, run, target, lambda: self._applied)
+        self.report = Reporter(
+            run,
+            node_id,
+            events=events,
+            redis=redis,
+            heartbeat_interval_s=heartbeat_interval_s,
+            replica_ttl_s=replica_ttl_s,
+            first_seen=self._stream.first_seen,
+            early_start=self.early is not None,
+        )
+        self.history = self.report.history
 
     # -- public ----------------------------------------------------------------------
 
@@ -160,7 +151,7 @@ class RolloutNode:
             self._failures = 0
             self._next_retry = 0.0
             self.last_error = None
-        self._heartbeat_if_due()
+        self.report.heartbeat_if_due(self._applied, self._state_hash)
         return self._applied
 
     def run(
@@ -182,7 +173,7 @@ class RolloutNode:
                     next_poll = time.monotonic() + self.poll_interval_s
                 if self._reached(until_version):
                     break
-                self._heartbeat_if_due()
+                self.report.heartbeat_if_due(self._applied, self._state_hash)
                 wait_s = max(0.0, max(next_poll, self._next_retry) - time.monotonic())
                 woken, after_id = self._stream.wait(after_id, wait_s, stop, self._applied)
                 if woken:
@@ -312,7 +303,7 @@ class RolloutNode:
         load_s = time.perf_counter() - started
         self._need_bootstrap = False
         self._set_applied(manifest)
-        self._applied_event(manifest, fetch_s=0.0, apply_s=load_s, pause_s=load_s)
+        self.report.applied(manifest, fetch_s=0.0, apply_s=load_s, pause_s=load_s)
         if head is not None and head > anchor:
             path = self._plan(index, anchor, head)
             if path is None:
@@ -396,7 +387,7 @@ class RolloutNode:
             pause_s=round(report.pause_s, 4),
             early_parts=len(early),
         )
-        self._applied_event(manifest, fetched.fetch_s, apply_s, report.pause_s, len(early))
+        self.report.applied(manifest, fetched.fetch_s, apply_s, report.pause_s, len(early))
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if not self.prefetch:
@@ -426,7 +417,7 @@ class RolloutNode:
         self._applied = manifest.version
         self._state_hash = manifest.state_hash
         write_state(self.state_path, self.run_name, self.node_id, manifest)
-        self._heartbeat()
+        self.report.heartbeat(self._applied, self._state_hash)
 
     # -- failures --------------------------------------------------------------------
 
@@ -449,74 +440,7 @@ class RolloutNode:
             error_type=type(exc).__name__,
             retry_in_s=round(backoff, 2),
         )
-        self._publish(
-            ReplicaError(
-                run=self.run_name,
-                version=self._applied if self._applied is not None else 0,
-                node=self.node_id,
-                error=f"{type(exc).__name__}: {exc}",
-                recovering=True,
-            )
-        )
-
-    # -- events and heartbeats -------------------------------------------------------
-
-    def _applied_event(
-        self,
-        manifest: Manifest,
-        fetch_s: float,
-        apply_s: float,
-        pause_s: float,
-        early_parts: int = 0,
-    ) -> None:
-        since = self._stream.first_seen(manifest.version)
-        latency = None if since is None else max(0.0, time.time() - since)
-        self.history.append(
-            Applied(
-                manifest.version, manifest.kind, fetch_s, apply_s, pause_s, latency, early_parts
-            )
-        )
-        self._publish(
-            DeltaApplied(
-                run=self.run_name,
-                version=manifest.version,
-                node=self.node_id,
-                fetch_s=fetch_s,
-                apply_s=apply_s,
-                pause_s=pause_s,
-                latency_s=latency,
-                state_hash=manifest.state_hash,
-                early_parts=early_parts if self.early is not None else None,
-            )
-        )
-
-    def _publish(self, event: Event) -> None:
-        if self.events is None:
-            return
-        try:
-            self.events.publish(event)
-        except DeltasyncError as exc:
-            log.warning("cannot publish event", type=type(event).__name__, error=str(exc))
-
-    def _heartbeat(self) -> None:
-        self._last_heartbeat = time.monotonic()
-        if self.redis is None or self._applied is None or self._state_hash is None:
-            return
-        try:
-            replicas.report(
-                self.redis,
-                self.run_name,
-                self.node_id,
-                self._applied,
-                self._state_hash,
-                ttl_s=self.replica_ttl_s,
-            )
-        except DeltasyncError as exc:
-            log.warning("heartbeat failed", error=str(exc))
-
-    def _heartbeat_if_due(self) -> None:
-        if time.monotonic() - self._last_heartbeat >= self.heartbeat_interval_s:
-            self._heartbeat()
+        self.report.failed(self._applied, exc)
 
     def _reached(self, until_version: int | None) -> bool:
         return (
