@@ -4,8 +4,7 @@ Start vLLM with ``worker_extension_cls="workers.vllm_extension.DeltasyncWorkerEx
 and drive it with ``collective_rpc("deltasync_<method>", args=(...))``; the node side
 is ``pipeline.targets.vllm.VllmTarget``. Only plain data crosses the process
 boundary (bytes, str, int, float, lists, dicts), and every method answers with an
-envelope ``{"ok": True, "value": ...}`` or ``{"ok": False, "error": class name,
-"message": ...}`` so that errors survive the trip whatever the executor.
+envelope (``vllm_worker_state``) so that errors survive the trip.
 
 Each worker keeps a shadow: the full checkpoint-named (HF) weights on CPU, exactly
 as the trainer published them. Deltas are decoded against the shadow (the codec
@@ -20,7 +19,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +26,10 @@ import structlog
 import torch
 from safetensors.torch import load, save
 
-from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError, TargetError
-from pipeline.hashing import content_hash, sha256_bytes, state_hash
-from pipeline.manifest import TensorEntry, dtype_from_name, dtype_name
-from pipeline.targets.base import TensorSpec
-from pipeline.targets.patching import AppliedPatches, apply_verified, decode_entries, int_view
+from pipeline.errors import CorruptObjectError, MismatchError, TargetError
+from pipeline.hashing import sha256_bytes
+from pipeline.manifest import dtype_from_name
+from pipeline.targets.patching import apply_verified, decode_entries, int_view
 from pipeline.targets.proving import prove_entries
 from pipeline.targets.vllm_cpu import computes_from_weight
 from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
@@ -46,6 +43,17 @@ from pipeline.targets.vllm_mapping import (
     scatter_rows,
     source_box,
 )
+from workers.vllm_worker_state import (
+    Envelope,
+    Pending,
+    WorkerState,
+    check_base,
+    entry_from_list,
+    enveloped,
+    failed,
+    ok,
+    specs_plain,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -53,77 +61,16 @@ log = structlog.get_logger(__name__)
 # in place by then to keep CPU linear weights plain (enabled by environment).
 install_cpu_linear_hook()
 
-Envelope = dict[str, Any]
-
-
-def _ok(value: object = None) -> Envelope:
-    return {"ok": True, "value": value}
-
-
-def _failed(exc: BaseException) -> Envelope:
-    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    name = type(exc).__name__ if isinstance(exc, DeltasyncError) else "TargetError"
-    if not isinstance(exc, DeltasyncError):
-        message = f"vLLM worker: {type(exc).__name__}: {message}"
-    return {"ok": False, "error": name, "message": message}
-
-
-def _enveloped(call: Callable[[], object]) -> Envelope:
-    try:
-        return _ok(call())
-    except Exception as exc:
-        log.warning("deltasync worker call failed", error=str(exc))
-        return _failed(exc)
-
-
-@dataclass
-class _Pending:
-    """A verified delta written to the shadow but not yet pushed into the model."""
-
-    version: int
-    applied: AppliedPatches
-    touched: list[str]
-
-
-@dataclass
-class _State:
-    shadow: dict[str, torch.Tensor] = field(default_factory=dict)
-    hashes: dict[str, str] = field(default_factory=dict)  # cache; missing = not computed
-    routes: dict[str, Route] = field(default_factory=dict)
-    placements: dict[str, Placement] = field(default_factory=dict)
-    staging: dict[str, torch.Tensor] | None = None
-    pending: _Pending | None = None
-    loaded: bool = False
-    # A prepare running on a thread of its own while the engine keeps serving.
-    preparing: threading.Thread | None = None
-    prepared: Envelope | None = None
-
-    def check_idle(self) -> None:
-        """Refuse to read or change the shadow while a background prepare writes it."""
-        thread = self.preparing
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-            raise TargetError("vLLM worker: a delta is being prepared (wait for its result)")
-
-    def specs(self) -> dict[str, TensorSpec]:
-        return {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in self.shadow.items()}
-
-    def hash_of(self, name: str) -> str:
-        digest = self.hashes.get(name)
-        if digest is None:
-            digest = content_hash(self.shadow[name])
-            self.hashes[name] = digest
-        return digest
-
 
 class DeltasyncWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     # --- helpers (underscore names: never called over RPC) -----------------------
 
-    def _ds(self) -> _State:
-        state: _State | None = getattr(self, "_deltasync_state", None)
+    def _ds(self) -> WorkerState:
+        state: WorkerState | None = getattr(self, "_deltasync_state", None)
         if state is None:
-            state = _State()
+            state = WorkerState()
             self._deltasync_state = state
         return state
 
@@ -131,7 +78,7 @@ class DeltasyncWorkerExtension:
         model: torch.nn.Module = self.model_runner.get_model()  # type: ignore[attr-defined]
         return model
 
-    def _ds_loaded(self) -> _State:
+    def _ds_loaded(self) -> WorkerState:
         state = self._ds()
         state.check_idle()
         if not state.loaded:
@@ -174,7 +121,7 @@ class DeltasyncWorkerExtension:
             ignored=sum(1 for r in routes.values() if r.parameter is None),
         )
 
-    def _ds_placements(self, state: _State) -> dict[str, Placement]:
+    def _ds_placements(self, state: WorkerState) -> dict[str, Placement]:
         """Plain-tensor placements of shadow tensors that the model holds bit for bit."""
         from vllm.model_executor.model_loader.weight_utils import (
             default_weight_loader,
@@ -203,12 +150,12 @@ class DeltasyncWorkerExtension:
                     placements[name] = placement
         return placements
 
-    def _ds_group(self, state: _State, names: Iterable[str]) -> list[str]:
+    def _ds_group(self, state: WorkerState, names: Iterable[str]) -> list[str]:
         """Every shadow tensor feeding the modules that ``names`` reach (whole groups)."""
         modules = {state.routes[n].module for n in names} - {None}
         return sorted(n for n, r in state.routes.items() if r.module in modules)
 
-    def _ds_push(self, state: _State, names: list[str], patches: dict[str, Any]) -> None:
+    def _ds_push(self, state: WorkerState, names: list[str], patches: dict[str, Any]) -> None:
         """Bring the model in line with the shadow for ``names``."""
         model = self._ds_model()
         reload: list[str] = []
@@ -249,7 +196,7 @@ class DeltasyncWorkerExtension:
         def run() -> None:
             self._ds().staging = {}
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_load_chunk(self, data: bytes) -> Envelope:
         """One safetensors blob of checkpoint tensors (part of a load_state)."""
@@ -262,7 +209,7 @@ class DeltasyncWorkerExtension:
             state.staging.update((n, t.contiguous()) for n, t in tensors.items())
             return len(tensors)
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_load_commit(self, push: bool) -> Envelope:
         """Adopt the staged tensors as the shadow; with ``push``, reload them all into
@@ -274,9 +221,9 @@ class DeltasyncWorkerExtension:
                 raise TargetError("vLLM worker: load_commit without load_begin")
             staged, state.staging = state.staging, None
             self._ds_adopt(staged, push)
-            return _specs_plain(state.specs())
+            return specs_plain(state.specs())
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_load_files(self, paths: list[str] | None, push: bool) -> Envelope:
         """Adopt safetensors files readable by the worker as the shadow: ``paths``
@@ -298,18 +245,18 @@ class DeltasyncWorkerExtension:
             for file in files:
                 tensors.update(load(file.read_bytes()))
             self._ds_adopt(tensors, push)
-            return _specs_plain(self._ds().specs())
+            return specs_plain(self._ds().specs())
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_specs(self) -> Envelope:
         """Specs of the shadow; None while the worker holds no deltasync state."""
 
         def run() -> dict[str, list[Any]] | None:
             state = self._ds()
-            return _specs_plain(state.specs()) if state.loaded else None
+            return specs_plain(state.specs()) if state.loaded else None
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_check_names(self, specs: dict[str, list[Any]]) -> Envelope:
         """Check that the model's loader accepts every named tensor (dtype, shape);
@@ -326,7 +273,7 @@ class DeltasyncWorkerExtension:
             with torch.no_grad():
                 return len(route_names(model, load_weights, shapes))
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_prepare(self, request: dict[str, Any]) -> Envelope:
         """Decode, check and write a delta into the shadow; the model is not touched.
@@ -341,7 +288,7 @@ class DeltasyncWorkerExtension:
             state = self._ds_loaded()
             if state.pending is not None:
                 raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
-            entries = [_entry(item) for item in request["entries"]]
+            entries = [entry_from_list(item) for item in request["entries"]]
             verify = str(request["verify"])
             objects: Mapping[str, bytes] = request["objects"]
             for key, digest in (request.get("sha256") or {}).items():
@@ -349,7 +296,7 @@ class DeltasyncWorkerExtension:
                     raise CorruptObjectError(f"delta object {key}: missing or sha256 mismatch")
             specs = state.specs()
             if verify != "none":
-                _check_base(state, entries, request.get("parent_state_hash"), verify)
+                check_base(state, entries, request.get("parent_state_hash"), verify)
             shadow = state.shadow.__getitem__
             if verify == "none":
                 patches, hashes = decode_entries(entries, objects, shadow, specs), {}
@@ -369,13 +316,13 @@ class DeltasyncWorkerExtension:
             for name in touched:
                 state.hashes.pop(name, None)
             state.hashes.update(hashes)
-            state.pending = _Pending(int(request["version"]), applied, touched)
+            state.pending = Pending(int(request["version"]), applied, touched)
             return {
                 "tensors": len(patches),
                 "changed": sum(int(p.positions.numel()) for p in patches),
             }
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_prepare_start(self, request: dict[str, Any]) -> Envelope:
         """``deltasync_prepare`` on a thread of its own; answers at once, so the engine
@@ -394,7 +341,7 @@ class DeltasyncWorkerExtension:
             state.preparing.start()
             return True
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_prepare_result(self) -> Envelope:
         """``{"ok": True, "value": None}`` while a background prepare runs, then the
@@ -402,12 +349,12 @@ class DeltasyncWorkerExtension:
         state = self._ds()
         thread = state.preparing
         if thread is None:
-            return _failed(TargetError("vLLM worker: no delta is being prepared"))
+            return failed(TargetError("vLLM worker: no delta is being prepared"))
         if thread.is_alive():
-            return _ok(None)
+            return ok(None)
         state.preparing = None
         answer, state.prepared = state.prepared, None
-        return answer or _failed(TargetError("vLLM worker: background prepare gave no answer"))
+        return answer or failed(TargetError("vLLM worker: background prepare gave no answer"))
 
     def deltasync_prepare_json(self, request_json: str) -> Envelope:
         """``deltasync_prepare`` for callers that can only send JSON text (the
@@ -418,7 +365,7 @@ class DeltasyncWorkerExtension:
             paths: dict[str, str] = request["objects"]
             request["objects"] = {key: Path(path).read_bytes() for key, path in paths.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return _failed(TargetError(f"vLLM worker: bad prepare request: {exc}"))
+            return failed(TargetError(f"vLLM worker: bad prepare request: {exc}"))
         return self.deltasync_prepare(request)
 
     def deltasync_commit(self) -> Envelope:
@@ -445,7 +392,7 @@ class DeltasyncWorkerExtension:
             state.pending = None
             return time.perf_counter() - started
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_abort(self) -> Envelope:
         """Undo a prepared delta in the shadow (another worker failed to prepare)."""
@@ -462,7 +409,7 @@ class DeltasyncWorkerExtension:
             state.pending = None
             return True
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_hashes(self, names: list[str] | None) -> Envelope:
         def run() -> dict[str, str]:
@@ -473,7 +420,7 @@ class DeltasyncWorkerExtension:
                 raise MismatchError(f"tensor {missing[0]} is not held by the vLLM target")
             return {n: state.hash_of(n) for n in wanted}
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_export(self, names: list[str]) -> Envelope:
         """Shadow tensors as one safetensors blob."""
@@ -482,7 +429,7 @@ class DeltasyncWorkerExtension:
             state = self._ds_loaded()
             return save({n: state.shadow[n] for n in names})
 
-        return _enveloped(run)
+        return enveloped(run)
 
     def deltasync_read_param(self, hf_name: str) -> Envelope:
         """The model's own bits of a checkpoint tensor, where a placement knows them
@@ -497,7 +444,7 @@ class DeltasyncWorkerExtension:
             box = gather_placed(param, placement).detach().cpu().contiguous()
             return save({hf_name: box})
 
-        return _enveloped(run)
+        return enveloped(run)
 
 
 _PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
@@ -518,43 +465,3 @@ def _writable_in_place(model: torch.nn.Module, route: Route) -> bool:
         return False
     param = model.get_parameter(route.parameter or "")
     return bool(param.is_contiguous())
-
-
-def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
-    return {n: [dtype_name(s.dtype), list(s.shape)] for n, s in specs.items()}
-
-
-def _entry(item: list[Any]) -> TensorEntry:
-    name, dtype, shape, digest, key, changed = item
-    return TensorEntry(
-        str(name), str(dtype), tuple(int(s) for s in shape), str(digest), str(key), int(changed)
-    )
-
-
-def _check_base(
-    state: _State, entries: list[TensorEntry], parent_state_hash: object, verify: str
-) -> None:
-    """Catch a delta for another base before decoding: the unchanged tensors must
-    already hold their manifest hashes ("all": recomputed; "touched": cached)."""
-    for entry in entries:
-        if entry.changed:
-            continue
-        if entry.name not in state.shadow:
-            continue  # decode_entries reports it
-        spec_ok = dtype_name(state.shadow[entry.name].dtype) == entry.dtype
-        if not spec_ok:
-            continue
-        if verify == "all":
-            state.hashes.pop(entry.name, None)
-        if state.hash_of(entry.name) != entry.hash:
-            raise MismatchError(
-                f"tensor {entry.name}: held content hash differs from the manifest's "
-                "unchanged tensor (delta for another base version?)"
-            )
-    if isinstance(parent_state_hash, str) and parent_state_hash:
-        held = state_hash((n, state.hash_of(n)) for n in state.shadow)
-        if held != parent_state_hash:
-            raise MismatchError(
-                f"vLLM target state hash {held} is not the delta's parent state hash "
-                f"{parent_state_hash}"
-            )
