@@ -194,6 +194,16 @@ class Settings:
             "when nodes have cores of their own, slower when they share the diff worker's.",
         ),
     )
+    patch_memory_mb: int = field(
+        default=1024,
+        metadata=_var(
+            "DELTASYNC_PATCH_MEMORY_MB",
+            "1024",
+            "Rollout nodes (torch target, CPU) keep a version's decoded patches in memory "
+            "up to this size (about 12 bytes per changed bf16 element); a larger delta is "
+            "decoded again straight into the weights, at about 1.2 bytes, for a longer pause.",
+        ),
+    )
     anchor_compression: str = field(
         default="none",
         metadata=_var(
@@ -239,6 +249,10 @@ class Settings:
             )
         if self.keep_anchors < 1:
             raise ConfigError(f"DELTASYNC_KEEP_ANCHORS: must be >= 1, got {self.keep_anchors}")
+        if self.patch_memory_mb < 0:
+            raise ConfigError(
+                f"DELTASYNC_PATCH_MEMORY_MB: must be >= 0, got {self.patch_memory_mb}"
+            )
         if not (math.isfinite(self.replica_ttl_s) and self.replica_ttl_s > 0):
             raise ConfigError(
                 f"DELTASYNC_REPLICA_TTL: must be a positive number of seconds, "
@@ -397,6 +411,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "parallel_parts": _bool,
     "cache_link": _bool,
     "early_start": _bool,
+    "patch_memory_mb": _int,
     "part_bytes": _int,
     "anchor_compression": _choice,
 }

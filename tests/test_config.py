@@ -104,6 +104,8 @@ def test_empty_variables_count_as_unset(tmp_path: Path) -> None:
         ("DELTASYNC_COMPACT_MAX_FRACTION", "inf"),
         ("DELTASYNC_COMPACT_MAX_FRACTION", "half"),
         ("DELTASYNC_KEEP_ANCHORS", "0"),
+        ("DELTASYNC_PATCH_MEMORY_MB", "-1"),
+        ("DELTASYNC_PATCH_MEMORY_MB", "lots"),
         ("DELTASYNC_REPLICA_TTL", "-1"),
         ("DELTASYNC_REPLICA_TTL", "soon"),
         ("DELTASYNC_SIGNING_KEY", "/nonexistent/key.pem"),

@@ -44,9 +44,11 @@ def publish_versions(
     return states
 
 
-def rollout(home: Path, store: FileStore, redis_url: str, *args: str) -> list[dict[str, object]]:
+def rollout(
+    home: Path, store: FileStore, redis_url: str, *args: str, **settings: str
+) -> list[dict[str, object]]:
     env = dict(os.environ, DELTASYNC_HOME=str(home), DELTASYNC_STORE=store.url,
-               DELTASYNC_REDIS_URL=redis_url, DELTASYNC_LOG_JSON="1")  # fmt: skip
+               DELTASYNC_REDIS_URL=redis_url, DELTASYNC_LOG_JSON="1", **settings)  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "workers", "rollout", "--run", RUN, "--node-id", "proc-node",
          "--poll", "0.2", *args],
@@ -80,13 +82,17 @@ def test_rollout_command_follows_dumps_and_resumes_from_its_dump(
     assert any(e.get("event") == "bootstrapping" for e in logs)
     assert_same(dumped(first_dump), states[2])
 
-    # Restarted from its own dump: the weights prove version 2, no bootstrap.
+    # Restarted from its own dump: the weights prove version 2, no bootstrap. No
+    # memory for decoded patches: the delta is walked into the weights.
     more = publish_versions_after(store, tmp_path / "trainer", states)
     second_dump = tmp_path / "second.safetensors"
     logs = rollout(home, store, redis_url, "--model", str(first_dump), "--until", str(more),
-                   "--dump", str(second_dump))  # fmt: skip
+                   "--dump", str(second_dump), DELTASYNC_PATCH_MEMORY_MB="0",
+                   DELTASYNC_LOG_LEVEL="debug")  # fmt: skip
     events = [e.get("event") for e in logs]
     assert "resumed" in events and "bootstrapping" not in events
+    walked = [e["walked"] for e in logs if e.get("event") == "delta applied"]
+    assert walked and all(isinstance(n, int) and n > 0 for n in walked)
     assert_same(dumped(second_dump), states[more])
 
 

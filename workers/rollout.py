@@ -109,7 +109,9 @@ def run_rollout(
         )
     stop = stop or threading.Event()
     with _signals_stop(stop):
-        built = _build_target(target, store, run, device, model_path, vllm_options, stop)
+        built = _build_target(
+            target, store, run, device, model_path, vllm_options, stop, settings.patch_memory_mb
+        )
         if built is None:
             return None  # stopped while waiting for the run's first anchor
         node = RolloutNode(
@@ -156,6 +158,7 @@ def _build_target(
     model_path: Path | None,
     vllm_options: Mapping[str, Any] | None,
     stop: threading.Event,
+    patch_memory_mb: int,
 ) -> Target | None:
     cls = target_class(name)  # ConfigError listing the known targets
     if name == "vllm":
@@ -177,7 +180,7 @@ def _build_target(
         )
         if tensors is None:
             return None
-        built = cls(tensors)
+        built = cls(tensors, patch_memory_bytes=patch_memory_mb << 20)
         return built
     raise ConfigError(f"target {name!r} cannot be built by the rollout command")
 

@@ -251,6 +251,33 @@ class DeltaObject:
             values=torch.from_numpy(old_np.view(_numpy_dtype(info.view))),
         )
 
+    def undo_apply(self, name: str, tensor: torch.Tensor) -> None:
+        """Take back a completed :meth:`apply_to` of ``name`` (one that decoded straight
+        into ``tensor``), walking the streams again: old = new - difference, so no old
+        contents need to be kept. Only for tensors that :meth:`decode_hashed` handles."""
+        record = self._record(name, tensor)
+        if record.changed == 0:
+            return
+        walker = fused.get() if tensor.device.type == "cpu" else None
+        if walker is None or not walk_applies(record.encoding, record.params, record.info):
+            raise TargetError(f"tensor {name!r}: its delta cannot be walked back in place")
+        target = tensor.detach().view(record.info.view).view(-1).numpy().view(record.info.unsigned)
+        try:
+            walk_sparse(
+                walker,
+                record.split(self._entries[name]),
+                record.params,
+                record.changed,
+                target,
+                record.info,
+                fused.UNDO,
+                record=False,
+            )
+        except DamagedStreamError as exc:  # apply_to walked the same bytes: not reached
+            raise CorruptObjectError(
+                f"delta object {self.object_name}: tensor {name!r}: {exc}"
+            ) from None
+
     def _record(self, name: str, base: torch.Tensor) -> TensorRecord:
         record = self._records.get(name)
         if record is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,16 +32,19 @@ from pipeline.targets.patching import (
     parse_objects,
     saved_old_values,
 )
+from pipeline.targets.walking import Walk
 
 
 @dataclass(frozen=True)
 class ProvenPatches:
     """Patches whose results were checked against the manifest's hashes before any
-    write, with the held contents at their positions (for undo)."""
+    write, with the held contents at their positions (for undo); and, without
+    ``keep_patches``, the proven tensors that keep no patch (``walks``)."""
 
     patches: list[TensorPatch]
     hashes: dict[str, str]  # new content hash per touched tensor
     old_values: dict[str, torch.Tensor]
+    walks: list[Walk] = field(default_factory=list)
 
 
 def decode_and_prove(
@@ -50,6 +53,8 @@ def decode_and_prove(
     base: Callable[[str], torch.Tensor],
     specs: Mapping[str, TensorSpec],
     early: Mapping[str, HashedPatch] | None = None,
+    *,
+    keep_patches: bool = True,
 ) -> ProvenPatches:
     """``decode_manifest``, ``hash_patched`` and ``saved_old_values`` in one go, with
     the same checks and errors, writing nothing. For CPU tensors in the common
@@ -60,7 +65,7 @@ def decode_and_prove(
             f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
         )
     check_objects(manifest, objects)
-    return prove_entries(manifest.tensors, objects, base, specs, early)
+    return prove_entries(manifest.tensors, objects, base, specs, early, keep_patches=keep_patches)
 
 
 def prove_entries(
@@ -69,20 +74,28 @@ def prove_entries(
     base: Callable[[str], torch.Tensor],
     specs: Mapping[str, TensorSpec],
     early: Mapping[str, HashedPatch] | None = None,
+    *,
+    keep_patches: bool = True,
 ) -> ProvenPatches:
     """:func:`decode_and_prove` for callers that checked the objects themselves:
     ``entries`` are all of a delta manifest's tensor entries. CPU tensors are proven
     on ``PROVE_THREADS`` threads (the compiled walk, copies and hashes release the
     GIL); the first tensor at fault, in manifest order, is the one reported.
     ``early`` holds results already computed for some tensors (see
-    :func:`early_patches`); they are checked like the others, not recomputed."""
+    :func:`early_patches`); they are checked like the others, not recomputed.
+
+    Without ``keep_patches``, tensors proven in one pass (CPU, the common encodings)
+    keep only their hash and come back as ``walks``: memory then stays at one
+    tensor's patch per thread instead of growing with every change of the version."""
     early = early or {}
     changes = list(changed_entries(entries, objects, base, specs))
     # CPU only: on a GPU each proof holds a scratch copy of its tensor on the device.
     on_cpu = all(held.device.type == "cpu" for _, _, held, _ in changes)
     if PROVE_THREADS > 1 and len(changes) > 1 and on_cpu:
         pool = _provers()
-        futures = [pool.submit(_prove_one, *change, base, early) for change in changes]
+        futures = [
+            pool.submit(_prove_one, *change, base, early, keep_patches) for change in changes
+        ]
         try:
             results = [f.result() for f in futures]
         except BaseException:
@@ -91,12 +104,16 @@ def prove_entries(
             wait(futures)  # none still reads the weights once the caller goes on
             raise
     else:
-        results = [_prove_one(*change, base, early) for change in changes]
+        results = [_prove_one(*change, base, early, keep_patches) for change in changes]
     proven = ProvenPatches([], {}, {})
-    for patch, digest, old in results:
-        proven.patches.append(patch)
-        proven.hashes[patch.name] = digest
-        proven.old_values[patch.name] = old
+    for done, digest, old in results:
+        proven.hashes[done.name] = digest
+        if isinstance(done, Walk):
+            proven.walks.append(done)
+            continue
+        proven.patches.append(done)
+        if old is not None:
+            proven.old_values[done.name] = old
     return proven
 
 
@@ -122,12 +139,19 @@ def _prove_one(
     spec: TensorSpec,
     base: Callable[[str], torch.Tensor],
     early: Mapping[str, HashedPatch],
-) -> tuple[TensorPatch, str, torch.Tensor]:
+    keep_patch: bool = True,
+) -> tuple[TensorPatch | Walk, str, torch.Tensor | None]:
     """(patch, content hash after it, held contents at its positions) of one tensor,
-    checked against its manifest entry; nothing is written."""
+    checked against its manifest entry, or (walk, hash, None) where the patch is not
+    kept; nothing is written."""
     hashed = early.get(entry.name)
     if hashed is None and held.device.type == "cpu":
         hashed = guarded(delta.decode_hashed, entry, held)
+        if hashed is not None and not keep_patch:
+            check_patch(hashed.patch, entry, spec)
+            if hashed.digest != entry.hash:
+                raise hash_mismatch(entry.name, hashed.digest, entry.hash)
+            return Walk(entry.name, delta, entry.changed), hashed.digest, None
     if hashed is None:
         patch = decode_entry(delta, entry, held)
         check_patch(patch, entry, spec)

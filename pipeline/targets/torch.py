@@ -34,6 +34,7 @@ from pipeline.targets.proving import (
     early_patches,
     prove_object,
 )
+from pipeline.targets.walking import Walk, apply_walks
 
 log = structlog.get_logger(__name__)
 
@@ -57,10 +58,24 @@ def _sync(devices: Iterable[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
+# Decoded patches (positions, new and old contents: about 12 bytes per changed bf16
+# element) a version may hold in host memory; above it, proven tensors are written by
+# walking their deltas instead (pipeline/targets/walking.py), at about 1.2 bytes.
+DEFAULT_PATCH_MEMORY_BYTES = 1 << 30
+
+
 class TorchTarget:
     """Weights held as torch tensors, by checkpoint name."""
 
-    def __init__(self, weights: nn.Module | Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        weights: nn.Module | Mapping[str, torch.Tensor],
+        *,
+        patch_memory_bytes: int = DEFAULT_PATCH_MEMORY_BYTES,
+    ) -> None:
+        """``patch_memory_bytes``: decoded patches of one version kept in memory at
+        most; a larger delta keeps none for the CPU tensors it can walk (their
+        locked write then decodes too, a longer pause for far less memory)."""
         if isinstance(weights, nn.Module):
             # keep_vars: the Parameter objects themselves (parameters AND persistent
             # buffers, every name of a tied weight), not detached copies.
@@ -96,6 +111,7 @@ class TorchTarget:
         # This target and its writes so far: an early proof holds until the next write.
         self._token = uuid.uuid4().hex
         self._writes = 0
+        self.patch_memory_bytes = patch_memory_bytes
 
     # -- introspection -------------------------------------------------------------
 
@@ -232,7 +248,9 @@ class TorchTarget:
         ``lock`` only to write the patches. ``verify="all"`` also rehashes every tensor:
         the untouched ones before writing, the touched ones again after (a mismatch then
         restores the old contents at the patched positions). ``early`` proofs (see
-        ``prove_object``) stand in for the decode and hash of their tensors."""
+        ``prove_object``) stand in for the decode and hash of their tensors. A delta
+        whose patches would exceed ``patch_memory_bytes`` keeps none for the tensors it
+        can walk: they are decoded again, straight into the weights, under ``lock``."""
         if verify not in ("touched", "all", "none"):
             raise TargetError(f"unknown verify mode {verify!r}")
         where = f"{manifest.run} v{manifest.version}"
@@ -248,16 +266,28 @@ class TorchTarget:
             else:
                 # Decoded and proven against the manifest's hashes, nothing written yet.
                 ready = early_patches(manifest, early, self._generation)
-                proven = decode_and_prove(manifest, objects, self.tensor, specs, ready)
+                proven = decode_and_prove(
+                    manifest,
+                    objects,
+                    self.tensor,
+                    specs,
+                    ready,
+                    keep_patches=_patch_bytes(manifest) <= self.patch_memory_bytes,
+                )
                 patches = proven.patches
             # A tied weight carried under both names decodes twice: write it once.
             touched: dict[str, TensorPatch] = {}
+            walks: dict[str, Walk] = {}
             for patch in patches:
                 touched.setdefault(self._canonical[patch.name], patch)
+            for walk in proven.walks if proven is not None else ():
+                canonical = self._canonical[walk.name]
+                if canonical not in touched:
+                    walks.setdefault(canonical, walk)
             # Untouched tensors do not change: check them now, before any write
             # (fresh hashes for "all", the hashes known since their last change else).
             for canonical, entry in entries.items():
-                if canonical in touched:
+                if canonical in touched or canonical in walks:
                     continue
                 held = (
                     content_hash(self._tensors[canonical])
@@ -270,35 +300,49 @@ class TorchTarget:
                         "content does not match the manifest (wrong base)"
                     )
             expected = {p.name: entries[c].hash for c, p in touched.items()}
+            expected.update({w.name: entries[c].hash for c, w in walks.items()})
             if proven is None:
                 new_hashes: dict[str, str] = {}
                 old_values = saved_old_values(list(touched.values()), self.tensor)
             else:
                 new_hashes, old_values = proven.hashes, proven.old_values
+            recheck = expected if verify == "all" else None
             with self.lock:
                 self._writes += 1
-                for canonical in touched:
+                for canonical in [*touched, *walks]:
                     self._hash_cache.pop(canonical, None)
                 start = time.perf_counter()
                 try:
-                    apply_verified(
-                        list(touched.values()),
-                        self.tensor,
-                        expected if verify == "all" else None,
-                        old_values,
+                    applied = apply_verified(
+                        list(touched.values()), self.tensor, recheck, old_values
                     )
+                    try:
+                        apply_walks(list(walks.values()), self.tensor, recheck)
+                    except BaseException:
+                        applied.rollback()
+                        raise
                 finally:
                     _sync(self._devices)
                 pause_s = time.perf_counter() - start
-                for canonical, patch in touched.items():
-                    self._hash_cache[canonical] = new_hashes.get(
-                        patch.name, entries[canonical].hash
-                    )
+                names = {c: p.name for c, p in touched.items()}
+                names.update({c: w.name for c, w in walks.items()})
+                for canonical, name in names.items():
+                    self._hash_cache[canonical] = new_hashes.get(name, entries[canonical].hash)
                 self._checkpoint_names = [e.name for e in manifest.tensors]
         changed = sum(int(p.positions.numel()) for p in touched.values())
-        log.debug("delta applied", run=manifest.run, version=manifest.version, changed=changed)
+        changed += sum(w.changed for w in walks.values())
+        log.debug(
+            "delta applied",
+            run=manifest.run,
+            version=manifest.version,
+            changed=changed,
+            walked=len(walks),
+        )
         return ApplyReport(
-            version=manifest.version, tensors=len(touched), changed=changed, pause_s=pause_s
+            version=manifest.version,
+            tensors=len(touched) + len(walks),
+            changed=changed,
+            pause_s=pause_s,
         )
 
     def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:
@@ -341,3 +385,9 @@ class TorchTarget:
             with self.lock:
                 copy = self._tensors[self._canonical[name]].to("cpu", copy=True)
             yield name, copy
+
+
+def _patch_bytes(manifest: Manifest) -> int:
+    """Host memory the decoded patches of ``manifest`` take: int64 positions, new and
+    old contents per changed element."""
+    return sum(e.changed * (8 + 2 * dtype_from_name(e.dtype).itemsize) for e in manifest.tensors)

@@ -1,0 +1,71 @@
+"""Writing proven tensors by walking their deltas, keeping no patch in memory.
+
+A target that proved a tensor's result against its manifest hash (see
+:mod:`pipeline.targets.proving`) can drop the decoded patch and, under its write
+lock, decode the delta straight into the held tensor (``DeltaObject.apply_to``).
+Undo needs no saved contents either: walking the same delta back subtracts each
+difference again (``DeltaObject.undo_apply``). The memory an apply holds is then the
+delta objects themselves, about 1.2 bytes per changed element instead of about 12
+for decoded positions, new contents and old contents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.codec import DeltaObject
+from pipeline.hashing import content_hash
+from pipeline.targets.patching import hash_mismatch
+
+
+@dataclass(frozen=True)
+class Walk:
+    """A tensor proven against its manifest hash whose patch was not kept."""
+
+    name: str
+    delta: DeltaObject
+    changed: int
+
+
+@dataclass
+class WalkedDeltas:
+    """Walks written into held tensors; ``rollback`` walks them back."""
+
+    hashes: dict[str, str]  # new content hashes of the written tensors (if verified)
+    _tensor: Callable[[str], torch.Tensor]
+    _done: list[Walk] = field(default_factory=list)
+
+    def rollback(self) -> None:
+        """Restore every written tensor (idempotent), newest first."""
+        while self._done:
+            walk = self._done.pop()
+            walk.delta.undo_apply(walk.name, self._tensor(walk.name))
+
+
+def apply_walks(
+    walks: Sequence[Walk],
+    tensor: Callable[[str], torch.Tensor],
+    expected: Mapping[str, str] | None,
+) -> WalkedDeltas:
+    """Write every walk into ``tensor(name)``, all or nothing: a failure (a damaged
+    stream, or with ``expected`` a written tensor whose hash differs) walks back
+    what was written and raises."""
+    written = WalkedDeltas({}, tensor)
+    try:
+        for walk in walks:
+            walk.delta.apply_to(walk.name, tensor(walk.name))  # undoes itself on damage
+            written._done.append(walk)
+        if expected is not None:
+            for walk in walks:
+                digest = content_hash(tensor(walk.name))
+                want = expected.get(walk.name)
+                if digest != want:
+                    raise hash_mismatch(walk.name, digest, want)
+                written.hashes[walk.name] = digest
+        return written
+    except BaseException:
+        written.rollback()
+        raise

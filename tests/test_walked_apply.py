@@ -1,0 +1,126 @@
+"""Applies that keep no decoded patches: proven tensors are written by walking their
+deltas into the weights and walked back on failure (pipeline/targets/walking.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.codec import DeltaObject, encode_delta, read_delta
+from pipeline.errors import TargetError
+from pipeline.hashing import content_hash
+from pipeline.targets.proving import decode_and_prove
+from pipeline.targets.torch import TorchTarget
+from tests.test_torch_target import assert_bitwise_equal, bits, make_delta, next_state, state
+
+
+def mixed_state() -> dict[str, torch.Tensor]:
+    """``state`` plus a tensor that every step changes entirely (not a sparse walk)."""
+    return dict(state("cpu"), **{"f.dense": torch.linspace(-2, 2, 512).to(torch.bfloat16)})
+
+
+def mixed_next(held: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    new = next_state({n: t for n, t in held.items() if n != "f.dense"}, seed)
+    dense = held["f.dense"].clone()
+    bits(dense).add_(1)
+    return dict(new, **{"f.dense": dense})
+
+
+def chain(held: dict[str, torch.Tensor], steps: int) -> list[dict[str, torch.Tensor]]:
+    versions = [{k: v.clone() for k, v in held.items()}]
+    for step in range(steps):
+        versions.append(mixed_next(versions[-1], seed=10 * step + 1))
+    return versions
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn]
+)
+def test_undo_apply_walks_a_delta_back_bit_for_bit(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    base = (torch.randn(4096, generator=g) * 8).to(dtype)
+    new = base.clone()
+    flat = new.view(-1).view(torch.uint8 if dtype.itemsize == 1 else base.view(-1).dtype)
+    if dtype.itemsize > 1:
+        flat = bits(new)
+    positions = torch.randperm(4096, generator=g)[:60]
+    flat[positions] += 1  # sparse: 1.5% changed, a walkable encoding
+    obj = read_delta(encode_delta([("t", base, new)]), object_name="o")
+    held = base.clone()
+    obj.apply_to("t", held)
+    assert torch.equal(bits(held), bits(new))
+    obj.undo_apply("t", held)
+    assert torch.equal(bits(held), bits(base))
+
+
+def test_undo_apply_refuses_an_encoding_it_cannot_walk() -> None:
+    base = torch.zeros(1024, dtype=torch.bfloat16)
+    new = torch.ones(1024, dtype=torch.bfloat16)  # every element: not a sparse walk
+    obj = read_delta(encode_delta([("t", base, new)]), object_name="o")
+    with pytest.raises(TargetError, match="cannot be walked back"):
+        obj.undo_apply("t", new.clone())
+
+
+def test_walked_chain_is_bit_exact_and_keeps_no_patches() -> None:
+    held = mixed_state()
+    ids = {n: t.data_ptr() for n, t in held.items()}
+    walked = TorchTarget(held, patch_memory_bytes=0)
+    versions = chain(held, 3)
+    twin = {k: v.clone() for k, v in versions[0].items()}
+    patched = TorchTarget(twin)  # the default: patches kept
+    for v, verify in zip(range(1, len(versions)), ["touched", "all", "touched"], strict=True):
+        manifest, objects = make_delta(versions[v - 1], versions[v], version=v, parent=v - 1)
+        proven = decode_and_prove(
+            manifest, objects, walked.tensor, walked.specs(), keep_patches=False
+        )
+        changed = {e.name for e in manifest.tensors if e.changed}
+        walks = {w.name for w in proven.walks}
+        kept = {p.name for p in proven.patches}
+        assert walks and kept  # sparse tensors walked, the dense one patched
+        assert walks | kept == changed and not walks & kept
+        assert not walks & set(proven.old_values)
+        report = walked.apply_delta(manifest, objects, verify)  # type: ignore[arg-type]
+        reference = patched.apply_delta(manifest, objects, verify)  # type: ignore[arg-type]
+        assert (report.tensors, report.changed) == (reference.tensors, reference.changed)
+        assert report.changed == sum(e.changed for e in manifest.tensors)
+        assert_bitwise_equal(held, versions[v])
+        assert walked.hashes() == {n: content_hash(t) for n, t in versions[v].items()}
+    assert {n: t.data_ptr() for n, t in held.items()} == ids
+
+
+def _failing_on_call(number: int) -> Callable[..., Any]:
+    real = DeltaObject.apply_to
+    calls = {"n": 0}
+
+    def apply_to(self: DeltaObject, name: str, tensor: torch.Tensor, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == number:
+            raise RuntimeError("device lost during the write")
+        return real(self, name, tensor, **kw)
+
+    return apply_to
+
+
+@pytest.mark.parametrize("fail_on", [1, 2, 3])
+def test_a_write_failing_midway_leaves_every_tensor_as_it_was(
+    fail_on: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = mixed_state()
+    target = TorchTarget(held, patch_memory_bytes=0)
+    new = mixed_next(held, seed=4)
+    manifest, objects = make_delta(held, new)
+    proven = decode_and_prove(manifest, objects, target.tensor, target.specs(), keep_patches=False)
+    assert len(proven.walks) >= 3 and proven.patches  # walked and patched tensors both
+    before = {n: t.clone() for n, t in held.items()}
+    hashes = target.hashes()
+    monkeypatch.setattr(DeltaObject, "apply_to", _failing_on_call(fail_on))
+    with pytest.raises(RuntimeError, match="device lost"):
+        target.apply_delta(manifest, objects, "touched")
+    assert_bitwise_equal(held, before)  # patched tensors and walked ones restored
+    assert target.hashes() == hashes
+    monkeypatch.undo()
+    target.apply_delta(manifest, objects, "touched")
+    assert_bitwise_equal(held, new)
