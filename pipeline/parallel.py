@@ -32,6 +32,7 @@ from pipeline import chain, faults
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
 from pipeline.errors import ChainError, LockError, MismatchError, ObjectNotFoundError
+from pipeline.events import DeltaPart
 from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.manifest import (
     Kind,
@@ -40,6 +41,7 @@ from pipeline.manifest import (
     TensorEntry,
     version_prefix,
 )
+from pipeline.part_hints import publish_part
 from pipeline.publish import PrivateKey, delta_manifest, tensor_entry, write_manifest
 from pipeline.replicas import run_lock
 from pipeline.state_cache import StateCache
@@ -216,6 +218,17 @@ def work_parts(
                     client.hsetnx(records, key, _record_json(obj, entries))
                     client.pexpire(records, int(FANOUT_TTL_S * 1000))
                     done += 1
+                    publish_part(
+                        client,
+                        DeltaPart.now(
+                            run=fanout.run,
+                            version=fanout.step,
+                            parent=fanout.parent,
+                            key=key,
+                            size=obj.size,
+                            sha256=obj.sha256,
+                        ),
+                    )
                     log.info(
                         "part encoded",
                         run=fanout.run,

@@ -23,7 +23,7 @@ from pipeline.config import Settings
 from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError
 from pipeline.event_stream import EventStream
-from pipeline.events import DeltaAvailable
+from pipeline.events import DeltaAvailable, parse_event
 from pipeline.manifest import manifest_key, version_prefix
 from pipeline.parallel import (
     Fanout,
@@ -34,6 +34,7 @@ from pipeline.parallel import (
     start_fanout,
     work_parts,
 )
+from pipeline.part_hints import channel as part_channel
 from pipeline.redis_server import redis_client
 from pipeline.replicas import RunLock
 from pipeline.state_cache import StateCache
@@ -123,7 +124,8 @@ def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
     redis_url: str, tmp_path: Path
 ) -> None:
     """In process: the parallel parts are byte-identical to the single-job delta's, each
-    part is encoded once, and no manifest is written while a part is unrecorded."""
+    part is encoded once and hinted once stored, and no manifest is written while a part
+    is unrecorded."""
     generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), lr=1e-5, seed=7)
     paths = []
     for step in range(2):
@@ -145,6 +147,8 @@ def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
     parent = chain.load_manifest(store, "run", "anchor", 0)
     fanout = Fanout("run", 1, str(paths[1]), 0, "anchor", 1)
     start_fanout(r, fanout)
+    hints = r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+    hints.subscribe(part_channel("run"))
     assert work_parts(r, store, cache, fanout, parent) == len(parent.objects) >= 3
     assert work_parts(r, store, cache, fanout, parent) == 0, "each part encoded once"
     missing = parent.objects[1].key
@@ -157,6 +161,16 @@ def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
     r.hset(parts_key("run", 1, 0), missing, record)
     manifest = assemble(r, store, fanout, parent, None)
     assert manifest.objects == single.objects
+    heard = []
+    deadline = time.monotonic() + 30
+    while len(heard) < len(manifest.objects) and time.monotonic() < deadline:
+        message = hints.get_message(timeout=1.0)  # None also for the subscribe reply
+        if message is not None:
+            heard.append(parse_event(message["data"]))
+    hints.close()
+    assert sorted((h.version, h.parent, h.key, h.size, h.sha256) for h in heard) == sorted(  # type: ignore[attr-defined]
+        (1, 0, o.key, o.size, o.sha256) for o in manifest.objects
+    )
     assert manifest.tensors == single.tensors and manifest.state_hash == single.state_hash
     for obj in manifest.objects:
         key = version_prefix("run", "delta", 1) + obj.key
