@@ -131,6 +131,10 @@ def main() -> None:
     def node_points(tmp: Path, url: str) -> int:
         return rollout.rollout_crash_scenario(tmp, url, rollout.ROLLOUT_POINTS).runs
 
+    def node_walked(tmp: Path, url: str) -> int:
+        walked = {"DELTASYNC_PATCH_MEMORY_MB": "0"}
+        return rollout.rollout_crash_scenario(tmp, url, ("target.mid_walk@2",), walked).runs
+
     def node_resume(tmp: Path, url: str) -> int:
         return rollout.resume_crash_scenario(tmp, url).runs
 
@@ -193,6 +197,14 @@ def main() -> None:
     )
     for _ in range(rounds):
         attempt(r, len(rollout.ROLLOUT_POINTS), with_redis(node_points))
+    r = row(
+        "rollout node without memory for decoded patches (DELTASYNC_PATCH_MEMORY_MB=0: "
+        "deltas walked into the weights) SIGKILLed between two walked tensors",
+        "kill + restart",
+        NODE_OK,
+    )
+    for _ in range(rounds):
+        attempt(r, 1, with_redis(node_walked))
     r = row(
         "rollout node restarted from its own dump after a mid-write kill (resumes "
         "without bootstrap; a stale dump is never resumed)",

@@ -69,9 +69,15 @@ def publish_run(tmp: Path, versions: int = VERSIONS) -> PublishedRun:
 
 
 def node(
-    home: Path, run: PublishedRun, redis_url: str, *args: str, fault: str | None = None
+    home: Path,
+    run: PublishedRun,
+    redis_url: str,
+    *args: str,
+    fault: str | None = None,
+    settings: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     env = {
+        **(settings or {}),
         "PATH": "/usr/bin:/bin",
         "DELTASYNC_HOME": str(home),
         "DELTASYNC_STORE": run.store.url,
@@ -106,22 +112,37 @@ def state_hashes(state: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: content_hash(t) for name, t in state.items()}
 
 
-def converge(home: Path, run: PublishedRun, redis_url: str, dump: Path, *args: str) -> list[str]:
+def converge(
+    home: Path,
+    run: PublishedRun,
+    redis_url: str,
+    dump: Path,
+    *args: str,
+    settings: dict[str, str] | None = None,
+) -> list[str]:
     """Restart the node clean; it must reach the head and hold exactly its weights."""
-    done = node(home, run, redis_url, "--until", str(run.head), "--dump", str(dump), *args)
+    done = node(
+        home, run, redis_url, "--until", str(run.head), "--dump", str(dump), *args,
+        settings=settings,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert dump_hashes(dump) == state_hashes(run.states[run.head]), "dump is not the head"
     return events_of(done)
 
 
-def rollout_crash_scenario(tmp: Path, redis_url: str, points: tuple[str, ...]) -> Outcome:
+def rollout_crash_scenario(
+    tmp: Path, redis_url: str, points: tuple[str, ...], settings: dict[str, str] | None = None
+) -> Outcome:
+    """``settings``: extra DELTASYNC_* variables for the node (crashed and restarted)."""
     run = publish_run(tmp)
     outcome = Outcome()
     for i, fault in enumerate(points):
         home = tmp / f"node-{i}"
-        crashed = node(home, run, redis_url, "--until", str(run.head), fault=fault)
+        crashed = node(
+            home, run, redis_url, "--until", str(run.head), fault=fault, settings=settings
+        )
         assert crashed.returncode == -signal.SIGKILL, (fault, crashed.stderr[-2000:])
-        converge(home, run, redis_url, tmp / f"dump-{i}.safetensors")
+        converge(home, run, redis_url, tmp / f"dump-{i}.safetensors", settings=settings)
         outcome.runs += 1
         outcome.recovered += 1
     return outcome
@@ -192,6 +213,13 @@ def test_node_killed_at_every_point_converges_bit_exactly(tmp_path: Path, redis_
     assert rollout_crash_scenario(tmp_path, redis_url, ROLLOUT_POINTS).recovered == len(
         ROLLOUT_POINTS
     )
+
+
+def test_node_killed_mid_walked_write_converges_bit_exactly(tmp_path: Path, redis_url: str) -> None:
+    """No memory for decoded patches: deltas are walked into the weights; a kill between
+    two walked tensors still ends bit-exact."""
+    walked = {"DELTASYNC_PATCH_MEMORY_MB": "0"}
+    assert rollout_crash_scenario(tmp_path, redis_url, ("target.mid_walk@2",), walked).recovered
 
 
 def test_node_killed_mid_write_resumes_from_its_dump(tmp_path: Path, redis_url: str) -> None:

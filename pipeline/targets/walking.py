@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline import faults
 from pipeline.codec import DeltaObject
 from pipeline.hashing import content_hash
 from pipeline.targets.patching import hash_mismatch
@@ -58,6 +59,7 @@ def apply_walks(
         for walk in walks:
             walk.delta.apply_to(walk.name, tensor(walk.name))  # undoes itself on damage
             written._done.append(walk)
+            faults.point("target.mid_walk")
         if expected is not None:
             for walk in walks:
                 digest = content_hash(tensor(walk.name))
