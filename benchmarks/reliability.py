@@ -34,7 +34,7 @@ from tests import test_faults_workers as workers  # noqa: E402
 from tests import test_hostile_corruption as corruption  # noqa: E402
 from tests import test_parallel_diff as parallel  # noqa: E402
 from tests import test_service_loss as service  # noqa: E402
-from tests.servers import RedisServer, SeaweedS3Server  # noqa: E402
+from tests.servers import RedisServer, SeaweedS3Server, redis_executable  # noqa: E402
 
 
 @dataclass
@@ -320,6 +320,15 @@ def main() -> None:
         sys.exit(1)
 
 
+def _redis_version() -> str:
+    """The version of the redis-server the scenarios start (tests/servers.py picks it)."""
+    done = subprocess.run(
+        [redis_executable(), "--version"], capture_output=True, text=True, check=False
+    )
+    words = done.stdout.split()
+    return next((w[2:] for w in words if w.startswith("v=")), "version unknown")
+
+
 def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Namespace) -> None:
     command = "python benchmarks/reliability.py" + (" --quick" if args.quick else "")
     lines = [
@@ -328,9 +337,9 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         f"Produced by `{command}` (seed {args.seed}) on "
         f"{datetime.now(UTC).strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "
         f"in {total_s / 60:.1f} minutes. Every run uses real processes and servers: "
-        "redis-server, the SeaweedFS S3 server, `deltasync worker diff|compact` and "
-        "`deltasync rollout` processes killed with SIGKILL (fault points of "
-        "`pipeline/faults.py`, or at seeded random moments).",
+        f"redis-server ({_redis_version()}), the SeaweedFS S3 server, "
+        "`deltasync worker diff|compact` and `deltasync rollout` processes killed with "
+        "SIGKILL (fault points of `pipeline/faults.py`, or at seeded random moments).",
         "",
         "After each run the checks are: every emitted step is published exactly once "
         "(redone by rq's retry of the abandoned job when the kill came before its "
@@ -375,6 +384,29 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "- A node serving a version that must re-bootstrap proves the whole anchor "
         "first (held in memory), so a damaged anchor never leaves a mix of versions; "
         "a fresh node's failed bootstrap claims no version.",
+        "- Early start (`DELTASYNC_EARLY_START`) adds `delta-part` hints on a pub/sub "
+        "channel, and they are only hints. A node uses an early download only if the "
+        "manifest lists its object with the same sha256. It uses an early proof only "
+        "if, in addition, the target has not been written since (a per-target "
+        "generation token). The manifest's tensor hashes are checked either way, and "
+        "nothing is written before the manifest. Lost, duplicated, malformed, wrong-sha "
+        "or never-published hints change nothing applied; so do proofs made by another "
+        "replica or before a reload. `tests/test_early_parts.py` runs each of these, "
+        "plus real diff and rollout processes. These cases are covered by the tests, "
+        "not by a row of the table above.",
+        "- A torch target applying a delta above `DELTASYNC_PATCH_MEMORY_MB` keeps no "
+        "decoded patches: it writes proven tensors by decoding their deltas again and "
+        "undoes a failed write by walking the written deltas back. The write stays all "
+        "or nothing: `tests/test_walked_apply.py` fails the write at the first, second "
+        "and third walked tensor, with patched tensors already written, and finds every "
+        "tensor bit-identical to before; a real `deltasync rollout` process with "
+        "`DELTASYNC_PATCH_MEMORY_MB=0` ends bit-identical to the trainer "
+        "(`tests/test_rollout_process.py`).",
+        "- Linked caches (`DELTASYNC_CACHE_LINK`) never write into a file shared with a "
+        "checkpoint. A checkpoint rewritten in place, before a diff or during one "
+        "(before or after its hashes), is caught by the recorded size and mtime or by "
+        "the base's hashes. The cache is then rebuilt from the store, and no wrong "
+        "delta is published (`tests/test_cache_link.py`).",
         "",
     ]
     path.write_text("\n".join(lines))
