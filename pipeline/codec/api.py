@@ -180,20 +180,7 @@ class DeltaObject:
         ):
             return None
         target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
-        try:
-            return walk_sparse(
-                walker,
-                record.split(self._entries[name]),
-                record.params,
-                record.changed,
-                target,
-                record.info,
-                fused.DIFFS,
-            )
-        except DamagedStreamError as exc:
-            raise CorruptObjectError(
-                f"delta object {self.object_name}: tensor {name!r}: {exc}"
-            ) from None
+        return self._walk(walker, name, record, target, fused.DIFFS)
 
     def apply_to(
         self, name: str, tensor: torch.Tensor, *, undo: bool = False
@@ -226,21 +213,7 @@ class DeltaObject:
         if not tensor.is_contiguous():
             raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
         target = tensor.detach().view(info.view).view(-1).numpy().view(info.unsigned)
-        try:
-            where, old_np = walk_sparse(
-                walker,
-                record.split(self._entries[name]),
-                record.params,
-                record.changed,
-                target,
-                info,
-                fused.APPLY,
-                record=undo,
-            )
-        except DamagedStreamError as exc:
-            raise CorruptObjectError(
-                f"delta object {self.object_name}: tensor {name!r}: {exc}"
-            ) from None
+        where, old_np = self._walk(walker, name, record, target, fused.APPLY, record_out=undo)
         if not undo:
             return None
         return TensorPatch(
@@ -262,18 +235,32 @@ class DeltaObject:
         if walker is None or not walk_applies(record.encoding, record.params, record.info):
             raise TargetError(f"tensor {name!r}: its delta cannot be walked back in place")
         target = tensor.detach().view(record.info.view).view(-1).numpy().view(record.info.unsigned)
+        self._walk(walker, name, record, target, fused.UNDO, record_out=False)
+
+    def _walk(
+        self,
+        walker: Any,
+        name: str,
+        record: TensorRecord,
+        target: npt.NDArray[Any],
+        mode: int,
+        *,
+        record_out: bool = True,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any]]:
+        """``walk_sparse`` over ``name``'s streams; a damaged stream is a one-line
+        CorruptObjectError naming the object and the tensor."""
         try:
-            walk_sparse(
+            return walk_sparse(
                 walker,
                 record.split(self._entries[name]),
                 record.params,
                 record.changed,
                 target,
                 record.info,
-                fused.UNDO,
-                record=False,
+                mode,
+                record=record_out,
             )
-        except DamagedStreamError as exc:  # apply_to walked the same bytes: not reached
+        except DamagedStreamError as exc:
             raise CorruptObjectError(
                 f"delta object {self.object_name}: tensor {name!r}: {exc}"
             ) from None

@@ -354,6 +354,21 @@ def _write(
             faults.point("target.mid_write")
 
 
+def rehash_written(
+    names: Sequence[str], tensor: Callable[[str], torch.Tensor], expected: Mapping[str, str]
+) -> dict[str, str]:
+    """Content hashes of the written tensors ``names``; MismatchError naming the first
+    that differs from ``expected``."""
+    hashes: dict[str, str] = {}
+    for name in names:
+        digest = content_hash(tensor(name))
+        want = expected.get(name)
+        if digest != want:
+            raise hash_mismatch(name, digest, want)
+        hashes[name] = digest
+    return hashes
+
+
 def apply_verified(
     patches: Sequence[TensorPatch],
     tensor: Callable[[str], torch.Tensor],
@@ -385,12 +400,7 @@ def apply_verified(
             if helper is not None:
                 helper.result()  # joined before any rollback; raises its error
         if expected is not None:
-            for patch in patches:
-                digest = content_hash(tensor(patch.name))
-                want = expected.get(patch.name)
-                if digest != want:
-                    raise hash_mismatch(patch.name, digest, want)
-                applied.hashes[patch.name] = digest
+            applied.hashes.update(rehash_written([p.name for p in patches], tensor, expected))
         return applied
     except BaseException:
         applied.rollback()

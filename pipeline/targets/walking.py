@@ -18,8 +18,7 @@ import torch
 
 from pipeline import faults
 from pipeline.codec import DeltaObject
-from pipeline.hashing import content_hash
-from pipeline.targets.patching import hash_mismatch
+from pipeline.targets.patching import rehash_written
 
 
 @dataclass(frozen=True)
@@ -61,12 +60,7 @@ def apply_walks(
             written._done.append(walk)
             faults.point("target.mid_walk")
         if expected is not None:
-            for walk in walks:
-                digest = content_hash(tensor(walk.name))
-                want = expected.get(walk.name)
-                if digest != want:
-                    raise hash_mismatch(walk.name, digest, want)
-                written.hashes[walk.name] = digest
+            written.hashes.update(rehash_written([w.name for w in walks], tensor, expected))
         return written
     except BaseException:
         written.rollback()
