@@ -4,15 +4,16 @@ deltas into the weights and walked back on failure (pipeline/targets/walking.py)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
-from pipeline.codec import DeltaObject, encode_delta, read_delta
-from pipeline.errors import TargetError
+from pipeline.codec import DeltaObject, HashedPatch, encode_delta, read_delta
+from pipeline.errors import MismatchError, TargetError
 from pipeline.hashing import content_hash
-from pipeline.targets.proving import decode_and_prove
+from pipeline.targets.proving import ProvenDigest, decode_and_prove
 from pipeline.targets.torch import TorchTarget
 from tests.test_torch_target import assert_bitwise_equal, bits, make_delta, next_state, state
 
@@ -123,4 +124,37 @@ def test_a_write_failing_midway_leaves_every_tensor_as_it_was(
     assert target.hashes() == hashes
     monkeypatch.undo()
     target.apply_delta(manifest, objects, "touched")
+    assert_bitwise_equal(held, new)
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_early_proofs_keep_patches_only_within_the_budget(budget: int) -> None:
+    held = mixed_state()
+    target = TorchTarget(held, patch_memory_bytes=budget)
+    new = mixed_next(held, seed=6)
+    manifest, objects = make_delta(held, new)
+    (entry,) = manifest.objects
+    proof = target.prove_object(entry.key, objects[entry.key], entry.sha256)
+    kinds = {type(result) for result in proof.hashed.values()}
+    assert kinds == ({ProvenDigest} if budget == 0 else {HashedPatch})
+    report = target.apply_delta(manifest, objects, "touched", early=[proof])
+    assert report.changed == sum(e.changed for e in manifest.tensors)
+    assert_bitwise_equal(held, new)
+
+
+def test_a_lean_early_proof_with_a_wrong_hash_is_refused_before_any_write() -> None:
+    held = mixed_state()
+    target = TorchTarget(held, patch_memory_bytes=0)
+    new = mixed_next(held, seed=8)
+    manifest, objects = make_delta(held, new)
+    (entry,) = manifest.objects
+    proof = target.prove_object(entry.key, objects[entry.key], entry.sha256)
+    name, result = next(iter(proof.hashed.items()))
+    assert isinstance(result, ProvenDigest)
+    forged = replace(proof, hashed={**proof.hashed, name: replace(result, digest="0" * 32)})
+    before = {n: t.clone() for n, t in held.items()}
+    with pytest.raises(MismatchError, match=name.replace(".", r"\.")):
+        target.apply_delta(manifest, objects, "touched", early=[forged])
+    assert_bitwise_equal(held, before)
+    target.apply_delta(manifest, objects, "touched", early=[proof])
     assert_bitwise_equal(held, new)

@@ -36,6 +36,24 @@ from pipeline.targets.walking import Walk
 
 
 @dataclass(frozen=True)
+class ProvenDigest:
+    """An early proof that kept only the hash after the patch (the tensor is walked
+    when written, see :mod:`pipeline.targets.walking`)."""
+
+    digest: str
+    changed: int
+
+
+EarlyResult = HashedPatch | ProvenDigest
+
+
+def patch_bytes(changed: int, dtype: torch.dtype) -> int:
+    """Host memory of a decoded patch kept until its write: int64 positions, new and
+    old contents per changed element."""
+    return changed * (8 + 2 * dtype.itemsize)
+
+
+@dataclass(frozen=True)
 class ProvenPatches:
     """Patches whose results were checked against the manifest's hashes before any
     write, with the held contents at their positions (for undo); and, without
@@ -52,7 +70,7 @@ def decode_and_prove(
     objects: Mapping[str, bytes],
     base: Callable[[str], torch.Tensor],
     specs: Mapping[str, TensorSpec],
-    early: Mapping[str, HashedPatch] | None = None,
+    early: Mapping[str, EarlyResult] | None = None,
     *,
     keep_patches: bool = True,
 ) -> ProvenPatches:
@@ -73,7 +91,7 @@ def prove_entries(
     objects: Mapping[str, bytes],
     base: Callable[[str], torch.Tensor],
     specs: Mapping[str, TensorSpec],
-    early: Mapping[str, HashedPatch] | None = None,
+    early: Mapping[str, EarlyResult] | None = None,
     *,
     keep_patches: bool = True,
 ) -> ProvenPatches:
@@ -138,13 +156,23 @@ def _prove_one(
     held: torch.Tensor,
     spec: TensorSpec,
     base: Callable[[str], torch.Tensor],
-    early: Mapping[str, HashedPatch],
+    early: Mapping[str, EarlyResult],
     keep_patch: bool = True,
 ) -> tuple[TensorPatch | Walk, str, torch.Tensor | None]:
     """(patch, content hash after it, held contents at its positions) of one tensor,
     checked against its manifest entry, or (walk, hash, None) where the patch is not
     kept; nothing is written."""
-    hashed = early.get(entry.name)
+    found = early.get(entry.name)
+    if isinstance(found, ProvenDigest):
+        if found.changed != entry.changed:
+            raise MismatchError(
+                f"tensor {entry.name}: early proof changes {found.changed} elements, "
+                f"manifest says {entry.changed}"
+            )
+        if found.digest != entry.hash:
+            raise hash_mismatch(entry.name, found.digest, entry.hash)
+        return Walk(entry.name, delta, entry.changed), found.digest, None
+    hashed = found
     if hashed is None and held.device.type == "cpu":
         hashed = guarded(delta.decode_hashed, entry, held)
         if hashed is not None and not keep_patch:
@@ -171,17 +199,23 @@ class EarlyProof:
     key: str  # the object's key in its version folder
     sha256: str  # of the object's bytes
     generation: str  # the target and its write count when made: stale after a write
-    hashed: dict[str, HashedPatch]
+    hashed: dict[str, EarlyResult]
 
 
 def prove_object(
-    key: str, data: bytes, base: Callable[[str], torch.Tensor]
-) -> dict[str, HashedPatch]:
+    key: str,
+    data: bytes,
+    base: Callable[[str], torch.Tensor],
+    keep_patches: Callable[[int], bool] = lambda _: True,
+) -> dict[str, EarlyResult]:
     """The one-pass proof (patch, old contents, hash after it) of every changed CPU
     tensor of one delta object, against ``base(name)``; nothing is written. Tensors
-    the compiled walk does not handle are left to the full proof."""
+    the compiled walk does not handle are left to the full proof. Where
+    ``keep_patches(bytes the object's patches would take)`` says no, only the hashes
+    are kept (:class:`ProvenDigest`)."""
     delta = parse_objects({key: data}, [key])[key]
-    out: dict[str, HashedPatch] = {}
+    keep = keep_patches(sum(patch_bytes(i.changed, i.dtype) for i in delta.tensors))
+    out: dict[str, EarlyResult] = {}
     for info in delta.tensors:
         if info.changed == 0:
             continue
@@ -198,13 +232,13 @@ def prove_object(
         )
         hashed = guarded(delta.decode_hashed, named, held)
         if hashed is not None:
-            out[info.name] = hashed
+            out[info.name] = hashed if keep else ProvenDigest(hashed.digest, info.changed)
     return out
 
 
 def early_patches(
     manifest: Manifest, proofs: Sequence[EarlyProof], generation: str
-) -> dict[str, HashedPatch]:
+) -> dict[str, EarlyResult]:
     """The early results that hold for ``manifest``: made at ``generation`` (no write
     since), from an object the manifest lists with the same sha256, for a tensor the
     manifest places in that object."""
@@ -212,7 +246,7 @@ def early_patches(
     valid = {
         p.key: p for p in proofs if p.generation == generation and objects.get(p.key) == p.sha256
     }
-    out: dict[str, HashedPatch] = {}
+    out: dict[str, EarlyResult] = {}
     for entry in manifest.tensors:
         proof = valid.get(entry.object)
         if proof is not None and entry.name in proof.hashed:

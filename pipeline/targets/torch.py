@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import structlog
 import torch
@@ -32,6 +32,7 @@ from pipeline.targets.proving import (
     ProvenPatches,
     decode_and_prove,
     early_patches,
+    patch_bytes,
     prove_object,
 )
 from pipeline.targets.walking import Walk, apply_walks
@@ -112,6 +113,8 @@ class TorchTarget:
         self._token = uuid.uuid4().hex
         self._writes = 0
         self.patch_memory_bytes = patch_memory_bytes
+        self._early_generation = ""  # the generation _early_bytes counts for
+        self._early_bytes = 0  # patches kept by early proofs at that generation
 
     # -- introspection -------------------------------------------------------------
 
@@ -227,13 +230,27 @@ class TorchTarget:
     def _generation(self) -> str:
         return f"{self._token}/{self._writes}"
 
+    def _early_keep(self, generation: str) -> Callable[[int], bool]:
+        """Whether an early proof may keep its patches: while those kept since the last
+        write stay within ``patch_memory_bytes``."""
+        if self._early_generation != generation:
+            self._early_generation, self._early_bytes = generation, 0
+
+        def keep(nbytes: int) -> bool:
+            if self._early_bytes + nbytes > self.patch_memory_bytes:
+                return False
+            self._early_bytes += nbytes
+            return True
+
+        return keep
+
     def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
         """Decode and hash one delta object against the held weights before its
         manifest is known (a part hint); ``apply_delta(early=...)`` reuses the result
         if the manifest confirms the object and nothing was written meanwhile."""
         with self._write_lock:
             generation = self._generation
-            hashed = prove_object(key, data, self.tensor)
+            hashed = prove_object(key, data, self.tensor, self._early_keep(generation))
         return EarlyProof(key, sha256, generation, hashed)
 
     def apply_delta(
@@ -388,6 +405,5 @@ class TorchTarget:
 
 
 def _patch_bytes(manifest: Manifest) -> int:
-    """Host memory the decoded patches of ``manifest`` take: int64 positions, new and
-    old contents per changed element."""
-    return sum(e.changed * (8 + 2 * dtype_from_name(e.dtype).itemsize) for e in manifest.tensors)
+    """Host memory the decoded patches of ``manifest`` would take until written."""
+    return sum(patch_bytes(e.changed, dtype_from_name(e.dtype)) for e in manifest.tensors)
