@@ -3,6 +3,7 @@ deltas into the weights and walked back on failure (pipeline/targets/walking.py)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -13,9 +14,17 @@ import torch
 from pipeline.codec import DeltaObject, HashedPatch, encode_delta, read_delta
 from pipeline.errors import MismatchError, TargetError
 from pipeline.hashing import content_hash
+from pipeline.targets.patching import split_for_two_writers
 from pipeline.targets.proving import ProvenDigest, decode_and_prove
 from pipeline.targets.torch import TorchTarget
-from tests.test_torch_target import assert_bitwise_equal, bits, make_delta, next_state, state
+from tests.test_torch_target import (
+    assert_bitwise_equal,
+    bits,
+    make_delta,
+    next_state,
+    nudge,
+    state,
+)
 
 
 def mixed_state() -> dict[str, torch.Tensor]:
@@ -94,11 +103,10 @@ def test_walked_chain_is_bit_exact_and_keeps_no_patches() -> None:
 
 def _failing_on_call(number: int) -> Callable[..., Any]:
     real = DeltaObject.apply_to
-    calls = {"n": 0}
+    calls = itertools.count(1)  # two writer threads may call at once
 
     def apply_to(self: DeltaObject, name: str, tensor: torch.Tensor, **kw: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == number:
+        if next(calls) == number:
             raise RuntimeError("device lost during the write")
         return real(self, name, tensor, **kw)
 
@@ -157,4 +165,32 @@ def test_a_lean_early_proof_with_a_wrong_hash_is_refused_before_any_write() -> N
         target.apply_delta(manifest, objects, "touched", early=[forged])
     assert_bitwise_equal(held, before)
     target.apply_delta(manifest, objects, "touched", early=[proof])
+    assert_bitwise_equal(held, new)
+
+
+def large_state() -> dict[str, torch.Tensor]:
+    """Enough changes per version for the write to run on two threads."""
+    g = torch.Generator().manual_seed(11)
+    return {f"w{i}": torch.randn(512, 1024, generator=g).to(torch.bfloat16) for i in range(8)}
+
+
+@pytest.mark.parametrize("fail_on", [1, 4, 8])
+def test_a_two_thread_walked_write_failing_anywhere_is_walked_back(
+    fail_on: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held = large_state()
+    target = TorchTarget(held, patch_memory_bytes=0)
+    new = {n: nudge(t, 0.02, seed=i) for i, (n, t) in enumerate(held.items())}
+    manifest, objects = make_delta(held, new)
+    mine, other = split_for_two_writers(
+        [e for e in manifest.tensors if e.changed], lambda e: e.changed, on_cpu=True
+    )
+    assert mine and other, "the write should run on two threads"
+    before = {n: t.clone() for n, t in held.items()}
+    monkeypatch.setattr(DeltaObject, "apply_to", _failing_on_call(fail_on))
+    with pytest.raises(RuntimeError, match="device lost"):
+        target.apply_delta(manifest, objects, "touched")
+    assert_bitwise_equal(held, before)
+    monkeypatch.undo()
+    target.apply_delta(manifest, objects, "all")
     assert_bitwise_equal(held, new)

@@ -317,31 +317,29 @@ _PARALLEL_WRITE_MIN = 1 << 16  # changed elements
 _writer: ThreadPoolExecutor | None = None
 
 
-def _second_writer() -> ThreadPoolExecutor:
+def second_writer() -> ThreadPoolExecutor:
+    """The one thread that writes half of a large CPU delta next to the caller's."""
     global _writer
     if _writer is None:
         _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-write")
     return _writer
 
 
-def _split_for_two_writers(
-    patches: Sequence[TensorPatch], tensor: Callable[[str], torch.Tensor]
-) -> tuple[list[TensorPatch], list[TensorPatch]]:
-    """(patches for this thread, patches for a second one): halves by changed
-    elements, or everything here when the write is small, on a GPU or on one CPU."""
-    total = sum(p.positions.numel() for p in patches)
-    on_cpu = all(
-        p.positions.device.type == "cpu" and tensor(p.name).device.type == "cpu" for p in patches
-    )
+def split_for_two_writers(
+    items: Sequence[_T], size: Callable[[_T], int], on_cpu: bool
+) -> tuple[list[_T], list[_T]]:
+    """(items for this thread, items for a second one): halves by ``size`` (changed
+    elements), or everything here when the write is small, on a GPU or on one CPU."""
+    total = sum(size(item) for item in items)
     if total < _PARALLEL_WRITE_MIN or not on_cpu or (os.cpu_count() or 1) < 2:
-        return list(patches), []
-    mine: list[TensorPatch] = []
-    other: list[TensorPatch] = []
+        return list(items), []
+    mine: list[_T] = []
+    other: list[_T] = []
     load = [0, 0]
-    for patch in sorted(patches, key=lambda p: -p.positions.numel()):
+    for item in sorted(items, key=lambda i: -size(i)):
         side = 0 if load[0] <= load[1] else 1
-        (mine, other)[side].append(patch)
-        load[side] += patch.positions.numel()
+        (mine, other)[side].append(item)
+        load[side] += size(item)
     return mine, other
 
 
@@ -392,8 +390,12 @@ def apply_verified(
             if old is None:
                 old = flat.index_select(0, positions)
             applied._undo.append(_Undo(patch.name, positions, old))
-        mine, other = _split_for_two_writers(patches, tensor)
-        helper = _second_writer().submit(_write, other, tensor, False) if other else None
+        on_cpu = all(
+            p.positions.device.type == "cpu" and tensor(p.name).device.type == "cpu"
+            for p in patches
+        )
+        mine, other = split_for_two_writers(patches, lambda p: p.positions.numel(), on_cpu)
+        helper = second_writer().submit(_write, other, tensor, False) if other else None
         try:
             _write(mine, tensor, True)
         finally:

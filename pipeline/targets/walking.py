@@ -18,7 +18,7 @@ import torch
 
 from pipeline import faults
 from pipeline.codec import DeltaObject
-from pipeline.targets.patching import rehash_written
+from pipeline.targets.patching import rehash_written, second_writer, split_for_two_writers
 
 
 @dataclass(frozen=True)
@@ -52,16 +52,34 @@ def apply_walks(
 ) -> WalkedDeltas:
     """Write every walk into ``tensor(name)``, all or nothing: a failure (a damaged
     stream, or with ``expected`` a written tensor whose hash differs) walks back
-    what was written and raises."""
+    what was written and raises. A large write runs on two threads, as patches do
+    (the compiled walk releases the GIL)."""
     written = WalkedDeltas({}, tensor)
+    mine, other = split_for_two_writers(walks, lambda w: w.changed, on_cpu=True)
+    helped: list[Walk] = []
     try:
-        for walk in walks:
-            walk.delta.apply_to(walk.name, tensor(walk.name))  # undoes itself on damage
-            written._done.append(walk)
-            faults.point("target.mid_walk")
+        helper = second_writer().submit(_walk, other, tensor, helped, False) if other else None
+        try:
+            _walk(mine, tensor, written._done, True)
+        finally:
+            if helper is not None:
+                try:
+                    helper.result()  # joined before any rollback; raises its error
+                finally:
+                    written._done.extend(helped)
         if expected is not None:
             written.hashes.update(rehash_written([w.name for w in walks], tensor, expected))
         return written
     except BaseException:
         written.rollback()
         raise
+
+
+def _walk(
+    walks: Sequence[Walk], tensor: Callable[[str], torch.Tensor], done: list[Walk], faulty: bool
+) -> None:
+    for walk in walks:
+        walk.delta.apply_to(walk.name, tensor(walk.name))  # undoes itself on damage
+        done.append(walk)
+        if faulty:
+            faults.point("target.mid_walk")
