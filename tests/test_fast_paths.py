@@ -199,7 +199,9 @@ def test_two_writers_write_everything_and_roll_everything_back() -> None:
         values = bits(held[name]).view(-1)[positions] + 1
         patches.append(TensorPatch(name, torch.bfloat16, (200_000,), positions, values))
     assert sum(p.positions.numel() for p in patches) >= patching._PARALLEL_WRITE_MIN
-    mine, other = patching._split_for_two_writers(patches, held.__getitem__)
+    mine, other = patching.split_for_two_writers(
+        patches, lambda p: p.positions.numel(), on_cpu=True
+    )
     assert mine and other and {p.name for p in mine + other} == set(held)
 
     expected = {}
