@@ -386,6 +386,7 @@ class RolloutNode:
             apply_s=round(apply_s, 4),
             pause_s=round(report.pause_s, 4),
             early_parts=len(early),
+            walked=report.walked,
         )
         self.report.applied(manifest, fetched.fetch_s, apply_s, report.pause_s, len(early))
 

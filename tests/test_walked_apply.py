@@ -95,6 +95,7 @@ def test_walked_chain_is_bit_exact_and_keeps_no_patches() -> None:
         report = walked.apply_delta(manifest, objects, verify)  # type: ignore[arg-type]
         reference = patched.apply_delta(manifest, objects, verify)  # type: ignore[arg-type]
         assert (report.tensors, report.changed) == (reference.tensors, reference.changed)
+        assert (report.walked, reference.walked) == (len(walks), 0)
         assert report.changed == sum(e.changed for e in manifest.tensors)
         assert_bitwise_equal(held, versions[v])
         assert walked.hashes() == {n: content_hash(t) for n, t in versions[v].items()}

@@ -32,6 +32,7 @@ class ApplyReport:
     tensors: int  # tensors patched
     changed: int  # elements written
     pause_s: float  # time the target was unavailable (the apply alone)
+    walked: int = 0  # tensors decoded straight into the weights, no patch kept
 
 
 class Target(Protocol):

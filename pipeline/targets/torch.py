@@ -360,6 +360,7 @@ class TorchTarget:
             tensors=len(touched) + len(walks),
             changed=changed,
             pause_s=pause_s,
+            walked=len(walks),
         )
 
     def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:
