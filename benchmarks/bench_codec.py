@@ -30,6 +30,7 @@ import torch
 from pipeline.codec import apply_patch, encode_delta, kernels, read_delta
 from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.synthetic import ModelConfig, UpdateGenerator
+from pipeline.targets.walking import Walk, apply_walks
 
 State = dict[str, torch.Tensor]
 COPY_INTO = "copy_ into preallocated weights"
@@ -135,21 +136,31 @@ def main() -> None:
         for name, tensor in targets.items():
             obj.apply_to(name, tensor)
 
+    def apply_on_two_threads(data: bytes, targets: State) -> None:
+        """``apply_to`` of every changed tensor, split over two threads as the targets'
+        walked writes are (pipeline/targets/walking.py)."""
+        obj = read_delta(data, object_name="bench")
+        walks = [Walk(i.name, obj, i.changed) for i in obj.tensors if i.changed]
+        apply_walks(walks, targets.__getitem__, None)
+
     # Correctness of what is timed.
     for data in objects.values():
-        for apply in (decode_apply, apply_in_place):
+        for apply in (decode_apply, apply_in_place, apply_on_two_threads):
             targets = {k: v.clone() for k, v in base.items()}
             apply(data, targets)
             assert all(torch.equal(int_bits(targets[k]), int_bits(new[k])) for k in new)
 
     reps = args.reps
-    spare = [{k: v.clone() for k, v in base.items()} for _ in range(6 * reps)]
+    spare = [{k: v.clone() for k, v in base.items()} for _ in range(7 * reps)]
 
     def decode_task(data: bytes) -> Callable[[], object]:
         return lambda: decode_apply(data, spare.pop())
 
     def apply_to_task(data: bytes) -> Callable[[], object]:
         return lambda: apply_in_place(data, spare.pop())
+
+    def two_threads_task(data: bytes) -> Callable[[], object]:
+        return lambda: apply_on_two_threads(data, spare.pop())
 
     def encode_task(level: int) -> Callable[[], object]:
         return lambda: encode_delta(pairs, level=level)
@@ -176,6 +187,8 @@ def main() -> None:
             continue
         tasks[f"diff+encode, level 1, {path}"] = switched(encode_task(1))
         tasks[f"apply_to, level 1, {path}"] = switched(apply_to_task(objects[1]))
+        if compiled:
+            tasks["apply_to on 2 threads, level 1, compiled"] = two_threads_task(objects[1])
         tasks[f"decode+apply_patch, level 1, {path}"] = switched(decode_task(objects[1]))
     tasks["diff+encode, level 2"] = encode_task(2)
     tasks["decode+apply, level 2"] = decode_task(objects[2])
