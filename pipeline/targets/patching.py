@@ -317,7 +317,7 @@ _PARALLEL_WRITE_MIN = 1 << 16  # changed elements
 _writer: ThreadPoolExecutor | None = None
 
 
-def second_writer() -> ThreadPoolExecutor:
+def _second_writer() -> ThreadPoolExecutor:
     """The one thread that writes half of a large CPU delta next to the caller's."""
     global _writer
     if _writer is None:
@@ -341,6 +341,26 @@ def split_for_two_writers(
         (mine, other)[side].append(item)
         load[side] += size(item)
     return mine, other
+
+
+def write_on_two_threads(
+    items: Sequence[_T],
+    size: Callable[[_T], int],
+    on_cpu: bool,
+    write: Callable[[Sequence[_T], bool], None],
+) -> None:
+    """``write(items, faulty)`` for all ``items``, half of them (by ``size``) on the
+    second writer thread when :func:`split_for_two_writers` says so; only this
+    thread's call is ``faulty`` (carries the crash point). Both halves have finished
+    when it returns or raises (the second half's error if this one had none), so a
+    caller's rollback never races a write."""
+    mine, other = split_for_two_writers(items, size, on_cpu)
+    helper = _second_writer().submit(write, other, False) if other else None
+    try:
+        write(mine, True)
+    finally:
+        if helper is not None:
+            helper.result()
 
 
 def _write(
@@ -394,13 +414,12 @@ def apply_verified(
             p.positions.device.type == "cpu" and tensor(p.name).device.type == "cpu"
             for p in patches
         )
-        mine, other = split_for_two_writers(patches, lambda p: p.positions.numel(), on_cpu)
-        helper = second_writer().submit(_write, other, tensor, False) if other else None
-        try:
-            _write(mine, tensor, True)
-        finally:
-            if helper is not None:
-                helper.result()  # joined before any rollback; raises its error
+        write_on_two_threads(
+            patches,
+            lambda p: p.positions.numel(),
+            on_cpu,
+            lambda part, faulty: _write(part, tensor, faulty),
+        )
         if expected is not None:
             applied.hashes.update(rehash_written([p.name for p in patches], tensor, expected))
         return applied

@@ -169,26 +169,26 @@ def _prove_one(
                 f"tensor {entry.name}: early proof changes {found.changed} elements, "
                 f"manifest says {entry.changed}"
             )
-        if found.digest != entry.hash:
-            raise hash_mismatch(entry.name, found.digest, entry.hash)
+        _check_digest(entry, found.digest)
         return Walk(entry.name, delta, entry.changed), found.digest, None
     hashed = found
     if hashed is None and held.device.type == "cpu":
         hashed = guarded(delta.decode_hashed, entry, held)
-        if hashed is not None and not keep_patch:
-            check_patch(hashed.patch, entry, spec)
-            if hashed.digest != entry.hash:
-                raise hash_mismatch(entry.name, hashed.digest, entry.hash)
-            return Walk(entry.name, delta, entry.changed), hashed.digest, None
     if hashed is None:
         patch = decode_entry(delta, entry, held)
         check_patch(patch, entry, spec)
         digest = hash_patched([patch], base, {entry.name: entry.hash})[entry.name]
         return patch, digest, saved_old_values([patch], base)[entry.name]
     check_patch(hashed.patch, entry, spec)
-    if hashed.digest != entry.hash:
-        raise hash_mismatch(entry.name, hashed.digest, entry.hash)
+    _check_digest(entry, hashed.digest)
+    if found is None and not keep_patch:  # proven just now: its patch can go
+        return Walk(entry.name, delta, entry.changed), hashed.digest, None
     return hashed.patch, hashed.digest, hashed.old
+
+
+def _check_digest(entry: TensorEntry, digest: str) -> None:
+    if digest != entry.hash:
+        raise hash_mismatch(entry.name, digest, entry.hash)
 
 
 @dataclass(frozen=True)

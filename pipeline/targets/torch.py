@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import structlog
 import torch
@@ -113,8 +113,7 @@ class TorchTarget:
         self._token = uuid.uuid4().hex
         self._writes = 0
         self.patch_memory_bytes = patch_memory_bytes
-        self._early_generation = ""  # the generation _early_bytes counts for
-        self._early_bytes = 0  # patches kept by early proofs at that generation
+        self._early_bytes = 0  # patches kept by early proofs since the last write
 
     # -- introspection -------------------------------------------------------------
 
@@ -193,7 +192,7 @@ class TorchTarget:
         order: list[str] = []
         with self._write_lock, self.lock:
             self._hash_cache.clear()
-            self._writes += 1
+            self._wrote()
             for name, src in tensors:
                 canonical = self._resolve(name, "load_state")
                 self._check_spec(name, src.dtype, tuple(src.shape), "load_state")
@@ -230,19 +229,18 @@ class TorchTarget:
     def _generation(self) -> str:
         return f"{self._token}/{self._writes}"
 
-    def _early_keep(self, generation: str) -> Callable[[int], bool]:
+    def _wrote(self) -> None:
+        """A write begins: earlier proofs are stale, and so is what they kept."""
+        self._writes += 1
+        self._early_bytes = 0
+
+    def _early_keep(self, nbytes: int) -> bool:
         """Whether an early proof may keep its patches: while those kept since the last
         write stay within ``patch_memory_bytes``."""
-        if self._early_generation != generation:
-            self._early_generation, self._early_bytes = generation, 0
-
-        def keep(nbytes: int) -> bool:
-            if self._early_bytes + nbytes > self.patch_memory_bytes:
-                return False
-            self._early_bytes += nbytes
-            return True
-
-        return keep
+        if self._early_bytes + nbytes > self.patch_memory_bytes:
+            return False
+        self._early_bytes += nbytes
+        return True
 
     def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
         """Decode and hash one delta object against the held weights before its
@@ -250,7 +248,7 @@ class TorchTarget:
         if the manifest confirms the object and nothing was written meanwhile."""
         with self._write_lock:
             generation = self._generation
-            hashed = prove_object(key, data, self.tensor, self._early_keep(generation))
+            hashed = prove_object(key, data, self.tensor, self._early_keep)
         return EarlyProof(key, sha256, generation, hashed)
 
     def apply_delta(
@@ -301,10 +299,13 @@ class TorchTarget:
                 canonical = self._canonical[walk.name]
                 if canonical not in touched:
                     walks.setdefault(canonical, walk)
+            # canonical -> the name its patch or walk was decoded under
+            written = {c: p.name for c, p in touched.items()}
+            written.update({c: w.name for c, w in walks.items()})
             # Untouched tensors do not change: check them now, before any write
             # (fresh hashes for "all", the hashes known since their last change else).
             for canonical, entry in entries.items():
-                if canonical in touched or canonical in walks:
+                if canonical in written:
                     continue
                 held = (
                     content_hash(self._tensors[canonical])
@@ -316,8 +317,7 @@ class TorchTarget:
                         f"{where}: tensor {entry.name!r} is unchanged by the delta but its held "
                         "content does not match the manifest (wrong base)"
                     )
-            expected = {p.name: entries[c].hash for c, p in touched.items()}
-            expected.update({w.name: entries[c].hash for c, w in walks.items()})
+            expected = {name: entries[c].hash for c, name in written.items()}
             if proven is None:
                 new_hashes: dict[str, str] = {}
                 old_values = saved_old_values(list(touched.values()), self.tensor)
@@ -325,8 +325,8 @@ class TorchTarget:
                 new_hashes, old_values = proven.hashes, proven.old_values
             recheck = expected if verify == "all" else None
             with self.lock:
-                self._writes += 1
-                for canonical in [*touched, *walks]:
+                self._wrote()
+                for canonical in written:
                     self._hash_cache.pop(canonical, None)
                 start = time.perf_counter()
                 try:
@@ -341,9 +341,7 @@ class TorchTarget:
                 finally:
                     _sync(self._devices)
                 pause_s = time.perf_counter() - start
-                names = {c: p.name for c, p in touched.items()}
-                names.update({c: w.name for c, w in walks.items()})
-                for canonical, name in names.items():
+                for canonical, name in written.items():
                     self._hash_cache[canonical] = new_hashes.get(name, entries[canonical].hash)
                 self._checkpoint_names = [e.name for e in manifest.tensors]
         changed = sum(int(p.positions.numel()) for p in touched.values())

@@ -18,7 +18,7 @@ import torch
 
 from pipeline import faults
 from pipeline.codec import DeltaObject
-from pipeline.targets.patching import rehash_written, second_writer, split_for_two_writers
+from pipeline.targets.patching import rehash_written, write_on_two_threads
 
 
 @dataclass(frozen=True)
@@ -55,18 +55,14 @@ def apply_walks(
     what was written and raises. A large write runs on two threads, as patches do
     (the compiled walk releases the GIL)."""
     written = WalkedDeltas({}, tensor)
-    mine, other = split_for_two_writers(walks, lambda w: w.changed, on_cpu=True)
-    helped: list[Walk] = []
     try:
-        helper = second_writer().submit(_walk, other, tensor, helped, False) if other else None
-        try:
-            _walk(mine, tensor, written._done, True)
-        finally:
-            if helper is not None:
-                try:
-                    helper.result()  # joined before any rollback; raises its error
-                finally:
-                    written._done.extend(helped)
+        # Both threads record what they wrote in one list (appends are atomic).
+        write_on_two_threads(
+            walks,
+            lambda w: w.changed,
+            True,
+            lambda part, faulty: _walk(part, tensor, written._done, faulty),
+        )
         if expected is not None:
             written.hashes.update(rehash_written([w.name for w in walks], tensor, expected))
         return written
