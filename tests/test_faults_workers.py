@@ -47,7 +47,7 @@ from workers.diff import request_compaction
 from workers.runtime import Runtime
 from workers.trainer import Emitter
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.redis]  # each test starts its own redis-server
 
 PART_BYTES = 1 << 20  # the tiny model in four parts: faults after each upload
 DIFF_POINTS = (

@@ -54,6 +54,7 @@ class PasswordRedis(RedisServer):
         return f"redis://{USER}:{password}@127.0.0.1:{self.port}/0"
 
 
+@pytest.mark.redis
 def test_passwords_and_store_keys_stay_out_of_logs(
     tmp_path: Path, s3_server: SeaweedS3Server, s3_url: str
 ) -> None:

@@ -21,7 +21,7 @@ from tests.servers import SeaweedS3Server
 from tests.test_faults_workers import Cluster, Outcome, assert_rebuilds, cluster
 from workers import queues
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.redis]  # each test starts its own redis-server
 
 
 def _dump_matches(dump: Path, c: Cluster, version: int) -> None:
