@@ -189,9 +189,10 @@ class Settings:
         metadata=_var(
             "DELTASYNC_EARLY_START",
             "false",
-            "Rollout nodes (torch target) fetch, decode and hash each part of the next "
-            "version as soon as the diff worker announces it, before the manifest: faster "
-            "when nodes have cores of their own, slower when they share the diff worker's.",
+            "Rollout nodes fetch each part of the next version as soon as the diff worker "
+            "announces it, before the manifest, and torch targets decode and hash it too: "
+            "faster when nodes have cores of their own, slower when they share the diff "
+            "worker's.",
         ),
     )
     patch_memory_mb: int = field(

@@ -222,7 +222,7 @@ class DeltaApplied(_Event):
     pause_s: float
     latency_s: float | None = None  # from step-completed to applied (clocks may differ)
     state_hash: str | None = None  # the replica's state hash after applying
-    early_parts: int | None = None  # objects proven from part hints before the manifest
+    early_parts: int | None = None  # objects fetched from part hints before the manifest
 
     def _check(self, what: str) -> None:
         if not self.node:

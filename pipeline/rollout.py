@@ -103,11 +103,12 @@ class RolloutNode:
         self.last_error: DeltasyncError | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stream = StreamFollower(events, run)
-        # Part hints start downloads and proofs before a manifest exists (asked for,
-        # prefetch on, a target that can prove early, and Redis to hear the hints on).
+        # Part hints start downloads, and proofs where the target can, before a
+        # manifest exists (asked for, prefetch on, and Redis to hear the hints on).
         self.early: EarlyParts | None = None
-        if early_start and prefetch and redis is not None and isinstance(target, EarlyProver):
-            self.early = EarlyParts(store, run, target, lambda: self._applied)
+        if early_start and prefetch and redis is not None:
+            prover = target if isinstance(target, EarlyProver) else None
+            self.early = EarlyParts(store, run, prover, lambda: self._applied)
         self.report = Reporter(
             run,
             node_id,
@@ -362,6 +363,7 @@ class RolloutNode:
             )
         started = time.perf_counter()
         early = [] if self.early is None else self.early.proofs(manifest)
+        early_fetched = 0 if self.early is None else self.early.taken(manifest.version)
         try:
             if early and isinstance(self.target, EarlyProver):
                 report = self.target.apply_delta(manifest, fetched.objects, self.verify, early)
@@ -385,10 +387,11 @@ class RolloutNode:
             fetch_s=round(fetched.fetch_s, 4),
             apply_s=round(apply_s, 4),
             pause_s=round(report.pause_s, 4),
-            early_parts=len(early),
+            early_parts=early_fetched,
+            early_proofs=len(early),
             walked=report.walked,
         )
-        self.report.applied(manifest, fetched.fetch_s, apply_s, report.pause_s, len(early))
+        self.report.applied(manifest, fetched.fetch_s, apply_s, report.pause_s, early_fetched)
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         if not self.prefetch:

@@ -1,11 +1,14 @@
 """Early starts for the rollout node: part hints turned into downloads and proofs.
 
 When the diff job announces a part of the version after the held one (see
-pipeline/part_hints.py), the node downloads that object and has the target decode
-and hash it against its held weights while later parts are still being encoded.
-Once the manifest is read, objects whose sha256 it confirms are not downloaded
-again and their proofs are reused; everything else goes the usual way. A hint
-can only save time: a wrong, late or missing one changes nothing applied.
+pipeline/part_hints.py), the node downloads that object while later parts are
+still being encoded, and a target that can (an ``EarlyProver``: the torch target)
+decodes and hashes it against its held weights too. A vLLM target only gets the
+downloads: its proof runs in the engine's workers, through calls that stay on the
+thread that drives the engine. Once the manifest is read, objects whose sha256
+it confirms are not downloaded again and their proofs are reused; everything
+else goes the usual way. A hint can only save time: a wrong, late or missing one
+changes nothing applied.
 
 It pays where the node has cores of its own. Where replicas share cores with the
 diff worker, their early work slows the diff, which decides when the version
@@ -40,18 +43,24 @@ MAX_EARLY_PARTS = 256  # parts held ahead of their manifest at most
 @dataclass(frozen=True)
 class EarlyPart:
     data: bytes
-    proof: EarlyProof
+    proof: EarlyProof | None  # None: the target only takes early downloads
 
 
 class EarlyParts:
     """Early downloads and proofs of the next version's parts, keyed by (version, key)."""
 
     def __init__(
-        self, store: ObjectStore, run: str, target: EarlyProver, held: Callable[[], int | None]
+        self,
+        store: ObjectStore,
+        run: str,
+        target: EarlyProver | None,
+        held: Callable[[], int | None],
     ) -> None:
+        """``target``: proves each early download, or None to download only."""
         self.store, self.run, self.target, self._held = store, run, target, held
         self._pool: ThreadPoolExecutor | None = None
         self._parts: dict[tuple[int, str], tuple[str, Future[EarlyPart]]] = {}
+        self._taken: set[tuple[int, str]] = set()  # early downloads handed to a fetch
         self._lock = threading.Lock()
         self._listener: PartListener | None = None
 
@@ -90,6 +99,8 @@ class EarlyParts:
         data = self.store.get(object_key(self.run, "delta", hint.version, hint.key))
         if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
             raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
+        if self.target is None:
+            return EarlyPart(data, None)
         return EarlyPart(data, self.target.prove_object(hint.key, data, hint.sha256))
 
     def _ready(self, version: int, key: str, sha256: str) -> EarlyPart | None:
@@ -106,13 +117,22 @@ class EarlyParts:
     def data(self, version: int, key: str, sha256: str) -> bytes | None:
         """The object's bytes if an early start fetched exactly these (waits for it)."""
         ready = self._ready(version, key, sha256)
-        return None if ready is None else ready.data
+        if ready is None:
+            return None
+        with self._lock:
+            self._taken.add((version, key))
+        return ready.data
+
+    def taken(self, version: int) -> int:
+        """How many objects of ``version`` were served from early downloads."""
+        with self._lock:
+            return sum(1 for v, _ in self._taken if v == version)
 
     def proofs(self, manifest: Manifest) -> list[EarlyProof]:
         """The finished early proofs of ``manifest``'s objects, as the manifest lists
         them (the target checks the rest: generation, tensor placement, hashes)."""
         found = (self._ready(manifest.version, o.key, o.sha256) for o in manifest.objects)
-        return [ready.proof for ready in found if ready is not None]
+        return [ready.proof for ready in found if ready is not None and ready.proof is not None]
 
     def started(self, version: int) -> int:
         """How many parts of ``version`` have an early start."""
@@ -124,3 +144,4 @@ class EarlyParts:
         with self._lock:
             for key in [k for k in self._parts if k[0] <= upto]:
                 self._parts.pop(key)[1].cancel()
+            self._taken = {k for k in self._taken if k[0] > upto}

@@ -36,13 +36,13 @@ class Applied:
     apply_s: float  # target call: decode, checks, write, verify
     pause_s: float  # time the weights were being written (target unavailable)
     latency_s: float | None  # since the version's first event, when one was seen
-    early_parts: int = 0  # objects decoded and hashed from part hints, before the manifest
+    early_parts: int = 0  # objects fetched (and proven, where the target can) from part hints
 
 
 class Reporter:
     """Events, heartbeats and history of one node of ``run``. ``first_seen(version)``
     is when the version's first event arrived (for latency), if one did; with
-    ``early_start`` each ``delta-applied`` says how many objects were proven early."""
+    ``early_start`` each ``delta-applied`` says how many objects were fetched early."""
 
     def __init__(
         self,

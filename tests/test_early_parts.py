@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from pipeline.redis_server import redis_client
 from pipeline.rollout import RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator
+from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.proving import EarlyProof
 from pipeline.targets.torch import TorchTarget
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
@@ -148,18 +149,45 @@ def test_an_early_proof_against_the_wrong_weights_is_refused_before_any_write(
     assert_holds(held, before)
 
 
+class FetchOnlyTarget:
+    """A torch target seen only through the Target protocol: not an EarlyProver, as a
+    vLLM target is not, so a node can only download its parts early."""
+
+    def __init__(self, inner: TorchTarget) -> None:
+        self.inner = inner
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self.inner.specs()
+
+    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.inner.load_state(tensors)
+
+    def apply_delta(
+        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+    ) -> ApplyReport:
+        return self.inner.apply_delta(manifest, objects, verify)
+
+    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        return self.inner.hashes(names)
+
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.inner.export()
+
+
 @contextlib.contextmanager
 def early_node(
-    store: FileStore, trainer: Trainer, redis_url: str, node_id: str
+    store: FileStore, trainer: Trainer, redis_url: str, node_id: str, prove: bool = True
 ) -> Iterator[tuple[RolloutNode, TorchTarget, redis.Redis, EventStream]]:
     """A node with early start following the run from version 0 on its own thread,
-    listening for hints; yields (node, its target, a publisher client, the stream)."""
+    listening for hints; yields (node, its target, a publisher client, the stream).
+    ``prove=False``: the node sees a target that cannot prove early."""
     publisher = redis_client(redis_url)
     node_client = redis_client(redis_url)
     stream = EventStream(publisher, RUN)
     target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.states[0].items()})
     node = RolloutNode(
-        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
+        store, RUN, target if prove else FetchOnlyTarget(target),
+        events=EventStream(node_client, RUN), redis=node_client,
         node_id=node_id, poll_interval_s=3600, early_start=True,
     )  # fmt: skip
     stop = threading.Event()
@@ -177,9 +205,16 @@ def early_node(
         node_client.close()
 
 
+@pytest.mark.parametrize("prove", [True, False], ids=["proofs", "downloads-only"])
 def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
-    trainer: Trainer, store: FileStore, private_redis: RedisServer
+    trainer: Trainer,
+    store: FileStore,
+    private_redis: RedisServer,
+    prove: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """With a target that cannot prove early (a vLLM target), the early downloads
+    alone are used."""
     trainer.publish()
     reads: list[str] = []
     real_get = store.get
@@ -190,33 +225,60 @@ def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
 
     store.get = counted_get  # type: ignore[method-assign]
     sent: list[DeltaPart] = []
-    with early_node(store, trainer, private_redis.url, "early") as (node, target, client, stream):
-        assert node.early is not None
-        for _ in range(3):
-            trainer.current = trainer.generator.step()
-            trainer.step += 1
-            step = trainer.step
-            result = publish_step(
-                store, RUN, step, trainer.checkpoint(step, trainer.current), trainer.cache,
-                level=1, part_bytes=PART_BYTES,
-                on_part=lambda hint: (sent.append(hint), publish_part(client, hint)),
-            )  # fmt: skip
-            assert result.status == "published"
-            trainer.states[step] = {k: v.clone() for k, v in trainer.current.items()}
-            parts = len(chain.load_manifest(store, RUN, "delta", step).objects)
-            early = node.early
-            wait_for(
-                lambda early=early, step=step, parts=parts: early.started(step) == parts,
-                "the hints, before the announcement",
-            )
-            announce(stream, store, step)
-            wait_for(lambda step=step: node.applied_version == step, f"v{step} applied")
-            assert node.history[-1].early_parts == parts > 1
+    proofs: list[str] = []
+    real_prove = TorchTarget.prove_object
+
+    def counted_prove(self: TorchTarget, key: str, data: bytes, sha256: str) -> EarlyProof:
+        proofs.append(key)
+        return real_prove(self, key, data, sha256)
+
+    monkeypatch.setattr(TorchTarget, "prove_object", counted_prove)
+    with early_node(store, trainer, private_redis.url, "early", prove) as made:
+        node, target, client, stream = made
+        assert node.early is not None and (node.early.target is None) is not prove
+        hinted = run_hinted_steps(trainer, store, node, client, stream, sent)
     listed = [chain.load_manifest(store, RUN, "delta", s).objects for s in (1, 2, 3)]
     assert [h.key for h in sent] == [o.key for objects in listed for o in objects]
+    assert len(proofs) == (hinted if prove else 0)
     assert_holds(dict(target.export()), trainer.states[trainer.step])
     objects = [k for k in reads if "/deltas/" in k and not k.endswith("manifest.json")]
     assert len(objects) == len(set(objects)) > 0  # each object fetched once
+
+
+def run_hinted_steps(
+    trainer: Trainer,
+    store: FileStore,
+    node: RolloutNode,
+    client: redis.Redis,
+    stream: EventStream,
+    sent: list[DeltaPart],
+) -> int:
+    """Publish three steps with hints, each announced once the node started on every
+    part; each must be applied with all its parts fetched early. The parts hinted."""
+    assert node.early is not None
+    hinted = 0
+    for _ in range(3):
+        trainer.current = trainer.generator.step()
+        trainer.step += 1
+        step = trainer.step
+        result = publish_step(
+            store, RUN, step, trainer.checkpoint(step, trainer.current), trainer.cache,
+            level=1, part_bytes=PART_BYTES,
+            on_part=lambda hint: (sent.append(hint), publish_part(client, hint)),
+        )  # fmt: skip
+        assert result.status == "published"
+        trainer.states[step] = {k: v.clone() for k, v in trainer.current.items()}
+        parts = len(chain.load_manifest(store, RUN, "delta", step).objects)
+        early = node.early
+        wait_for(
+            lambda early=early, step=step, parts=parts: early.started(step) == parts,
+            "the hints, before the announcement",
+        )
+        announce(stream, store, step)
+        wait_for(lambda step=step: node.applied_version == step, f"v{step} applied")
+        assert node.history[-1].early_parts == parts > 1
+        hinted += parts
+    return hinted
 
 
 def test_wrong_hints_change_nothing_applied(

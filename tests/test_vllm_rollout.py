@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.event_stream import EventStream
+from pipeline.events import DeltaApplied
+from pipeline.redis_server import redis_client
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig
-from tests.test_rollout_process import assert_same, dumped, publish_versions, rollout
+from tests.test_rollout_process import RUN, assert_same, dumped, publish_versions, rollout
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -29,10 +32,21 @@ def test_vllm_rollout_node_follows_a_run_and_dumps_the_trainer_weights(
     model.mkdir()
     (model / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").hf_config()))
     dump = tmp_path / "vllm.safetensors"
+    # Early start on: a vLLM node takes early downloads only (no hints come here,
+    # the versions are published before it starts; tests/test_early_parts.py has them).
     logs = rollout(tmp_path / "home", store, redis_url, "--target", "vllm",
-                   "--model", str(model), "--until", "2", "--dump", str(dump))  # fmt: skip
+                   "--model", str(model), "--until", "2", "--dump", str(dump),
+                   DELTASYNC_EARLY_START="1")  # fmt: skip
     events = [entry.get("event") for entry in logs]
     assert "vllm target loaded" in events  # bootstrapped into the engine ...
     applied = [e for e in logs if e.get("event") == "vllm target applied delta"]
     assert [e["version"] for e in applied] == [1, 2]  # ... then patched it twice
     assert_same(dumped(dump), states[2])
+    client = redis_client(redis_url)
+    try:
+        announced = [e for _, e in EventStream(client, RUN).read("0-0", count=1000)
+                     if isinstance(e, DeltaApplied)]  # fmt: skip
+    finally:
+        client.close()
+    # early_parts is set only by nodes that run with early start.
+    assert [(e.version, e.early_parts) for e in announced] == [(0, 0), (1, 0), (2, 0)]

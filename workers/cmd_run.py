@@ -71,8 +71,8 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
 @click.option(
     "--early-start/--no-early-start",
     default=None,
-    help="Fetch and prove each part as the diff worker announces it, before the "
-    "manifest (torch target; pays when the node has cores of its own). "
+    help="Fetch each part as the diff worker announces it, before the manifest, and "
+    "prove it too with a torch target (pays when the node has cores of its own). "
     "Default: DELTASYNC_EARLY_START.",
 )
 @click.pass_context
