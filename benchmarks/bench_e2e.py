@@ -2,12 +2,14 @@
 
     python benchmarks/bench_e2e.py [--params 0.6e9] [--versions 4] [--replicas 2]
                                    [--density 0.02] [--reps 3] [--work DIR]
+                                   [--store file|s3]
 
 A Qwen2.5-0.5B-shaped bf16 state (``--params``) gets new versions from the
 update emulator (benchmarks/emulator.py, calibrated on real AdamW steps of the
 synthetic ``small`` preset and tuned to ``--density``). Real parts: a
 redis-server, one ``deltasync worker diff`` process, ``--replicas`` ``deltasync
-rollout --target torch`` processes, a local folder store. For each version the
+rollout --target torch`` processes, a local folder store (``--store s3``: a real
+SeaweedFS S3 server on this machine, as the tests start it). For each version the
 trainer side calls ``Emitter.emit_state`` (writing the staging copy is the
 trainer's cost, untimed; ``--user-checkpoints`` writes a file and calls
 ``emit_checkpoint`` instead) and waits for every replica's ``delta-applied``;
@@ -21,6 +23,7 @@ with the last checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -48,7 +51,7 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.event_stream import ENTRY_FIELD, stream_key
 from pipeline.synthetic import save_state
 from tests.pipeline_helpers import REPO, bits, deltasync_env, processes, wait_for
-from tests.servers import RedisServer
+from tests.servers import RedisServer, SeaweedS3Server
 
 RUN = "e2e"
 
@@ -92,6 +95,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument(
+        "--store",
+        choices=["file", "s3"],
+        default="file",
+        help="file: a local folder; s3: a SeaweedFS S3 server started on this machine",
+    )
+    parser.add_argument(
         "--user-checkpoints",
         action="store_true",
         help="emit checkpoints the benchmark wrote (emit_checkpoint) instead of emit_state's "
@@ -126,16 +135,23 @@ def main() -> None:
         return found[0]
 
     rows: list[dict[str, Any]] = []
-    with RedisServer(work / "redis") as server:
+    with contextlib.ExitStack() as servers:
+        server = servers.enter_context(RedisServer(work / "redis"))
         assert isinstance(server, RedisServer)
+        store_env: dict[str, str] = {}
+        if args.store == "s3":
+            s3 = servers.enter_context(SeaweedS3Server(work / "seaweedfs"))
+            assert isinstance(s3, SeaweedS3Server)
+            store_env = {**s3.store_environment(), "DELTASYNC_STORE": s3.url(RUN)}
         env = deltasync_env(
             server.url,
             work,
             DELTASYNC_COMPACT_MAX_CHAIN="1000",
             DELTASYNC_COMPACT_MAX_FRACTION="100",
             OMP_NUM_THREADS="2",
+            **store_env,
         )
-        os.environ.update({k: v for k, v in env.items() if k.startswith("DELTASYNC_")})
+        os.environ.update({k: v for k, v in env.items() if k.startswith(("DELTASYNC_", "AWS_"))})
         from workers.trainer import Emitter
 
         r = redis.Redis.from_url(server.url)
@@ -240,7 +256,7 @@ def summarise(
     copy = summary["copy_s"]
     print()
     print(f"{params / 1e9:.2f}B bf16 parameters, {args.replicas} replicas, "
-          f"median of {len(rows)} versions")  # fmt: skip
+          f"{args.store} store, median of {len(rows)} versions")  # fmt: skip
     print("| phase | s | vs copy |")
     print("|---|---:|---:|")
     for label, key in [
