@@ -77,6 +77,7 @@ class EarlyParts:
             for _, future in self._parts.values():
                 future.cancel()
             self._parts.clear()
+            self._taken.clear()
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
