@@ -93,10 +93,11 @@ class EarlyParts:
                 # Its own thread: downloads of whole versions wait on these, never the
                 # reverse, so they cannot share the node's download threads.
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-early")
-            future = self._pool.submit(self._prove, hint)
+            future = self._pool.submit(self._start, hint)
             self._parts[(hint.version, hint.key)] = (hint.sha256, future)
 
-    def _prove(self, hint: DeltaPart) -> EarlyPart:
+    def _start(self, hint: DeltaPart) -> EarlyPart:
+        """Download the hinted object, check it is as hinted, and prove it if the target can."""
         data = self.store.get(object_key(self.run, "delta", hint.version, hint.key))
         if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
             raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
