@@ -352,8 +352,8 @@ def write_on_two_threads(
     """``write(items, faulty)`` for all ``items``, half of them (by ``size``) on the
     second writer thread when :func:`split_for_two_writers` says so; only this
     thread's call is ``faulty`` (carries the crash point). Both halves have finished
-    when it returns or raises (the second half's error if this one had none), so a
-    caller's rollback never races a write."""
+    when it returns or raises (the second half's error if it had one, else this
+    one's), so a caller's rollback never races a write."""
     mine, other = split_for_two_writers(items, size, on_cpu)
     helper = _second_writer().submit(write, other, False) if other else None
     try:
