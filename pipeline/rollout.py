@@ -46,9 +46,15 @@ from pipeline.rollout_report import Reporter
 from pipeline.rollout_state import read_state, remove_state, write_state
 from pipeline.rollout_stream import StreamFollower
 from pipeline.store.base import ObjectStore
-from pipeline.targets.base import EarlyProver, Target, VerifyMode
+from pipeline.targets.base import EarlyProofStarter, EarlyProver, Target, VerifyMode
 
 log = structlog.get_logger(__name__)
+
+# How often the node's thread looks for early downloads to hand to a target whose
+# proofs it must start itself (a vLLM engine): while some are on their way, and
+# otherwise (hints arrive on another thread while this one waits for events).
+HANDOFF_WAIT_S = 0.02
+HANDOFF_IDLE_WAIT_S = 0.1
 
 
 class RolloutNode:
@@ -107,7 +113,7 @@ class RolloutNode:
         # manifest exists (asked for, prefetch on, and Redis to hear the hints on).
         self.early: EarlyParts | None = None
         if early_start and prefetch and redis is not None:
-            prover = target if isinstance(target, EarlyProver) else None
+            prover = target if isinstance(target, EarlyProver | EarlyProofStarter) else None
             self.early = EarlyParts(store, run, prover, lambda: self._applied)
         self.report = Reporter(
             run,
@@ -176,10 +182,15 @@ class RolloutNode:
                     break
                 self.report.heartbeat_if_due(self._applied, self._state_hash)
                 wait_s = max(0.0, max(next_poll, self._next_retry) - time.monotonic())
+                if self.early is not None and self.early.hands_off:
+                    due = self.early.handoff_due()
+                    wait_s = min(wait_s, HANDOFF_WAIT_S if due else HANDOFF_IDLE_WAIT_S)
                 woken, after_id = self._stream.wait(after_id, wait_s, stop, self._applied)
                 if woken:
                     next_poll = 0.0
                     self._next_retry = 0.0
+                elif self.early is not None:
+                    self.early.hand_off()  # on this thread: it may call into the target
         finally:
             self.close()
         return self._applied
@@ -388,7 +399,7 @@ class RolloutNode:
             apply_s=round(apply_s, 4),
             pause_s=round(report.pause_s, 4),
             early_parts=early_fetched,
-            early_proofs=len(early),
+            early_tensors=report.early_tensors,
             walked=report.walked,
         )
         self.report.applied(manifest, fetched.fetch_s, apply_s, report.pause_s, early_fetched)

@@ -2,12 +2,13 @@
 
 When the diff job announces a part of the version after the held one (see
 pipeline/part_hints.py), the node downloads that object while later parts are
-still being encoded, and a target that can (an ``EarlyProver``: the torch target)
-decodes and hashes it against its held weights too. A vLLM target only gets the
-downloads: its proof runs in the engine's workers, through calls that stay on the
-thread that drives the engine. Once the manifest is read, objects whose sha256
-it confirms are not downloaded again and their proofs are reused; everything
-else goes the usual way. A hint can only save time: a wrong, late or missing one
+still being encoded, and the target decodes and hashes it against its held
+weights too: an ``EarlyProver`` (the torch target) on the download's thread, an
+``EarlyProofStarter`` (the vLLM target, whose proofs run in the engine's workers
+through calls that stay on the thread that drives the engine) once the node's
+thread hands the download over (``hand_off``). Once the manifest is read,
+objects whose sha256 it confirms are not downloaded again and their proofs are
+reused; everything else goes the usual way. A hint can only save time: a wrong, late or missing one
 changes nothing applied.
 
 It pays where the node has cores of its own. Where replicas share cores with the
@@ -26,13 +27,13 @@ from typing import Any
 
 import structlog
 
-from pipeline.errors import CorruptObjectError
+from pipeline.errors import CorruptObjectError, DeltasyncError
 from pipeline.events import DeltaPart
 from pipeline.hashing import sha256_bytes
 from pipeline.manifest import Manifest, object_key
 from pipeline.part_hints import PartListener
 from pipeline.store.base import ObjectStore
-from pipeline.targets.base import EarlyProver
+from pipeline.targets.base import EarlyProofStarter, EarlyProver
 from pipeline.targets.proving import EarlyProof
 
 log = structlog.get_logger("pipeline.rollout")
@@ -53,14 +54,16 @@ class EarlyParts:
         self,
         store: ObjectStore,
         run: str,
-        target: EarlyProver | None,
+        target: EarlyProver | EarlyProofStarter | None,
         held: Callable[[], int | None],
     ) -> None:
-        """``target``: proves each early download, or None to download only."""
+        """``target``: proves each early download (on the download's thread, or when
+        handed over), or None to download only."""
         self.store, self.run, self.target, self._held = store, run, target, held
         self._pool: ThreadPoolExecutor | None = None
         self._parts: dict[tuple[int, str], tuple[str, Future[EarlyPart]]] = {}
         self._taken: set[tuple[int, str]] = set()  # early downloads handed to a fetch
+        self._handed: set[tuple[int, str]] = set()  # early downloads handed to the target
         self._lock = threading.Lock()
         self._listener: PartListener | None = None
 
@@ -78,6 +81,7 @@ class EarlyParts:
                 future.cancel()
             self._parts.clear()
             self._taken.clear()
+            self._handed.clear()
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -101,9 +105,47 @@ class EarlyParts:
         data = self.store.get(object_key(self.run, "delta", hint.version, hint.key))
         if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
             raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
-        if self.target is None:
+        if not isinstance(self.target, EarlyProver):
             return EarlyPart(data, None)
         return EarlyPart(data, self.target.prove_object(hint.key, data, hint.sha256))
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether the node's thread must hand early downloads to the target."""
+        return isinstance(self.target, EarlyProofStarter)
+
+    def handoff_due(self) -> bool:
+        """Whether early downloads are on their way to an ``EarlyProofStarter``: the
+        node's thread should call ``hand_off`` soon."""
+        if not self.hands_off:
+            return False
+        with self._lock:
+            return any(k not in self._handed for k in self._parts)
+
+    def hand_off(self) -> int:
+        """Start the target's proof of each finished early download not handed to it
+        yet (an ``EarlyProofStarter`` only). Call it from the thread that drives the
+        target. Returns how many proofs were started."""
+        target = self.target
+        if not isinstance(target, EarlyProofStarter):
+            return 0
+        with self._lock:
+            done = [
+                (k, sha256, f)
+                for k, (sha256, f) in self._parts.items()
+                if k not in self._handed and f.done()
+            ]
+            self._handed.update(k for k, _, _ in done)
+        started = 0
+        for (version, key), sha256, future in done:
+            if future.cancelled() or future.exception() is not None:
+                continue  # the apply downloads it again, and says why (_ready)
+            part = future.result()
+            try:
+                started += target.start_early_proof(key, part.data, sha256)
+            except DeltasyncError as exc:  # an early start never fails an apply
+                log.info("early proof not started", version=version, key=key, error=str(exc))
+        return started
 
     def _ready(self, version: int, key: str, sha256: str) -> EarlyPart | None:
         with self._lock:
@@ -147,3 +189,4 @@ class EarlyParts:
             for key in [k for k in self._parts if k[0] <= upto]:
                 self._parts.pop(key)[1].cancel()
             self._taken = {k for k in self._taken if k[0] > upto}
+            self._handed = {k for k in self._handed if k[0] > upto}

@@ -32,7 +32,8 @@ from pipeline.redis_server import redis_client
 from pipeline.rollout import RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator
-from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
+from pipeline.targets.base import ApplyReport, EarlyProofStarter, TensorSpec, VerifyMode
+from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.proving import EarlyProof
 from pipeline.targets.torch import TorchTarget
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
@@ -150,6 +151,37 @@ def test_an_early_proof_against_the_wrong_weights_is_refused_before_any_write(
     assert_holds(held, before)
 
 
+def test_background_proofs_match_the_targets_own_and_end_at_a_write(
+    trainer: Trainer, store: FileStore
+) -> None:
+    """What a vLLM worker keeps for early start: proofs made on a thread of their own,
+    the same as the target's own early proofs, handed over once and dropped by a
+    write to the weights."""
+    trainer.publish()
+    version = trainer.publish()
+    manifest = chain.load_manifest(store, RUN, "delta", version)
+    target, _ = held_copy(trainer, 0)
+    objects = objects_of(store, manifest)
+    proofs = BackgroundProofs(target.tensor)
+    for o in manifest.objects:
+        assert proofs.start(o.key, objects[o.key], o.sha256)
+    first = manifest.objects[0]
+    assert not proofs.start(first.key, objects[first.key], first.sha256)  # already held
+    assert proofs.start("broken.safetensors", b"not a delta object", "0" * 64)
+    taken = proofs.take()  # the broken one failed and is left out
+    assert sorted(p.key for p in taken) == sorted(o.key for o in manifest.objects)
+    assert all(p.generation == proofs.generation for p in taken)
+    own = {n: r.digest for p in early_proofs(target, store, manifest) for n, r in p.hashed.items()}
+    got = {n: r.digest for p in taken for n, r in p.hashed.items()}
+    assert got == own and len(got) > 1
+    assert proofs.take() == []  # handed over once
+    for o in manifest.objects:
+        assert proofs.start(o.key, objects[o.key], o.sha256)
+    proofs.wrote()  # waits for them, then drops them: made against the old weights
+    assert proofs.take() == []
+    proofs.close()
+
+
 class FetchOnlyTarget:
     """A torch target seen only through the Target protocol: not an EarlyProver, as a
     vLLM target is not, so a node can only download its parts early."""
@@ -175,24 +207,60 @@ class FetchOnlyTarget:
         return self.inner.export()
 
 
+class HandOffTarget(FetchOnlyTarget):
+    """A torch target whose early proofs, as a vLLM engine's, run on a thread of the
+    target's own and are started from the thread that drives it (an
+    ``EarlyProofStarter``); records which threads started them."""
+
+    def __init__(self, inner: TorchTarget) -> None:
+        super().__init__(inner)
+        self.proofs = BackgroundProofs(inner.tensor)
+        self.started_on: list[str] = []
+        self.reports: list[ApplyReport] = []
+
+    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.proofs.wrote()
+        self.inner.load_state(tensors)
+
+    def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
+        self.started_on.append(threading.current_thread().name)
+        return self.proofs.start(key, data, sha256)
+
+    def apply_delta(
+        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+    ) -> ApplyReport:
+        valid = self.proofs.take()  # those made against the weights as they are
+        self.proofs.wrote()
+        # Proofs that held here are made against the inner target's current weights.
+        now = self.inner._generation
+        early = [EarlyProof(p.key, p.sha256, now, p.hashed) for p in valid]
+        report = self.inner.apply_delta(manifest, objects, verify, early)
+        self.reports.append(report)
+        return report
+
+
 @contextlib.contextmanager
 def early_node(
-    store: FileStore, trainer: Trainer, redis_url: str, node_id: str, prove: bool = True
+    store: FileStore, trainer: Trainer, redis_url: str, node_id: str, mode: str = "proofs"
 ) -> Iterator[tuple[RolloutNode, TorchTarget, redis.Redis, EventStream]]:
-    """A node with early start following the run from version 0 on its own thread,
-    listening for hints; yields (node, its target, a publisher client, the stream).
-    ``prove=False``: the node sees a target that cannot prove early."""
+    """A node with early start following the run from version 0 on its own thread
+    (named ``node-run``), listening for hints; yields (node, its torch target, a
+    publisher client, the stream). ``mode``: the node sees a target that proves early
+    itself (``proofs``), cannot prove early (``downloads-only``), or proves where the
+    node's thread hands the parts over (``handed-off``)."""
     publisher = redis_client(redis_url)
     node_client = redis_client(redis_url)
     stream = EventStream(publisher, RUN)
     target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.states[0].items()})
+    seen = {"proofs": target, "downloads-only": FetchOnlyTarget(target),
+            "handed-off": HandOffTarget(target)}[mode]  # fmt: skip
     node = RolloutNode(
-        store, RUN, target if prove else FetchOnlyTarget(target),
+        store, RUN, seen,
         events=EventStream(node_client, RUN), redis=node_client,
         node_id=node_id, poll_interval_s=3600, early_start=True,
     )  # fmt: skip
     stop = threading.Event()
-    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
+    thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True, name="node-run")
     thread.start()
     try:
         announce(stream, store, 0)
@@ -206,16 +274,17 @@ def early_node(
         node_client.close()
 
 
-@pytest.mark.parametrize("prove", [True, False], ids=["proofs", "downloads-only"])
+@pytest.mark.parametrize("mode", ["proofs", "downloads-only", "handed-off"])
 def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
     trainer: Trainer,
     store: FileStore,
     private_redis: RedisServer,
-    prove: bool,
+    mode: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With a target that cannot prove early (a vLLM target), the early downloads
-    alone are used."""
+    """With a target that cannot prove early, the early downloads alone are used;
+    with one that proves where its weights are (a vLLM target), the node's own
+    thread starts those proofs, and the applies use them."""
     trainer.publish()
     reads: list[str] = []
     real_get = store.get
@@ -234,13 +303,19 @@ def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
         return real_prove(self, key, data, sha256)
 
     monkeypatch.setattr(TorchTarget, "prove_object", counted_prove)
-    with early_node(store, trainer, private_redis.url, "early", prove) as made:
+    with early_node(store, trainer, private_redis.url, "early", mode) as made:
         node, target, client, stream = made
-        assert node.early is not None and (node.early.target is None) is not prove
+        assert node.early is not None
+        assert (node.early.target is None) is (mode == "downloads-only")
         hinted = run_hinted_steps(trainer, store, node, client, stream, sent)
+        seen = node.target
     listed = [chain.load_manifest(store, RUN, "delta", s).objects for s in (1, 2, 3)]
     assert [h.key for h in sent] == [o.key for objects in listed for o in objects]
-    assert len(proofs) == (hinted if prove else 0)
+    assert len(proofs) == (hinted if mode == "proofs" else 0)
+    if isinstance(seen, HandOffTarget):
+        assert seen.started_on == ["node-run"] * hinted
+        assert [r.version for r in seen.reports] == [1, 2, 3]
+        assert all(r.early_tensors > 1 for r in seen.reports), seen.reports
     assert_holds(dict(target.export()), trainer.states[trainer.step])
     objects = [k for k in reads if "/deltas/" in k and not k.endswith("manifest.json")]
     assert len(objects) == len(set(objects)) > 0  # each object fetched once
@@ -275,6 +350,8 @@ def run_hinted_steps(
             lambda early=early, step=step, parts=parts: early.started(step) == parts,
             "the hints, before the announcement",
         )
+        if isinstance(node.target, EarlyProofStarter):
+            wait_for(lambda early=early: not early.handoff_due(), "the parts handed over")
         announce(stream, store, step)
         wait_for(lambda step=step: node.applied_version == step, f"v{step} applied")
         assert node.history[-1].early_parts == parts > 1

@@ -32,8 +32,8 @@ def test_vllm_rollout_node_follows_a_run_and_dumps_the_trainer_weights(
     model.mkdir()
     (model / "config.json").write_text(json.dumps(ModelConfig.preset("tiny").hf_config()))
     dump = tmp_path / "vllm.safetensors"
-    # Early start on: a vLLM node takes early downloads only (no hints come here,
-    # the versions are published before it starts; tests/test_early_parts.py has them).
+    # Early start on (no hints come here, the versions are published before the node
+    # starts; tests/test_early_parts.py has them).
     logs = rollout(tmp_path / "home", store, redis_url, "--target", "vllm",
                    "--model", str(model), "--until", "2", "--dump", str(dump),
                    DELTASYNC_EARLY_START="1")  # fmt: skip

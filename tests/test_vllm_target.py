@@ -282,6 +282,35 @@ def test_chain_is_bit_exact_and_generates_like_a_fresh_engine(
 
 
 @on_engine
+def test_early_proofs_made_in_the_workers_stand_in_until_a_write(
+    target: Any, engine: Any, chain: Chain, reference: dict[str, Any]
+) -> None:
+    """Early start on a vLLM node: each worker proves hinted parts against its shadow
+    on a thread of its own, and the apply takes those proofs instead of decoding and
+    hashing again; proofs made before a reload, or of bytes the manifest does not
+    list, are not used. Bit-exact and generating like a fresh engine either way."""
+
+    def start(manifest: Manifest, objects: dict[str, bytes], sha256: str | None = None) -> None:
+        for o in manifest.objects:
+            assert target.start_early_proof(o.key, objects[o.key], sha256 or o.sha256)
+
+    (first, first_objects), (second, second_objects), (third, third_objects) = chain.deltas
+    start(first, first_objects)
+    target.load_state(chain.versions[0].weights.items())  # a write: the proofs are stale
+    target.version = 0
+    assert target.apply_delta(first, first_objects, "touched").early_tensors == 0
+    start(second, second_objects)
+    report = target.apply_delta(second, second_objects, "all")
+    changed = sum(1 for e in second.tensors if e.changed)
+    assert 0 < report.early_tensors <= changed
+    assert target.hashes() == _hashes(chain.versions[2].weights)
+    start(third, third_objects, sha256="0" * 64)  # not the bytes the manifest lists
+    assert target.apply_delta(third, third_objects, "touched").early_tensors == 0
+    assert target.hashes() == _hashes(chain.versions[-1].weights)
+    assert _generate(engine, PROMPTS) == reference["prompts"]
+
+
+@on_engine
 def test_prefix_cached_before_the_patch_is_not_served_after_it(
     target: Any, engine: Any, chain: Chain, reference: dict[str, Any]
 ) -> None:

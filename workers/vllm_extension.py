@@ -30,7 +30,7 @@ from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.hashing import sha256_bytes
 from pipeline.manifest import dtype_from_name
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
-from pipeline.targets.proving import prove_entries
+from pipeline.targets.proving import early_results, prove_entries
 from pipeline.targets.vllm_cpu import computes_from_weight
 from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm_mapping import (
@@ -106,6 +106,7 @@ class DeltasyncWorkerExtension:
         with torch.no_grad():
             routes = route_names(model, load_weights, shapes)
         state.pending = None
+        state.early.wrote()
         if push:
             state.loaded = False  # a failed reload leaves the model unknown
             self._ds_reload(tensors.items())
@@ -280,8 +281,10 @@ class DeltasyncWorkerExtension:
 
         ``request``: version, verify ("touched" | "all" | "none"), parent_state_hash
         (or None), entries (lists: name, dtype, shape, hash, object, changed),
-        objects (key -> bytes) and optionally sha256 (key -> hex digest, checked
-        here). Any failure leaves the shadow as it was.
+        objects (key -> bytes), optionally sha256 (key -> hex digest, checked here)
+        and early (key -> sha256 of the objects whose early proofs, started with
+        ``deltasync_prove_start``, may stand in for their decode and hash). Any
+        failure leaves the shadow as it was.
         """
 
         def run() -> dict[str, Any]:
@@ -295,6 +298,12 @@ class DeltasyncWorkerExtension:
                 if key not in objects or sha256_bytes(objects[key]) != digest:
                     raise CorruptObjectError(f"delta object {key}: missing or sha256 mismatch")
             specs = state.specs()
+            # Early proofs are checked like fresh ones; the generation says the
+            # shadow was not written since they were made.
+            vouched = request.get("early") or {}
+            if not isinstance(vouched, dict):
+                raise TargetError("vLLM worker: bad prepare request: early is not a mapping")
+            ready = early_results(entries, vouched, state.early.take(), state.early.generation)
             if verify != "none":
                 check_base(state, entries, request.get("parent_state_hash"), verify)
             shadow = state.shadow.__getitem__
@@ -304,13 +313,14 @@ class DeltasyncWorkerExtension:
             else:
                 # Each patched tensor's hash is proven against its entry before any
                 # write to the shadow (one pass per tensor on CPU).
-                proven = prove_entries(entries, objects, shadow, specs)
+                proven = prove_entries(entries, objects, shadow, specs, ready)
                 patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
             for patch in patches:
                 if state.routes.get(patch.name) is None:
                     raise TargetError(f"tensor {patch.name}: no place for it in the vLLM model")
             # "all" also rehashes the written tensors, as the torch target does.
             recheck = {e.name: e.hash for e in entries} if verify == "all" else None
+            state.early.wrote()
             applied = apply_verified(patches, shadow, recheck, old_values)
             touched = [patch.name for patch in patches]
             for name in touched:
@@ -320,7 +330,24 @@ class DeltasyncWorkerExtension:
             return {
                 "tensors": len(patches),
                 "changed": sum(int(p.positions.numel()) for p in patches),
+                "early_tensors": len(ready) if verify != "none" else 0,
             }
+
+        return enveloped(run)
+
+    def deltasync_prove_start(self, key: str, data: bytes, sha256: str) -> Envelope:
+        """Start proving one delta object against the shadow before its manifest is
+        read (early start: the node got it from a part hint and checked its bytes
+        against ``sha256``). Answers at once: True when started, False when the worker
+        is busy with a delta or already has it. A later prepare whose ``early`` lists
+        the object with this sha256 uses the proof if the shadow was not written
+        since."""
+
+        def run() -> bool:
+            state = self._ds()
+            if state.busy() or not state.loaded:
+                return False
+            return state.early.start(key, bytes(data), sha256)
 
         return enveloped(run)
 
@@ -382,6 +409,7 @@ class DeltasyncWorkerExtension:
             try:
                 self._ds_push(state, pending.touched, patches)
             except Exception:
+                state.early.wrote()
                 pending.applied.rollback()
                 for name in pending.touched:
                     state.hashes.pop(name, None)
@@ -403,6 +431,7 @@ class DeltasyncWorkerExtension:
             pending = state.pending
             if pending is None:
                 return False
+            state.early.wrote()
             pending.applied.rollback()
             for name in pending.touched:
                 state.hashes.pop(name, None)

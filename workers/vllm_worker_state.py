@@ -3,8 +3,8 @@
 Every RPC answers with an envelope, ``{"ok": True, "value": ...}`` or ``{"ok": False,
 "error": class name, "message": ...}``, so errors survive the trip whatever the
 executor. ``WorkerState`` is what each worker keeps: the shadow (checkpoint-named
-weights on CPU), its cached hashes, where each tensor lives in the model, and a
-delta prepared but not yet committed.
+weights on CPU), its cached hashes, where each tensor lives in the model, early
+proofs of the next delta's parts, and a delta prepared but not yet committed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pipeline.errors import DeltasyncError, MismatchError, TargetError
 from pipeline.hashing import content_hash, state_hash
 from pipeline.manifest import TensorEntry, dtype_name
 from pipeline.targets.base import TensorSpec
+from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.patching import AppliedPatches
 from pipeline.targets.vllm_mapping import Placement, Route
 
@@ -72,6 +73,16 @@ class WorkerState:
     # A prepare running on a thread of its own while the engine keeps serving.
     preparing: threading.Thread | None = None
     prepared: Envelope | None = None
+    # Part hints proven against the shadow before their manifest (early start).
+    early: BackgroundProofs = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.early = BackgroundProofs(lambda name: self.shadow[name])
+
+    def busy(self) -> bool:
+        """A background prepare is running, or a prepared delta awaits its commit."""
+        thread = self.preparing
+        return self.pending is not None or (thread is not None and thread.is_alive())
 
     def check_idle(self) -> None:
         """Refuse to read or change the shadow while a background prepare writes it."""

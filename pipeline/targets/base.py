@@ -33,6 +33,7 @@ class ApplyReport:
     changed: int  # elements written
     pause_s: float  # time the target was unavailable (the apply alone)
     walked: int = 0  # tensors decoded straight into the weights, no patch kept
+    early_tensors: int = 0  # tensors whose early proofs stood in for decode and hash
 
 
 class Target(Protocol):
@@ -77,3 +78,14 @@ class EarlyProver(Protocol):
     ) -> ApplyReport:
         """``Target.apply_delta``, reusing ``early`` proofs whose object the manifest
         names with the same sha256 and that were made against the held weights."""
+
+
+@runtime_checkable
+class EarlyProofStarter(Protocol):
+    """A target whose early proofs run where its weights are (a vLLM engine's
+    workers), started from the thread that drives the target; its next
+    ``apply_delta`` uses those that hold."""
+
+    def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
+        """Start proving object ``key`` (bytes checked against ``sha256``) against the
+        held weights; nothing is written. False when the target cannot take it now."""

@@ -243,11 +243,22 @@ def early_patches(
     since), from an object the manifest lists with the same sha256, for a tensor the
     manifest places in that object."""
     objects = {o.key: o.sha256 for o in manifest.objects}
+    return early_results(manifest.tensors, objects, proofs, generation)
+
+
+def early_results(
+    entries: Sequence[TensorEntry],
+    objects: Mapping[str, str],
+    proofs: Sequence[EarlyProof],
+    generation: str,
+) -> dict[str, EarlyResult]:
+    """:func:`early_patches` from a manifest's tensor ``entries`` and the sha256 of
+    the objects whose proofs may be used (``objects``: key -> sha256)."""
     valid = {
         p.key: p for p in proofs if p.generation == generation and objects.get(p.key) == p.sha256
     }
     out: dict[str, EarlyResult] = {}
-    for entry in manifest.tensors:
+    for entry in entries:
         proof = valid.get(entry.object)
         if proof is not None and entry.name in proof.hashed:
             out[entry.name] = proof.hashed[entry.name]

@@ -29,6 +29,7 @@ from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import apply_verified, decode_manifest, int_view, saved_old_values
 from pipeline.targets.proving import (
     EarlyProof,
+    EarlyResult,
     ProvenPatches,
     decode_and_prove,
     early_patches,
@@ -276,17 +277,18 @@ class TorchTarget:
             self._check_base(manifest, where)
             specs = self.specs()
             proven: ProvenPatches | None = None
+            early_used: dict[str, EarlyResult] = {}
             if verify == "none":
                 patches = decode_manifest(manifest, objects, self.tensor, specs)
             else:
                 # Decoded and proven against the manifest's hashes, nothing written yet.
-                ready = early_patches(manifest, early, self._generation)
+                early_used = early_patches(manifest, early, self._generation)
                 proven = decode_and_prove(
                     manifest,
                     objects,
                     self.tensor,
                     specs,
-                    ready,
+                    early_used,
                     keep_patches=_patch_bytes(manifest) <= self.patch_memory_bytes,
                 )
                 patches = proven.patches
@@ -359,6 +361,7 @@ class TorchTarget:
             changed=changed,
             pause_s=pause_s,
             walked=len(walks),
+            early_tensors=len(early_used),
         )
 
     def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:

@@ -122,6 +122,7 @@ class VllmTarget:
         self._specs: dict[str, TensorSpec] | None = None
         # Seconds spent in each phase of the last apply_delta (prepare, commit, reset).
         self.last_timings: dict[str, float] = {}
+        self._early: dict[str, str] = {}  # key -> sha256 of objects the workers prove early
 
     # --- RPC plumbing ---------------------------------------------------------------
 
@@ -173,6 +174,7 @@ class VllmTarget:
     def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights and the workers' shadow with ``tensors`` (a
         complete checkpoint in HF names), sent as safetensors chunks."""
+        self._early = {}
         self._call("deltasync_load_begin")
         batch: dict[str, torch.Tensor] = {}
         size = 0
@@ -195,12 +197,14 @@ class VllmTarget:
         Right only when the node knows which version those files hold: pass it,
         and compare ``hashes()`` with that version's manifest before trusting it.
         """
+        self._early = {}
         self._set_specs(self._call("deltasync_load_files", None, False))
         self.version = version
 
     def load_files(self, paths: Sequence[str], version: int | None = None) -> None:
         """Replace the engine's weights with safetensors files (or folders of them)
         that the workers can read; cheaper than ``load_state`` on the same host."""
+        self._early = {}
         self._set_specs(self._call("deltasync_load_files", [str(p) for p in paths], True))
         self._reset_prefix_cache()
         self.version = version
@@ -228,7 +232,11 @@ class VllmTarget:
             ],
             "objects": {o.key: objects[o.key] for o in manifest.objects},
             "sha256": {},  # checked here already; workers check it on the JSON path
+            "early": {
+                o.key: o.sha256 for o in manifest.objects if self._early.get(o.key) == o.sha256
+            },
         }
+        self._early = {}  # the workers drop every early proof at this prepare
         started = time.perf_counter()
         prepared = self._prepare(request)
         failed = [answer for answer in prepared if not answer["ok"]]
@@ -260,8 +268,25 @@ class VllmTarget:
             pause_s=round(pause, 6),
         )
         return ApplyReport(
-            manifest.version, int(summary["tensors"]), int(summary["changed"]), pause
+            manifest.version,
+            int(summary["tensors"]),
+            int(summary["changed"]),
+            pause,
+            early_tensors=int(summary.get("early_tensors", 0)),
         )
+
+    def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
+        """Have every worker prove delta object ``key`` (bytes checked against
+        ``sha256``) against its shadow, on a thread of its own while the engine keeps
+        serving; answers at once. The next ``apply_delta`` lets the workers use the
+        proofs if its manifest lists the object with this sha256 and the shadow was
+        not written since. Call it from the thread that drives the engine. False when
+        a worker could not start it (busy with a delta, or holding no state)."""
+        answers = self._envelopes("deltasync_prove_start", key, data, sha256)
+        started = all(answer["ok"] and answer["value"] for answer in answers)
+        if started:
+            self._early[key] = sha256
+        return started
 
     def _prepare(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         """Every worker's prepare envelope: in one blocking RPC, or started on a
