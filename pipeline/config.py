@@ -190,7 +190,7 @@ class Settings:
             "DELTASYNC_EARLY_START",
             "false",
             "Rollout nodes fetch each part of the next version as soon as the diff worker "
-            "announces it, before the manifest, and torch targets decode and hash it too: "
+            "announces it, before the manifest, and decode and hash it against their weights: "
             "faster when nodes have cores of their own, slower when they share the diff "
             "worker's.",
         ),

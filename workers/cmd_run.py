@@ -72,7 +72,8 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
     "--early-start/--no-early-start",
     default=None,
     help="Fetch each part as the diff worker announces it, before the manifest, and "
-    "prove it too with a torch target (pays when the node has cores of its own). "
+    "prove it against the held weights (a vLLM target in its workers, while it "
+    "serves); pays when the node has cores of its own. "
     "Default: DELTASYNC_EARLY_START.",
 )
 @click.pass_context
