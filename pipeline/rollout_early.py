@@ -8,8 +8,8 @@ weights too: an ``EarlyProver`` (the torch target) on the download's thread, an
 through calls that stay on the thread that drives the engine) once the node's
 thread hands the download over (``hand_off``). Once the manifest is read,
 objects whose sha256 it confirms are not downloaded again and their proofs are
-reused; everything else goes the usual way. A hint can only save time: a wrong, late or missing one
-changes nothing applied.
+reused; everything else goes the usual way. A hint can only save time: a wrong,
+late or missing one changes nothing applied.
 
 It pays where the node has cores of its own. Where replicas share cores with the
 diff worker, their early work slows the diff, which decides when the version
