@@ -269,7 +269,7 @@ def main() -> None:
                     "pause_s": statistics.median(float(d["pause_s"]) for _, d in applied.values()),
                     "node_s": statistics.median(t - t_avail for t, _ in applied.values()),
                     "early_parts": statistics.median(
-                        int(d.get("early_parts", 0)) for _, d in applied.values()
+                        int(d.get("early_parts") or 0) for _, d in applied.values()
                     ),
                 }
                 if step > 1:
