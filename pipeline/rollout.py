@@ -148,7 +148,18 @@ class RolloutNode:
 
     def step_once(self) -> int | None:
         """One sync with the store: bring the target to the head. Errors are reported
-        and remembered in ``last_error``, never raised. Returns the applied version."""
+        and remembered in ``last_error``, never raised. Returns the applied version.
+
+        A process that drives its engine itself calls this between its own calls to
+        the engine. With early start, part hints are then heard in the background
+        from the first call on, and finished early downloads are handed to the target
+        here, on the caller's thread, before the sync."""
+        if self.early is not None:
+            self.early.listen(self.redis)
+            self.early.hand_off()
+        return self._step()
+
+    def _step(self) -> int | None:
         self.start()
         try:
             self._sync()
@@ -176,7 +187,7 @@ class RolloutNode:
             while not stop.is_set():
                 now = time.monotonic()
                 if now >= next_poll and now >= self._next_retry:
-                    self.step_once()
+                    self._step()  # handing parts over just before an apply gains nothing
                     next_poll = time.monotonic() + self.poll_interval_s
                 if self._reached(until_version):
                     break

@@ -359,6 +359,61 @@ def run_hinted_steps(
     return hinted
 
 
+def test_a_process_driving_its_engine_hands_parts_over_in_step_once(
+    trainer: Trainer, store: FileStore, private_redis: RedisServer, tmp_path: Path
+) -> None:
+    """An inference process that calls its engine from one thread calls ``step_once``
+    between its own engine calls: hints are heard from the first call on, and the
+    early downloads are handed to the target on that thread. The node follows a
+    mirror of the run whose next manifest arrives last, as the diff job writes it."""
+    trainer.publish()
+    mirror = FileStore(tmp_path / "mirror")
+    copied: set[str] = set()
+
+    def copy(manifests: bool) -> None:
+        for key in store.list(f"{RUN}/"):
+            if key not in copied and manifests == key.endswith("manifest.json"):
+                mirror.put(key, store.get(key))
+                copied.add(key)
+
+    copy(False)
+    copy(True)
+    client = redis_client(private_redis.url)
+    publisher = redis_client(private_redis.url)
+    target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.states[0].items()})
+    seen = HandOffTarget(target)
+    node = RolloutNode(mirror, RUN, seen, redis=client, node_id="embedded", early_start=True)
+    try:
+        assert node.step_once() == 0
+        wait_for(lambda: publisher.pubsub_numsub(channel(RUN))[0][1] == 1, "node listening")
+        hints: list[DeltaPart] = []
+        trainer.current = trainer.generator.step()
+        trainer.step = step = 1
+        publish_step(
+            store, RUN, step, trainer.checkpoint(step, trainer.current), trainer.cache,
+            level=1, part_bytes=PART_BYTES, on_part=hints.append,
+        )  # fmt: skip
+        trainer.states[step] = {k: v.clone() for k, v in trainer.current.items()}
+        copy(False)  # the parts, not yet the manifest
+        for hint in hints:
+            publish_part(publisher, hint)
+        # Each call hands over what has been downloaded by then; no version to apply.
+        wait_for(
+            lambda: node.step_once() == 0 and len(seen.started_on) == len(hints) > 1,
+            "every part handed over",
+        )
+        assert seen.started_on == [threading.current_thread().name] * len(hints)
+        copy(True)
+        assert node.step_once() == step
+    finally:
+        node.close()
+        client.close()
+        publisher.close()
+    assert seen.reports[-1].early_tensors > 1
+    assert node.history[-1].early_parts == len(hints)
+    assert_holds(dict(target.export()), trainer.states[step])
+
+
 def test_wrong_hints_change_nothing_applied(
     trainer: Trainer, store: FileStore, private_redis: RedisServer
 ) -> None:
