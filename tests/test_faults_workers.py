@@ -105,6 +105,13 @@ class Procs:
         self.started.append(proc)
         return proc
 
+    def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+        """A warm shutdown of one process and its group (an rq worker finishes its
+        job and releases its scheduler lock first)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout_s)
+
     def logs(self) -> str:
         return "".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("*.log")))
 

@@ -324,11 +324,15 @@ def coordinator_kill_scenario(tmp: Path, fault: str, *, rq_retry: bool) -> Outco
             _step_done(c, step, f"after {fault}")
             _step_done(c, c.emit(), f"after the version of {fault}")
         else:
-            c.procs.start("restarted", "worker", "diff")
+            restarted = c.procs.start("restarted", "worker", "diff")
             following = c.emit()
             _step_done(c, following, f"after {fault}")
             assert c.head() == following and step in chain.list_versions(c.store, c.run).deltas
+            # Stale part jobs may still be on their way through a live worker: stop it,
+            # so that only the dead coordinator's job is found abandoned.
+            c.procs.stop(restarted)
             assert retry_abandoned(c.redis, queues.DIFF_QUEUE) == 1
+            c.procs.start("late", "worker", "diff")
             job_id = queues.diff_job_id(c.run, step)
             wait_for(lambda: _job_done(c.redis, job_id), f"the late retry of {job_id}")
         c.check_versions(set(range(c.step + 1)))
