@@ -105,11 +105,18 @@ class Procs:
         self.started.append(proc)
         return proc
 
-    def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
         """A warm shutdown of one process and its group (an rq worker finishes its
-        job and releases its scheduler lock first)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        job and releases its scheduler lock first). rq raises its stop request from
+        the signal handler; one that lands inside a log call is swallowed by the
+        logging module, so the signal is sent again (a cold shutdown) if the process
+        is still there after ``timeout_s``: call it on an idle worker."""
+        for _ in range(2):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout_s)
+                return
         proc.wait(timeout=timeout_s)
 
     def logs(self) -> str:
@@ -383,6 +390,32 @@ def _worker_ready(r: redis.Redis) -> bool:
     from rq import Worker
 
     return bool(Worker.all(connection=r))
+
+
+def workers_idle(r: redis.Redis, queue_name: str) -> bool:
+    """Nothing queued or being taken, every live worker waiting for work (a dead
+    worker's job may still be in the started registry)."""
+    from rq import Worker
+
+    queue = queues.queue(r, queue_name)
+    return (
+        queue.count == 0
+        and not IntermediateQueue(queue.key, connection=r).get_job_ids()
+        and all(w.get_state() == "idle" for w in Worker.all(connection=r) if _alive(w.pid))
+    )
+
+
+def _alive(pid: int | None) -> bool:
+    """A worker process of this machine still runs (a killed one stays registered)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def compaction_crash_scenario(tmp: Path, points: tuple[str, ...]) -> Outcome:

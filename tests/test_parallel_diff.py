@@ -48,6 +48,7 @@ from tests.test_faults_workers import (
     cluster,
     retry_abandoned,
     wait_killed,
+    workers_idle,
 )
 from workers import queues
 from workers.runtime import Runtime, set_current
@@ -328,8 +329,10 @@ def coordinator_kill_scenario(tmp: Path, fault: str, *, rq_retry: bool) -> Outco
             following = c.emit()
             _step_done(c, following, f"after {fault}")
             assert c.head() == following and step in chain.list_versions(c.store, c.run).deltas
-            # Stale part jobs may still be on their way through a live worker: stop it,
-            # so that only the dead coordinator's job is found abandoned.
+            # Stale part jobs may still be on their way through a live worker: stop it
+            # once it has taken them all, so that only the dead coordinator's job is
+            # found abandoned.
+            wait_for(lambda: workers_idle(c.redis, queues.DIFF_QUEUE), "the stale part jobs")
             c.procs.stop(restarted)
             assert retry_abandoned(c.redis, queues.DIFF_QUEUE) == 1
             c.procs.start("late", "worker", "diff")
