@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,6 +15,9 @@ import xxhash
 OBJECT_HASH = "sha256"
 CONTENT_HASH = "xxh3-128"
 PATCHED_CHUNK_BYTES = 4 << 20  # scratch for hashing a patched tensor: stays in cache
+# Host staging for hashing a patched tensor held on a GPU: two such buffers per
+# thread, pinned, so one chunk's copy runs while the other is patched and hashed.
+DEVICE_CHUNK_BYTES = 16 << 20
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
@@ -51,6 +55,83 @@ def patched_content_hash(
     for k, start in enumerate(range(0, flat.size, step)):
         chunk = scratch[: min(step, flat.size - start)]
         np.copyto(chunk, flat[start : start + chunk.size])  # memcpy speed
+        patch(chunk, start, bounds[k], bounds[k + 1])
+        hasher.update(chunk.data)
+    return hasher.hexdigest()
+
+
+class _Staging(threading.local):
+    """Per-thread host buffers and copy streams for :func:`patched_device_hash`."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.streams: dict[torch.device, Any] = {}
+
+    def host_buffers(self, nbytes: int, pinned: bool) -> list[torch.Tensor]:
+        if (
+            not self.buffers
+            or self.buffers[0].numel() < nbytes
+            or (pinned and not self.buffers[0].is_pinned())
+        ):
+            self.buffers = [
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)
+            ]
+        return self.buffers
+
+    def stream(self, device: torch.device) -> Any:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        return self.streams[device]
+
+
+_staging = _Staging()
+
+
+def patched_device_hash(
+    flat: torch.Tensor,
+    positions: npt.NDArray[np.int64],
+    patch: Callable[[npt.NDArray[Any], int, int, int], None],
+    chunk_bytes: int = DEVICE_CHUNK_BYTES,
+) -> str:
+    """:func:`patched_content_hash` of ``flat`` (a flat integer tensor, on any device),
+    with no scratch copy on its device: chunks are copied into host buffers, patched
+    there and hashed. On a GPU the buffers are pinned and the copy of the next chunk
+    runs on a side stream while this one is patched and hashed."""
+    n = flat.numel()
+    itemsize = flat.element_size()
+    step = max(1, chunk_bytes // itemsize)
+    cuda = flat.device.type == "cuda"
+    buffers = [
+        b[: min(step, n) * itemsize].view(flat.dtype)
+        for b in _staging.host_buffers(min(step, n) * itemsize, cuda)
+    ]
+    starts = list(range(0, n, step))
+    bounds = np.searchsorted(positions, np.arange(0, n + step, step)).tolist()
+    done: list[Any] = [None, None]
+    if cuda:
+        stream = _staging.stream(flat.device)
+        stream.wait_stream(torch.cuda.current_stream(flat.device))  # earlier writes land
+
+    def copy(k: int) -> None:
+        start = starts[k]
+        size = min(step, n - start)
+        if not cuda:
+            buffers[k % 2][:size].copy_(flat[start : start + size])
+            return
+        with torch.cuda.stream(stream):
+            buffers[k % 2][:size].copy_(flat[start : start + size], non_blocking=True)
+            done[k % 2] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done[k % 2].record(stream)
+
+    hasher = xxhash.xxh3_128()
+    if starts:
+        copy(0)
+    for k, start in enumerate(starts):
+        if k + 1 < len(starts):
+            copy(k + 1)  # into the other buffer, hashed in the previous round
+        if cuda:
+            done[k % 2].synchronize()
+        chunk = buffers[k % 2][: min(step, n - start)].numpy()
         patch(chunk, start, bounds[k], bounds[k + 1])
         hasher.update(chunk.data)
     return hasher.hexdigest()

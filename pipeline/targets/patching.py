@@ -10,8 +10,8 @@ Shared by every target. The flow a target follows:
    target's specs. Nothing is written; a MismatchError / CorruptObjectError names
    the tensor at fault.
 3. ``hash_patched(patches, tensor, expected)``: build each touched tensor's new
-   content on a scratch copy (one tensor at a time, so memory stays bounded by the
-   largest tensor) and check its hash against the manifest, still before any
+   content chunk by chunk in host memory (a few MiB of scratch, whatever the tensor's
+   size or device) and check its hash against the manifest, still before any
    write, so a target can keep hashing out of the time its weights are locked.
    ``pipeline.targets.proving.decode_and_prove`` does 2 and 3 (and gathers the old
    contents) in one pass per tensor; targets call that.
@@ -35,7 +35,12 @@ import torch
 from pipeline import faults
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
-from pipeline.hashing import content_hash, patched_content_hash, sha256_bytes
+from pipeline.hashing import (
+    content_hash,
+    patched_content_hash,
+    patched_device_hash,
+    sha256_bytes,
+)
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
 
@@ -228,17 +233,21 @@ def decode_manifest(
     return decode_entries(manifest.tensors, objects, base, specs)
 
 
-def _hash_patched_cpu(held: torch.Tensor, patch: TensorPatch) -> str:
-    """xxh3-128 of ``held`` with ``patch`` applied, without a patched full copy."""
-    flat = int_view(held.detach()).reshape(-1).numpy()
-    where = patch.positions.numpy()
-    values = patch.values.numpy().view(flat.dtype)
+def _hash_patched(held: torch.Tensor, patch: TensorPatch) -> str:
+    """xxh3-128 of ``held`` with ``patch`` applied, without a patched full copy: the
+    changes are written into chunks in host memory (a CPU tensor's own chunks copied
+    into a scratch buffer; another device's copied out to the host)."""
+    flat = int_view(held.detach()).reshape(-1)
+    where = patch.positions.cpu().numpy()
+    values = patch.values.cpu().view(flat.dtype).numpy()
 
     def put(chunk: np.ndarray, start: int, lo: int, hi: int) -> None:
         if hi > lo:
             chunk[where[lo:hi] - start] = values[lo:hi]
 
-    return patched_content_hash(flat, where, put)
+    if flat.device.type == "cpu":
+        return patched_content_hash(flat.numpy(), where, put)
+    return patched_device_hash(flat, where, put)
 
 
 def hash_patched(
@@ -247,20 +256,14 @@ def hash_patched(
     expected: Mapping[str, str],
 ) -> dict[str, str]:
     """Content hash of every touched tensor as it will be after its patch, computed
-    without writing the held tensor (CPU: in a small scratch buffer, chunk by chunk;
-    other devices: on a scratch copy, one tensor at a time). MismatchError names the
+    without writing the held tensor (chunk by chunk in host memory; a GPU tensor's
+    chunks are copied out while the previous one is hashed). MismatchError names the
     first tensor whose result differs from ``expected``. The held tensors must not
     change between this call and the write, or the hashes prove nothing."""
     hashes: dict[str, str] = {}
     for patch in patches:
         held = tensor(patch.name)
-        if held.device.type == "cpu" and patch.positions.device.type == "cpu":
-            digest = _hash_patched_cpu(held, patch)
-        else:
-            scratch = held.detach().clone()
-            apply_patch(scratch, patch)
-            digest = content_hash(scratch)
-            del scratch
+        digest = _hash_patched(held, patch)
         want = expected.get(patch.name)
         if digest != want:
             raise hash_mismatch(patch.name, digest, want)

@@ -96,7 +96,7 @@ def prove_entries(
     keep_patches: bool = True,
 ) -> ProvenPatches:
     """:func:`decode_and_prove` for callers that checked the objects themselves:
-    ``entries`` are all of a delta manifest's tensor entries. CPU tensors are proven
+    ``entries`` are all of a delta manifest's tensor entries. Tensors are proven
     on ``PROVE_THREADS`` threads (the compiled walk, copies and hashes release the
     GIL); the first tensor at fault, in manifest order, is the one reported.
     ``early`` holds results already computed for some tensors (see
@@ -107,9 +107,7 @@ def prove_entries(
     tensor's patch per thread instead of growing with every change of the version."""
     early = early or {}
     changes = list(changed_entries(entries, objects, base, specs))
-    # CPU only: on a GPU each proof holds a scratch copy of its tensor on the device.
-    on_cpu = all(held.device.type == "cpu" for _, _, held, _ in changes)
-    if PROVE_THREADS > 1 and len(changes) > 1 and on_cpu:
+    if PROVE_THREADS > 1 and len(changes) > 1:
         pool = _provers()
         futures = [
             pool.submit(_prove_one, *change, base, early, keep_patches) for change in changes
