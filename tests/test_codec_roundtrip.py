@@ -180,3 +180,37 @@ def test_unaligned_storage(offset: int) -> None:
     base, new = big_base[offset:], big_new[offset:]
     assert base.data_ptr() % 8 != 0
     roundtrip(base, new, 1)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int64]
+)
+def test_device_tensors_give_the_cpu_bytes_and_apply_on_the_device(
+    device: str, level: int, dtype: torch.dtype
+) -> None:
+    """Weights on a GPU: the same object bytes as from host tensors, and decode,
+    ``apply_patch`` and ``apply_to`` write the new bits on that device."""
+    gen = np.random.default_rng(11)
+    pairs = []
+    for i, (shape, density) in enumerate(
+        [((64, 300), 0.02), ((5000,), 0.6), ((7,), -1.0), ((0,), 0.0), ((33, 17), 1.0)]
+    ):
+        base = special_values(shape, dtype, gen)
+        pairs.append((f"t{i}", base, realistic_update(base, density, gen)))
+    on_host = encode_delta(pairs, level=level)
+    on_device = encode_delta([(n, b.to(device), w.to(device)) for n, b, w in pairs], level=level)
+    assert on_device == on_host
+    obj = read_delta(on_device, object_name="obj")
+    for name, base, new in pairs:
+        patched = base.to(device, copy=True)
+        apply_patch(patched, obj.decode(name, patched))
+        walked = base.to(device, copy=True)
+        obj.apply_to(name, walked)
+        for got in (patched, walked):
+            assert got.device.type == device
+            assert torch.equal(bits(got.cpu()), bits(new)), name

@@ -208,24 +208,27 @@ def _refused(
     assert_bitwise_equal(held, before)
 
 
-def test_wrong_base_by_state_hash_is_refused_before_writing() -> None:
-    held = state("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrong_base_by_state_hash_is_refused_before_writing(device: str) -> None:
+    held = state(device)
     target = TorchTarget(held)
     other = next_state(held, seed=99)
     manifest, objects = make_delta(other, next_state(other, seed=5))
     _refused(target, held, manifest, objects, error=MismatchError, match="not the delta's base")
 
 
-def test_wrong_base_without_state_hash_is_undone_after_post_verify() -> None:
-    held = state("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrong_base_without_state_hash_is_undone_after_post_verify(device: str) -> None:
+    held = state(device)
     target = TorchTarget(held)
     other = {n: nudge(t, 0.05, seed=1) for n, t in held.items()}  # every tensor differs
     manifest, objects = make_delta(other, next_state(other, seed=5), with_parent_hash=False)
     _refused(target, held, manifest, objects, error=MismatchError, match="manifest")
 
 
-def test_failed_post_verify_restores_every_patched_tensor() -> None:
-    held = state("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_failed_post_verify_restores_every_patched_tensor(device: str) -> None:
+    held = state(device)
     target = TorchTarget(held)
     new = next_state(held, seed=3)
     manifest, objects = make_delta(held, new)
@@ -249,8 +252,11 @@ def test_failed_post_verify_restores_every_patched_tensor() -> None:
     assert_bitwise_equal(held, new)
 
 
-def test_unknown_missing_misshapen_mistyped_tensors_and_corrupt_objects_are_refused() -> None:
-    held = state("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_unknown_missing_misshapen_mistyped_tensors_and_corrupt_objects_are_refused(
+    device: str,
+) -> None:
+    held = state(device)
     target = TorchTarget(held)
     new = next_state(held, seed=3)
 
@@ -279,8 +285,9 @@ def test_unknown_missing_misshapen_mistyped_tensors_and_corrupt_objects_are_refu
     _refused(target, held, manifest, {key: bytes(flipped)}, error=CorruptObjectError, match=key)
 
 
-def test_verify_all_catches_an_untouched_tensor_that_drifted() -> None:
-    held = state("cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_all_catches_an_untouched_tensor_that_drifted(device: str) -> None:
+    held = state(device)
     target = TorchTarget(held)
     target.hashes()  # the target now knows its hashes
     new = next_state(held, seed=3)
