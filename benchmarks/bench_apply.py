@@ -216,11 +216,11 @@ scratch buffer, hashes them and keeps the old values for undo. With prefetch on
 copies (and `load_state` also hashes) every tensor, so its cost grows with the
 model; the pause grows with the changed elements and the cache lines they touch.
 
-GPU (not measured here: no GPU on this machine): run the same command with
-`--device cuda`; the target synchronises the device before taking times. The
-pre-write proof clones each touched tensor on the device, patches it and copies
-it to the host for hashing (that copy dominates the apply); the pause is an
-`index_copy_` per touched tensor.
+GPU: run the same command with `--device cuda`; the target synchronises the
+device before taking times. The pre-write proof copies each touched tensor to
+the host in 16 MiB chunks (two pinned buffers: the next chunk's copy runs on a
+side stream while this one is patched and hashed), so it needs no scratch
+memory on the device; the pause is an `index_copy_` per touched tensor.
 """
     print()
     print(section)

