@@ -91,7 +91,7 @@ def patched_device_hash(
     flat: torch.Tensor,
     positions: npt.NDArray[np.int64],
     patch: Callable[[npt.NDArray[Any], int, int, int], None],
-    chunk_bytes: int = DEVICE_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> str:
     """:func:`patched_content_hash` of ``flat`` (a flat integer tensor, on any device),
     with no scratch copy on its device: chunks are copied into host buffers, patched
@@ -99,7 +99,7 @@ def patched_device_hash(
     runs on a side stream while this one is patched and hashed."""
     n = flat.numel()
     itemsize = flat.element_size()
-    step = max(1, chunk_bytes // itemsize)
+    step = max(1, (chunk_bytes or DEVICE_CHUNK_BYTES) // itemsize)
     cuda = flat.device.type == "cuda"
     buffers = [
         b[: min(step, n) * itemsize].view(flat.dtype)

@@ -23,6 +23,8 @@ from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import hash_patched
 from tests.pipeline_helpers import bits
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -150,13 +152,16 @@ def test_owned_checkpoints_move_into_the_cache_after_the_announcement(tmp_path: 
 )
 @pytest.mark.parametrize("numel", [1, 5000, 70001])
 @pytest.mark.parametrize("density", [0.001, 0.02, 0.3])
+@pytest.mark.parametrize("device", DEVICES)
 def test_decode_hashed_equals_decode_then_hash_then_gather(
-    dtype: torch.dtype, numel: int, density: float, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, numel: int, density: float, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The one-pass proof (codec.decode_hashed, via proving.decode_and_prove) gives the
     same patch, old contents and hash as decoding, hashing a patched copy and gathering
-    separately, for many chunks with a ragged end; a wrong base is refused."""
+    separately, for many chunks with a ragged end; a wrong base is refused. A GPU
+    tensor's chunks are copied to the host; the results are host tensors."""
     monkeypatch.setattr(hashing, "PATCHED_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(hashing, "DEVICE_CHUNK_BYTES", 4096)
     gen = torch.Generator().manual_seed(numel + int(density * 1000))
     width = torch.empty(0, dtype=dtype).element_size()
     base = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=gen).view(dtype)
@@ -171,7 +176,7 @@ def test_decode_hashed_equals_decode_then_hash_then_gather(
     flat[where] += steps
     before = content_hash(base)
     obj = read_delta(encode_delta([("w", base, new)], level=1))
-    hashed = obj.decode_hashed("w", base)
+    hashed = obj.decode_hashed("w", base.to(device))
     if hashed is None:  # another encoding than sparse + sign-magnitude: decode only
         assert not (dtype is torch.bfloat16 and density < 0.03 and numel > 1000), "must walk"
         return
@@ -183,7 +188,7 @@ def test_decode_hashed_equals_decode_then_hash_then_gather(
     assert content_hash(base) == before  # not written
     wrong = base.clone()
     bits(wrong).view(-1)[int(reference.positions[0])] ^= 1
-    other = obj.decode_hashed("w", wrong)
+    other = obj.decode_hashed("w", wrong.to(device))
     assert other is not None and other.digest != content_hash(new)
 
 

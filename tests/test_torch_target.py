@@ -13,7 +13,7 @@ from pipeline.codec import encode_delta
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.hashing import content_hash, sha256_bytes, state_hash
 from pipeline.manifest import CodecInfo, Manifest, ObjectEntry, TensorEntry, dtype_name, now_iso
-from pipeline.targets import TARGETS, target_class
+from pipeline.targets import TARGETS, patching, target_class
 from pipeline.targets.patching import int_view
 from pipeline.targets.torch import TorchTarget
 
@@ -297,6 +297,46 @@ def test_verify_all_catches_an_untouched_tensor_that_drifted(device: str) -> Non
     with pytest.raises(MismatchError, match=r"e\.scalar"):
         target.apply_delta(manifest, objects, "all")
     assert float(held["e.scalar"]) == 9.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_a_write_failing_midway_is_rolled_back_on_every_device(
+    device: str, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Patches proven on the host for any device (the old contents kept there) are
+    written, and taken back when the write fails after some tensors were written; a
+    zero patch budget walks CPU tensors only."""
+    held = state(device)
+    target = TorchTarget(held, patch_memory_bytes=budget)
+    new = next_state(held, seed=8)
+    manifest, objects = make_delta(held, new)
+    before = {n: t.clone() for n, t in held.items()}
+    hashes = target.hashes()
+    real = patching.apply_patch
+    calls = []
+
+    def failing(tensor: torch.Tensor, patch: object) -> None:
+        calls.append(patch)
+        if len(calls) == 3:
+            raise RuntimeError("device lost during the write")
+        real(tensor, patch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(patching, "apply_patch", failing)
+    written = sum(1 for e in manifest.tensors if e.changed)
+    if device == "cpu" and budget == 0:
+        target.apply_delta(manifest, objects, "touched")  # walked: no patch is written
+        assert not calls
+        assert_bitwise_equal(held, new)
+        return
+    with pytest.raises(RuntimeError, match="device lost"):
+        target.apply_delta(manifest, objects, "touched")
+    assert len(calls) == 3 < written
+    assert_bitwise_equal(held, before)
+    assert target.hashes() == hashes
+    monkeypatch.undo()
+    target.apply_delta(manifest, objects, "touched")
+    assert_bitwise_equal(held, new)
 
 
 # -- modules ---------------------------------------------------------------------------

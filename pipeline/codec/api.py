@@ -29,7 +29,7 @@ from pipeline.codec.tensorcodec import (
     walk_sparse,
 )
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
-from pipeline.hashing import patched_content_hash
+from pipeline.hashing import patched_content_hash, patched_device_hash
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
@@ -135,11 +135,12 @@ class DeltaObject:
 
     def decode_hashed(self, name: str, base: torch.Tensor) -> HashedPatch | None:
         """:meth:`decode` plus what a target checks before writing, in one pass over
-        ``base`` (CPU, not written): the patch, the old contents at its positions, and
-        the content hash of ``base`` with the patch applied. Positions and differences
-        come from the streams alone; each chunk of ``base`` is then copied into a small
-        scratch buffer, patched and hashed while in cache. None where only
-        :meth:`decode` applies (other encodings, no compiled kernels)."""
+        ``base`` (not written): the patch, the old contents at its positions, and
+        the content hash of ``base`` with the patch applied, all in host memory.
+        Positions and differences come from the streams alone; each chunk of ``base``
+        is then copied into a small host buffer (from the GPU for a GPU tensor),
+        patched and hashed while in cache. None where only :meth:`decode` applies
+        (other encodings, no compiled kernels)."""
         found = self._differences(name, base)
         if found is None:
             return None
@@ -148,13 +149,17 @@ class DeltaObject:
         assert walker is not None  # _differences needed it
         record = self._records[name]
         info = record.info
-        flat = int_view_flat(base, info).numpy().view(info.unsigned)
         old, new = np.empty_like(diffs), np.empty_like(diffs)
 
         def patch_chunk(chunk: npt.NDArray[Any], start: int, lo: int, hi: int) -> None:
-            walker.patch_chunk(chunk, start, positions, diffs, lo, hi, old, new)
+            unsigned = chunk.view(info.unsigned)
+            walker.patch_chunk(unsigned, start, positions, diffs, lo, hi, old, new)
 
-        digest = patched_content_hash(flat, positions, patch_chunk)
+        flat = int_view_flat(base, info)
+        if flat.device.type == "cpu":
+            digest = patched_content_hash(flat.numpy(), positions, patch_chunk)
+        else:
+            digest = patched_device_hash(flat, positions, patch_chunk)
         signed = _numpy_dtype(info.view)
         patch = TensorPatch(
             name=name,
@@ -169,17 +174,20 @@ class DeltaObject:
         self, name: str, base: torch.Tensor
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.unsignedinteger[Any]]] | None:
         """(positions, new - old modulo the element width, as unsigned integers) of
-        ``name``'s changed elements, read from the streams alone: ``base`` (CPU) gives
-        the size and is not read. None where the walk does not apply."""
+        ``name``'s changed elements, read from the streams alone: ``base`` (any device)
+        gives the size and is not read. None where the walk does not apply."""
         record = self._record(name, base)
-        walker = fused.get() if base.device.type == "cpu" else None
+        walker = fused.get()
         if (
             walker is None
             or record.changed == 0
             or not walk_applies(record.encoding, record.params, record.info)
         ):
             return None
-        target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
+        if base.device.type == "cpu":
+            target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
+        else:  # the walk only bounds positions by its size: host pages never touched
+            target = np.empty(base.numel(), record.info.unsigned)
         return self._walk(walker, name, record, target, fused.DIFFS)
 
     def apply_to(

@@ -297,7 +297,8 @@ class AppliedPatches:
     def rollback(self) -> None:
         """Restore the old contents at every written position (idempotent)."""
         for item in reversed(self._undo):
-            int_view(self._tensor(item.name)).view(-1).index_copy_(0, item.positions, item.old)
+            flat = int_view(self._tensor(item.name)).view(-1)
+            flat.index_copy_(0, item.positions, item.old.to(flat.device))
         self._undo = []
 
 

@@ -170,8 +170,10 @@ def _prove_one(
         _check_digest(entry, found.digest)
         return Walk(entry.name, delta, entry.changed), found.digest, None
     hashed = found
-    if hashed is None and held.device.type == "cpu":
+    if hashed is None:
         hashed = guarded(delta.decode_hashed, entry, held)
+        if hashed is not None and held.device.type != "cpu":
+            hashed = _to_device(hashed, held.device)
     if hashed is None:
         patch = decode_entry(delta, entry, held)
         check_patch(patch, entry, spec)
@@ -179,9 +181,25 @@ def _prove_one(
         return patch, digest, saved_old_values([patch], base)[entry.name]
     check_patch(hashed.patch, entry, spec)
     _check_digest(entry, hashed.digest)
-    if found is None and not keep_patch:  # proven just now: its patch can go
+    if found is None and not keep_patch and held.device.type == "cpu":
+        # Proven just now and walkable again in the write: its patch can go.
         return Walk(entry.name, delta, entry.changed), hashed.digest, None
     return hashed.patch, hashed.digest, hashed.old
+
+
+def _to_device(hashed: HashedPatch, device: torch.device) -> HashedPatch:
+    """A host-decoded proof of a tensor held on ``device``: its patch moves there now,
+    before the weights are locked for the write; the old contents stay on the host
+    (read only by a rollback)."""
+    patch = hashed.patch
+    moved = TensorPatch(
+        name=patch.name,
+        dtype=patch.dtype,
+        shape=patch.shape,
+        positions=patch.positions.to(device),
+        values=patch.values.to(device),
+    )
+    return HashedPatch(moved, hashed.old, hashed.digest)
 
 
 def _check_digest(entry: TensorEntry, digest: str) -> None:
