@@ -217,10 +217,12 @@ copies (and `load_state` also hashes) every tensor, so its cost grows with the
 model; the pause grows with the changed elements and the cache lines they touch.
 
 GPU: run the same command with `--device cuda`; the target synchronises the
-device before taking times. The pre-write proof copies each touched tensor to
-the host in 16 MiB chunks (two pinned buffers: the next chunk's copy runs on a
-side stream while this one is patched and hashed), so it needs no scratch
-memory on the device; the pause is an `index_copy_` per touched tensor.
+device before taking times. The pre-write proof is the same one pass as on the
+CPU, over 16 MiB chunks copied from the device into two pinned host buffers
+(the next chunk's copy runs on a side stream while this one is patched and
+hashed), so it needs no scratch memory on the device; the patch then moves to
+the device before the lock, and the pause is an `index_copy_` per touched
+tensor.
 """
     print()
     print(section)
