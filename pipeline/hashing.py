@@ -73,8 +73,10 @@ class _Staging(threading.local):
             or self.buffers[0].numel() < nbytes
             or (pinned and not self.buffers[0].is_pinned())
         ):
+            # Pinning is slow: pinned buffers are made once at the full chunk size.
+            size = max(nbytes, DEVICE_CHUNK_BYTES) if pinned else nbytes
             self.buffers = [
-                torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)
+                torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)
             ]
         return self.buffers
 
