@@ -88,26 +88,39 @@ def early_proofs(target: TorchTarget, store: FileStore, manifest: Manifest) -> l
     ]
 
 
-def held_copy(trainer: Trainer, version: int) -> tuple[TorchTarget, dict[str, torch.Tensor]]:
-    held = {n: t.clone() for n, t in trainer.states[version].items()}
-    return TorchTarget(held), held
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def held_copy(
+    trainer: Trainer, version: int, device: str = "cpu", **options: Any
+) -> tuple[TorchTarget, dict[str, torch.Tensor]]:
+    held = {n: t.to(device, copy=True) for n, t in trainer.states[version].items()}
+    return TorchTarget(held, **options), held
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget", [0, 1 << 30])
 def test_early_proofs_stand_in_for_the_decode_and_give_the_same_weights(
-    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch, device: str, budget: int
 ) -> None:
+    """On any device; over the patch budget, CPU proofs keep only their hashes and
+    other devices' tensors are left to the proof at the apply."""
     trainer.publish()
     version = trainer.publish()
     manifest = chain.load_manifest(store, RUN, "delta", version)
-    target, held = held_copy(trainer, 0)
+    target, held = held_copy(trainer, 0, device, patch_memory_bytes=budget)
     proofs = early_proofs(target, store, manifest)
     covered = {name for p in proofs for name in p.hashed}
-    assert len(covered) > 1  # (tensors in other encodings are proven at the apply)
+    if device != "cpu" and budget == 0:
+        assert not covered
+    else:
+        assert len(covered) > 1  # (tensors in other encodings are proven at the apply)
     decoded = count_decodes(monkeypatch)
     report = target.apply_delta(manifest, objects_of(store, manifest), "touched", proofs)
     assert not covered & set(decoded)  # those came from the early proofs
     assert report.version == version
-    assert_holds(held, trainer.states[version])
+    assert report.early_tensors == len(covered)
+    assert_holds({n: t.cpu() for n, t in held.items()}, trainer.states[version])
 
 
 @pytest.mark.parametrize("why", ["stale", "other target", "other bytes"])

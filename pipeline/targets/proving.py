@@ -172,8 +172,8 @@ def _prove_one(
     hashed = found
     if hashed is None:
         hashed = guarded(delta.decode_hashed, entry, held)
-        if hashed is not None and held.device.type != "cpu":
-            hashed = _to_device(hashed, held.device)
+    if hashed is not None and held.device.type != "cpu":
+        hashed = _to_device(hashed, held.device)
     if hashed is None:
         patch = decode_entry(delta, entry, held)
         check_patch(patch, entry, spec)
@@ -224,11 +224,12 @@ def prove_object(
     base: Callable[[str], torch.Tensor],
     keep_patches: Callable[[int], bool] = lambda _: True,
 ) -> dict[str, EarlyResult]:
-    """The one-pass proof (patch, old contents, hash after it) of every changed CPU
+    """The one-pass proof (patch, old contents, hash after it) of every changed
     tensor of one delta object, against ``base(name)``; nothing is written. Tensors
     the compiled walk does not handle are left to the full proof. Where
     ``keep_patches(bytes the object's patches would take)`` says no, only the hashes
-    are kept (:class:`ProvenDigest`)."""
+    of CPU tensors are kept (:class:`ProvenDigest`: they are walked in the write);
+    other devices' tensors are then left to the full proof too."""
     delta = parse_objects({key: data}, [key])[key]
     keep = keep_patches(sum(patch_bytes(i.changed, i.dtype) for i in delta.tensors))
     out: dict[str, EarlyResult] = {}
@@ -236,7 +237,7 @@ def prove_object(
         if info.changed == 0:
             continue
         held = base(info.name)
-        if held.device.type != "cpu":
+        if not keep and held.device.type != "cpu":
             continue
         named = TensorEntry(
             name=info.name,
