@@ -31,7 +31,13 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
 @RUN
 @click.option("--target", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True)
 @click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
-@click.option("--device", default="cpu", show_default=True, help="torch device for --target torch.")
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="Where --target torch holds the weights: cpu, cuda, cuda:1... On a GPU the "
+    "proof before each write runs on the host; only the patch goes to the device.",
+)
 @click.option(
     "--model",
     "model_path",
