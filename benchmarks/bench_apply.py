@@ -233,7 +233,8 @@ tensor.
 def write_section(section: str) -> None:
     """Replace this benchmark's section in docs/PERFORMANCE.md (other sections stay)."""
     text = DOCS.read_text() if DOCS.exists() else "# Performance\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    # Up to the next heading: the subsections after it are written by hand.
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^##|\Z)", re.S | re.M)
     if pattern.search(text):
         text = pattern.sub(lambda _m: section + "\n", text)
     else:
