@@ -66,18 +66,29 @@ class _Staging(threading.local):
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
         self.streams: dict[torch.device, Any] = {}
+        self.pinning_failed = False
 
     def host_buffers(self, nbytes: int, pinned: bool) -> list[torch.Tensor]:
+        """Two host buffers of at least ``nbytes``; pinned if asked and possible (a
+        host that refuses to lock memory gets pageable ones: slower copies, same
+        bytes)."""
+        pinned = pinned and not self.pinning_failed
         if (
             not self.buffers
             or self.buffers[0].numel() < nbytes
             or (pinned and not self.buffers[0].is_pinned())
         ):
-            # Pinning is slow: pinned buffers are made once at the full chunk size.
-            size = max(nbytes, DEVICE_CHUNK_BYTES) if pinned else nbytes
-            self.buffers = [
-                torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)
-            ]
+            self.buffers = []
+            if pinned:  # pinning is slow: done once, at the full chunk size
+                try:
+                    size = max(nbytes, DEVICE_CHUNK_BYTES)
+                    self.buffers = [
+                        torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+                    ]
+                except RuntimeError:
+                    self.pinning_failed = True
+            if not self.buffers:
+                self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
         return self.buffers
 
     def stream(self, device: torch.device) -> Any:

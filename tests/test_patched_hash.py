@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline import hashing
 from pipeline.hashing import content_hash, patched_content_hash, patched_device_hash
 from pipeline.targets.patching import int_view
 
@@ -50,3 +51,18 @@ def test_chunked_hash_of_a_patched_tensor_equals_the_hash_of_a_patched_copy(
     assert torch.equal(held.cpu(), before)  # nothing written
     if where.size:
         assert want != content_hash(before) or bool((values == before.numpy()[where]).all())
+
+
+def test_staging_buffers_are_pinned_where_possible_and_pageable_elsewhere() -> None:
+    """A host that cannot lock memory (no GPU, or a locked-memory limit) still gets
+    buffers, once: copies are then synchronous, the hashes the same."""
+    staging = hashing._Staging()
+    buffers = staging.host_buffers(1000, pinned=True)
+    assert len(buffers) == 2 and all(b.numel() >= 1000 for b in buffers)
+    assert buffers[0].data_ptr() != buffers[1].data_ptr()
+    pinned = [b.is_pinned() for b in buffers]
+    if torch.cuda.is_available():
+        assert all(pinned) and not staging.pinning_failed
+    else:
+        assert not any(pinned) and staging.pinning_failed
+    assert staging.host_buffers(1000, pinned=True) is buffers  # not made again
