@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch
 from pipeline.codec import apply_patch, encode_delta, fused, kernels, read_delta, rice
 from pipeline.codec.container import read_container
 from pipeline.errors import CorruptObjectError, MismatchError
+from tests.pipeline_helpers import REPO
 from tests.test_codec_errors import rebuild
 from tests.test_codec_roundtrip import DTYPES, PATHS, bits, compiled_kernels, realistic_update
 
@@ -306,3 +309,20 @@ def test_rice_writer_matches_the_reference_and_stays_in_its_streams(param: int) 
     expected[head : head + unary.size] = unary
     expected[fixed_at : fixed_at + fixed.size] = fixed
     assert np.array_equal(out, expected)
+
+
+def test_compiled_kernels_refuse_constants_they_were_not_written_for() -> None:
+    """numba's disk cache freezes fused.py's constants into kernels keyed on
+    fused_jit.py alone, so fused_jit.py names their values and will not load
+    beside other ones (editing it invalidates the cache)."""
+    code = "import pipeline.codec.fused as f; f.BATCH = 128; import pipeline.codec.fused_jit"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "CONSTANTS says" in done.stderr and "BATCH=128" in done.stderr

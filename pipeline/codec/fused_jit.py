@@ -29,6 +29,19 @@ from pipeline.codec.fused import (
     _Fused,
 )
 
+# numba's disk cache is keyed on this file alone and freezes the constants imported
+# above at their values when compiled. This line names those values, and the import
+# fails while it disagrees with fused.py: changing a constant means editing this file
+# too, which invalidates the cache (a checkout updated by git otherwise keeps kernels
+# built with the old values).
+CONSTANTS = "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 DONE=0 BAD=1,2,3 FALLBACK=1"
+_LIVE = (
+    f"LANES={LANES} BATCH={BATCH} MAX_PARAM={MAX_PARAM} DECODE={DECODE} UNDO={UNDO} "
+    f"DIFFS={DIFFS} DONE={DONE} BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS} FALLBACK={FALLBACK}"
+)
+if CONSTANTS != _LIVE:
+    raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused.py {_LIVE!r}")
+
 jit = numba.njit(cache=True, nogil=True)
 
 
