@@ -30,6 +30,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from benchmarks.bench_apply import sync
 from pipeline.codec import apply_patch, encode_delta, kernels, read_delta
 from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.synthetic import ModelConfig, UpdateGenerator
@@ -93,11 +94,6 @@ def split_sizes(data: bytes) -> tuple[int, int]:
             else:
                 cont += size
     return pos, cont
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def interleaved_times(

@@ -150,6 +150,19 @@ def patched_device_hash(
     return hasher.hexdigest()
 
 
+def patched_tensor_hash(
+    flat: torch.Tensor,
+    positions: npt.NDArray[np.int64],
+    patch: Callable[[npt.NDArray[Any], int, int, int], None],
+) -> str:
+    """:func:`patched_content_hash` of a flat integer tensor on any device: a CPU
+    tensor's chunks are copied from its own memory, another device's through
+    :func:`patched_device_hash`."""
+    if flat.device.type == "cpu":
+        return patched_content_hash(flat.numpy(), positions, patch)
+    return patched_device_hash(flat, positions, patch)
+
+
 def state_hash(tensor_hashes: Iterable[tuple[str, str]]) -> str:
     """One hash for a whole state: names and content hashes, in name order."""
     h = xxhash.xxh3_128()

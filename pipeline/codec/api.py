@@ -29,7 +29,7 @@ from pipeline.codec.tensorcodec import (
     walk_sparse,
 )
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
-from pipeline.hashing import patched_content_hash, patched_device_hash
+from pipeline.hashing import patched_tensor_hash
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
@@ -155,11 +155,7 @@ class DeltaObject:
             unsigned = chunk.view(info.unsigned)
             walker.patch_chunk(unsigned, start, positions, diffs, lo, hi, old, new)
 
-        flat = int_view_flat(base, info)
-        if flat.device.type == "cpu":
-            digest = patched_content_hash(flat.numpy(), positions, patch_chunk)
-        else:
-            digest = patched_device_hash(flat, positions, patch_chunk)
+        digest = patched_tensor_hash(int_view_flat(base, info), positions, patch_chunk)
         signed = _numpy_dtype(info.view)
         patch = TensorPatch(
             name=name,

@@ -35,12 +35,7 @@ import torch
 from pipeline import faults
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
-from pipeline.hashing import (
-    content_hash,
-    patched_content_hash,
-    patched_device_hash,
-    sha256_bytes,
-)
+from pipeline.hashing import content_hash, patched_tensor_hash, sha256_bytes
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
 
@@ -245,9 +240,7 @@ def _hash_patched(held: torch.Tensor, patch: TensorPatch) -> str:
         if hi > lo:
             chunk[where[lo:hi] - start] = values[lo:hi]
 
-    if flat.device.type == "cpu":
-        return patched_content_hash(flat.numpy(), where, put)
-    return patched_device_hash(flat, where, put)
+    return patched_tensor_hash(flat, where, put)
 
 
 def hash_patched(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -192,14 +192,8 @@ def _to_device(hashed: HashedPatch, device: torch.device) -> HashedPatch:
     before the weights are locked for the write; the old contents stay on the host
     (read only by a rollback)."""
     patch = hashed.patch
-    moved = TensorPatch(
-        name=patch.name,
-        dtype=patch.dtype,
-        shape=patch.shape,
-        positions=patch.positions.to(device),
-        values=patch.values.to(device),
-    )
-    return HashedPatch(moved, hashed.old, hashed.digest)
+    moved = replace(patch, positions=patch.positions.to(device), values=patch.values.to(device))
+    return replace(hashed, patch=moved)
 
 
 def _check_digest(entry: TensorEntry, digest: str) -> None:
