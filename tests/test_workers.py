@@ -237,3 +237,36 @@ def test_a_later_job_publishes_earlier_pending_steps_first(redis_url: str, tmp_p
         if e.type == "delta-available"  # type: ignore[attr-defined]
     ]
     assert announced == [0, 1, 2]
+
+
+def test_workers_announcing_one_version_at_once_append_one_event(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """``publish_once`` from many threads at the same moment (as parallel diff workers
+    finishing one version may): the marker is WATCHed, so one event per version."""
+    import threading
+
+    from pipeline.events import DeltaAvailable
+
+    settings = Settings.from_env(deltasync_env(redis_url, tmp_path))
+    run = "race"
+    rounds, racers = 20, 6
+    for version in range(rounds):
+        barrier = threading.Barrier(racers)
+        event = DeltaAvailable.now(
+            run=run, version=version, kind="delta", parent=max(version - 1, 0), anchor=0,
+            bytes=1, changed=1, total=2, manifest=f"{run}/deltas/{version}/manifest.json",
+        )  # fmt: skip
+
+        def announce(event: DeltaAvailable = event, barrier: threading.Barrier = barrier) -> None:
+            runtime = Runtime(settings)  # a connection of its own, as a worker has
+            barrier.wait()
+            diff.publish_once(runtime, f"deltasync:run:{run}:announced:{event.version}", event)
+
+        threads = [threading.Thread(target=announce) for _ in range(racers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    versions = [e.version for _, e in _events(redis_url, run)]  # type: ignore[attr-defined]
+    assert sorted(versions) == list(range(rounds))

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import redis
 from rq import get_current_job
 
 from pipeline import faults
@@ -36,14 +37,23 @@ ANNOUNCED_TTL_S = 30 * 24 * 3600
 
 
 def publish_once(runtime: Runtime, marker: str, event: Event) -> None:
-    """Append ``event`` unless ``marker`` says it was; event and marker in one MULTI."""
+    """Append ``event`` unless ``marker`` says it was; event and marker in one MULTI,
+    which WATCHes the marker: of two workers announcing the same version at once, the
+    second finds the marker set and appends nothing."""
     r = runtime.redis
-    if r.exists(marker):
-        return
     with r.pipeline(transaction=True) as pipe:
-        EventStream(r, event.run).publish(event, pipeline=pipe)
-        pipe.set(marker, 1, ex=ANNOUNCED_TTL_S)
-        pipe.execute()
+        while True:
+            try:
+                pipe.watch(marker)  # type: ignore[no-untyped-call]
+                if pipe.exists(marker):
+                    return
+                pipe.multi()
+                EventStream(r, event.run).publish(event, pipeline=pipe)
+                pipe.set(marker, 1, ex=ANNOUNCED_TTL_S)
+                pipe.execute()
+                return
+            except redis.WatchError:
+                continue  # set meanwhile: the check above now returns
 
 
 def announce(runtime: Runtime, manifest: Manifest) -> None:
