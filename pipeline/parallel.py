@@ -33,7 +33,7 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
 from pipeline.errors import ChainError, LockError, MismatchError, ObjectNotFoundError
 from pipeline.events import DeltaPart
-from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.hashing import sha256_bytes
 from pipeline.manifest import (
     Kind,
     Manifest,
@@ -42,7 +42,14 @@ from pipeline.manifest import (
     version_prefix,
 )
 from pipeline.part_hints import publish_part
-from pipeline.publish import PrivateKey, delta_manifest, tensor_entry, write_manifest
+from pipeline.publish import (
+    PrivateKey,
+    delta_manifest,
+    hash_pool,
+    submit_hashes,
+    tensor_entry,
+    write_manifest,
+)
 from pipeline.replicas import run_lock
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
@@ -144,14 +151,18 @@ def encode_part(
     """Encode one part against ``base`` (which must hold ``parent``) and upload it once."""
     parent_hashes = {t.name: t.hash for t in parent.tensors}
     pairs = [(n, base.view(n), new.view(n)) for n in names]
-    for n, b, _ in pairs:
-        if content_hash(b) != parent_hashes[n]:
+    # Base and new are hashed on other threads while the codec encodes, as in publish_delta.
+    with hash_pool() as hasher:
+        hashes = submit_hashes(hasher, pairs)
+        data = encode_delta(pairs, fanout.level)
+        base_hashes, new_hashes = hashes()
+    for n, digest in base_hashes.items():
+        if digest != parent_hashes[n]:
             raise MismatchError(
                 f"base tensor {n!r} in {base.path} does not match version {parent.version}"
             )
-    data = encode_delta(pairs, fanout.level)
     changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
-    entries = [tensor_entry(n, t, key, changed[n]) for n, _, t in pairs]
+    entries = [tensor_entry(n, t, key, changed[n], new_hashes[n]) for n, _, t in pairs]
     obj = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
     del pairs
     base.close()

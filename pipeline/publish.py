@@ -15,6 +15,7 @@ for anchors.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -91,14 +92,54 @@ def write_manifest(
     return manifest
 
 
-def _pair_hashes(
-    pairs: list[tuple[str, torch.Tensor, torch.Tensor]],
-) -> tuple[dict[str, str], dict[str, str]]:
+Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
+
+# Threads hashing base and new while the codec encodes: one per four CPUs (the
+# encoder takes one per two), so a 2-core machine keeps one.
+HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _pair_hashes(pairs: Pairs) -> tuple[dict[str, str], dict[str, str]]:
     """Content hashes of the (base, new) tensors of ``pairs``."""
     return (
         {n: content_hash(b) for n, b, _ in pairs},
         {n: content_hash(t) for n, _, t in pairs},
     )
+
+
+def shares_by_bytes(pairs: Pairs, count: int) -> list[Pairs]:
+    """``pairs`` split into at most ``count`` non-empty shares of about equal bytes
+    (largest first, each to the lightest share)."""
+    shares: list[Pairs] = [[] for _ in range(max(1, count))]
+    loads = [0] * len(shares)
+    for pair in sorted(pairs, key=lambda p: p[2].nbytes, reverse=True):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(pair)
+        loads[lightest] += pair[2].nbytes
+    return [share for share in shares if share]
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="deltasync-hash")
+
+
+def submit_hashes(
+    pool: ThreadPoolExecutor, pairs: Pairs
+) -> Callable[[], tuple[dict[str, str], dict[str, str]]]:
+    """Hash ``pairs`` on ``HASH_THREADS`` of ``pool``'s threads; the returned call waits
+    for all of them."""
+    futures = [pool.submit(_pair_hashes, share) for share in shares_by_bytes(pairs, HASH_THREADS)]
+
+    def result() -> tuple[dict[str, str], dict[str, str]]:
+        base: dict[str, str] = {}
+        new: dict[str, str] = {}
+        for future in futures:
+            b, n = future.result()
+            base.update(b)
+            new.update(n)
+        return base, new
+
+    return result
 
 
 def tensor_entry(
@@ -295,22 +336,22 @@ def publish_delta(
     parent_hashes = {t.name: t.hash for t in parent.tensors}
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
-    # The base and new tensors are hashed on a second thread while the codec encodes
+    # The base and new tensors are hashed on other threads while the codec encodes
     # (both release the GIL); the base is proven before the part is uploaded.
     with (
         Uploader(store, "publish", timings) as uploader,
-        ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-hash") as hasher,
+        hash_pool() as hasher,
     ):
         for key, names in parent.parts():
             clock.lap()
             # Read-only views of the mapped files: the codec and the hashes only read.
             pairs = [(n, base.view(n), new.view(n)) for n in names]
             timings.read_s += clock.lap()
-            hashes = hasher.submit(_pair_hashes, pairs)
+            hashes = submit_hashes(hasher, pairs)
             faults.point("publish.after_read")
             data = encode_delta(pairs, level)
             timings.encode_s += clock.lap()
-            base_hashes, new_hashes = hashes.result()
+            base_hashes, new_hashes = hashes()
             timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
             for n, digest in base_hashes.items():
                 if digest != parent_hashes[n]:

@@ -19,16 +19,19 @@ import pytest
 import torch
 
 from pipeline import chain, retention, synthetic
+from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
 from pipeline.diff_step import publish_step
-from pipeline.errors import ChainError
+from pipeline.errors import ChainError, MismatchError
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaAvailable, parse_event
+from pipeline.hashing import content_hash
 from pipeline.manifest import manifest_key, version_prefix
 from pipeline.parallel import (
     Fanout,
     assemble,
     current_fanout,
+    encode_part,
     part_lock,
     parts_key,
     start_fanout,
@@ -176,6 +179,30 @@ def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
     for obj in manifest.objects:
         key = version_prefix("run", "delta", 1) + obj.key
         assert store.get(key) == stores["single"][0].get(key)
+
+
+def test_a_part_against_the_wrong_base_is_refused(tmp_path: Path) -> None:
+    generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), lr=1e-5, seed=5)
+    paths = []
+    for step in range(3):
+        paths.append(tmp_path / f"step-{step}.safetensors")
+        synthetic.save_state(generator.state() if step == 0 else generator.step(), paths[-1])
+    store = open_store(f"file://{tmp_path / 'store'}")
+    cache = StateCache(tmp_path / "cache", "run")
+    publish_step(store, "run", 0, paths[0], cache, level=1, part_bytes=PART_BYTES)
+    anchor = chain.load_manifest(store, "run", "anchor", 0)
+    fanout = Fanout("run", 2, str(paths[2]), 0, "anchor", 1)
+    key, names = anchor.parts()[0]
+    with (
+        CheckpointReader(paths[1]) as base,
+        CheckpointReader(paths[2]) as new,
+        pytest.raises(MismatchError, match="does not match version 0"),
+    ):
+        encode_part(store, fanout, anchor, key, names, base, new)
+    assert list(store.list("run/deltas/")) == []
+    with CheckpointReader(paths[0]) as base, CheckpointReader(paths[2]) as new:
+        _, entries = encode_part(store, fanout, anchor, key, names, base, new)
+        assert [e.hash for e in entries] == [content_hash(new.view(n)) for n in names]
 
 
 def test_a_step_redone_against_a_newer_head_encodes_its_parts_again(

@@ -15,15 +15,16 @@ import safetensors.torch
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pipeline import chain
+from pipeline import chain, publish
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.compaction import compact
 from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
+from pipeline.hashing import content_hash
 from pipeline.manifest import manifest_key
 from pipeline.parts import plan_parts
-from pipeline.publish import publish_anchor, publish_delta
+from pipeline.publish import publish_anchor, publish_delta, shares_by_bytes
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
@@ -137,7 +138,38 @@ def test_mismatched_checkpoint_is_refused(
     assert snapshot(file_store, trainer.run) == before
 
 
-def test_wrong_base_is_refused(file_store: FileStore, tmp_path: Path) -> None:
+def test_hash_shares_balance_bytes() -> None:
+    def pair(name: str, numel: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+        return name, torch.zeros(numel), torch.zeros(numel)
+
+    pairs = [pair("a", 10), pair("b", 70), pair("c", 30), pair("d", 40), pair("e", 0)]
+    shares = shares_by_bytes(pairs, 2)
+    assert [[n for n, _, _ in s] for s in shares] == [["b", "a"], ["d", "c", "e"]]
+    assert sorted(n for s in shares_by_bytes(pairs, 8) for n, _, _ in s) == list("abcde")
+    assert len(shares_by_bytes(pairs, 8)) == 5 and shares_by_bytes([], 3) == []
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_delta_hashes_on_several_threads(
+    file_store: FileStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(publish, "HASH_THREADS", threads)
+    trainer = SyntheticRun(tmp_path, file_store)
+    anchor = trainer.publish(0).manifest
+    assert anchor is not None
+    zero, one = trainer.paths[0], trainer.checkpoint(1)
+    with CheckpointReader(zero) as base, CheckpointReader(one) as new:
+        delta = publish_delta(file_store, trainer.run, 1, base, new, anchor, level=1)
+        expected = {n: content_hash(new.view(n)) for n in new.names()}
+    assert {t.name: t.hash for t in delta.tensors} == expected
+    assert {t.name: t.hash for t in delta.tensors} != {t.name: t.hash for t in anchor.tensors}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_wrong_base_is_refused(
+    file_store: FileStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(publish, "HASH_THREADS", threads)
     trainer = SyntheticRun(tmp_path, file_store)
     anchor = trainer.publish(0).manifest
     assert anchor is not None
