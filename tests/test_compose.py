@@ -8,6 +8,7 @@ Dockerfiles are checked for what they copy and run.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import fnmatch
 import importlib.util
 import json
@@ -331,6 +332,40 @@ def test_unset_credentials_are_left_out_rather_than_empty(tmp_path: Path) -> Non
         # Without key files, the key settings are empty, which the settings read as unset.
         for key in ("DELTASYNC_SIGNING_KEY", "DELTASYNC_VERIFY_KEY"):
             assert not service["environment"].get(key)
+
+
+# Variables the code reads that compose sets itself rather than passing through.
+NOT_PASSED_THROUGH = {
+    "DELTASYNC_HOME": "fixed to /data, the root of the containers' volumes",
+    "DELTASYNC_SIGNING_KEY": "a secret's path inside the container (tested above)",
+    "DELTASYNC_VERIFY_KEY": "a secret's path inside the container (tested above)",
+    "DELTASYNC_FAULT": "fault injection for tests",
+    "DELTASYNC_FAULT_FILE": "fault injection for tests",
+    "DELTASYNC_VLLM_CPU_PLAIN_LINEAR": "set by the vLLM target for its own workers",
+}
+
+
+def variables_the_code_reads() -> set[str]:
+    """``DELTASYNC_*`` names quoted in pipeline/ and workers/, and every setting's."""
+    settings_cls = importlib.import_module("pipeline.config").Settings
+    names = {f.metadata["env"] for f in dataclasses.fields(settings_cls) if "env" in f.metadata}
+    for package in ("pipeline", "workers"):
+        for path in (ROOT / package).rglob("*.py"):
+            names.update(re.findall(r"[\"'](DELTASYNC_[A-Z0-9_]+)[\"']", path.read_text()))
+    return names
+
+
+def test_every_setting_on_the_host_reaches_every_container(tmp_path: Path) -> None:
+    names = variables_the_code_reads()
+    assert {"DELTASYNC_LEVEL", "DELTASYNC_PARALLEL_PARTS", "DELTASYNC_S3_PART_SIZE"} <= names
+    assert set(NOT_PASSED_THROUGH) <= names, "an exemption for a variable nothing reads"
+    passed = [*sorted(names - set(NOT_PASSED_THROUGH)), "AWS_ENDPOINT_URL"]
+    env = {name: f"value-of-{name.lower()}" for name in passed}
+    services = deltasync_services(resolved(tmp_path, env))
+    assert set(services) >= {"diff-worker", "compaction-worker", "rollout-torch", "rollout-vllm"}
+    for service_name, service in services.items():
+        missing = [n for n in passed if service["environment"].get(n) != env[n]]
+        assert not missing, f"{service_name} does not receive {missing}"
 
 
 def test_every_service_environment_makes_valid_settings(tmp_path: Path) -> None:
