@@ -20,7 +20,11 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
     """Run an rq worker for diff jobs or compaction jobs.
 
     Jobs run in this process (no fork per job: torch threads are live), with
-    JSON arguments. Scale diff workers by starting more of them.
+    JSON arguments. Several diff workers serve several runs at once; a run's
+    steps are published one at a time, in order (the run's diff lock). With
+    DELTASYNC_PARALLEL_PARTS=1 the diff workers of one machine also share the
+    parts of each version. Compaction workers take the anchors asked for by
+    policy or by `deltasync compact`.
     """
     from workers.worker_process import run_worker
 
