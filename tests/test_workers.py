@@ -13,6 +13,7 @@ from pipeline import chain, replicas, synthetic
 from pipeline.config import Settings
 from pipeline.errors import ChainError
 from pipeline.event_stream import EventStream
+from pipeline.events import StepCompleted
 from pipeline.redis_server import redis_client
 from pipeline.state_cache import StateCache
 from pipeline.store import open_store
@@ -138,7 +139,8 @@ def test_emit_diff_compact_tail_status(redis_url: str, tmp_path: Path) -> None:
     assert tailed.returncode == 0, tailed.stderr
     lines = [json.loads(line) for line in tailed.stdout.splitlines()]
     assert [line["id"] for line in lines] == ids
-    only = cli(env, "tail", "--run", run, "--type", "delta-available")
+    # The only run with events is the default.
+    only = cli(env, "tail", "--type", "delta-available")
     assert len(only.stdout.splitlines()) == STEPS
     assert all("delta-available" in line for line in only.stdout.splitlines())
 
@@ -149,8 +151,34 @@ def test_emit_diff_compact_tail_status(redis_url: str, tmp_path: Path) -> None:
     assert report["anchors"] == [STEPS - 1]
     assert report["queues"]["deltasync:diff"]["failed"] == 0
     assert report["chain"]["anchor"] in report["anchors"]
-    text = cli(env, "status", "--run", run)
+    text = cli(env, "status")
     assert text.returncode == 0 and f"head {STEPS - 1}" in text.stdout
+
+
+def test_tail_and_status_without_a_run_name_the_runs_to_choose_from(
+    redis_url: str, tmp_path: Path
+) -> None:
+    env = deltasync_env(redis_url, tmp_path)
+    for command in ("tail", "status"):
+        none = cli(env, command)
+        assert none.returncode != 0
+        assert (
+            none.stderr.strip()
+            .splitlines()[-1]
+            .endswith(f"--run is needed: no run has events in redis at {redis_url}")
+        ), none.stderr
+    r = redis_client(redis_url)
+    for run in ("zeta", "alpha"):
+        EventStream(r, run).publish(
+            StepCompleted.now(run=run, version=1, checkpoint="/x", owned=False)
+        )
+    for command in ("tail", "status"):
+        two = cli(env, command)
+        assert two.returncode != 0
+        last = two.stderr.strip().splitlines()[-1]
+        assert last.endswith("--run is needed: runs with events in redis: alpha, zeta"), last
+    named = cli(env, "tail", "--run", "zeta", "--json")
+    assert named.returncode == 0 and json.loads(named.stdout)["run"] == "zeta"
 
 
 @pytest.mark.parametrize("link", ["0", "1"])

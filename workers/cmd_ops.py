@@ -12,6 +12,10 @@ from pipeline.errors import ChainError, DeltasyncError
 from workers.runtime import from_context
 
 RUN = click.option("--run", required=True, help="Run name.")
+# For commands that only look: the run can be left out when Redis knows of one only.
+RUN_TO_READ = click.option(
+    "--run", default=None, help="Run name (default: the only run with events in Redis)."
+)
 
 
 @click.command("compact")
@@ -78,7 +82,7 @@ def _last_line(job: object) -> str:
 
 
 @click.command("tail")
-@RUN
+@RUN_TO_READ
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they arrive.")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of readable lines.")
 @click.option("--type", "types", multiple=True, help="Only events of this type (repeatable).")
@@ -92,7 +96,7 @@ def _last_line(job: object) -> str:
 @click.pass_context
 def tail(
     ctx: click.Context,
-    run: str,
+    run: str | None,
     follow: bool,
     as_json: bool,
     types: tuple[str, ...],
@@ -101,25 +105,26 @@ def tail(
 ) -> None:
     """Print a run's event stream, oldest first; --follow to keep going, --hints for
     the live part hints instead."""
-    from workers.ops import tail_events, tail_hints
+    from workers.ops import only_run, tail_events, tail_hints
 
+    runtime = from_context(ctx)
+    run = run or only_run(runtime)
     if hints:
-        tail_hints(from_context(ctx), run, as_json=as_json)
+        tail_hints(runtime, run, as_json=as_json)
         return
-    tail_events(
-        from_context(ctx), run, follow=follow, as_json=as_json, types=set(types), since=since
-    )
+    tail_events(runtime, run, follow=follow, as_json=as_json, types=set(types), since=since)
 
 
 @click.command("status")
-@RUN
+@RUN_TO_READ
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @click.pass_context
-def status(ctx: click.Context, run: str, as_json: bool) -> None:
+def status(ctx: click.Context, run: str | None, as_json: bool) -> None:
     """Head, anchors, chain, queues, failed jobs, replicas and their lag."""
-    from workers.ops import collect_status, render_status
+    from workers.ops import collect_status, only_run, render_status
 
-    report = collect_status(from_context(ctx), run)
+    runtime = from_context(ctx)
+    report = collect_status(runtime, run or only_run(runtime))
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:

@@ -14,8 +14,8 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pipeline import chain
-from pipeline.errors import ChainError
-from pipeline.event_stream import EventStream
+from pipeline.errors import ChainError, ConfigError
+from pipeline.event_stream import EventStream, list_runs
 from pipeline.events import DeltaPart, Event
 from pipeline.part_hints import PartListener
 from pipeline.redis_server import redis_errors
@@ -24,6 +24,18 @@ from workers import queues
 from workers.runtime import Runtime
 
 _SKIP_FIELDS = {"type", "schema", "run", "version", "time"}
+
+
+def only_run(runtime: Runtime) -> str:
+    """The run to show when --run is left out: the only one with events in Redis."""
+    runs = list_runs(runtime.redis)
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        where = runtime.redis_url_redacted
+        raise ConfigError(f"--run is needed: no run has events in redis at {where}")
+    shown = ", ".join(runs[:20]) + (f" and {len(runs) - 20} more" if len(runs) > 20 else "")
+    raise ConfigError(f"--run is needed: runs with events in redis: {shown}")
 
 
 def format_event(event_id: str, event: Event) -> str:
