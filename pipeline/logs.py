@@ -31,6 +31,11 @@ _LEVELS = {
 }
 
 
+# Libraries whose info records say nothing an operator acts on ("Found credentials in
+# environment variables" on every S3 command); shown at debug.
+_QUIET_BELOW_DEBUG = ("botocore.credentials",)
+
+
 class _DeltasyncHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Marks the handler this module installed, so reconfiguring replaces it."""
 
@@ -96,6 +101,9 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric_level)
+    for name in _QUIET_BELOW_DEBUG:
+        quiet = numeric_level > logging.DEBUG
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)
 
 
 def _is_tty(stream: TextIO) -> bool:

@@ -65,6 +65,15 @@ def test_json_lines_when_not_a_terminal() -> None:
     assert "run" not in lines(out)[-1]
 
 
+def test_chatty_library_info_shows_only_at_debug() -> None:
+    for level, shown in (("info", ["warned"]), ("debug", ["credentials found", "warned"])):
+        out = io.StringIO()
+        configure_logging(level, json=True, stream=out)
+        logging.getLogger("botocore.credentials").info("credentials found")
+        logging.getLogger("botocore.credentials").warning("warned")
+        assert [r["event"] for r in lines(out)] == shown, level
+
+
 def test_exceptions_render_as_data_without_locals() -> None:
     out = io.StringIO()
     configure_logging("info", json=True, stream=out)
