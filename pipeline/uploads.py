@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,17 +49,30 @@ class Clock:
 
 class Uploader:
     """Uploads a version's objects on one background thread, so the next part is read and
-    encoded while the previous one travels; at most ``depth`` finished parts wait."""
+    encoded while the previous one travels; at most ``depth`` finished parts wait. A
+    publish that takes longer than ``progress_every_s`` logs its progress that often."""
 
-    def __init__(self, store: ObjectStore, fault: str, timings: PublishTimings, depth: int = 1):
+    def __init__(
+        self,
+        store: ObjectStore,
+        fault: str,
+        timings: PublishTimings,
+        depth: int = 1,
+        progress_every_s: float = 10.0,
+    ):
         self.store, self.fault, self.timings, self.depth = store, fault, timings, depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-upload")
         self.pending: deque[Future[float]] = deque()
+        self.progress_every_s = progress_every_s
+        self.started = self.last_progress = time.monotonic()
+        self.objects = 0
+        self.bytes = 0
 
     def _put(self, key: str, data: bytes, then: Callable[[], None] | None) -> float:
         started = time.perf_counter()
         self.store.put(key, data)
         elapsed = time.perf_counter() - started
+        self._progress(key, len(data))
         if then is not None:
             try:
                 then()
@@ -66,13 +80,32 @@ class Uploader:
                 log.warning("after-upload callback failed", key=key, error=str(exc))
         return elapsed
 
+    def _progress(self, key: str, size: int) -> None:
+        self.objects += 1
+        self.bytes += size
+        now = time.monotonic()
+        if now - self.last_progress < self.progress_every_s:
+            return
+        self.last_progress = now
+        seconds = now - self.started
+        log.info(
+            "upload progress",
+            objects=self.objects,
+            mb=round(self.bytes / 1e6, 1),
+            seconds=round(seconds, 1),
+            mb_per_s=round(self.bytes / 1e6 / max(seconds, 1e-9), 1),
+            last=key,
+        )
+
     def _collect(self) -> None:
         self.timings.upload_s += self.pending.popleft().result()
         faults.point(f"{self.fault}.after_upload")
 
     def submit(self, key: str, data: bytes, then: Callable[[], None] | None = None) -> None:
         """Upload in the background; ``then`` runs once the object is stored."""
-        self.pending.append(self.pool.submit(self._put, key, data, then))
+        # The caller's log context (run, version, job) goes with the upload.
+        context = contextvars.copy_context()
+        self.pending.append(self.pool.submit(context.run, self._put, key, data, then))
         while len(self.pending) > self.depth:
             self._collect()
 

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ import structlog
 
 from pipeline.errors import ConfigError
 from pipeline.logs import bind_context, clear_context, configure_logging, get_logger
+from pipeline.store.file import FileStore
+from pipeline.uploads import PublishTimings, Uploader
 
 
 class FakeTerminal(io.StringIO):
@@ -123,3 +126,32 @@ def test_reconfiguring_replaces_the_handler() -> None:
 def test_bad_level_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="loud"):
         configure_logging("loud")
+
+
+def test_a_long_publish_logs_its_upload_progress_with_the_callers_context(
+    tmp_path: Path,
+) -> None:
+    out = io.StringIO()
+    configure_logging("info", json=True, stream=out)
+    bind_context(run="run-7", version=3)
+    timings = PublishTimings()
+    with Uploader(FileStore(tmp_path), "publish", timings, progress_every_s=0.0) as uploader:
+        for i in range(3):
+            uploader.submit(f"run-7/part-{i}", bytes(1_000_000))
+        uploader.finish()
+    clear_context()
+    progress = [r for r in lines(out) if r["event"] == "upload progress"]
+    assert [(r["objects"], r["mb"], r["last"]) for r in progress] == [
+        (1, 1.0, "run-7/part-0"),
+        (2, 2.0, "run-7/part-1"),
+        (3, 3.0, "run-7/part-2"),
+    ]
+    assert all((r["run"], r["version"]) == ("run-7", 3) for r in progress)
+    assert FileStore(tmp_path).get("run-7/part-2") == bytes(1_000_000)
+
+    quiet = io.StringIO()
+    configure_logging("info", json=True, stream=quiet)
+    with Uploader(FileStore(tmp_path), "publish", PublishTimings()) as uploader:
+        uploader.submit("run-7/part-3", b"x")
+        uploader.finish()
+    assert not [r for r in lines(quiet) if r["event"] == "upload progress"]
