@@ -28,6 +28,7 @@ from pipeline.errors import (
     ObjectNotFoundError,
 )
 from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.logs import Throttle
 from pipeline.manifest import (
     KIND_FOLDERS,
     Kind,
@@ -278,15 +279,28 @@ def reconstruct_parts(
     *,
     plan: ChainPlan | None = None,
     verify_hashes: bool = True,
+    progress_every_s: float = 10.0,
 ) -> Iterator[Part]:
     """Version ``version`` part by part: (object key, [(name, tensor)]) in the target's
-    partition and tensor order. Each part's hashes are checked before it is yielded."""
+    partition and tensor order. Each part's hashes are checked before it is yielded. A
+    rebuild longer than ``progress_every_s`` logs its progress that often."""
     plan = plan or resolve(store, run, version)
     _check_same_tensors(plan)
     target = plan.target
     target_entries = {t.name: t for t in target.tensors}
     anchor_entries = {t.name: t for t in plan.anchor.tensors}
-    for part_key, names in target.parts():
+    parts = target.parts()
+    progress = Throttle(progress_every_s)
+    for done, (part_key, names) in enumerate(parts):
+        if progress.due():
+            log.info(
+                "rebuild progress",
+                run=run,
+                version=version,
+                parts_done=done,
+                parts=len(parts),
+                seconds=round(progress.elapsed, 1),
+            )
         tensors = _load_anchor_tensors(store, plan.anchor, names, anchor_entries)
         for delta in plan.deltas:
             _apply_delta(store, delta, names, tensors)

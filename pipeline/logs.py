@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, TextIO
 
 import structlog
@@ -18,7 +19,14 @@ from structlog.typing import Processor
 
 from pipeline.errors import ConfigError
 
-__all__ = ["bind_context", "clear_context", "configure_logging", "get_logger", "unbind_context"]
+__all__ = [
+    "Throttle",
+    "bind_context",
+    "clear_context",
+    "configure_logging",
+    "get_logger",
+    "unbind_context",
+]
 
 get_logger = structlog.get_logger
 
@@ -125,3 +133,22 @@ def unbind_context(*keys: str) -> None:
 
 def clear_context() -> None:
     structlog.contextvars.clear_contextvars()
+
+
+class Throttle:
+    """Says a progress line is due at most once per ``seconds`` of long work."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = self.last = time.monotonic()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started

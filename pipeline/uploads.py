@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import structlog
 
 from pipeline import faults
+from pipeline.logs import Throttle
 from pipeline.store.base import ObjectStore
 
 log = structlog.get_logger(__name__)
@@ -63,8 +64,7 @@ class Uploader:
         self.store, self.fault, self.timings, self.depth = store, fault, timings, depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-upload")
         self.pending: deque[Future[float]] = deque()
-        self.progress_every_s = progress_every_s
-        self.started = self.last_progress = time.monotonic()
+        self.progress = Throttle(progress_every_s)
         self.objects = 0
         self.bytes = 0
 
@@ -83,11 +83,9 @@ class Uploader:
     def _progress(self, key: str, size: int) -> None:
         self.objects += 1
         self.bytes += size
-        now = time.monotonic()
-        if now - self.last_progress < self.progress_every_s:
+        if not self.progress.due():
             return
-        self.last_progress = now
-        seconds = now - self.started
+        seconds = self.progress.elapsed
         log.info(
             "upload progress",
             objects=self.objects,

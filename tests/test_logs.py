@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 import structlog
 
+from pipeline import chain
 from pipeline.errors import ConfigError
 from pipeline.logs import bind_context, clear_context, configure_logging, get_logger
 from pipeline.store.file import FileStore
 from pipeline.uploads import PublishTimings, Uploader
+from tests.test_chain import SyntheticRun
 
 
 class FakeTerminal(io.StringIO):
@@ -155,3 +157,18 @@ def test_a_long_publish_logs_its_upload_progress_with_the_callers_context(
         uploader.submit("run-7/part-3", b"x")
         uploader.finish()
     assert not [r for r in lines(quiet) if r["event"] == "upload progress"]
+
+
+def test_a_long_rebuild_logs_its_progress(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    trainer = SyntheticRun(tmp_path, store)
+    for step in (0, 1):
+        trainer.publish(step)
+    out = io.StringIO()
+    configure_logging("info", json=True, stream=out)
+    parts = list(chain.reconstruct_parts(store, trainer.run, 1, progress_every_s=0.0))
+    progress = [r for r in lines(out) if r["event"] == "rebuild progress"]
+    assert len(parts) >= 3
+    assert [(r["parts_done"], r["parts"], r["version"]) for r in progress] == [
+        (done, len(parts), 1) for done in range(len(parts))
+    ]
