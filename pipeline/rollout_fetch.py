@@ -1,6 +1,6 @@
 """Downloads for the rollout node: a delta's objects whole, an anchor's tensors
 part by part, each checked before it is handed over, with a progress bar for
-large ones."""
+large ones on a terminal and progress log lines elsewhere."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
@@ -19,10 +20,14 @@ from pipeline import chain, faults
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import CorruptObjectError
 from pipeline.hashing import content_hash
+from pipeline.logs import Throttle
 from pipeline.manifest import Manifest
 from pipeline.store.base import ObjectStore
 
-_PROGRESS_MIN_BYTES = 64 << 20  # show a progress bar for downloads larger than this
+log = structlog.get_logger(__name__)
+
+_PROGRESS_MIN_BYTES = 64 << 20  # show progress for downloads larger than this
+PROGRESS_EVERY_S = 10.0  # off a terminal: a progress log line this often
 
 # Runs a download now or in the background; the result comes as a future.
 Submit = Callable[..., Future[Any]]
@@ -39,13 +44,37 @@ class Fetched:
 
 @contextlib.contextmanager
 def progress_bar(enabled: bool, label: str, total: int) -> Iterator[Callable[[int], None]]:
-    if not enabled or total < _PROGRESS_MIN_BYTES:
+    """A bar on a terminal (``enabled``), else log lines every ``PROGRESS_EVERY_S``;
+    nothing for small downloads. Yields ``advance(bytes)``."""
+    if total < _PROGRESS_MIN_BYTES:
         yield lambda _n: None
+        return
+    if not enabled:
+        yield _progress_lines(label, total)
         return
     columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _progress_lines(label: str, total: int) -> Callable[[int], None]:
+    throttle = Throttle(PROGRESS_EVERY_S)
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if throttle.due():
+            log.info(
+                "download progress",
+                what=label,
+                mb=round(done / 1e6, 1),
+                of_mb=round(total / 1e6, 1),
+                mb_per_s=round(done / 1e6 / max(throttle.elapsed, 1e-9), 1),
+            )
+
+    return advance
 
 
 def fetch_delta(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import structlog
 
-from pipeline import chain
+from pipeline import chain, rollout_fetch
 from pipeline.errors import ConfigError
 from pipeline.logs import bind_context, clear_context, configure_logging, get_logger
 from pipeline.store.file import FileStore
@@ -171,4 +171,21 @@ def test_a_long_rebuild_logs_its_progress(tmp_path: Path) -> None:
     assert len(parts) >= 3
     assert [(r["parts_done"], r["parts"], r["version"]) for r in progress] == [
         (done, len(parts), 1) for done in range(len(parts))
+    ]
+
+
+def test_large_downloads_off_a_terminal_log_their_progress(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = io.StringIO()
+    configure_logging("info", json=True, stream=out)
+    monkeypatch.setattr(rollout_fetch, "PROGRESS_EVERY_S", 0.0)
+    with rollout_fetch.progress_bar(False, "anchor v4", 200_000_000) as advance:
+        for _ in range(4):
+            advance(50_000_000)
+    with rollout_fetch.progress_bar(False, "delta v5", 1_000_000) as advance:
+        advance(1_000_000)  # small: no lines
+    progress = [r for r in lines(out) if r["event"] == "download progress"]
+    assert [(r["what"], r["mb"], r["of_mb"]) for r in progress] == [
+        ("anchor v4", mb, 200.0) for mb in (50.0, 100.0, 150.0, 200.0)
     ]
