@@ -39,5 +39,8 @@ def test_demo_replicas_bit_exact_with_compaction(tmp_path: Path) -> None:
     assert text.count("bit-identical to the trainer's") == 2, text[-4000:]
     assert "compaction: anchor at version" in text
     assert "every replica matched the trainer bit for bit" in text
+    # The summary's title starts a line of its own after the live view's last frame.
+    titles = [line for line in out.stderr.splitlines() if "ci-demo: per version" in line]
+    assert len(titles) == 1 and titles[0].strip().startswith("run ci-demo"), titles
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     assert (tmp_path / "home" / "store" / "ci-demo" / "anchors").is_dir()

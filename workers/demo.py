@@ -241,6 +241,8 @@ class Demo:
                     if nodes_done:
                         break
                 self._drain_events()
+            if not self.console.is_terminal:
+                self.console.line()  # Live's last frame ends without one off a terminal
         finally:
             self._stop_all()
         return self._report(final_state)
