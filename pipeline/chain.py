@@ -279,18 +279,17 @@ def reconstruct_parts(
     *,
     plan: ChainPlan | None = None,
     verify_hashes: bool = True,
-    progress_every_s: float = 10.0,
 ) -> Iterator[Part]:
     """Version ``version`` part by part: (object key, [(name, tensor)]) in the target's
     partition and tensor order. Each part's hashes are checked before it is yielded. A
-    rebuild longer than ``progress_every_s`` logs its progress that often."""
+    long rebuild logs its progress (``logs.PROGRESS_EVERY_S``)."""
     plan = plan or resolve(store, run, version)
     _check_same_tensors(plan)
     target = plan.target
     target_entries = {t.name: t for t in target.tensors}
     anchor_entries = {t.name: t for t in plan.anchor.tensors}
     parts = target.parts()
-    progress = Throttle(progress_every_s)
+    progress = Throttle()
     for done, (part_key, names) in enumerate(parts):
         if progress.due():
             log.info(

@@ -20,6 +20,7 @@ from structlog.typing import Processor
 from pipeline.errors import ConfigError
 
 __all__ = [
+    "PROGRESS_EVERY_S",
     "Throttle",
     "bind_context",
     "clear_context",
@@ -135,11 +136,14 @@ def clear_context() -> None:
     structlog.contextvars.clear_contextvars()
 
 
-class Throttle:
-    """Says a progress line is due at most once per ``seconds`` of long work."""
+PROGRESS_EVERY_S = 10.0  # long work (uploads, rebuilds, downloads) logs progress this often
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+
+class Throttle:
+    """Says a progress line is due at most once per ``PROGRESS_EVERY_S`` of long work."""
+
+    def __init__(self) -> None:
+        self.seconds = PROGRESS_EVERY_S
         self.started = self.last = time.monotonic()
 
     def due(self) -> bool:

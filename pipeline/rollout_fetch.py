@@ -27,7 +27,6 @@ from pipeline.store.base import ObjectStore
 log = structlog.get_logger(__name__)
 
 _PROGRESS_MIN_BYTES = 64 << 20  # show progress for downloads larger than this
-PROGRESS_EVERY_S = 10.0  # off a terminal: a progress log line this often
 
 # Runs a download now or in the background; the result comes as a future.
 Submit = Callable[..., Future[Any]]
@@ -44,7 +43,7 @@ class Fetched:
 
 @contextlib.contextmanager
 def progress_bar(enabled: bool, label: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A bar on a terminal (``enabled``), else log lines every ``PROGRESS_EVERY_S``;
+    """A bar on a terminal (``enabled``), else log lines (``logs.PROGRESS_EVERY_S``);
     nothing for small downloads. Yields ``advance(bytes)``."""
     if total < _PROGRESS_MIN_BYTES:
         yield lambda _n: None
@@ -59,7 +58,7 @@ def progress_bar(enabled: bool, label: str, total: int) -> Iterator[Callable[[in
 
 
 def _progress_lines(label: str, total: int) -> Callable[[int], None]:
-    throttle = Throttle(PROGRESS_EVERY_S)
+    throttle = Throttle()
     done = 0
 
     def advance(n: int) -> None:

@@ -51,20 +51,13 @@ class Clock:
 class Uploader:
     """Uploads a version's objects on one background thread, so the next part is read and
     encoded while the previous one travels; at most ``depth`` finished parts wait. A
-    publish that takes longer than ``progress_every_s`` logs its progress that often."""
+    long publish logs its progress (``logs.PROGRESS_EVERY_S``)."""
 
-    def __init__(
-        self,
-        store: ObjectStore,
-        fault: str,
-        timings: PublishTimings,
-        depth: int = 1,
-        progress_every_s: float = 10.0,
-    ):
+    def __init__(self, store: ObjectStore, fault: str, timings: PublishTimings, depth: int = 1):
         self.store, self.fault, self.timings, self.depth = store, fault, timings, depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-upload")
         self.pending: deque[Future[float]] = deque()
-        self.progress = Throttle(progress_every_s)
+        self.progress = Throttle()
         self.objects = 0
         self.bytes = 0
 

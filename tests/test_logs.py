@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import structlog
 
-from pipeline import chain, rollout_fetch
+from pipeline import chain, logs, rollout_fetch
 from pipeline.errors import ConfigError
 from pipeline.logs import bind_context, clear_context, configure_logging, get_logger
 from pipeline.store.file import FileStore
@@ -131,13 +131,14 @@ def test_bad_level_is_a_config_error() -> None:
 
 
 def test_a_long_publish_logs_its_upload_progress_with_the_callers_context(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(logs, "PROGRESS_EVERY_S", 0.0)
     out = io.StringIO()
     configure_logging("info", json=True, stream=out)
     bind_context(run="run-7", version=3)
     timings = PublishTimings()
-    with Uploader(FileStore(tmp_path), "publish", timings, progress_every_s=0.0) as uploader:
+    with Uploader(FileStore(tmp_path), "publish", timings) as uploader:
         for i in range(3):
             uploader.submit(f"run-7/part-{i}", bytes(1_000_000))
         uploader.finish()
@@ -151,6 +152,7 @@ def test_a_long_publish_logs_its_upload_progress_with_the_callers_context(
     assert all((r["run"], r["version"]) == ("run-7", 3) for r in progress)
     assert FileStore(tmp_path).get("run-7/part-2") == bytes(1_000_000)
 
+    monkeypatch.undo()  # the default interval: a short publish logs no progress
     quiet = io.StringIO()
     configure_logging("info", json=True, stream=quiet)
     with Uploader(FileStore(tmp_path), "publish", PublishTimings()) as uploader:
@@ -159,14 +161,15 @@ def test_a_long_publish_logs_its_upload_progress_with_the_callers_context(
     assert not [r for r in lines(quiet) if r["event"] == "upload progress"]
 
 
-def test_a_long_rebuild_logs_its_progress(tmp_path: Path) -> None:
+def test_a_long_rebuild_logs_its_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logs, "PROGRESS_EVERY_S", 0.0)
     store = FileStore(tmp_path / "store")
     trainer = SyntheticRun(tmp_path, store)
     for step in (0, 1):
         trainer.publish(step)
     out = io.StringIO()
     configure_logging("info", json=True, stream=out)
-    parts = list(chain.reconstruct_parts(store, trainer.run, 1, progress_every_s=0.0))
+    parts = list(chain.reconstruct_parts(store, trainer.run, 1))
     progress = [r for r in lines(out) if r["event"] == "rebuild progress"]
     assert len(parts) >= 3
     assert [(r["parts_done"], r["parts"], r["version"]) for r in progress] == [
@@ -179,7 +182,7 @@ def test_large_downloads_off_a_terminal_log_their_progress(
 ) -> None:
     out = io.StringIO()
     configure_logging("info", json=True, stream=out)
-    monkeypatch.setattr(rollout_fetch, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(logs, "PROGRESS_EVERY_S", 0.0)
     with rollout_fetch.progress_bar(False, "anchor v4", 200_000_000) as advance:
         for _ in range(4):
             advance(50_000_000)
