@@ -35,10 +35,6 @@ class ObjectNotFoundError(StoreError):
     """A key does not exist in the store."""
 
 
-class ObjectExistsError(StoreError):
-    """A write-once key already exists."""
-
-
 class ChainError(DeltasyncError):
     """A version cannot be resolved: missing delta, broken parent link, no anchor."""
 

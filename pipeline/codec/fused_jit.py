@@ -72,14 +72,6 @@ def trailing_zeros(typingctx: Any, x: Any) -> Any:
 
 
 @intrinsic  # type: ignore[untyped-decorator,misc]
-def leading_zeros(typingctx: Any, x: Any) -> Any:
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
-
-    return types.uint64(types.uint64), codegen
-
-
-@intrinsic  # type: ignore[untyped-decorator,misc]
 def bit_reverse(typingctx: Any, x: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.bitreverse(args[0])

@@ -1,7 +1,7 @@
 """The interface a rollout node applies versions to.
 
 Names are checkpoint (HF) names throughout; a target maps them onto its own
-parameters. STUB of the interface: signatures are final.
+parameters.
 """
 
 from __future__ import annotations
