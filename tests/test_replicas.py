@@ -160,3 +160,22 @@ def test_claim_once(client: redis.Redis) -> None:
     assert not claim_once(client, key, ttl_s=600, value="worker-2")
     assert claim_once(client, key + "x", ttl_s=600)
     assert 0 < client.pttl(key) <= 600_000
+
+
+def test_lua_is_sent_once_and_reloaded_after_a_flush(client: redis.Redis) -> None:
+    client.script_flush()
+    report(client, RUN, "node-a", 1, "h1")
+    sent_before = _eval_calls(client)
+    report(client, RUN, "node-a", 2, "h2")
+    lock = RunLock(client, RUN, "diff", timeout_s=5)
+    assert lock.acquire() and lock.extend() and lock.release()
+    # Later calls go by sha1 only: no EVAL carries the script text again.
+    assert _eval_calls(client) == sent_before
+    client.script_flush()  # a restarted server has no scripts loaded
+    report(client, RUN, "node-a", 3, "h3")
+    assert [i.version for i in list_replicas(client, RUN)] == [3]
+
+
+def _eval_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return int(stats.get("cmdstat_eval", {}).get("calls", 0))
