@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
-from pipeline.logs import get_logger
+from pipeline.logs import clear_context, get_logger
 from workers import queues
 from workers.runtime import Runtime
+
+if TYPE_CHECKING:
+    from rq.executions import Execution
+    from rq.job import Job
+    from rq.queue import Queue
 
 log = get_logger(__name__)
 
 QUEUES = {"diff": queues.DIFF_QUEUE, "compact": queues.COMPACT_QUEUE}
 MAINTENANCE_INTERVAL_S = 60
+
+
+class JobWorker(SimpleWorker):  # type: ignore[misc]
+    """A SimpleWorker whose jobs start and end with no log context left by the last one."""
+
+    def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
+        clear_context()
+        try:
+            return bool(super().perform_job(job, queue, execution))
+        finally:
+            clear_context()
 
 
 def run_worker(
@@ -24,7 +42,7 @@ def run_worker(
     its thread pools is unsafe, and the diff cache stays warm between jobs.
     """
     connection = runtime.redis
-    worker = SimpleWorker(
+    worker = JobWorker(
         [queues.queue(connection, QUEUES[kind])],
         name=name,
         connection=connection,
