@@ -16,6 +16,8 @@ from pipeline.checkpoint import CheckpointReader
 from pipeline.diff_step import publish_step
 from pipeline.errors import ConfigError
 from pipeline.hashing import content_hash
+from pipeline.redis_server import redis_client
+from pipeline.replicas import list_replicas
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
@@ -81,6 +83,9 @@ def test_rollout_command_follows_dumps_and_resumes_from_its_dump(
     logs = rollout(home, store, redis_url, "--until", "2", "--dump", str(first_dump))
     assert any(e.get("event") == "bootstrapping" for e in logs)
     assert_same(dumped(first_dump), states[2])
+    # It reported while it ran and took its heartbeat along when it stopped.
+    assert any(e.get("event") == "applied" for e in logs)
+    assert list_replicas(redis_client(redis_url), RUN) == []
 
     # Restarted from its own dump: the weights prove version 2, no bootstrap. No
     # memory for decoded patches: the delta is walked into the weights.

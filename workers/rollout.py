@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
+import redis
 import structlog
 import torch
 
@@ -33,6 +34,7 @@ from pipeline.event_stream import EventStream
 from pipeline.logs import bind_context, configure_logging
 from pipeline.manifest import dtype_from_name
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
+from pipeline.replicas import forget_replica
 from pipeline.rollout import RolloutNode
 from pipeline.signing import load_public_key
 from pipeline.store import open_store
@@ -137,9 +139,19 @@ def run_rollout(
             if dump_path is not None and node.applied_version is not None:
                 node.dump(dump_path)
                 log.info("weights dumped", path=str(dump_path), version=node.applied_version)
+            _deregister(client, run, node_id)
             client.close()
     log.info("rollout node stopped", version=applied)
     return applied
+
+
+def _deregister(client: redis.Redis, run: str, node_id: str) -> None:
+    """A node that stops takes its heartbeat along, so garbage collection need not wait
+    out its TTL; with Redis gone the heartbeat simply expires."""
+    try:
+        forget_replica(client, run, node_id)
+    except DeltasyncError as exc:
+        log.warning("could not remove the heartbeat", error=str(exc))
 
 
 def _verify_mode(value: str) -> VerifyMode:
