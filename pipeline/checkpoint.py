@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import CorruptObjectError, MismatchError
-from pipeline.targets.base import TensorSpec
+from pipeline.tensors import TensorSpec
 
 log = structlog.get_logger(__name__)
 

@@ -312,10 +312,12 @@ def test_rice_writer_matches_the_reference_and_stays_in_its_streams(param: int) 
 
 
 def test_compiled_kernels_refuse_constants_they_were_not_written_for() -> None:
-    """numba's disk cache freezes fused.py's constants into kernels keyed on
+    """numba's disk cache freezes fused_constants.py's values into kernels keyed on
     fused_jit.py alone, so fused_jit.py names their values and will not load
     beside other ones (editing it invalidates the cache)."""
-    code = "import pipeline.codec.fused as f; f.BATCH = 128; import pipeline.codec.fused_jit"
+    code = (
+        "import pipeline.codec.fused_constants as f; f.BATCH = 128; import pipeline.codec.fused_jit"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code],
         check=False,

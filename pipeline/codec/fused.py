@@ -25,26 +25,36 @@ import importlib.util
 from typing import Any
 
 from pipeline.codec import kernels
+from pipeline.codec.fused_constants import (
+    APPLY,
+    BAD_CONTENTS,
+    BAD_POSITION,
+    BAD_UNARY,
+    BATCH,
+    DECODE,
+    DIFFS,
+    DONE,
+    FALLBACK,
+    LANES,
+    MAX_PARAM,
+    UNDO,
+)
 
-LANES = 64  # elements compared per step; the mask of a step is one uint64
-BATCH = 256  # elements decoded ahead of their writes
-
-# walk_sparse modes
-APPLY = 0
-DECODE = 1
-UNDO = 2
-DIFFS = 3  # records positions and differences; never reads the target
-
-# walk_sparse outcomes
-DONE = 0
-BAD_UNARY = 1  # the unary stream ends early or holds more or fewer codes
-BAD_POSITION = 2  # a gap leads past the end of the tensor
-BAD_CONTENTS = 3  # a magnitude wraps to zero
-
-# encode_sparse outcome besides DONE: another encoding applies
-FALLBACK = 1
-
-MAX_PARAM = 40  # rice.MAX_PARAM (rice.py imports this module)
+__all__ = [
+    "APPLY",
+    "BAD_CONTENTS",
+    "BAD_POSITION",
+    "BAD_UNARY",
+    "BATCH",
+    "DECODE",
+    "DIFFS",
+    "DONE",
+    "FALLBACK",
+    "LANES",
+    "MAX_PARAM",
+    "UNDO",
+    "get",
+]
 
 
 def get() -> Any | None:
@@ -61,13 +71,3 @@ def _build() -> Any | None:
     if importlib.util.find_spec("numba") is None:
         return None  # the numpy paths serve
     return importlib.import_module("pipeline.codec.fused_jit").FUSED
-
-
-class _Fused:
-    def __init__(self, **functions: Any) -> None:
-        self.scan_diffs = functions["scan_diffs"]
-        self.signmag_diffs = functions["signmag_diffs"]
-        self.rice_write = functions["rice_write"]
-        self.walk_sparse = functions["walk_sparse"]
-        self.encode_sparse = functions["encode_sparse"]
-        self.patch_chunk = functions["patch_chunk"]

@@ -6,6 +6,7 @@ cache (``cache=True``) serves it to the next process instead of compiling again.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numba  # type: ignore[import-untyped]
@@ -14,7 +15,7 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils, types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
-from pipeline.codec.fused import (
+from pipeline.codec.fused_constants import (
     BAD_CONTENTS,
     BAD_POSITION,
     BAD_UNARY,
@@ -26,12 +27,11 @@ from pipeline.codec.fused import (
     LANES,
     MAX_PARAM,
     UNDO,
-    _Fused,
 )
 
 # numba's disk cache is keyed on this file alone and freezes the constants imported
 # above at their values when compiled. This line names those values, and the import
-# fails while it disagrees with fused.py: changing a constant means editing this file
+# fails while it disagrees with fused_constants.py: changing a constant means editing this file
 # too, which invalidates the cache (a checkout updated by git otherwise keeps kernels
 # built with the old values).
 CONSTANTS = "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 DONE=0 BAD=1,2,3 FALLBACK=1"
@@ -40,7 +40,7 @@ _LIVE = (
     f"DIFFS={DIFFS} DONE={DONE} BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS} FALLBACK={FALLBACK}"
 )
 if CONSTANTS != _LIVE:
-    raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused.py {_LIVE!r}")
+    raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused_constants.py {_LIVE!r}")
 
 jit = numba.njit(cache=True, nogil=True)
 
@@ -551,7 +551,7 @@ def patch_chunk(
         new_out[k] = chunk[i]
 
 
-FUSED = _Fused(
+FUSED = SimpleNamespace(
     scan_diffs=scan_diffs,
     signmag_diffs=signmag_diffs,
     rice_write=rice_write,

@@ -13,13 +13,8 @@ import importlib
 import importlib.util
 from typing import Any
 
-import numpy as np
-
 # Tests switch this off to exercise the numpy reference path.
 ENABLED = True
-
-# Leading zero bits of each non-zero byte (the compiled code sees it as a constant).
-LEADING_ZEROS = np.array([8] + [7 - int(v).bit_length() + 1 for v in range(1, 256)], np.int64)
 
 
 def get() -> Any | None:
@@ -34,12 +29,3 @@ def _build() -> Any | None:
     if importlib.util.find_spec("numba") is None:
         return None  # the numpy paths serve
     return importlib.import_module("pipeline.codec.kernels_jit").KERNELS
-
-
-class _Kernels:
-    def __init__(self, **functions: Any) -> None:
-        self.rice_costs = functions["rice_costs"]
-        self.rice_decode = functions["rice_decode"]
-        self.gather_add = functions["gather_add"]
-        self.signmag_values = functions["signmag_values"]
-        self.scatter = functions["scatter"]

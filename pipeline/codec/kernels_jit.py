@@ -6,14 +6,16 @@ Every function is defined at module level so that numba's disk cache
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numba  # type: ignore[import-untyped]
 import numpy as np
 
-from pipeline.codec.kernels import LEADING_ZEROS, _Kernels
-
 jit = numba.njit(cache=True, nogil=True)
+
+# Leading zero bits of each non-zero byte (the compiled code sees it as a constant).
+LEADING_ZEROS = np.array([8] + [7 - int(v).bit_length() + 1 for v in range(1, 256)], np.int64)
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -129,7 +131,7 @@ def scatter(target: Any, positions: Any, values: Any) -> int:
     return 0
 
 
-KERNELS = _Kernels(
+KERNELS = SimpleNamespace(
     rice_costs=rice_costs,
     rice_decode=rice_decode,
     gather_add=gather_add,

@@ -13,17 +13,14 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import torch
 
 from pipeline.manifest import Manifest
+from pipeline.tensors import TensorSpec
+
+__all__ = ["ApplyReport", "EarlyProofStarter", "EarlyProver", "Target", "TensorSpec", "VerifyMode"]
 
 if TYPE_CHECKING:
     from pipeline.targets.proving import EarlyProof
 
 VerifyMode = Literal["touched", "all", "none"]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)

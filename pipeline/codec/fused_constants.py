@@ -1,0 +1,25 @@
+"""The constants of the fused kernels, shared by fused.py and the compiled fused_jit.py.
+
+fused_jit.py names their values in its CONSTANTS line (numba freezes them in its
+disk cache), so a change here means editing that line too.
+"""
+
+LANES = 64  # elements compared per step; the mask of a step is one uint64
+BATCH = 256  # elements decoded ahead of their writes
+
+# walk_sparse modes
+APPLY = 0
+DECODE = 1
+UNDO = 2
+DIFFS = 3  # records positions and differences; never reads the target
+
+# walk_sparse outcomes
+DONE = 0
+BAD_UNARY = 1  # the unary stream ends early or holds more or fewer codes
+BAD_POSITION = 2  # a gap leads past the end of the tensor
+BAD_CONTENTS = 3  # a magnitude wraps to zero
+
+# encode_sparse outcome besides DONE: another encoding applies
+FALLBACK = 1
+
+MAX_PARAM = 40  # rice.MAX_PARAM (rice.py imports fused.py)
