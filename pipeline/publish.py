@@ -15,7 +15,6 @@ for anchors.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +22,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pipeline import chain, faults
+from pipeline import chain, cpus, faults
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
@@ -96,7 +95,7 @@ Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
 
 # Threads hashing base and new while the codec encodes: one per four CPUs (the
 # encoder takes one per two), so a 2-core machine keeps one.
-HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+HASH_THREADS = max(1, min(4, cpus.available() // 4))
 
 
 def _pair_hashes(pairs: Pairs) -> tuple[dict[str, str], dict[str, str]]:

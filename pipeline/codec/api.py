@@ -16,6 +16,7 @@ import numpy.typing as npt
 import torch
 import xxhash
 
+from pipeline import cpus
 from pipeline.codec import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
@@ -37,7 +38,7 @@ LEVELS = (1, 2)
 DEFAULT_LEVEL = 1
 # The scan for changes is bound by memory bandwidth: a second thread on a two-CPU
 # machine measured slower than one (hand-offs, a busy neighbour core).
-ENCODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+ENCODE_THREADS = max(1, min(4, cpus.available() // 2))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ Shared by every target. The flow a target follows:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from pipeline import faults
+from pipeline import cpus, faults
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.hashing import content_hash, patched_tensor_hash, sha256_bytes
@@ -328,7 +327,7 @@ def split_for_two_writers(
     """(items for this thread, items for a second one): halves by ``size`` (changed
     elements), or everything here when the write is small, on a GPU or on one CPU."""
     total = sum(size(item) for item in items)
-    if total < _PARALLEL_WRITE_MIN or not on_cpu or (os.cpu_count() or 1) < 2:
+    if total < _PARALLEL_WRITE_MIN or not on_cpu or cpus.available() < 2:
         return list(items), []
     mine: list[_T] = []
     other: list[_T] = []

@@ -10,13 +10,13 @@ does the same for one object before its manifest is known (early start), and
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from pipeline import cpus
 from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
 from pipeline.errors import MismatchError
 from pipeline.manifest import Manifest, TensorEntry, dtype_name
@@ -137,7 +137,7 @@ def prove_entries(
 # half memory copy and hashing; tensors are independent, so a node with idle cores
 # proves several at once (2 threads on 2 idle cores: 1.7x faster). Half the cores, as
 # for encoding: two replicas of 2 threads each on 2 cores were 1.3x slower than 1.
-PROVE_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+PROVE_THREADS = max(1, min(4, cpus.available() // 2))
 _prove_pool: ThreadPoolExecutor | None = None
 
 
