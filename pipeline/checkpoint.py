@@ -22,6 +22,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from pipeline.bounded import load_json
 from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.targets.base import TensorSpec
 
@@ -88,10 +89,9 @@ def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHead
         )
     if len(prefix) < 8 + n:
         raise CorruptObjectError(f"{source}: header is truncated")
-    try:
-        doc = json.loads(prefix[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError):
-        raise CorruptObjectError(f"{source}: header is not valid JSON") from None
+    doc = load_json(
+        prefix[8 : 8 + n], max_bytes=n, what=f"{source}: header", error=CorruptObjectError
+    )
     if not isinstance(doc, dict):
         raise CorruptObjectError(f"{source}: header is not a JSON object")
     body = total_size - 8 - n

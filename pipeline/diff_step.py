@@ -26,6 +26,7 @@ from pipeline.parts import DEFAULT_PART_BYTES
 from pipeline.publish import PrivateKey, StaleBaseError, publish_anchor, publish_delta
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
+from pipeline.trust import signer_store
 from pipeline.uploads import PublishTimings
 
 log = structlog.get_logger(__name__)
@@ -105,7 +106,10 @@ def publish_step(
     instead of copied; the trainer must then not rewrite them in place (a rewrite is
     detected, the cache rebuilt from the store, and linking turned off for the run).
     ``anchor_compression`` applies to the run's first version (an anchor). ``on_part``
-    gets a hint for each delta object once it is stored, before the manifest."""
+    gets a hint for each delta object once it is stored, before the manifest. With
+    ``signing_key`` the head is verified with its public half before anything builds
+    on it."""
+    store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     head = index.head
     if head is not None and step <= head:
