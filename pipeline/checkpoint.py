@@ -85,7 +85,9 @@ def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHead
     (n,) = struct.unpack("<Q", prefix[:8])
     if n < 2 or n > MAX_HEADER_BYTES or 8 + n > total_size:
         raise CorruptObjectError(
-            f"{source}: header length {n} is absurd for a file of {total_size} bytes"
+            # Not the length itself: it is the file's first 8 bytes, which may be secret.
+            f"{source}: header length is absurd for a file of {total_size} bytes "
+            "(not a safetensors file)"
         )
     if len(prefix) < 8 + n:
         raise CorruptObjectError(f"{source}: header is truncated")

@@ -19,6 +19,7 @@ import structlog
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
+from pipeline.codec.dtypes import info_for
 from pipeline.events import DeltaPart
 from pipeline.manifest import Kind, Manifest
 from pipeline.manifest_parse import check_tensor_name
@@ -126,6 +127,9 @@ def publish_step(
     with CheckpointReader(checkpoint_path) as new:
         for name in new.names():  # refused before anything is written
             check_tensor_name(name, f"checkpoint {new.path}")
+        if head is None:  # a dtype the next step's delta could not carry: refuse version 0
+            for name, spec in new.specs().items():
+                info_for(spec.dtype, name)
         if head is None:
             manifest = publish_anchor(
                 store,

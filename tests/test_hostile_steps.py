@@ -95,7 +95,8 @@ def test_only_the_steps_own_staging_folder_is_removed(tmp_path: Path, redis_url:
     emitter = Emitter(run, settings=settings)
     elsewhere = settings.staging_dir / "shared" / "ckpt"
     elsewhere.mkdir(parents=True)
-    write_checkpoint(elsewhere / "model.safetensors", _state(1).items())
+    bf16 = {n: t.to(torch.bfloat16) for n, t in _state(1).items()}  # as the emitter writes
+    write_checkpoint(elsewhere / "model.safetensors", bf16.items())
     r = redis_client(redis_url)
     with processes(env, tmp_path / "logs", diff=["worker", "diff"]):
         emitter.emit_state(0, _state(0))

@@ -118,9 +118,10 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, d
             out.append((earlier, {k: args[k] for k in ("checkpoint", "owned") if k in args}))
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             log.warning("malformed pending step set aside", run=run, entry=str(key)[:40])
-            if str(key).isdigit() and int(key) < step:
+            name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            if name.isdigit() and int(name) < step:
                 dead_letters.record(
-                    runtime.redis, run, int(key), "?", exc, queues.pending_steps_key(run)
+                    runtime.redis, run, int(name), "?", exc, queues.pending_steps_key(run)
                 )
             else:
                 runtime.redis.hdel(queues.pending_steps_key(run), key)
