@@ -408,6 +408,8 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "the base's hashes. The cache is then rebuilt from the store, and no wrong "
         "delta is published (`tests/test_cache_link.py`).",
         "",
+        # Hand-written: the hardening cases are tests, not timed scenarios.
+        (Path(__file__).parent / "reliability_hardening.md").read_text(),
     ]
     path.write_text("\n".join(lines))
 

@@ -31,6 +31,7 @@ from pipeline.hashing import content_hash, sha256_bytes
 from pipeline.logs import Throttle
 from pipeline.manifest import (
     KIND_FOLDERS,
+    MAX_MANIFEST_BYTES,
     Kind,
     Manifest,
     ObjectEntry,
@@ -39,9 +40,10 @@ from pipeline.manifest import (
     dtype_name,
     manifest_key,
 )
-from pipeline.manifest_parse import parse_manifest
-from pipeline.signing import verify_signature
-from pipeline.store.base import ObjectStore
+from pipeline.manifest_parse import load_manifest_json, parse_manifest
+from pipeline.signing import public_key_from, verify_signature
+from pipeline.store.base import ObjectStore, read_bounded
+from pipeline.trust import store_key, verify_document
 
 log = structlog.get_logger(__name__)
 
@@ -128,17 +130,23 @@ def load_manifest(
     *,
     public_key: PublicKey | None = None,
 ) -> Manifest:
-    """Fetch and validate one manifest (and its signature when a key is given)."""
+    """Fetch and validate one manifest. With a key (``public_key``, else the one the
+    store is trusted with, see :mod:`pipeline.trust`) the order is: bounded bytes, then
+    the signature, then the schema; nothing unsigned is interpreted."""
     key = manifest_key(run, kind, version)
     try:
-        data = store.get(key)
+        data = read_bounded(store, key, MAX_MANIFEST_BYTES, what="manifest")
     except ObjectNotFoundError:
         raise ObjectNotFoundError(f"manifest {key} does not exist in {store.url}") from None
+    trusted_key = public_key_from(public_key) if public_key is not None else store_key(store)
+    if trusted_key is not None:
+        doc = load_manifest_json(data, key)
+        verify_document(doc, trusted_key, f"{kind} {version} of run {run}")
     manifest = parse_manifest(
         data, expected_run=run, expected_version=version, expected_kind=kind, source=key
     )
-    if public_key is not None:
-        verify_signature(manifest, public_key)
+    if trusted_key is not None:
+        verify_signature(manifest, trusted_key)
     return manifest
 
 
@@ -207,7 +215,7 @@ def fetch_object(store: ObjectStore, manifest: Manifest, entry: ObjectEntry) -> 
     """An object's bytes, checked against the manifest's size and sha256."""
     key = manifest.object_key(entry.key)
     try:
-        data = store.get(key)
+        data = read_bounded(store, key, entry.size, what="object")
     except ObjectNotFoundError:
         raise CorruptObjectError(f"object {key} is missing from {store.url}") from None
     if len(data) != entry.size:
@@ -237,9 +245,10 @@ def _load_anchor_tensors(
 ) -> dict[str, torch.Tensor]:
     wanted = set(names)
     tensors: dict[str, torch.Tensor] = {}
+    shapes = {t.name: (t.dtype, t.shape) for t in anchor.tensors}
     for okey in dict.fromkeys(entries[n].object for n in names):
         data = fetch_object(store, anchor, anchor.object_entry(okey))
-        for name, tensor in anchor_tensors(data, anchor.object_key(okey)):
+        for name, tensor in anchor_tensors(data, anchor.object_key(okey), shapes):
             if name in wanted:
                 tensors[name] = tensor
         del data

@@ -22,6 +22,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from pipeline.bounded import load_json
 from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.tensors import TensorSpec
 
@@ -84,14 +85,15 @@ def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHead
     (n,) = struct.unpack("<Q", prefix[:8])
     if n < 2 or n > MAX_HEADER_BYTES or 8 + n > total_size:
         raise CorruptObjectError(
-            f"{source}: header length {n} is absurd for a file of {total_size} bytes"
+            # Not the length itself: it is the file's first 8 bytes, which may be secret.
+            f"{source}: header length is absurd for a file of {total_size} bytes "
+            "(not a safetensors file)"
         )
     if len(prefix) < 8 + n:
         raise CorruptObjectError(f"{source}: header is truncated")
-    try:
-        doc = json.loads(prefix[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError):
-        raise CorruptObjectError(f"{source}: header is not valid JSON") from None
+    doc = load_json(
+        prefix[8 : 8 + n], max_bytes=n, what=f"{source}: header", error=CorruptObjectError
+    )
     if not isinstance(doc, dict):
         raise CorruptObjectError(f"{source}: header is not a JSON object")
     body = total_size - 8 - n

@@ -9,6 +9,7 @@ from pipeline.errors import ChainError
 from pipeline.manifest import Manifest
 from pipeline.publish import PrivateKey, publish_anchor
 from pipeline.store.base import ObjectStore
+from pipeline.trust import signer_store, store_key
 
 log = structlog.get_logger(__name__)
 
@@ -23,7 +24,10 @@ def compact(
 ) -> Manifest:
     """Publish version ``version`` (default: the head) as an anchor, rebuilt from its
     chain and checked against its delta manifest. Idempotent. ``anchor_compression``:
-    ``"none"`` (plain safetensors) or ``"zstd"`` (see :mod:`pipeline.codec.anchor`)."""
+    ``"none"`` (plain safetensors) or ``"zstd"`` (see :mod:`pipeline.codec.anchor`).
+    With ``signing_key`` every manifest of the chain must carry its signature: nothing
+    unsigned is rebuilt into a signed anchor."""
+    store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     target = index.head if version is None else version
     if target is None:
@@ -56,6 +60,10 @@ def collect_garbage(
     compactions or collections below the newest anchor (callers hold the run's
     compaction lock, so no anchor is being written)."""
     index = chain.list_versions(store, run)
+    if store_key(store) is not None and index.head is not None:
+        # What stays must be genuine before what it replaces goes: a forged anchor
+        # would otherwise get the signed chains below it deleted.
+        chain.resolve(store, run, index.head, index=index)
     doomed = retention.gc_plan(index, keep_anchors, min_live_version)
     orphans = (
         retention.orphan_delta_folders(store, run, index.head) if index.head is not None else []

@@ -19,6 +19,7 @@ import structlog
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
+from pipeline.codec.dtypes import info_for
 from pipeline.events import DeltaPart
 from pipeline.manifest import Kind, Manifest
 from pipeline.manifest_parse import check_tensor_name
@@ -26,6 +27,7 @@ from pipeline.parts import DEFAULT_PART_BYTES
 from pipeline.publish import PrivateKey, StaleBaseError, publish_anchor, publish_delta
 from pipeline.state_cache import StateCache
 from pipeline.store.base import ObjectStore
+from pipeline.trust import signer_store
 from pipeline.uploads import PublishTimings
 
 log = structlog.get_logger(__name__)
@@ -105,7 +107,10 @@ def publish_step(
     instead of copied; the trainer must then not rewrite them in place (a rewrite is
     detected, the cache rebuilt from the store, and linking turned off for the run).
     ``anchor_compression`` applies to the run's first version (an anchor). ``on_part``
-    gets a hint for each delta object once it is stored, before the manifest."""
+    gets a hint for each delta object once it is stored, before the manifest. With
+    ``signing_key`` the head is verified with its public half before anything builds
+    on it."""
+    store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     head = index.head
     if head is not None and step <= head:
@@ -122,6 +127,9 @@ def publish_step(
     with CheckpointReader(checkpoint_path) as new:
         for name in new.names():  # refused before anything is written
             check_tensor_name(name, f"checkpoint {new.path}")
+        if head is None:  # a dtype the next step's delta could not carry: refuse version 0
+            for name, spec in new.specs().items():
+                info_for(spec.dtype, name)
         if head is None:
             manifest = publish_anchor(
                 store,

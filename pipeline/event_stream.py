@@ -231,8 +231,10 @@ class EventStream:
             if event.run != self.run:
                 raise EventError(f"event of run {event.run} in the stream of {self.run}")
             return event
-        except EventError as exc:
-            log.warning("skipping malformed event", stream=self.key, id=entry_id, error=str(exc))
+        except (EventError, RecursionError, MemoryError, ValueError, TypeError) as exc:
+            # A hostile entry must never stop a reader: it stays in the stream.
+            error = str(exc)[:200] if isinstance(exc, EventError) else type(exc).__name__
+            log.warning("skipping malformed event", stream=self.key, id=entry_id, error=error)
             return None
 
 

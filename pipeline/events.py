@@ -25,6 +25,7 @@ from typing import (
     get_type_hints,
 )
 
+from pipeline.bounded import MAX_JSON_DEPTH, json_depth, load_json
 from pipeline.errors import ConfigError, EventError
 
 EVENT_SCHEMA = 1
@@ -245,6 +246,16 @@ class ReplicaError(_Event):
             raise EventError(f"{what} of run {self.run}: empty node")
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepFailed(_Event):
+    """Step ``version`` cannot be published and was set aside (pipeline/dead_letters.py)."""
+
+    TYPE: ClassVar[str] = "step-failed"
+
+    reason: str
+    checkpoint: str
+
+
 Event = (
     StepCompleted
     | DeltaAvailable
@@ -253,6 +264,7 @@ Event = (
     | DeltaApplied
     | ReplicaError
     | DeltaPart
+    | StepFailed
 )
 EVENT_TYPES: dict[str, type[_Event]] = {
     cls.TYPE: cls
@@ -264,6 +276,7 @@ EVENT_TYPES: dict[str, type[_Event]] = {
         DeltaApplied,
         ReplicaError,
         DeltaPart,
+        StepFailed,
     )
 }
 
@@ -277,12 +290,9 @@ def parse_event(data: Mapping[str, Any] | str | bytes) -> Event:
     Unknown extra fields are ignored, so newer writers can add fields.
     """
     if isinstance(data, str | bytes):
-        if len(data) > MAX_EVENT_BYTES:
-            raise EventError(f"event of {len(data)} bytes exceeds {MAX_EVENT_BYTES}")
-        try:
-            data = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise EventError(f"event is not JSON: {exc}") from None
+        data = load_json(data, max_bytes=MAX_EVENT_BYTES, what="event", error=EventError)
+    elif json_depth(data) > MAX_JSON_DEPTH:
+        raise EventError(f"event: nested deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(data, Mapping):
         raise EventError(f"event is a JSON {type(data).__name__}, not an object")
     kind = data.get("type")

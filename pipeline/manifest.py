@@ -130,6 +130,7 @@ class Manifest:
     signature: dict[str, str] | None = None
     extra: dict[str, object] = field(default_factory=dict)  # stats; never needed to decode
     parent_state_hash: str | None = None  # state hash of the parent version
+    instance: str | None = None  # the run instance (pipeline/run_binding.py); optional
 
     @property
     def key(self) -> str:
@@ -248,6 +249,8 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
         "created": manifest.created,
         "extra": manifest.extra,
     }
+    if manifest.instance is not None:  # absent from older manifests, as their signature
+        doc["instance"] = manifest.instance
     if with_signature and manifest.signature is not None:
         doc["signature"] = dict(manifest.signature)
     return doc

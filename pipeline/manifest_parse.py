@@ -8,11 +8,11 @@ one-line ``CorruptObjectError`` naming the manifest and the field.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 import re
 from typing import Any, cast
 
+from pipeline.bounded import load_json
 from pipeline.errors import CodecError, CorruptObjectError
 from pipeline.manifest import (
     DTYPES,
@@ -54,9 +54,10 @@ _TOP_KEYS = frozenset(
         "created",
         "extra",
         "signature",
+        "instance",
     }
 )
-_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature"}
+_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature", "instance"}
 
 
 class _Checker:
@@ -101,12 +102,7 @@ def parse_manifest(
 ) -> Manifest:
     """Parse and validate a manifest; CorruptObjectError (CodecError for an unknown schema)."""
     c = _Checker(source)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise c.fail(f"{len(data)} bytes is too large")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise c.fail(f"not valid JSON ({e})") from None
+    doc = load_manifest_json(data, source)
     if not isinstance(doc, dict):
         raise c.fail("is not a JSON object")
     schema = doc.get("schema")
@@ -164,6 +160,8 @@ def parse_manifest(
     if not isinstance(extra, dict):
         raise c.fail("extra is not an object")
     signature = _parse_signature(c, doc.get("signature"))
+    instance_raw = doc.get("instance")
+    instance = None if instance_raw is None else c.string(instance_raw, "instance", _HEX32)
 
     manifest = Manifest(
         run=run,
@@ -180,6 +178,7 @@ def parse_manifest(
         signature=signature,
         extra=extra,
         parent_state_hash=parent_state,
+        instance=instance,
     )
     if expected_run is not None and run != expected_run:
         raise CorruptObjectError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")
@@ -190,6 +189,13 @@ def parse_manifest(
     if expected_kind is not None and kind != expected_kind:
         raise CorruptObjectError(f"manifest {source} is a {kind}, expected a {expected_kind}")
     return manifest
+
+
+def load_manifest_json(data: bytes | str, source: str) -> Any:
+    """A manifest's JSON, size- and depth-bounded; CorruptObjectError naming ``source``."""
+    return load_json(
+        data, max_bytes=MAX_MANIFEST_BYTES, what=f"manifest {source}", error=CorruptObjectError
+    )
 
 
 def _parse_objects(c: _Checker, raw: object) -> tuple[ObjectEntry, ...]:

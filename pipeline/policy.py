@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import structlog
+
 from pipeline import chain
+from pipeline.errors import ChainError, CorruptObjectError, SignatureError
 from pipeline.store.base import ObjectStore
+
+log = structlog.get_logger(__name__)
 
 
 def compaction_reason(
@@ -14,7 +19,17 @@ def compaction_reason(
     Two limits bound what a new replica must replay: the number of deltas since
     the anchor, and their bytes as a fraction of the anchor's bytes.
     """
-    plan = chain.resolve(store, run, version)
+    try:
+        plan = chain.resolve(store, run, version)
+    except (ChainError, CorruptObjectError, SignatureError) as exc:
+        # The version is published; its job must not fail over what it cannot mend.
+        log.warning(
+            "the head cannot be rebuilt from the store: no new node can bootstrap",
+            run=run,
+            version=version,
+            error=str(exc),
+        )
+        return None
     if not plan.deltas:
         return None
     if len(plan.deltas) >= max_chain:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pipeline import chain, cpus, faults
+from pipeline import chain, cpus, faults, run_binding
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
@@ -74,6 +75,9 @@ def _existing(store: ObjectStore, run: str, kind: Kind, version: int) -> Manifes
 def write_manifest(
     store: ObjectStore, manifest: Manifest, signing_key: PrivateKey | None, fault: str
 ) -> Manifest:
+    manifest = replace(
+        manifest, instance=run_binding.instance_for_publish(store, manifest.run).instance
+    )
     if signing_key is not None:
         manifest = sign(manifest, signing_key)
     data = to_json(manifest)

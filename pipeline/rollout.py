@@ -29,7 +29,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pipeline import chain, faults
+from pipeline import chain, faults, run_binding
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import (
     ChainError,
@@ -97,6 +97,10 @@ class RolloutNode:
         self.progress = sys.stderr.isatty() if progress is None else progress
 
         self._applied: int | None = None
+        # Freshness: the newest verified version seen, and the run instance (read from
+        # the store once); a node never goes back below either's word.
+        self._highest: int | None = None
+        self._instance: run_binding.RunInstance | None = None
         self._state_hash: str | None = None
         self._started = False
         self._manifests: dict[tuple[Kind, int], Manifest] = {}  # write-once: safe to cache
@@ -254,6 +258,12 @@ class RolloutNode:
     def _sync(self) -> None:
         index = chain.list_versions(self.store, self.run_name)
         head = index.head
+        floor = max(v for v in (self._highest, self._applied, -1) if v is not None)
+        if floor >= 0 and (head is None or head < floor):
+            raise ChainError(
+                f"run {self.run_name}: the store's head is v{head}, older than v{floor} "
+                "this node has seen; refusing to go back"
+            )
         if head is None:
             return
         if self._applied is None or self._need_bootstrap:
@@ -436,8 +446,29 @@ class RolloutNode:
             manifest = chain.load_manifest(
                 self.store, self.run_name, kind, version, public_key=self.public_key
             )
+            self._check_instance(manifest)
+            if self.public_key is not None:
+                self._highest = max(self._highest or 0, manifest.version)
             self._manifests[key] = manifest
         return manifest
+
+    def _check_instance(self, manifest: Manifest) -> None:
+        """SignatureError for a manifest of another instance of the run (an old run's
+        signed versions under a reused name and key), or one without an instance where
+        the run's record says every manifest has one."""
+        if self._instance is None:
+            self._instance = run_binding.read_instance(self.store, self.run_name)
+        record = self._instance
+        if record is None:
+            return  # a run older than instance ids
+        name = f"{manifest.kind} {manifest.version} of run {self.run_name}"
+        if manifest.instance is None and manifest.version >= record.since:
+            raise SignatureError(f"{name} carries no run instance")
+        if manifest.instance is not None and manifest.instance != record.instance:
+            raise SignatureError(
+                f"{name} belongs to another instance of the run ({manifest.instance[:8]}, "
+                f"not {record.instance[:8]})"
+            )
 
     def _set_applied(self, manifest: Manifest) -> None:
         self._applied = manifest.version

@@ -106,6 +106,7 @@ def stream_anchor(
     """The anchor's tensors, part by part (up to ``ahead`` parts download meanwhile),
     each checked against the manifest's content hash before it is handed over."""
     expected = {t.name: t.hash for t in manifest.tensors}
+    shapes = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
     entries = list(manifest.objects)
     total = sum(e.size for e in entries)
     with progress_bar(progress, f"anchor v{manifest.version}", total) as advance:
@@ -118,7 +119,7 @@ def stream_anchor(
             if nxt < len(entries):
                 pending.append(submit(chain.fetch_object, store, manifest, entries[nxt]))
             advance(entry.size)
-            for name, tensor in anchor_tensors(data, entry.key):
+            for name, tensor in anchor_tensors(data, entry.key, shapes):
                 want = expected.get(name)
                 if want is None:
                     raise CorruptObjectError(

@@ -121,9 +121,14 @@ def test_signed_versions_end_to_end(tmp_path: Path, redis_url: str) -> None:
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["signed"] is False
     text = cli(base, "status", "--run", "plain")
-    assert "UNSIGNED" in text.stdout
-    signed_status = json.loads(cli(base, "status", "--run", "signed", "--json").stdout)
+    assert "signatures not verified" in text.stdout
+    # "signed" only where the signatures were verified, not where a field is present.
+    unverified = json.loads(cli(base, "status", "--run", "signed", "--json").stdout)
+    assert unverified["signed"] is False
+    signed_status = json.loads(cli(verifier, "status", "--run", "signed", "--json").stdout)
     assert signed_status["signed"] is True
+    refused = json.loads(cli(verifier, "status", "--run", "plain", "--json").stdout)
+    assert refused["signed"] is False and "not signed" in refused["chain"]["error"]
 
 
 def test_a_tampered_signed_manifest_is_refused(tmp_path: Path, redis_url: str) -> None:
@@ -142,3 +147,63 @@ def test_a_tampered_signed_manifest_is_refused(tmp_path: Path, redis_url: str) -
     verifier = {**base, "DELTASYNC_VERIFY_KEY": str(verify)}
     error = _refused(verifier, redis_url, "tamper", "careful", tmp_path / "logs-node")
     assert "SignatureError" in error
+
+
+def _forge_unsigned_delta(store_url: str, run: str, step: int, cache_dir: Path, ckpt: Path) -> None:
+    """What someone with store write access but no signing key can do: publish an
+    unsigned delta of their own weights on top of the signed head."""
+    from pipeline.checkpoint_write import write_checkpoint
+    from pipeline.diff_step import publish_step
+    from pipeline.state_cache import StateCache
+
+    store = open_store(store_url)
+    head = chain.list_versions(store, run).head
+    assert head is not None
+    forged = {
+        n: t.clone() for _, part in chain.reconstruct_parts(store, run, head) for n, t in part
+    }
+    first = sorted(forged)[0]
+    forged[first].view(-1)[:8] = 0  # the attacker's weights
+    write_checkpoint(ckpt, forged.items())
+    result = publish_step(store, run, step, ckpt, StateCache(cache_dir, run), level=1)
+    assert result.status == "published" and result.manifest is not None
+    assert result.manifest.signature is None
+
+
+def test_compaction_never_signs_an_unsigned_delta(tmp_path: Path, redis_url: str) -> None:
+    """The bypass: an unsigned delta on a signed head, then the operator's `compact`.
+    Both the CLI (which holds the signing key) and the compaction worker refuse; no
+    anchor is written and the forged delta is not collected into a signed one."""
+    base = deltasync_env(redis_url, tmp_path)
+    signing, verify = _keys(base, tmp_path / "keys")
+    signer = {**base, "DELTASYNC_SIGNING_KEY": str(signing)}
+    store_url = Settings.from_env(base).store_url
+    store = open_store(store_url)
+    run = "bypass"
+    with processes(signer, tmp_path / "logs", diff=["worker", "diff"],
+                   compact=["worker", "compact"]):  # fmt: skip
+        _emit(signer, run, 2)
+        wait_for(lambda: chain.list_versions(store, run).head == 1, "the signed head")
+        _forge_unsigned_delta(store_url, run, 2, tmp_path / "attacker-cache",
+                              tmp_path / "forged.safetensors")  # fmt: skip
+
+        # The operator's default command, with the signing key: refused before queueing.
+        out = cli(signer, "compact", "--run", run, "--wait", "--timeout", "200")
+        assert out.returncode != 0
+        line = out.stderr.strip().splitlines()[-1]
+        assert "delta 2 of run bypass is not signed" in line, out.stderr
+
+        # Queued by a CLI without keys: the compaction worker (signing key) refuses.
+        out = cli(base, "compact", "--run", run, "--wait", "--timeout", "200")
+        assert out.returncode != 0
+        assert "not signed" in out.stderr, out.stderr
+    index = chain.list_versions(store, run)
+    assert index.anchors == (0,), "an anchor was built from the unsigned delta"
+    assert 2 in index.deltas  # nothing was collected either
+    log = (tmp_path / "logs" / "compact.log").read_text()
+    assert "SignatureError" in log
+
+    # A node that verifies never serves version 2.
+    verifier = {**base, "DELTASYNC_VERIFY_KEY": str(verify)}
+    error = _refused(verifier, redis_url, run, "strict", tmp_path / "logs-node")
+    assert "SignatureError" in error and "not signed" in error

@@ -6,7 +6,7 @@ from typing import Any
 
 from rq import get_current_job
 
-from pipeline import faults
+from pipeline import faults, run_binding
 from pipeline.compaction import collect_garbage, compact
 from pipeline.events import AnchorAvailable
 from pipeline.logs import bind_context, get_logger
@@ -30,6 +30,7 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
     settings = runtime.settings
     job = get_current_job()
     bind_context(run=run, version=version, job_id=job.id if job else None)
+    run_binding.check_store(runtime.redis, run, runtime.store)  # one store per run
     with run_lock(
         runtime.redis,
         run,

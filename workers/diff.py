@@ -10,9 +10,9 @@ from typing import Any
 import redis
 from rq import get_current_job
 
-from pipeline import faults
+from pipeline import dead_letters, faults, run_binding
+from pipeline.config import Settings
 from pipeline.diff_step import PublishResult, publish_step
-from pipeline.errors import DeltasyncError, LockError, ServiceUnavailableError, StoreError
 from pipeline.event_stream import EventStream
 from pipeline.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.logs import bind_context, get_logger
@@ -87,16 +87,26 @@ def diff_job(
     otherwise leave the earlier step behind the head (skipped as stale).
     """
     runtime = current()
+    pending = queues.pending_steps_key(run)
     for earlier, args in _earlier_pending(runtime, run, step):
         try:
             _diff_one(runtime, run, earlier, **args)
-        except (StoreError, ServiceUnavailableError, LockError):
-            raise  # the services are the problem: this job is retried as a whole
-        except DeltasyncError as exc:
-            # That step's own input is bad; its own job reports it. Not ours to block on.
-            runtime.redis.hdel(queues.pending_steps_key(run), str(earlier))
-            log.warning("earlier step left to its own job", step=earlier, error=str(exc))
-    return _diff_one(runtime, run, step, checkpoint, owned, level)
+        except Exception as exc:
+            if dead_letters.is_transient(exc):
+                raise  # the services are the problem: this job is retried as a whole
+            # That step's own input is bad: set aside, so that later steps publish.
+            where = str(args.get("checkpoint"))
+            reason = dead_letters.record(runtime.redis, run, earlier, where, exc, pending)
+            log.warning("earlier step set aside", step=earlier, reason=reason)
+    try:
+        return _diff_one(runtime, run, step, checkpoint, owned, level)
+    except Exception as exc:
+        if dead_letters.is_transient(exc):
+            raise
+        reason = dead_letters.record(runtime.redis, run, step, str(checkpoint), exc, pending)
+        raise dead_letters.PoisonStepError(
+            f"step {step} of run {run} set aside: {reason}"
+        ) from None
 
 
 def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, dict[str, Any]]]:
@@ -106,9 +116,15 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, d
             earlier = int(key)
             args = json.loads(raw)
             out.append((earlier, {k: args[k] for k in ("checkpoint", "owned") if k in args}))
-        except (ValueError, TypeError, KeyError):
-            log.warning("malformed pending step ignored", run=run, entry=str(key)[:40])
-            runtime.redis.hdel(queues.pending_steps_key(run), key)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            log.warning("malformed pending step set aside", run=run, entry=str(key)[:40])
+            name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            if name.isdigit() and int(name) < step:
+                dead_letters.record(
+                    runtime.redis, run, int(name), "?", exc, queues.pending_steps_key(run)
+                )
+            else:
+                runtime.redis.hdel(queues.pending_steps_key(run), key)
     return sorted((e, a) for e, a in out if e < step and "checkpoint" in a)
 
 
@@ -124,11 +140,7 @@ def _diff_one(
     bind_context(run=run, version=step, job_id=_job_id())
     path = Path(checkpoint)
     # Only deltasync's own staging copies are moved or removed; never a user's checkpoint.
-    staged = (
-        owned
-        and not settings.keep_staging
-        and path.resolve().is_relative_to(settings.staging_dir.resolve())
-    )
+    staged = owned and not settings.keep_staging and is_own_staging(settings, run, step, path)
 
     announced: list[int] = []
 
@@ -139,6 +151,7 @@ def _diff_one(
         announced.append(manifest.version)
         faults.point("diff.after_announce")
 
+    run_binding.bind_store(runtime.redis, run, runtime.store)  # one store per run
     result: PublishResult
     if settings.parallel_parts:
         result = parallel_diff.publish_step_parallel(
@@ -187,6 +200,14 @@ def _diff_one(
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     log.info("diff job done", status=result.status)
     return result.summary()
+
+
+def is_own_staging(settings: Settings, run: str, step: int, path: Path) -> bool:
+    """True only for the folder the emitter writes this very step to,
+    ``<staging>/<run>/step-<step>``, compared after resolving: never the staging root, another
+    run's folder or a symlink out of it."""
+    own = settings.staging_dir.resolve() / run / f"step-{step:010d}"
+    return not path.is_symlink() and path.resolve() == own
 
 
 def diff_part_job(

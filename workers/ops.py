@@ -14,12 +14,14 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pipeline import chain
-from pipeline.errors import ChainError, ConfigError
+from pipeline.dead_letters import list_dead
+from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.event_stream import EventStream, list_runs
 from pipeline.events import DeltaPart, Event
 from pipeline.part_hints import PartListener
 from pipeline.redis_server import redis_errors
 from pipeline.replicas import list_replicas
+from pipeline.trust import store_key
 from workers import queues
 from workers.runtime import Runtime
 
@@ -140,10 +142,11 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
                 "delta_bytes": sum(o.size for m in plan.deltas for o in m.objects),
                 "anchor_bytes": sum(o.size for o in plan.anchor.objects),
             }
-            head_manifest = plan.deltas[-1] if plan.deltas else plan.anchor
-            report["signed"] = head_manifest.signature is not None
-        except ChainError as exc:
+            # "signed" means verified: resolve checked every signature with the key.
+            report["signed"] = store_key(store) is not None
+        except DeltasyncError as exc:
             report["chain"] = {"error": str(exc)}
+            report["signed"] = False
     r = runtime.redis
     report["queues"] = {}
     for name in (queues.DIFF_QUEUE, queues.COMPACT_QUEUE):
@@ -168,12 +171,17 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
             }
         )
     report["replicas"] = replicas
+    report["dead_steps"] = [
+        {"step": d.step, "reason": d.reason, "checkpoint": d.checkpoint, "time": d.time}
+        for d in list_dead(r, run)
+    ]
     report["time"] = now.isoformat()
     return report
 
 
 def render_status(report: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -181,7 +189,7 @@ def render_status(report: dict[str, Any]) -> None:
     if report["head"] is None:
         console.print("no published version yet")
     else:
-        signed = "signed" if report.get("signed") else "UNSIGNED"
+        signed = "signed" if report.get("signed") else "signatures not verified"
         console.print(
             f"[bold]head[/] {report['head']} ({signed})   "
             f"[bold]anchors[/] {report['anchors']}   "
@@ -211,3 +219,5 @@ def render_status(report: dict[str, Any]) -> None:
     if not report["replicas"]:
         replicas_table.add_row("-", "-", "-", "no replica reported recently")
     console.print(replicas_table)
+    for dead in report.get("dead_steps", []):
+        console.print(f"[red]step {dead['step']} set aside:[/] {escape(dead['reason'])}")

@@ -12,12 +12,13 @@ them; options in ``vllm_engine_options``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -26,11 +27,12 @@ import redis
 import structlog
 import torch
 
-from pipeline import chain
+from pipeline import chain, run_binding
 from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.event_stream import EventStream
+from pipeline.events import ReplicaError
 from pipeline.logs import bind_context, configure_logging
 from pipeline.manifest import dtype_from_name
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
@@ -41,6 +43,7 @@ from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.targets import target_class
 from pipeline.targets.base import Target, TensorSpec, VerifyMode
+from pipeline.trust import trusted
 from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)
@@ -93,9 +96,11 @@ def run_rollout(
         configure_logging(settings.log_level, json=settings.log_json)
     node_id = node_id or default_node_id()
     bind_context(run=run, node=node_id)
-    store = open_store(store_url or settings.store_url)
+    verify_key = load_public_key(settings.verify_key_path) if settings.verify_key_path else None
+    store = trusted(open_store(store_url or settings.store_url), verify_key)
     url = redis_url or settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url)
+    run_binding.check_store(client, run, store)  # a node on another store refuses at once
     log.info(
         "rollout node starting",
         target=target,
@@ -112,7 +117,15 @@ def run_rollout(
     stop = stop or threading.Event()
     with _signals_stop(stop):
         built = _build_target(
-            target, store, run, device, model_path, vllm_options, stop, settings.patch_memory_mb
+            target,
+            store,
+            run,
+            device,
+            model_path,
+            vllm_options,
+            stop,
+            settings.patch_memory_mb,
+            _refusal_reporter(EventStream(client, run), node_id),
         )
         if built is None:
             return None  # stopped while waiting for the run's first anchor
@@ -126,9 +139,7 @@ def run_rollout(
             verify=_verify_mode(verify),
             poll_interval_s=poll_interval_s,
             prefetch=prefetch,
-            public_key=(
-                load_public_key(settings.verify_key_path) if settings.verify_key_path else None
-            ),
+            public_key=verify_key,
             state_path=state_path_for(settings.data_dir, run, node_id),
             replica_ttl_s=settings.replica_ttl_s,
             early_start=settings.early_start if early_start is None else early_start,
@@ -162,6 +173,25 @@ def _verify_mode(value: str) -> VerifyMode:
     return "touched"
 
 
+def _refusal_reporter(events: EventStream, node_id: str) -> Refused:
+    """Reports each distinct refusal of the anchor a node would start from, once."""
+    seen: set[str] = set()
+
+    def refused(version: int, exc: DeltasyncError) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        if error in seen:
+            return
+        seen.add(error)
+        with contextlib.suppress(DeltasyncError):
+            events.publish(
+                ReplicaError.now(
+                    run=events.run, version=version, node=node_id, error=error, recovering=True
+                )
+            )
+
+    return refused
+
+
 def _build_target(
     name: str,
     store: ObjectStore,
@@ -171,6 +201,7 @@ def _build_target(
     vllm_options: Mapping[str, Any] | None,
     stop: threading.Event,
     patch_memory_mb: int,
+    refused: Refused | None = None,
 ) -> Target | None:
     cls = target_class(name)  # ConfigError listing the known targets
     if name == "vllm":
@@ -179,7 +210,7 @@ def _build_target(
         llm = _start_vllm(model_path, vllm_options or {})
         # Until the bootstrap loads it, the engine holds no checkpoint-named state:
         # it is expected to take the run's tensors (the model's loader checks names).
-        specs = _anchor_specs(store, run, stop)
+        specs = _anchor_specs(store, run, stop, refused)
         if specs is None:
             return None
         built: Target = cls(llm, expected_specs=specs)
@@ -188,7 +219,7 @@ def _build_target(
         tensors = (
             _tensors_from_checkpoint(model_path, device)
             if model_path is not None
-            else _tensors_from_anchor(store, run, device, stop)
+            else _tensors_from_anchor(store, run, device, stop, refused)
         )
         if tensors is None:
             return None
@@ -203,11 +234,15 @@ def _tensors_from_checkpoint(path: Path, device: str) -> dict[str, torch.Tensor]
 
 
 def _tensors_from_anchor(
-    store: ObjectStore, run: str, device: str, stop: threading.Event
+    store: ObjectStore,
+    run: str,
+    device: str,
+    stop: threading.Event,
+    refused: Refused | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Empty tensors shaped like the newest anchor (the bootstrap fills them); waits for
     the run's first anchor if there is none yet."""
-    specs = _anchor_specs(store, run, stop)
+    specs = _anchor_specs(store, run, stop, refused)
     if specs is None:
         return None
     return {
@@ -216,11 +251,16 @@ def _tensors_from_anchor(
     }
 
 
+Refused = Callable[[int, DeltasyncError], None]
+
+
 def _anchor_specs(
-    store: ObjectStore, run: str, stop: threading.Event
+    store: ObjectStore, run: str, stop: threading.Event, refused: Refused | None = None
 ) -> dict[str, TensorSpec] | None:
     """Names, dtypes and shapes of the newest anchor's tensors; waits for the run's
-    first anchor if there is none yet (None: stopped while waiting)."""
+    first anchor if there is none yet (None: stopped while waiting). An anchor that
+    fails its signature or checks goes to ``refused`` (and is waited past)."""
+    anchor: int | None = None
     while not stop.is_set():
         try:
             index = chain.list_versions(store, run)
@@ -234,6 +274,8 @@ def _anchor_specs(
             log.info("waiting for the run's first anchor", store=store.url)
         except DeltasyncError as exc:
             log.warning("cannot read the run's anchors yet", error=str(exc))
+            if refused is not None and anchor is not None:
+                refused(anchor, exc)
         stop.wait(_ANCHOR_WAIT_S)
     return None
 

@@ -13,6 +13,7 @@ from pipeline.logs import configure_logging
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
+from pipeline.trust import process_key, trusted
 
 
 @dataclass
@@ -24,7 +25,10 @@ class Runtime:
 
     @cached_property
     def store(self) -> ObjectStore:
-        return open_store(self.settings.store_url)
+        """The store; with a verify or signing key, every manifest read from it must be
+        signed by that key (see pipeline/trust.py)."""
+        key = process_key(self.settings.signing_key(), self.settings.verify_key())
+        return trusted(open_store(self.settings.store_url), key)
 
     @property
     def redis_url(self) -> str:

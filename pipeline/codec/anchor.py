@@ -37,6 +37,7 @@ import numpy.typing as npt
 import torch
 import zstandard
 
+from pipeline.bounded import load_json
 from pipeline.checkpoint import HeaderEntry, parse_header, tensors_from_bytes
 from pipeline.checkpoint_write import safetensors_bytes
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
@@ -143,17 +144,28 @@ def _planes(tensor: torch.Tensor) -> list[npt.NDArray[np.uint8]]:
     return [np.ascontiguousarray(grid[:, k]) for k in range(width)]
 
 
-def anchor_tensors(data: bytes, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+Shapes = Mapping[str, tuple[str, tuple[int, ...]]]
+
+
+def anchor_tensors(
+    data: bytes, source: str, expected: Shapes | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of an anchor object in either form, in stored order, as owned writable
-    CPU tensors; ``source`` names the object in errors."""
+    CPU tensors; ``source`` names the object in errors. With ``expected`` (name ->
+    (dtype name, shape), from the manifest) every declared tensor is checked against
+    it before anything is decoded or allocated."""
     header = parse_header(data, len(data), source)
     tag = header.metadata.get(FORMAT_KEY)
     if tag is None:
+        if expected is not None:
+            _check_declared(((e.name, e.dtype, e.shape) for e in header.entries), expected, source)
         yield from tensors_from_bytes(data, source)
         return
     if tag != FORMAT:
         raise CorruptObjectError(f"{source}: unknown anchor format {tag!r}")
     records = _records(header.metadata.get(TENSORS_KEY), source)
+    if expected is not None:
+        _check_declared(((n, d, s) for n, d, s, _ in records), expected, source)
     entries = {e.name: e for e in header.entries}
     if sorted(entries) != sorted(r[0] for r in records):
         raise CorruptObjectError(f"{source}: tensor list does not match the stored entries")
@@ -167,13 +179,28 @@ def anchor_tensors(data: bytes, source: str) -> Iterator[tuple[str, torch.Tensor
 Record = tuple[str, torch.dtype, tuple[int, ...], list[tuple[str, int]]]
 
 
+def _check_declared(
+    declared: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], expected: Shapes, source: str
+) -> None:
+    for name, dtype, shape in declared:
+        want = expected.get(name)
+        if want is None:
+            raise CorruptObjectError(
+                f"{source}: holds tensor {name[:80]!r} that the manifest does not list"
+            )
+        if DTYPES.get(want[0]) != dtype or tuple(want[1]) != tuple(shape):
+            raise CorruptObjectError(
+                f"{source}: tensor {name[:80]!r} is declared {dtype} {tuple(shape)}, "
+                f"the manifest says {want[0]} {tuple(want[1])}"
+            )
+
+
 def _records(raw: str | None, source: str) -> list[Record]:
     if raw is None:
         raise CorruptObjectError(f"{source}: compressed anchor without {TENSORS_KEY}")
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        raise CorruptObjectError(f"{source}: {TENSORS_KEY} is not valid JSON") from None
+    doc = load_json(
+        raw, max_bytes=len(raw), what=f"{source}: {TENSORS_KEY}", error=CorruptObjectError
+    )
     if not isinstance(doc, list):
         raise CorruptObjectError(f"{source}: {TENSORS_KEY} is not a list")
     out: list[Record] = []

@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from pipeline import cpus
+from pipeline.bounded import load_json
 from pipeline.codec import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
@@ -404,10 +405,12 @@ def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
         )
     if level_text not in {str(x) for x in LEVELS}:
         raise CorruptObjectError(f"delta object {object_name}: bad level {level_text!r}")
-    try:
-        raw_records = json.loads(tensors_json)
-    except json.JSONDecodeError:
-        raise CorruptObjectError(f"delta object {object_name}: tensor list is not JSON") from None
+    raw_records = load_json(
+        tensors_json,
+        max_bytes=len(tensors_json),
+        what=f"delta object {object_name}: tensor list",
+        error=CorruptObjectError,
+    )
     if not isinstance(raw_records, list):
         raise CorruptObjectError(f"delta object {object_name}: tensor list is not a list")
     records = [

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from pipeline.bounded import load_json
 from pipeline.errors import CorruptObjectError
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -57,12 +58,12 @@ def read_container(data: bytes | memoryview, object_name: str) -> Container:
             f"delta object {object_name}: header length {header_len} is absurd for a "
             f"{size}-byte object"
         )
-    try:
-        header = json.loads(bytes(view[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptObjectError(
-            f"delta object {object_name}: header is not JSON ({exc})"
-        ) from None
+    header = load_json(
+        bytes(view[8 : 8 + header_len]),
+        max_bytes=MAX_HEADER_BYTES,
+        what=f"delta object {object_name}: header",
+        error=CorruptObjectError,
+    )
     if not isinstance(header, dict):
         raise CorruptObjectError(f"delta object {object_name}: header is not a JSON object")
     metadata = header.pop("__metadata__", {})

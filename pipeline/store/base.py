@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, CorruptObjectError
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._=+-][A-Za-z0-9._=+-]*$")
 
@@ -100,3 +100,22 @@ def put_if_absent(store: ObjectStore, key: str, data: bytes) -> bool:
         return False
     store.put(key, data)
     return True
+
+
+def read_bounded(store: ObjectStore, key: str, limit: int, *, what: str = "object") -> bytes:
+    """An object's bytes when it holds at most ``limit`` (its declared size), else
+    CorruptObjectError, without reading more than ``limit + 1`` bytes: a huge, sparse
+    or endless object in place of a small one costs nothing. Backends with
+    ``get_bounded`` (file, S3, HF bucket) cap the read itself; others are asked their
+    size first."""
+    get_bounded = getattr(store, "get_bounded", None)
+    if get_bounded is not None:
+        data = bytes(get_bounded(key, limit))
+    else:
+        size = store.size(key)
+        if size > limit:
+            raise CorruptObjectError(f"{what} {key} is {size} bytes, more than {limit} expected")
+        data = store.get(key)
+    if len(data) > limit:
+        raise CorruptObjectError(f"{what} {key} is larger than the {limit} bytes expected")
+    return data

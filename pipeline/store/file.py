@@ -12,12 +12,13 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
-from pipeline.errors import ConfigError, ObjectNotFoundError, StoreError
+from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError, StoreError
 from pipeline.store.base import check_key, check_prefix, check_range
 
 _COPY_CHUNK = 8 << 20
@@ -88,7 +89,12 @@ class FileStore:
         return f"FileStore({str(self.root)!r})"
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*check_key(key).split("/"))
+        path = self.root.joinpath(*check_key(key).split("/"))
+        # A symlink inside the store would send reads and writes elsewhere, and hide a
+        # version from listing (os.walk does not follow it).
+        if os.path.realpath(path) != str(path):
+            raise StoreError(f"cannot use {key!r} in {self.url}: a path inside it is a symlink")
+        return path
 
     def _store_error(self, action: str, key: str, error: OSError) -> StoreError:
         return StoreError(f"cannot {action} {key!r} in {self.url}: {error.strerror or error}")
@@ -158,6 +164,29 @@ class FileStore:
             raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
         except OSError as error:
             raise self._store_error("read", key, error) from error
+
+    def get_bounded(self, key: str, limit: int) -> bytes:
+        """At most ``limit + 1`` bytes of a regular file: a FIFO, device or folder in
+        place of an object is refused without blocking, a huge one before reading it."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:
+            raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
+        except OSError as error:
+            raise self._store_error("read", key, error) from error
+        with os.fdopen(fd, "rb") as source:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise StoreError(f"cannot read {key!r} in {self.url}: not a regular file")
+            if info.st_size > limit:
+                raise CorruptObjectError(
+                    f"object {key} is {info.st_size} bytes, more than {limit} expected"
+                )
+            try:
+                return source.read(limit + 1)
+            except OSError as error:
+                raise self._store_error("read", key, error) from error
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)

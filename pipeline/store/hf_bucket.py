@@ -33,7 +33,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils._headers import build_hf_headers
 
-from pipeline.errors import ConfigError, ObjectNotFoundError, StoreError
+from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError, StoreError
 from pipeline.store.base import check_key, check_prefix, check_range, join_key
 
 if TYPE_CHECKING:
@@ -174,6 +174,16 @@ class HfBucketStore:
 
     def get(self, key: str) -> bytes:
         info = self._require(key)
+        return self._read(key, info, 0, int(info.size))
+
+    def get_bounded(self, key: str, limit: int) -> bytes:
+        """The object when its listed size is at most ``limit``; nothing is downloaded
+        otherwise."""
+        info = self._require(key)
+        if int(info.size) > limit:
+            raise CorruptObjectError(
+                f"object {key} is {info.size} bytes, more than {limit} expected"
+            )
         return self._read(key, info, 0, int(info.size))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:

@@ -238,6 +238,19 @@ class S3Store:
         except self._botocore_errors() as error:
             raise self._error("read", key, error) from error
 
+    def get_bounded(self, key: str, limit: int) -> bytes:
+        """At most ``limit + 1`` bytes of the object (one ranged GET)."""
+        name = self._key(key)
+        try:
+            response = self._client.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes=0-{limit}"
+            )
+            return response["Body"].read(limit + 1)
+        except self._botocore_errors() as error:
+            if _is_invalid_range(error):
+                return b""  # an existing, empty object
+            raise self._error("read", key, error) from error
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)
         name = self._key(key)

@@ -1,0 +1,98 @@
+"""Smaller hardening cases: an error about a non-safetensors file does not show its
+bytes; a dtype the delta codec cannot carry is refused before version 0; with the
+run's anchors gone the compaction policy warns instead of failing a published job; a
+symlink inside a file store is refused, never written through."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from pipeline import chain
+from pipeline.checkpoint_write import write_checkpoint
+from pipeline.diff_step import publish_step
+from pipeline.errors import CodecError, CorruptObjectError, StoreError
+from pipeline.policy import compaction_reason
+from pipeline.state_cache import StateCache
+from pipeline.store.file import FileStore
+
+RUN = "small"
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    w.view(torch.int16)[1, : step * 2] += 1
+    return {"w": w}
+
+
+def _publish(store: FileStore, tmp: Path, steps: range) -> None:
+    cache = StateCache(tmp / "cache", RUN)
+    for step in steps:
+        path = tmp / f"ckpt-{step}.safetensors"
+        write_checkpoint(path, _state(step).items())
+        publish_step(store, RUN, step, path, cache, level=1)
+
+
+def test_a_non_safetensors_file_is_refused_without_showing_its_bytes(tmp_path: Path) -> None:
+    secret = b"hunter2!" + b"more secret text"
+    path = tmp_path / "shadow"
+    path.write_bytes(secret)
+    store = FileStore(tmp_path / "store")
+    with pytest.raises(CorruptObjectError) as caught:
+        publish_step(store, RUN, 0, path, StateCache(tmp_path / "cache", RUN), level=1)
+    message = str(caught.value)
+    (as_number,) = struct.unpack("<Q", secret[:8])
+    assert str(as_number) not in message and "hunter2" not in message
+    assert "not a safetensors file" in message
+    assert chain.list_versions(store, RUN).head is None
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="torch without float8_e8m0fnu")
+def test_a_dtype_the_delta_codec_cannot_carry_is_refused_before_version_0(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "e8m0.safetensors"
+    write_checkpoint(
+        path, [("scale", torch.zeros(8, dtype=torch.uint8).view(torch.float8_e8m0fnu))]
+    )
+    store = FileStore(tmp_path / "store")
+    with pytest.raises(CodecError, match="unsupported dtype"):
+        publish_step(store, RUN, 0, path, StateCache(tmp_path / "cache", RUN), level=1)
+    assert list(store.list(f"{RUN}/anchors")) == []
+
+
+def test_without_anchors_the_policy_warns_and_never_fails(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    _publish(store, tmp_path, range(2))
+    for key in list(store.list(f"{RUN}/anchors")):
+        store.delete(key)
+    _publish(store, tmp_path, range(2, 3))  # the next step still publishes (cache holds 1)
+    assert chain.list_versions(store, RUN).head == 2
+    with capture_logs() as logs:
+        assert compaction_reason(store, RUN, 2, max_chain=1, max_delta_fraction=0.5) is None
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert warnings and "no new node can bootstrap" in warnings[0]["event"]
+
+
+def test_a_symlinked_version_folder_is_never_written_through(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    _publish(store, tmp_path, range(1))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    folder = store.root / RUN / "deltas" / "0000000001"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(StoreError, match="symlink"):
+        store.put(f"{RUN}/deltas/0000000001/part-00000.safetensors", b"x")
+    path = tmp_path / "ckpt-1.safetensors"
+    write_checkpoint(path, _state(1).items())
+    with pytest.raises(StoreError, match="symlink"):
+        publish_step(store, RUN, 1, path, StateCache(tmp_path / "cache", RUN), level=1)
+    assert list(elsewhere.iterdir()) == []
+    with pytest.raises(StoreError, match="symlink"):
+        store.get(f"{RUN}/deltas/0000000001/manifest.json")
