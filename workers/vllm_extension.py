@@ -116,12 +116,17 @@ class DeltasyncWorkerExtension:
         state.routes = routes
         state.placements = self._ds_placements(state)
         state.loaded = True
+        ignored = sorted(n for n, r in routes.items() if r.parameter is None)
         log.info(
             "deltasync weight map",
             tensors=len(routes),
             in_place=len(state.placements),
-            ignored=sum(1 for r in routes.values() if r.parameter is None),
+            ignored=len(ignored),
         )
+        if ignored:
+            # Skipped by the model's own loader (a tied lm_head, or a name it does not
+            # know and drops, as its own load would): held in the shadow only.
+            log.warning("tensors the vLLM model does not load", tensors=ignored[:8])
 
     def _ds_placements(self, state: WorkerState) -> dict[str, Placement]:
         """Plain-tensor placements of shadow tensors that the model holds bit for bit."""

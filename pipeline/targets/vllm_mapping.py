@@ -118,7 +118,9 @@ def route_names(
     that dtype and shape are passed (expanded zero-stride views: no memory).
     A name the model's loader rejects raises TargetError naming it.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # One entry per parameter object: a tied parameter (lm_head sharing the
+    # embedding) is saved and restored once, under its first name.
+    params = dict(model.named_parameters())
     saved: dict[str, object] = {}
     hits: list[_Hit] = []
     for name, param in params.items():
