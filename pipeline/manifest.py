@@ -130,6 +130,8 @@ class Manifest:
     signature: dict[str, str] | None = None
     extra: dict[str, object] = field(default_factory=dict)  # stats; never needed to decode
     parent_state_hash: str | None = None  # state hash of the parent version
+    # How the trainer's tensors were named (pipeline.checkpoint_names); None: not recorded.
+    tensor_form: str | None = None
 
     @property
     def key(self) -> str:
@@ -248,6 +250,8 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
         "created": manifest.created,
         "extra": manifest.extra,
     }
+    if manifest.tensor_form is not None:
+        doc["tensor_form"] = manifest.tensor_form
     if with_signature and manifest.signature is not None:
         doc["signature"] = dict(manifest.signature)
     return doc

@@ -36,6 +36,7 @@ from pipeline.manifest import (
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_FORM = re.compile(r"^[a-z_]{1,32}$")  # pipeline.checkpoint_names.TENSOR_FORMS, and later ones
 
 
 _TOP_KEYS = frozenset(
@@ -54,9 +55,10 @@ _TOP_KEYS = frozenset(
         "created",
         "extra",
         "signature",
+        "tensor_form",
     }
 )
-_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature"}
+_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature", "tensor_form"}
 
 
 class _Checker:
@@ -164,6 +166,8 @@ def parse_manifest(
     if not isinstance(extra, dict):
         raise c.fail("extra is not an object")
     signature = _parse_signature(c, doc.get("signature"))
+    form = doc.get("tensor_form")
+    tensor_form = None if form is None else c.string(form, "tensor_form", _FORM)
 
     manifest = Manifest(
         run=run,
@@ -180,6 +184,7 @@ def parse_manifest(
         signature=signature,
         extra=extra,
         parent_state_hash=parent_state,
+        tensor_form=tensor_form,
     )
     if expected_run is not None and run != expected_run:
         raise CorruptObjectError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")
