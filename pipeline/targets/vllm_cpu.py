@@ -21,6 +21,12 @@ environment variable ``DELTASYNC_VLLM_CPU_PLAIN_LINEAR=1``, which worker process
 inherit; ``pipeline.targets.vllm.start_engine`` sets it by default. A layer once
 made plain stays plain across ``reload_weights`` (placements stay valid), whatever
 the variable says later. vllm is imported only inside ``install``.
+
+``install`` also fixes a vllm-cpu 0.32 reload bug for Mixture-of-Experts layers:
+their stacked expert weights are repacked for the CPU grouped GEMM at the first
+load only, so ``reload_weights`` left them unpacked and the engine computed wrong
+outputs. They are repacked on every weight update now (see docs/VLLM.md,
+Architectures).
 """
 
 from __future__ import annotations
@@ -77,11 +83,13 @@ def _repacking_setup(original: Callable[..., Any]) -> Callable[..., Any]:
         original(method, layer, *args, **kwargs)
         if not updating:
             return
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
-            CPUUnquantizedExperts,
-        )
-
-        experts = method.moe_kernel.fused_experts
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+                CPUUnquantizedExperts,
+            )
+        except ImportError:  # a build without the CPU kernels has nothing to repack
+            return
+        experts = getattr(method.moe_kernel, "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts):
             # vLLM skips this on a weight update, leaving the new weights in
             # checkpoint layout for a kernel that reads its packed layout.
