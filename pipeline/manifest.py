@@ -131,6 +131,8 @@ class Manifest:
     extra: dict[str, object] = field(default_factory=dict)  # stats; never needed to decode
     parent_state_hash: str | None = None  # state hash of the parent version
     instance: str | None = None  # the run instance (pipeline/run_binding.py); optional
+    # How the trainer's tensors were named (pipeline.checkpoint_names); None: not recorded.
+    tensor_form: str | None = None
 
     @property
     def key(self) -> str:
@@ -251,6 +253,8 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
     }
     if manifest.instance is not None:  # absent from older manifests, as their signature
         doc["instance"] = manifest.instance
+    if manifest.tensor_form is not None:
+        doc["tensor_form"] = manifest.tensor_form
     if with_signature and manifest.signature is not None:
         doc["signature"] = dict(manifest.signature)
     return doc

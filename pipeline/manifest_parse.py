@@ -36,6 +36,7 @@ from pipeline.manifest import (
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_FORM = re.compile(r"^[a-z_]{1,32}$")  # pipeline.checkpoint_names.TENSOR_FORMS, and later ones
 
 
 _TOP_KEYS = frozenset(
@@ -55,9 +56,10 @@ _TOP_KEYS = frozenset(
         "extra",
         "signature",
         "instance",
+        "tensor_form",
     }
 )
-_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature", "instance"}
+_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature", "instance", "tensor_form"}
 
 
 class _Checker:
@@ -162,6 +164,8 @@ def parse_manifest(
     signature = _parse_signature(c, doc.get("signature"))
     instance_raw = doc.get("instance")
     instance = None if instance_raw is None else c.string(instance_raw, "instance", _HEX32)
+    form = doc.get("tensor_form")
+    tensor_form = None if form is None else c.string(form, "tensor_form", _FORM)
 
     manifest = Manifest(
         run=run,
@@ -179,6 +183,7 @@ def parse_manifest(
         extra=extra,
         parent_state_hash=parent_state,
         instance=instance,
+        tensor_form=tensor_form,
     )
     if expected_run is not None and run != expected_run:
         raise CorruptObjectError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")

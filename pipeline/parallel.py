@@ -30,8 +30,15 @@ import structlog
 
 from pipeline import chain, faults
 from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_names import published_form
 from pipeline.codec import encode_delta, read_delta
-from pipeline.errors import ChainError, LockError, MismatchError, ObjectNotFoundError
+from pipeline.errors import (
+    ChainError,
+    DeltasyncError,
+    LockError,
+    MismatchError,
+    ObjectNotFoundError,
+)
 from pipeline.events import DeltaPart
 from pipeline.hashing import sha256_bytes
 from pipeline.manifest import (
@@ -253,6 +260,15 @@ def work_parts(
     return done
 
 
+def _form_of(fanout: Fanout) -> str | None:
+    """The tensor form the trainer recorded in the step's checkpoint (None: unknown)."""
+    try:
+        with CheckpointReader(fanout.checkpoint) as reader:
+            return published_form(reader)
+    except (DeltasyncError, OSError):
+        return None
+
+
 def assemble(
     client: redis.Redis,
     store: ObjectStore,
@@ -282,7 +298,9 @@ def assemble(
             f"run {fanout.run}: delta {fanout.step} was diffed against version "
             f"{fanout.parent}, but the head is now {head}"
         )
-    manifest = delta_manifest(fanout.run, fanout.step, parent, fanout.level, objects, entries)
+    manifest = delta_manifest(
+        fanout.run, fanout.step, parent, fanout.level, objects, entries, _form_of(fanout)
+    )
     manifest = write_manifest(store, manifest, signing_key, "parallel")
     log.info(
         "delta published in parallel",

@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline import chain, cpus, faults, run_binding
 from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_names import published_form
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
 from pipeline.errors import ChainError, MismatchError
@@ -256,6 +257,7 @@ def publish_anchor(
         created=now_iso(),
         extra={"reason": reason},
         parent_state_hash=parent_state_hash,
+        tensor_form=published_form(tensors) if isinstance(tensors, CheckpointReader) else None,
     )
     manifest = write_manifest(store, manifest, signing_key, "anchor")
     log.info(
@@ -279,6 +281,7 @@ def delta_manifest(
     level: int,
     objects: list[ObjectEntry],
     entries: list[TensorEntry],
+    tensor_form: str | None = None,
 ) -> Manifest:
     """The manifest of a delta whose objects are uploaded (not yet written)."""
     return Manifest(
@@ -297,6 +300,7 @@ def delta_manifest(
             "elements": sum(e.numel for e in entries),
         },
         parent_state_hash=parent.state_hash,
+        tensor_form=tensor_form,
     )
 
 
@@ -397,7 +401,7 @@ def publish_delta(
             f"run {run}: head moved to {now} while delta {version} was encoded against "
             f"{parent.version}; not published"
         )
-    manifest = delta_manifest(run, version, parent, level, objects, entries)
+    manifest = delta_manifest(run, version, parent, level, objects, entries, published_form(new))
     manifest = write_manifest(store, manifest, signing_key, "publish")
     log.info(
         "delta published",

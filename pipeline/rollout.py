@@ -173,6 +173,7 @@ class RolloutNode:
             self._failures = 0
             self._next_retry = 0.0
             self.last_error = None
+            self.report.synced()
         self.report.heartbeat_if_due(self._applied, self._state_hash)
         return self._applied
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from pipeline import replicas
+from pipeline import replica_problems, replicas
 from pipeline.errors import DeltasyncError
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaApplied, Event, ReplicaError
@@ -66,6 +66,9 @@ class Reporter:
         self.early_start = early_start
         self.history: deque[Applied] = deque(maxlen=HISTORY)
         self._last_heartbeat = 0.0
+        # A failure record of this node may be in Redis (also from an earlier process
+        # with this node id): the first successful sync removes it.
+        self._failing = True
 
     def applied(
         self,
@@ -108,6 +111,30 @@ class Reporter:
                 recovering=True,
             )
         )
+        # Seen by status even before the node holds a version (no heartbeat yet).
+        if self.redis is not None:
+            try:
+                replica_problems.report_failure(
+                    self.redis,
+                    self.run,
+                    self.node_id,
+                    held,
+                    f"{type(exc).__name__}: {exc}",
+                    ttl_s=self.replica_ttl_s,
+                )
+                self._failing = True
+            except DeltasyncError as report_exc:
+                log.warning("cannot report the failure", error=str(report_exc))
+
+    def synced(self) -> None:
+        """A sync succeeded: the node is no longer listed as failing."""
+        if not self._failing or self.redis is None:
+            return
+        try:
+            replica_problems.clear_failure(self.redis, self.run, self.node_id)
+            self._failing = False
+        except DeltasyncError as exc:
+            log.warning("cannot clear the failure record", error=str(exc))
 
     def publish(self, event: Event) -> None:
         if self.events is None:

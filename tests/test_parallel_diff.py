@@ -108,6 +108,7 @@ def test_two_workers_diff_parts_of_each_version(redis_url: str, tmp_path: Path) 
         assert_same_state(rebuilt, expected, f"version {version}")
         manifest = chain.load_manifest(store, run, "anchor" if version == 0 else "delta", version)
         assert 3 <= len(manifest.objects) <= 4
+        assert manifest.tensor_form == "given"  # a mapping, published as given
 
     by_worker = {name: _parts_encoded(logs / f"{name}.log") for name in ("diff1", "diff2")}
     assert all(by_worker.values()), f"both workers encode parts: {by_worker}"

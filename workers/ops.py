@@ -20,6 +20,7 @@ from pipeline.event_stream import EventStream, list_runs
 from pipeline.events import DeltaPart, Event
 from pipeline.part_hints import PartListener
 from pipeline.redis_server import redis_errors
+from pipeline.replica_problems import list_failing
 from pipeline.replicas import list_replicas
 from pipeline.trust import store_key
 from workers import queues
@@ -175,6 +176,19 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
         {"step": d.step, "reason": d.reason, "checkpoint": d.checkpoint, "time": d.time}
         for d in list_dead(r, run)
     ]
+    # Nodes whose last sync failed: listed whether or not they hold a version.
+    report["failing"] = [
+        {
+            "node": f.node,
+            "held": f.held,
+            "error": f.error,
+            "since": f.since.isoformat(),
+            "failing_for_s": round(f.failing_for_s, 1),
+            "last_failure_s_ago": round(f.last_s_ago, 1),
+            "failures": f.failures,
+        }
+        for f in list_failing(r, run)
+    ]
     report["time"] = now.isoformat()
     return report
 
@@ -221,3 +235,21 @@ def render_status(report: dict[str, Any]) -> None:
     console.print(replicas_table)
     for dead in report.get("dead_steps", []):
         console.print(f"[red]step {dead['step']} set aside:[/] {escape(dead['reason'])}")
+    render_failing(console, report.get("failing", []))
+
+
+def render_failing(console: Any, failing: list[dict[str, Any]]) -> None:
+    """Nodes whose last sync failed, with the error and since when."""
+    if not failing:
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="[red]failing replicas[/]")
+    for col in ("node", "holds", "failing since", "failures", "last error"):
+        table.add_column(col)
+    for f in failing:
+        held = "nothing" if f["held"] is None else f"v{f['held']}"
+        since = f"{f['since']} ({f['failing_for_s']}s)"
+        table.add_row(f["node"], held, since, str(f["failures"]), escape(f["error"]))
+    console.print(table)

@@ -23,6 +23,7 @@ import torch
 
 from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
+from pipeline.checkpoint_names import FORM_METADATA_KEY, TensorForm, checkpoint_state
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.config import Settings
 from pipeline.errors import ChainError, ConfigError
@@ -45,13 +46,9 @@ class Emitted:
 
 
 def _named_tensors(
-    weights: Mapping[str, torch.Tensor] | torch.nn.Module, dtype: torch.dtype | None
+    weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    items = (
-        weights.state_dict(keep_vars=False).items()
-        if isinstance(weights, torch.nn.Module)
-        else weights.items()
-    )
+    items = weights.items()
     seen: set[int] = set()
     for name, tensor in items:
         t = tensor.detach()
@@ -88,13 +85,26 @@ class Emitter:
         dtype: torch.dtype | None = torch.bfloat16,
         max_shard_bytes: int | None = None,
     ) -> Emitted:
-        """Write ``weights`` (cast to ``dtype``) to staging, then emit the step."""
+        """Write ``weights`` (cast to ``dtype``) to staging, then emit the step.
+
+        A transformers model is published in its checkpoint format, the names and
+        layout ``save_pretrained`` writes (experts one tensor each, even where the
+        model keeps them fused in memory); a mapping is published as given. The
+        manifest records which (``tensor_form``, see ``pipeline.checkpoint_names``)."""
         self._check_newer(step)
+        form: TensorForm = "given"
+        if isinstance(weights, torch.nn.Module):
+            weights, form = checkpoint_state(weights)
         path = self.staging_path(step)
         if path.exists():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_checkpoint(path, _named_tensors(weights, dtype), max_shard_bytes=max_shard_bytes)
+        write_checkpoint(
+            path,
+            _named_tensors(weights, dtype),
+            max_shard_bytes=max_shard_bytes,
+            metadata={FORM_METADATA_KEY: form},
+        )
         return self._send(step, path, owned=True)
 
     def emit_checkpoint(self, step: int, checkpoint: str | Path) -> Emitted:

@@ -37,6 +37,7 @@ from pipeline.targets.vllm_mapping import (
     Placement,
     Route,
     gather_placed,
+    placed_view,
     probe_placement,
     route_names,
     scatter_positions,
@@ -115,12 +116,17 @@ class DeltasyncWorkerExtension:
         state.routes = routes
         state.placements = self._ds_placements(state)
         state.loaded = True
+        ignored = sorted(n for n, r in routes.items() if r.parameter is None)
         log.info(
             "deltasync weight map",
             tensors=len(routes),
             in_place=len(state.placements),
-            ignored=sum(1 for r in routes.values() if r.parameter is None),
+            ignored=len(ignored),
         )
+        if ignored:
+            # Skipped by the model's own loader (a tied lm_head, or a name it does not
+            # know and drops, as its own load would): held in the shadow only.
+            log.warning("tensors the vLLM model does not load", tensors=ignored[:8])
 
     def _ds_placements(self, state: WorkerState) -> dict[str, Placement]:
         """Plain-tensor placements of shadow tensors that the model holds bit for bit."""
@@ -140,6 +146,8 @@ class DeltasyncWorkerExtension:
                 placement = probe_placement(model, name, route, shape, loader)
                 if placement is None:
                     continue
+                # Kernels that repack stacked experts after loading (the CPU build's
+                # grouped GEMM) leave other bits there: the check below refuses them.
                 # Post-load processing (scales, permutes) would make raw checkpoint
                 # values wrong in place: keep a placement only where the parameter
                 # holds the checkpoint's exact bits.
@@ -182,7 +190,7 @@ class DeltasyncWorkerExtension:
                 if flat.numel() == 0:
                     continue
                 # Integer views on both sides: the bits move, nothing is converted.
-                int_view(param.data).view(-1).index_copy_(
+                int_view(placed_view(param, placement)).view(-1).index_copy_(
                     0, flat.to(param.device), int_view(values).to(param.device)
                 )
         if reload:
@@ -476,7 +484,13 @@ class DeltasyncWorkerExtension:
         return enveloped(run)
 
 
-_PLAIN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+# UnquantizedFusedMoEMethod: stacked experts (w13/w2); whether the kernel computes
+# from them as loaded is decided by the bit check of each placement.
+_PLAIN_METHODS = (
+    "UnquantizedLinearMethod",
+    "UnquantizedEmbeddingMethod",
+    "UnquantizedFusedMoEMethod",
+)
 
 
 def _writable_in_place(model: torch.nn.Module, route: Route) -> bool:

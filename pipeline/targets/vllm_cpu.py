@@ -21,6 +21,12 @@ environment variable ``DELTASYNC_VLLM_CPU_PLAIN_LINEAR=1``, which worker process
 inherit; ``pipeline.targets.vllm.start_engine`` sets it by default. A layer once
 made plain stays plain across ``reload_weights`` (placements stay valid), whatever
 the variable says later. vllm is imported only inside ``install``.
+
+``install`` also fixes a vllm-cpu 0.32 reload bug for Mixture-of-Experts layers:
+their stacked expert weights are repacked for the CPU grouped GEMM at the first
+load only, so ``reload_weights`` left them unpacked and the engine computed wrong
+outputs. They are repacked on every weight update now (see docs/VLLM.md,
+Architectures).
 """
 
 from __future__ import annotations
@@ -71,12 +77,51 @@ def _plain_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
     return dispatch
 
 
+def _repacking_setup(original: Callable[..., Any]) -> Callable[..., Any]:
+    def setup_kernel(method: Any, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        updating = getattr(method, "moe_kernel", None) is not None
+        original(method, layer, *args, **kwargs)
+        if not updating:
+            return
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+                CPUUnquantizedExperts,
+            )
+        except ImportError:  # a build without the CPU kernels has nothing to repack
+            return
+        experts = getattr(method.moe_kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            # vLLM skips this on a weight update, leaving the new weights in
+            # checkpoint layout for a kernel that reads its packed layout.
+            experts.process_weights_after_loading(layer)
+
+    setattr(setup_kernel, _HOOK_MARK, True)
+    return setup_kernel
+
+
+def _install_moe_reload_fix() -> None:
+    """vllm-cpu 0.32 repacks stacked expert weights for its grouped GEMM at the first
+    load only: ``reload_weights`` left them unpacked and the engine computed wrong
+    outputs (measured: logprobs differed from a fresh engine). Repack on every
+    weight update too, as the first load does."""
+    try:
+        from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as moe
+    except ImportError:
+        return
+    method = getattr(moe, "UnquantizedFusedMoEMethod", None)
+    original = getattr(method, "_setup_kernel", None)
+    if method is None or original is None or getattr(original, _HOOK_MARK, False):
+        return
+    method._setup_kernel = _repacking_setup(original)
+
+
 def install() -> bool:
     """Wrap vLLM's CPU GEMM dispatch (idempotent). False when this vLLM has none."""
     try:
         from vllm.model_executor.layers import utils
     except ImportError:
         return False
+    _install_moe_reload_fix()
     original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
     if original is None:
         return False

@@ -48,6 +48,11 @@ class Route:
 
     parameter: str | None
     args: tuple[Any, ...]  # extra loader arguments, e.g. the shard id "q" / 0
+    # Keyword loader arguments, e.g. FusedMoE's weight_name, shard_id and expert_id.
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    # Loader calls the tensor makes (a fused expert tensor is loaded expert by
+    # expert); more than one: no placement, the loading path refreshes it.
+    calls: int = 1
 
     @property
     def module(self) -> str | None:
@@ -62,18 +67,44 @@ class Placement:
     source_offset: tuple[int, ...]  # start of the box in checkpoint coordinates
     target_offset: tuple[int, ...]  # start of the box in parameter coordinates
     size: tuple[int, ...]  # box extent per dimension (0 somewhere: nothing on this rank)
-    target_shape: tuple[int, ...]
+    target_shape: tuple[int, ...]  # shape of the parameter, or of its sub-tensor at ``lead``
+    # Leading indices of a parameter with more dimensions than the checkpoint tensor
+    # (one expert of a stacked w13/w2): the box lies in ``param[lead]``.
+    lead: tuple[int, ...] = ()
+
+
+_Hit = tuple[str, tuple[Any, ...], tuple[tuple[str, Any], ...]]
+# Keywords naming the loader's two tensors (FusedMoE passes everything by keyword).
+_TENSOR_KEYWORDS = ("param", "loaded_weight")
 
 
 class _Recorder:
     """Stands in for a weight loader: notes what reached it, writes nothing."""
 
-    def __init__(self, parameter: str, hits: list[tuple[str, tuple[Any, ...]]]) -> None:
+    def __init__(self, parameter: str, hits: list[_Hit]) -> None:
         self.parameter = parameter
         self.hits = hits
 
-    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, *args: Any) -> None:
-        self.hits.append((self.parameter, args))
+    def __call__(self, *args: Any, **kwargs: Any) -> bool:
+        # Positional (param, loaded, *extra) or keywords; the extras are kept.
+        extra = args[2 - sum(1 for k in _TENSOR_KEYWORDS if k in kwargs) :]
+        named = tuple(sorted((k, v) for k, v in kwargs.items() if k not in _TENSOR_KEYWORDS))
+        self.hits.append((self.parameter, tuple(extra), named))
+        return True  # FusedMoE asks for success (return_success=True)
+
+
+def _route(hf_name: str, hits: list[_Hit]) -> Route:
+    if not hits:
+        return Route(None, ())
+    if len(hits) == 1:
+        return Route(*hits[0])
+    modules = {parameter.rpartition(".")[0] for parameter, _, _ in hits}
+    if len(modules) > 1:
+        raise TargetError(
+            f"tensor {hf_name}: the vLLM model loads it into {len(modules)} modules "
+            f"({', '.join(sorted(modules))})"
+        )
+    return Route(hits[0][0], (), (), calls=len(hits))
 
 
 def route_names(
@@ -87,9 +118,11 @@ def route_names(
     that dtype and shape are passed (expanded zero-stride views: no memory).
     A name the model's loader rejects raises TargetError naming it.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # One entry per parameter object: a tied parameter (lm_head sharing the
+    # embedding) is saved and restored once, under its first name.
+    params = dict(model.named_parameters())
     saved: dict[str, object] = {}
-    hits: list[tuple[str, tuple[Any, ...]]] = []
+    hits: list[_Hit] = []
     for name, param in params.items():
         saved[name] = getattr(param, "weight_loader", _MISSING)
         param.weight_loader = _Recorder(name, hits)  # type: ignore[attr-defined]
@@ -105,11 +138,7 @@ def route_names(
                     f"tensor {hf_name}: the vLLM model cannot place it ({type(exc).__name__}: "
                     f"{str(exc).splitlines()[0] if str(exc) else ''})"
                 ) from exc
-            if len(hits) > 1:
-                raise TargetError(
-                    f"tensor {hf_name}: the vLLM model loads it into {len(hits)} parameters"
-                )
-            routes[hf_name] = Route(*hits[0]) if hits else Route(None, ())
+            routes[hf_name] = _route(hf_name, hits)
     finally:
         for name, param in params.items():
             if saved[name] is _MISSING:
@@ -147,10 +176,12 @@ def probe_placement(
     The parameter's storage is swapped for a scratch integer tensor during the
     probe and put back afterwards; the live weights are not read or written.
     """
-    if route.parameter is None:
+    if route.parameter is None or route.calls != 1:
         return None
     param = model.get_parameter(route.parameter)
-    if param.is_meta or param.numel() == 0 or param.dim() != len(hf_shape):
+    # A stacked expert parameter has leading dimensions the checkpoint tensor lacks.
+    extra = param.dim() - len(hf_shape)
+    if param.is_meta or param.numel() == 0 or extra < 0:
         return None
     numel = math.prod(hf_shape)
     index_dtype = torch.int32 if max(numel, param.numel()) < 2**31 - 1 else torch.int64
@@ -160,7 +191,7 @@ def probe_placement(
         param.requires_grad_(False)  # integer storage cannot require grad
         param.data = torch.full(live.shape, -1, dtype=index_dtype, device=live.device)
         probe = torch.arange(1, numel + 1, dtype=index_dtype, device=live.device)
-        loader(param, probe.view(hf_shape), *route.args)
+        loader(param, probe.view(hf_shape), *route.args, **dict(route.kwargs))
         landed = param.data
     except Exception as exc:  # a loader that needs real floats: use the loading path
         log.debug("probe failed", tensor=hf_name, error=str(exc))
@@ -170,11 +201,22 @@ def probe_placement(
         param.requires_grad_(grad)
     if landed.shape != live.shape or landed.dtype != index_dtype:
         return None
+    lead: list[int] = []
+    for _ in range(extra):
+        others = list(range(1, landed.dim()))
+        mask = (landed > 0).any(dim=others) if others else landed > 0
+        hit = mask.nonzero().view(-1)
+        if hit.numel() > 1:
+            return None  # spread over several experts: not one box
+        index = int(hit[0]) if hit.numel() else 0
+        lead.append(index)
+        landed = landed[index]
+    sub_shape = tuple(landed.shape)
     mask = landed > 0
     box = _box(mask)
     if box is None:  # this rank holds none of it
         zero = (0,) * len(hf_shape)
-        return Placement(route.parameter, zero, zero, zero, tuple(live.shape))
+        return Placement(route.parameter, zero, zero, zero, sub_shape, tuple(lead))
     start, size = box
     region = landed[tuple(slice(s, s + n) for s, n in zip(start, size, strict=True))]
     first = int(region.reshape(-1)[0]) - 1
@@ -195,7 +237,12 @@ def probe_placement(
         stride *= hf_shape[dim]
     if not torch.equal(region.to(torch.int64), expected):
         return None
-    return Placement(route.parameter, tuple(source), start, size, tuple(live.shape))
+    return Placement(route.parameter, tuple(source), start, size, sub_shape, tuple(lead))
+
+
+def placed_view(param: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The parameter's data, or its sub-tensor at ``placement.lead`` (one expert)."""
+    return param.data[placement.lead] if placement.lead else param.data
 
 
 def scatter_positions(
@@ -220,7 +267,7 @@ def scatter_positions(
 
 def gather_placed(param: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The box of the parameter that holds the placed checkpoint values."""
-    return param.data[
+    return placed_view(param, placement)[
         tuple(slice(s, s + n) for s, n in zip(placement.target_offset, placement.size, strict=True))
     ]
 
