@@ -95,11 +95,11 @@ class Load:
         for thread in self.threads:
             thread.join(timeout=120)
 
-    def count(self, label: str) -> int:
+    def count(self, label: str | None) -> int:
         with self.lock:
             return sum(1 for a in self.answers if a.label == label)
 
-    def answered(self, label: str, count: int) -> Callable[[], bool]:
+    def answered(self, label: str | None, count: int) -> Callable[[], bool]:
         return lambda: self.count(label) >= count
 
     def _loop(self, kind: str, offset: int) -> None:
@@ -198,6 +198,24 @@ Path(out).write_text(json.dumps(result))
 """
 
 
+def trainer_versions(
+    tmp_path: Path,
+) -> tuple[Path, list[dict[str, torch.Tensor]], dict[int, Path]]:
+    """The tiny model's VERSIONS versions (v0 and real AdamW steps), each saved as a
+    complete model folder, and a folder with config and tokenizer only (the
+    server's: its weights come from the run)."""
+    trainer_model = build_tokenizer(build_model(tmp_path / "trainer-model"))
+    serve_model = tmp_path / "serve-model"
+    serve_model.mkdir()
+    for item in trainer_model.iterdir():
+        if item.suffix != ".safetensors":
+            (serve_model / item.name).write_bytes(item.read_bytes())
+    weights = [read_weights(trainer_model)]
+    weights += list(train_versions(trainer_model, VERSIONS - 1, lr=1e-3))
+    folders = {v: save_version(tmp_path / f"v{v}", trainer_model, w) for v, w in enumerate(weights)}
+    return serve_model, weights, folders
+
+
 def applied(events: EventStream, version: int) -> Callable[[], bool]:
     return lambda: any(
         isinstance(e, DeltaApplied) and e.version == version
@@ -208,15 +226,7 @@ def applied(events: EventStream, version: int) -> Callable[[], bool]:
 def test_serve_follows_a_run_under_load_with_every_response_tagged(
     tmp_path: Path, redis_url: str
 ) -> None:
-    trainer_model = build_tokenizer(build_model(tmp_path / "trainer-model"))
-    serve_model = tmp_path / "serve-model"  # config and tokenizer only: weights from the run
-    serve_model.mkdir()
-    for item in trainer_model.iterdir():
-        if item.suffix != ".safetensors":
-            (serve_model / item.name).write_bytes(item.read_bytes())
-    weights = [read_weights(trainer_model)]
-    weights += list(train_versions(trainer_model, VERSIONS - 1, lr=1e-3))
-    folders = {v: save_version(tmp_path / f"v{v}", trainer_model, w) for v, w in enumerate(weights)}
+    serve_model, weights, folders = trainer_versions(tmp_path)
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"

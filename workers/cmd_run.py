@@ -33,7 +33,15 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
 
 @click.command("rollout")
 @RUN
-@click.option("--target", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True)
+@click.option(
+    "--target",
+    type=click.Choice(["torch", "vllm", "vllm-http"]),
+    default="torch",
+    show_default=True,
+    help="vllm-http: drive a stock `vllm serve` at --url that runs the deltasync "
+    "weight-transfer backend (docs/VLLM.md).",
+)
+@click.option("--url", default=None, help="The vLLM server for --target vllm-http.")
 @click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
 @click.option(
     "--device",
@@ -91,6 +99,7 @@ def rollout(
     ctx: click.Context,
     run: str,
     target: str,
+    url: str | None,
     node_id: str | None,
     device: str,
     model_path: Path | None,
@@ -101,9 +110,25 @@ def rollout(
     early_start: bool | None,
 ) -> None:
     """Follow a run and keep a target's weights at the newest published version."""
-    from workers.rollout import run_rollout
+    from workers.rollout import default_node_id, run_rollout
 
     runtime = from_context(ctx)
+    if target == "vllm-http":
+        from pipeline.errors import ConfigError
+        from workers.rollout_http import run_http_rollout
+
+        if url is None:
+            raise ConfigError("--target vllm-http needs --url http://HOST:PORT")
+        run_http_rollout(
+            run=run,
+            url=url,
+            node_id=node_id or default_node_id(),
+            settings=runtime.settings,
+            verify=verify,
+            poll_interval_s=poll_interval_s,
+            until_version=until_version,
+        )
+        return
     run_rollout(
         run=run,
         target=target,

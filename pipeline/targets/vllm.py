@@ -224,21 +224,7 @@ class VllmTarget:
                 f"delta {manifest.run} v{manifest.version} has parent {manifest.parent}, "
                 f"vLLM target holds v{self.version}"
             )
-        check_objects(manifest, objects)
-        request = {
-            "version": manifest.version,
-            "verify": verify,
-            "parent_state_hash": manifest.parent_state_hash,
-            "entries": [
-                [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed]
-                for e in manifest.tensors
-            ],
-            "objects": {o.key: objects[o.key] for o in manifest.objects},
-            "sha256": {},  # checked here already; workers check it on the JSON path
-            "early": {
-                o.key: o.sha256 for o in manifest.objects if self._early.get(o.key) == o.sha256
-            },
-        }
+        request = delta_request(manifest, objects, verify, self._early)
         self._early = {}  # the workers drop every early proof at this prepare
         started = time.perf_counter()
         prepared = self._prepare(request)
@@ -343,6 +329,26 @@ class VllmTarget:
         slice), else None. For checks: proves in-place writes reached the model."""
         blob = self._call("deltasync_read_param", name)
         return None if blob is None else load(blob)[name]
+
+
+def delta_request(
+    manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode, early: Mapping[str, str]
+) -> dict[str, Any]:
+    """The workers' ``deltasync_prepare`` request for a delta whose objects were
+    downloaded (checked here: present, sizes and sha256). ``early``: key -> sha256
+    of the objects the workers proved early."""
+    check_objects(manifest, objects)
+    return {
+        "version": manifest.version,
+        "verify": verify,
+        "parent_state_hash": manifest.parent_state_hash,
+        "entries": [
+            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
+        ],
+        "objects": {o.key: objects[o.key] for o in manifest.objects},
+        "sha256": {},  # checked here already; workers check it on the JSON path
+        "early": {o.key: o.sha256 for o in manifest.objects if early.get(o.key) == o.sha256},
+    }
 
 
 def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:

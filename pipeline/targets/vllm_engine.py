@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pipeline.errors import TargetError
 
 T = TypeVar("T")
+PAUSES_KEPT = 100
 
 
 @runtime_checkable
@@ -141,6 +144,9 @@ class ServedEngine:
         self.on_label = on_label
         self.version: int | None = None
         self.pauses = 0  # weight changes made (each one pause of generation)
+        # (version or None for a full load, seconds new requests were held) of the
+        # latest weight changes: gate closed to gate open.
+        self.recent_pauses: deque[tuple[int | None, float]] = deque(maxlen=PAUSES_KEPT)
 
     def label_of(self, version: int | None) -> str | None:
         return None if version is None else f"{self.run}@{version}"
@@ -182,6 +188,7 @@ class ServedEngine:
 
     @contextlib.contextmanager
     def weights_change(self, version: int | None) -> Iterator[None]:
+        started = time.perf_counter()
         self._call(self._pause)
         self.pauses += 1
         done = False
@@ -200,6 +207,7 @@ class ServedEngine:
                 if version is None:
                     self.version = None
             self._call(lambda: self._resume(after, known))
+            self.recent_pauses.append((version, time.perf_counter() - started))
 
     def publish(self, version: int | None) -> None:
         """The node holds ``version`` (verified): label it and admit requests. Called
