@@ -10,11 +10,12 @@ client, in alternating phases of ``--seconds`` each:
   the typical RL step) published every ``--every`` seconds.
 
 Reported per phase: requests per second, p50 and p99 latency, failed requests.
-Reported from the server (``GET /deltasync/version``, ``recent_pauses``): how long
-new requests were held per version (gate closed to gate open: drain of in-flight
-requests, ``pause_generation(wait)``, commit, prefix-cache reset, resume), against
-the server's full load at start (the same boundary around vLLM's ``reload_weights``
-of the whole checkpoint, with no request in flight).
+Reported from the server (``GET /deltasync/version``, ``recent_pauses``), per
+version: how long new requests were held (gate closed to gate open), and of that the
+boundary itself (``pause_generation(wait)``, commit, prefix-cache reset, resume),
+the rest being the wait for admitted requests to finish; against the server's full
+load at start (the same boundary around the reload of the whole checkpoint through
+vLLM's ``reload_weights`` plus deltasync's weight map, with no request in flight).
 
 Run: ``python benchmarks/bench_vllm_serve.py [--hidden 512 --layers 4] --out r.json``.
 """
@@ -157,6 +158,15 @@ class Load:
         }
 
 
+def _summary(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "max": None}
+    return {
+        "median": round(1000 * statistics.median(values), 1),
+        "max": round(1000 * max(values), 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -240,8 +250,10 @@ def main() -> None:
             server.wait(timeout=120)
             log.close()
         pauses = status["recent_pauses"]
-        full = [s for v, s in pauses if v is None]
-        per_version = [s for v, s in pauses if v is not None]
+        full = [held for v, held, _drain in pauses if v is None]
+        held = [h for v, h, _d in pauses if v is not None]
+        # The boundary itself: wait pause, commit, cache reset, resume.
+        boundary = [h - d for v, h, d in pauses if v is not None]
         report = {
             "model": {"hidden": args.hidden, "layers": args.layers, "params": params},
             "clients": args.clients,
@@ -250,12 +262,10 @@ def main() -> None:
             "changed": args.changed,
             "server_start_s": round(start_s, 1),
             "phases": phases,
-            "versions_applied": len(per_version),
-            "pause_per_version_ms": {
-                "median": round(1000 * statistics.median(per_version), 1) if per_version else None,
-                "max": round(1000 * max(per_version), 1) if per_version else None,
-            },
-            "full_load_pause_ms": round(1000 * full[0], 1) if full else None,
+            "versions_applied": len(held),
+            "held_per_version_ms": _summary(held),
+            "boundary_per_version_ms": _summary(boundary),
+            "full_load_boundary_ms": round(1000 * full[0], 1) if full else None,
             "final": {k: status[k] for k in ("version", "head", "lag")},
             "load_average": os.getloadavg(),
         }

@@ -375,9 +375,11 @@ class _Serving:
             "head": head,
             "lag": None if head is None or version is None else max(0, head - version),
             "updates": driver.pauses if driver is not None else 0,
-            # [version (None: a full load), seconds requests were held], newest last
+            # [version (None: a full load), seconds new requests were held, of which
+            # waiting for admitted requests to finish], newest last
             "recent_pauses": [
-                [v, round(s, 6)] for v, s in (driver.recent_pauses if driver else ())
+                [v, round(held, 6), round(drain, 6)]
+                for v, held, drain in (driver.recent_pauses if driver else ())
             ],
             "last_error": None if error is None else str(error),
         }

@@ -144,9 +144,11 @@ class ServedEngine:
         self.on_label = on_label
         self.version: int | None = None
         self.pauses = 0  # weight changes made (each one pause of generation)
-        # (version or None for a full load, seconds new requests were held) of the
-        # latest weight changes: gate closed to gate open.
-        self.recent_pauses: deque[tuple[int | None, float]] = deque(maxlen=PAUSES_KEPT)
+        # Of the latest weight changes: (version or None for a full load, seconds new
+        # requests were held (gate closed to gate open), of which the drain: waiting
+        # for the requests already admitted to finish).
+        self.recent_pauses: deque[tuple[int | None, float, float]] = deque(maxlen=PAUSES_KEPT)
+        self._drained_s = 0.0
 
     def label_of(self, version: int | None) -> str | None:
         return None if version is None else f"{self.run}@{version}"
@@ -170,7 +172,9 @@ class ServedEngine:
         return bool(self._call(self.engine.reset_prefix_cache))
 
     async def _pause(self) -> None:
+        started = time.perf_counter()
         await self.gate.close()
+        self._drained_s = time.perf_counter() - started
         # Nothing admitted is left running; "wait" also lets any request that
         # reached the engine another way finish on the old weights.
         await self.engine.pause_generation(mode="wait", clear_cache=False)
@@ -207,7 +211,8 @@ class ServedEngine:
                 if version is None:
                     self.version = None
             self._call(lambda: self._resume(after, known))
-            self.recent_pauses.append((version, time.perf_counter() - started))
+            held = time.perf_counter() - started
+            self.recent_pauses.append((version, held, self._drained_s))
 
     def publish(self, version: int | None) -> None:
         """The node holds ``version`` (verified): label it and admit requests. Called
