@@ -80,7 +80,10 @@ class RolloutNode:
         max_backoff_s: float = 30.0,
         progress: bool | None = None,
         early_start: bool = False,
+        on_applied: Callable[[Manifest], None] | None = None,
     ) -> None:
+        """``on_applied(manifest)`` runs on the node's thread each time the target is
+        known to hold a version (applied, loaded or resumed)."""
         self.store = store
         self.run_name = run
         self.target = target
@@ -95,6 +98,7 @@ class RolloutNode:
         self.state_path = state_path
         self.max_backoff_s = max_backoff_s
         self.progress = sys.stderr.isatty() if progress is None else progress
+        self.on_applied = on_applied
 
         self._applied: int | None = None
         # Freshness: the newest verified version seen, and the run instance (read from
@@ -475,6 +479,8 @@ class RolloutNode:
         self._applied = manifest.version
         self._state_hash = manifest.state_hash
         write_state(self.state_path, self.run_name, self.node_id, manifest)
+        if self.on_applied is not None:
+            self.on_applied(manifest)
         self.report.heartbeat(self._applied, self._state_hash)
 
     # -- failures --------------------------------------------------------------------

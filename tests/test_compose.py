@@ -436,16 +436,18 @@ def test_every_container_command_parses_with_the_cli(tmp_path: Path) -> None:
         except click.ClickException as exc:
             failures.append(f"{name}: {shlex.join(argv)}: {exc.format_message()}")
             continue
-        assert leaf.command.name in ("worker", "rollout"), name
+        assert leaf.command.name in ("worker", "rollout", "serve"), name
     assert not failures, "\n".join(failures)
 
 
 def test_rollout_services_follow_the_configured_run_and_target(tmp_path: Path) -> None:
     services = deltasync_services(resolved(tmp_path, {"DELTASYNC_RUN": "grpo-7"}))
-    for name, target in (("rollout-torch", "torch"), ("rollout-vllm", "vllm")):
-        leaf = parse_with_cli(container_argv(services[name]))[-1]
-        assert leaf.params["run"] == "grpo-7", name
-        assert leaf.params["target"] == target, name
+    leaf = parse_with_cli(container_argv(services["rollout-torch"]))[-1]
+    assert leaf.params["run"] == "grpo-7" and leaf.params["target"] == "torch"
+    served = parse_with_cli(container_argv(services["rollout-vllm"]))[-1]
+    assert served.command.name == "serve" and served.params["run"] == "grpo-7"
+    assert served.params["port"] == 8000  # the published container port
+    assert services["rollout-vllm"]["ports"][0]["target"] == 8000
     kinds = {
         name: parse_with_cli(container_argv(services[name]))[-1].params["kind"]
         for name in ("diff-worker", "compaction-worker")

@@ -111,3 +111,24 @@ def engine(folder: Path, **overrides: Any) -> Any:
     }
     options.update(overrides)
     return start_engine(**options)
+
+
+def build_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer over the model's vocabulary (``w3`` ... ``w1023``, plus
+    ``<pad>``, ``<s>``, ``</s>``), saved next to the weights, so that the
+    OpenAI-compatible server takes text prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<pad>",
+    )  # fmt: skip
+    # Chat requests: the messages' contents, one after the other.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return folder

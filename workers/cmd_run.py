@@ -33,7 +33,15 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
 
 @click.command("rollout")
 @RUN
-@click.option("--target", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True)
+@click.option(
+    "--target",
+    type=click.Choice(["torch", "vllm", "vllm-http"]),
+    default="torch",
+    show_default=True,
+    help="vllm-http: drive a stock `vllm serve` at --url that runs the deltasync "
+    "weight-transfer backend (docs/VLLM.md).",
+)
+@click.option("--url", default=None, help="The vLLM server for --target vllm-http.")
 @click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
 @click.option(
     "--device",
@@ -91,6 +99,7 @@ def rollout(
     ctx: click.Context,
     run: str,
     target: str,
+    url: str | None,
     node_id: str | None,
     device: str,
     model_path: Path | None,
@@ -101,9 +110,25 @@ def rollout(
     early_start: bool | None,
 ) -> None:
     """Follow a run and keep a target's weights at the newest published version."""
-    from workers.rollout import run_rollout
+    from workers.rollout import default_node_id, run_rollout
 
     runtime = from_context(ctx)
+    if target == "vllm-http":
+        from pipeline.errors import ConfigError
+        from workers.rollout_http import run_http_rollout
+
+        if url is None:
+            raise ConfigError("--target vllm-http needs --url http://HOST:PORT")
+        run_http_rollout(
+            run=run,
+            url=url,
+            node_id=node_id or default_node_id(),
+            settings=runtime.settings,
+            verify=verify,
+            poll_interval_s=poll_interval_s,
+            until_version=until_version,
+        )
+        return
     run_rollout(
         run=run,
         target=target,
@@ -223,4 +248,75 @@ def demo(
         raise SystemExit(1)
 
 
-COMMANDS: list[click.Command] = [demo, worker, rollout, emit, watch]
+@click.command(
+    "serve",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@RUN
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Model folder (config and tokenizer; the weights come from the run).",
+)
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
+@click.option(
+    "--verify",
+    type=click.Choice(["touched", "all", "none"]),
+    default="touched",
+    show_default=True,
+    help="Content hashes checked after each apply.",
+)
+@click.option(
+    "--poll",
+    "poll_interval_s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds between store polls (events are only hints).",
+)
+@click.option(
+    "--early-start/--no-early-start",
+    default=None,
+    help="Fetch and prove each part as it is announced. Default: DELTASYNC_EARLY_START.",
+)
+@click.pass_context
+def serve(
+    ctx: click.Context,
+    run: str,
+    model_path: Path,
+    host: str,
+    port: int,
+    node_id: str | None,
+    verify: str,
+    poll_interval_s: float,
+    early_start: bool | None,
+) -> None:
+    """Serve an OpenAI-compatible API (vLLM's own server) whose weights follow a run.
+
+    Every completion names the version that produced it (header x-deltasync-version
+    and system_fingerprint: RUN@VERSION); GET /deltasync/version gives version, head
+    and lag. Options not listed here go to vLLM's server (e.g. --max-model-len 512,
+    --served-model-name policy).
+    """
+    from workers.serve import run_serve
+
+    runtime = from_context(ctx)
+    run_serve(
+        run=run,
+        model_path=model_path,
+        host=host,
+        port=port,
+        vllm_args=list(ctx.args),
+        node_id=node_id,
+        verify=verify,
+        poll_interval_s=poll_interval_s,
+        early_start=early_start,
+        settings=runtime.settings,
+    )
+
+
+COMMANDS: list[click.Command] = [demo, worker, rollout, serve, emit, watch]

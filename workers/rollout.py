@@ -34,7 +34,7 @@ from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.event_stream import EventStream
 from pipeline.events import ReplicaError
 from pipeline.logs import bind_context, configure_logging
-from pipeline.manifest import dtype_from_name
+from pipeline.manifest import Manifest, dtype_from_name
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
 from pipeline.replicas import forget_replica
 from pipeline.rollout import RolloutNode
@@ -129,20 +129,17 @@ def run_rollout(
         )
         if built is None:
             return None  # stopped while waiting for the run's first anchor
-        node = RolloutNode(
+        node = make_node(
             store,
             run,
             built,
-            events=EventStream(client, run),
-            redis=client,
+            client,
+            settings,
             node_id=node_id,
-            verify=_verify_mode(verify),
+            verify=verify,
             poll_interval_s=poll_interval_s,
             prefetch=prefetch,
-            public_key=verify_key,
-            state_path=state_path_for(settings.data_dir, run, node_id),
-            replica_ttl_s=settings.replica_ttl_s,
-            early_start=settings.early_start if early_start is None else early_start,
+            early_start=early_start,
         )
         try:
             applied = node.run(until_version=until_version, stop=stop)
@@ -163,6 +160,42 @@ def _deregister(client: redis.Redis, run: str, node_id: str) -> None:
         forget_replica(client, run, node_id)
     except DeltasyncError as exc:
         log.warning("could not remove the heartbeat", error=str(exc))
+
+
+def make_node(
+    store: ObjectStore,
+    run: str,
+    target: Target,
+    client: Any,
+    settings: Settings,
+    *,
+    node_id: str,
+    verify: str,
+    poll_interval_s: float,
+    prefetch: bool = True,
+    early_start: bool | None = None,
+    on_applied: Callable[[Manifest], None] | None = None,
+) -> RolloutNode:
+    """A rollout node of ``run`` with the process's settings (signatures, state file,
+    replica TTL, early start unless ``early_start`` says)."""
+    return RolloutNode(
+        store,
+        run,
+        target,
+        events=EventStream(client, run),
+        redis=client,
+        node_id=node_id,
+        verify=_verify_mode(verify),
+        poll_interval_s=poll_interval_s,
+        prefetch=prefetch,
+        public_key=(
+            load_public_key(settings.verify_key_path) if settings.verify_key_path else None
+        ),
+        state_path=state_path_for(settings.data_dir, run, node_id),
+        replica_ttl_s=settings.replica_ttl_s,
+        early_start=settings.early_start if early_start is None else early_start,
+        on_applied=on_applied,
+    )
 
 
 def _verify_mode(value: str) -> VerifyMode:

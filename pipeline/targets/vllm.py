@@ -33,6 +33,7 @@ from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import check_objects
 from pipeline.targets.vllm_cpu import PLAIN_LINEAR_ENV
 from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
+from pipeline.targets.vllm_engine import as_driver
 
 log = structlog.get_logger(__name__)
 
@@ -110,9 +111,9 @@ class VllmTarget:
         """``expected_specs``: the checkpoint tensors an engine that holds no deltasync
         state yet (started on dummy weights) is to take; ``specs()`` answers them, once
         the model's loader accepted every name, until ``load_state`` fills the engine."""
-        if not hasattr(llm, "collective_rpc"):
-            raise TargetError(f"{type(llm).__name__} is not a vLLM LLM (no collective_rpc)")
         self.llm = llm
+        # A vllm.LLM, or a driver of a served engine (pipeline.targets.vllm_engine).
+        self.engine = as_driver(llm)
         self.chunk_bytes = chunk_bytes
         self.expected_specs = dict(expected_specs) if expected_specs is not None else None
         # Decode and verify deltas on a worker thread while the engine serves (the
@@ -128,7 +129,7 @@ class VllmTarget:
 
     def _envelopes(self, method: str, *args: object) -> list[dict[str, Any]]:
         try:
-            answers = self.llm.collective_rpc(method, args=args)
+            answers = self.engine.collective_rpc(method, args)
         except Exception as exc:
             raise TargetError(f"vLLM collective_rpc {method} failed: {exc}") from exc
         if not answers or not all(isinstance(a, dict) and "ok" in a for a in answers):
@@ -153,7 +154,7 @@ class VllmTarget:
         return self._specs
 
     def _reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache():
+        if not self.engine.reset_prefix_cache():
             raise TargetError("vLLM engine refused to reset its prefix cache (requests running?)")
 
     # --- Target protocol -------------------------------------------------------------
@@ -186,8 +187,9 @@ class VllmTarget:
                 batch, size = {}, 0
         if batch:
             self._call("deltasync_load_chunk", save(batch))
-        self._set_specs(self._call("deltasync_load_commit", True))
-        self._reset_prefix_cache()
+        with self.engine.weights_change(None):  # the node names the version after
+            self._set_specs(self._call("deltasync_load_commit", True))
+            self._reset_prefix_cache()
         self.version = None
         log.info("vllm target loaded", tensors=len(self._specs or {}))
 
@@ -205,8 +207,9 @@ class VllmTarget:
         """Replace the engine's weights with safetensors files (or folders of them)
         that the workers can read; cheaper than ``load_state`` on the same host."""
         self._early = {}
-        self._set_specs(self._call("deltasync_load_files", [str(p) for p in paths], True))
-        self._reset_prefix_cache()
+        with self.engine.weights_change(version):
+            self._set_specs(self._call("deltasync_load_files", [str(p) for p in paths], True))
+            self._reset_prefix_cache()
         self.version = version
 
     def apply_delta(
@@ -221,21 +224,7 @@ class VllmTarget:
                 f"delta {manifest.run} v{manifest.version} has parent {manifest.parent}, "
                 f"vLLM target holds v{self.version}"
             )
-        check_objects(manifest, objects)
-        request = {
-            "version": manifest.version,
-            "verify": verify,
-            "parent_state_hash": manifest.parent_state_hash,
-            "entries": [
-                [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed]
-                for e in manifest.tensors
-            ],
-            "objects": {o.key: objects[o.key] for o in manifest.objects},
-            "sha256": {},  # checked here already; workers check it on the JSON path
-            "early": {
-                o.key: o.sha256 for o in manifest.objects if self._early.get(o.key) == o.sha256
-            },
-        }
+        request = delta_request(manifest, objects, verify, self._early)
         self._early = {}  # the workers drop every early proof at this prepare
         started = time.perf_counter()
         prepared = self._prepare(request)
@@ -245,10 +234,11 @@ class VllmTarget:
                 self._envelopes("deltasync_abort")
             _raise(failed[0])
         decoded = time.perf_counter()
-        self._call("deltasync_commit")
-        committed = time.perf_counter()
-        self._reset_prefix_cache()
-        finished = time.perf_counter()
+        with self.engine.weights_change(manifest.version):
+            self._call("deltasync_commit")
+            committed = time.perf_counter()
+            self._reset_prefix_cache()
+        finished = time.perf_counter()  # a served engine's drain and resume included
         # In the background mode the engine keeps serving while workers prepare:
         # it is unavailable only from the commit on.
         pause = finished - (decoded if self.background_prepare else started)
@@ -339,6 +329,26 @@ class VllmTarget:
         slice), else None. For checks: proves in-place writes reached the model."""
         blob = self._call("deltasync_read_param", name)
         return None if blob is None else load(blob)[name]
+
+
+def delta_request(
+    manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode, early: Mapping[str, str]
+) -> dict[str, Any]:
+    """The workers' ``deltasync_prepare`` request for a delta whose objects were
+    downloaded (checked here: present, sizes and sha256). ``early``: key -> sha256
+    of the objects the workers proved early."""
+    check_objects(manifest, objects)
+    return {
+        "version": manifest.version,
+        "verify": verify,
+        "parent_state_hash": manifest.parent_state_hash,
+        "entries": [
+            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
+        ],
+        "objects": {o.key: objects[o.key] for o in manifest.objects},
+        "sha256": {},  # checked here already; workers check it on the JSON path
+        "early": {o.key: o.sha256 for o in manifest.objects if early.get(o.key) == o.sha256},
+    }
 
 
 def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:

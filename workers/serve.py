@@ -1,0 +1,403 @@
+"""``deltasync serve``: vLLM's OpenAI-compatible server following a run, in one process.
+
+vLLM's own app (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/health``, ``/metrics``, ...) is built over an ``AsyncLLM`` with the deltasync
+worker extension, and a rollout node runs on a thread of the same process. The node
+drives the engine through ``pipeline.targets.vllm_engine.ServedEngine``: each
+version is fetched, decoded and proven while the server answers, then applied at a
+clean boundary (new requests held, generation paused in ``wait`` mode, patch,
+prefix cache reset, resume). No dev-mode route is opened.
+
+Every generation request is tagged with the version that served it: the response
+header ``x-deltasync-version: <run>@<version>`` and the OpenAI ``system_fingerprint``
+field. ``GET /deltasync/version`` says what the server holds, the run's head and
+the lag. The port opens once the node holds its first verified version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from pipeline import chain
+from pipeline.config import Settings
+from pipeline.errors import ConfigError, DeltasyncError
+from pipeline.hashing import state_hash
+from pipeline.logs import bind_context, configure_logging
+from pipeline.manifest import Manifest
+from pipeline.redis_server import ensure_redis, redact_url, redis_client
+from pipeline.rollout import RolloutNode
+from pipeline.store import open_store
+from pipeline.store.base import ObjectStore
+from pipeline.targets.vllm import EXTENSION_CLS, VllmTarget, _engine_start_guard
+from pipeline.targets.vllm_cpu import PLAIN_LINEAR_ENV
+from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
+from pipeline.targets.vllm_engine import ServedEngine, VersionGate
+from workers.rollout import _anchor_specs, _vllm_on_cpu, default_node_id, make_node
+from workers.runtime import current as current_runtime
+
+log = structlog.get_logger(__name__)
+
+VERSION_HEADER = b"x-deltasync-version"
+VERSION_ROUTE = "/deltasync/version"
+WEIGHTS_ROUTE = "/deltasync/weights"
+_HEAD_CACHE_S = 1.0
+_JOIN_S = 60.0  # the node's thread, at shutdown (it may be inside an engine call)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def server_argv(model_path: Path, host: str, port: int, extra: Sequence[str]) -> list[str]:
+    """vLLM server arguments: the model folder, address, the deltasync worker
+    extension, and on CPU an eager engine with a small KV cache (vLLM's CPU default
+    reserves most of the machine's memory); dummy weights when the folder holds none
+    (the bootstrap loads the run's). ``extra`` (any vLLM server option) comes last
+    and wins."""
+    folder = Path(model_path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"vLLM model folder {folder} has no config.json")
+    argv = ["--model", str(folder), "--host", host, "--port", str(port)]
+    argv += ["--worker-extension-cls", EXTENSION_CLS]
+    if not any(folder.glob("*.safetensors")):
+        argv += ["--load-format", "dummy"]
+    if _vllm_on_cpu():
+        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20)]
+    return argv + list(extra)
+
+
+def parse_server_args(argv: Sequence[str]) -> Any:
+    """vLLM's own server argument parser and checks (``--help`` lists them all)."""
+    from vllm.entrypoints.launchers.cli_args import (
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="deltasync serve"))  # type: ignore[no-untyped-call]
+    args = parser.parse_args(list(argv))
+    validate_parsed_serve_args(args)
+    return args
+
+
+class VersionTagger:
+    """ASGI middleware: generation requests (POST) pass the version gate, and their
+    response carries the version they were admitted under."""
+
+    def __init__(self, app: ASGIApp, gate: VersionGate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or str(scope.get("path", "")).startswith("/deltasync")
+        ):
+            await self.app(scope, receive, send)
+            return
+        label = await self.gate.enter()
+        try:
+            if label is None:
+                await _refuse(send, "the server holds no verified version (recovering)")
+                return
+            header = (VERSION_HEADER, label.encode())
+
+            async def tagged(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    message = dict(message)
+                    message["headers"] = [*message.get("headers", []), header]
+                await send(message)
+
+            await self.app(scope, receive, tagged)
+        finally:
+            self.gate.leave()
+
+
+async def _refuse(send: Send, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "ServiceUnavailable"}}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class Fingerprints:
+    """Stamps the served version on vLLM's serving objects (``system_fingerprint``,
+    read at each response); called while no request is admitted."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def __call__(self, label: str | None) -> None:
+        if self.state is None:
+            return
+        for value in vars(self.state).get("_state", {}).values():
+            if hasattr(value, "system_fingerprint"):
+                value.system_fingerprint = label
+
+
+class HeadCache:
+    """The run's head from the store, listed at most once a second."""
+
+    def __init__(self, store: ObjectStore, run: str) -> None:
+        self.store = store
+        self.run = run
+        self._at = 0.0
+        self._head: int | None = None
+
+    def head(self) -> int | None:
+        if time.monotonic() - self._at >= _HEAD_CACHE_S:
+            self._head = chain.list_versions(self.store, self.run).head
+            self._at = time.monotonic()
+        return self._head
+
+
+def run_serve(
+    *,
+    run: str,
+    model_path: Path,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    vllm_args: Sequence[str] = (),
+    node_id: str | None = None,
+    verify: str = "touched",
+    poll_interval_s: float = 2.0,
+    early_start: bool | None = None,
+    settings: Settings | None = None,
+) -> None:
+    """Serve ``model_path``'s model with the weights of run ``run`` until SIGINT/SIGTERM."""
+    if verify not in ("touched", "all", "none"):
+        raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
+    if poll_interval_s <= 0:
+        raise ConfigError(f"poll interval must be positive, got {poll_interval_s}")
+    settings = settings or current_runtime().settings
+    node_id = node_id or default_node_id()
+    bind_context(run=run, node=node_id)
+    args = parse_server_args(server_argv(model_path, host, port, vllm_args))
+    store = open_store(settings.store_url)
+    url = settings.redis_url or ensure_redis(settings.data_dir)
+    client = redis_client(url)
+    log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
+    # Keep CPU linear weights plain, so deltas are written in place; spawned engine
+    # processes inherit the variable and install the hook with the extension.
+    os.environ[PLAIN_LINEAR_ENV] = "1"
+    install_cpu_linear_hook()
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()  # type: ignore[no-untyped-call]
+    serving = _Serving(args, store, run, client, settings, node_id, verify, poll_interval_s)
+    serving.early_start = early_start
+    import uvloop
+
+    try:
+        uvloop.run(serving.main())
+    finally:
+        client.close()
+    log.info("serve stopped", version=serving.driver.version if serving.driver else None)
+
+
+class _Serving:
+    def __init__(
+        self,
+        args: Any,
+        store: ObjectStore,
+        run: str,
+        client: Any,
+        settings: Settings,
+        node_id: str,
+        verify: str,
+        poll_interval_s: float,
+    ) -> None:
+        self.args = args
+        self.store = store
+        self.run = run
+        self.client = client
+        self.settings = settings
+        self.node_id = node_id
+        self.verify = verify
+        self.poll_interval_s = poll_interval_s
+        self.early_start: bool | None = None
+        self.stop = threading.Event()
+        self.driver: ServedEngine | None = None
+        self.node: RolloutNode | None = None
+        self.heads = HeadCache(store, run)
+
+    async def main(self) -> None:
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+
+        # Until uvicorn installs its handlers, SIGINT/SIGTERM stop the start-up.
+        def interrupt(*_: object) -> None:
+            self.stop.set()
+            raise KeyboardInterrupt("terminated")
+
+        signal.signal(signal.SIGTERM, interrupt)
+        async with contextlib.AsyncExitStack() as stack:
+            with _engine_start_guard():
+                engine = await stack.enter_async_context(build_async_engine_client(self.args))
+            # vLLM's start-up reconfigures logging, and the root logger's level is
+            # raised later on: route ours (and uvicorn's) again, at our own level.
+            configure_logging(self.settings.log_level, json=self.settings.log_json)
+            for name in ("pipeline", "workers"):
+                logging.getLogger(name).setLevel(logging.getLogger().level)
+            thread = await self._follow(engine)
+            try:
+                if thread is not None:
+                    await self._serve(engine)
+            finally:
+                self.stop.set()
+                if thread is not None:
+                    # The node may be inside an engine call: keep the loop running.
+                    await asyncio.to_thread(thread.join, _JOIN_S)
+
+    async def _follow(self, engine: Any) -> threading.Thread | None:
+        """Start the node on its thread; return once it holds a verified version
+        (None: stopped first)."""
+        loop = asyncio.get_running_loop()
+        fingerprints = Fingerprints()
+        self.fingerprints = fingerprints
+        self.gate = VersionGate()
+        driver = ServedEngine(engine, loop, self.run, self.gate, on_label=fingerprints)
+        self.driver = driver
+        specs = await asyncio.to_thread(_anchor_specs, self.store, self.run, self.stop)
+        if specs is None:
+            return None
+        target = VllmTarget(driver, expected_specs=specs)
+
+        def applied(manifest: Manifest) -> None:
+            driver.publish(manifest.version)
+
+        node = make_node(
+            self.store,
+            self.run,
+            target,
+            self.client,
+            self.settings,
+            node_id=self.node_id,
+            verify=self.verify,
+            poll_interval_s=self.poll_interval_s,
+            early_start=self.early_start,
+            on_applied=applied,
+        )
+        self.node = node
+
+        def follow() -> None:
+            try:
+                node.run(stop=self.stop)
+            except Exception:
+                log.exception("rollout node failed")
+                self.stop.set()
+                raise
+
+        thread = threading.Thread(target=follow, name="deltasync-node", daemon=True)
+        thread.start()
+        while driver.version is None or not self.gate.is_open:
+            if self.stop.is_set() or not thread.is_alive():
+                await asyncio.to_thread(thread.join)
+                return None
+            await asyncio.sleep(0.1)
+        log.info("first version loaded, opening the server", version=driver.version)
+        return thread
+
+    async def _serve(self, engine: Any) -> None:
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+        args = self.args
+        args.fingerprint_mode = "custom"
+        args.fingerprint_value = self.gate.label
+        # Closed while the app is built: a relabel then waits for it.
+        await self.gate.close()
+        try:
+            supported_tasks = await engine.get_supported_tasks()
+            app = build_app(args, supported_tasks, engine.model_config)
+            await init_app_state(engine, app.state, args, supported_tasks)
+            self.fingerprints.state = app.state
+            self.fingerprints(self.gate.label)
+            app.add_api_route(VERSION_ROUTE, self._version_route, methods=["GET"])
+            app.add_api_route(WEIGHTS_ROUTE, self._weights_route, methods=["GET"])
+            if app.middleware_stack is None:
+                app.add_middleware(VersionTagger, gate=self.gate)
+            else:  # vLLM built the stack already: wrap it, outermost
+                app.middleware_stack = VersionTagger(app.middleware_stack, self.gate)
+        finally:
+            self.gate.reopen(self.gate.label)
+        listen_address, sock = setup_server(args, reuse_port=False)
+        log.info("serving", address=listen_address, version=self.gate.label)
+        try:
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                log_config=None,  # uvicorn's loggers go through deltasync's handler
+            )
+            await shutdown
+        finally:
+            sock.close()
+
+    async def _version_route(self) -> dict[str, Any]:
+        driver = self.driver
+        version = driver.version if driver is not None else None
+        try:
+            head = await asyncio.to_thread(self.heads.head)
+        except DeltasyncError as exc:
+            log.warning("cannot list the run's head", error=str(exc))
+            head = None
+        node = self.node
+        error = node.last_error if node is not None else None
+        return {
+            "run": self.run,
+            "node": self.node_id,
+            "version": version,
+            "label": self.gate.label,
+            "head": head,
+            "lag": None if head is None or version is None else max(0, head - version),
+            "updates": driver.pauses if driver is not None else 0,
+            # [version (None: a full load), seconds new requests were held, of which
+            # waiting for admitted requests to finish], newest last
+            "recent_pauses": [
+                [v, round(held, 6), round(drain, 6)]
+                for v, held, drain in (driver.recent_pauses if driver else ())
+            ],
+            "last_error": None if error is None else str(error),
+        }
+
+    async def _weights_route(self) -> Any:
+        """Content hashes of the held weights, read from the workers (checks)."""
+        from fastapi.responses import JSONResponse
+
+        node = self.node
+        if node is None:
+            return JSONResponse({"error": "no weights loaded"}, status_code=503)
+        try:
+            version = node.applied_version
+            hashes = await asyncio.to_thread(node.target.hashes)
+        except DeltasyncError as exc:  # e.g. a delta being prepared right now
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        digest = state_hash(sorted(hashes.items()))
+        return {"version": version, "state_hash": digest, "tensors": hashes}
+
+
+__all__ = ["VERSION_HEADER", "VERSION_ROUTE", "VersionTagger", "run_serve", "server_argv"]
