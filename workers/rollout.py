@@ -96,11 +96,9 @@ def run_rollout(
         configure_logging(settings.log_level, json=settings.log_json)
     node_id = node_id or default_node_id()
     bind_context(run=run, node=node_id)
-    verify_key = load_public_key(settings.verify_key_path) if settings.verify_key_path else None
-    store = trusted(open_store(store_url or settings.store_url), verify_key)
     url = redis_url or settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url)
-    run_binding.check_store(client, run, store)  # a node on another store refuses at once
+    store = open_node_store(settings, client, run, store_url)
     log.info(
         "rollout node starting",
         target=target,
@@ -147,13 +145,24 @@ def run_rollout(
             if dump_path is not None and node.applied_version is not None:
                 node.dump(dump_path)
                 log.info("weights dumped", path=str(dump_path), version=node.applied_version)
-            _deregister(client, run, node_id)
+            deregister_node(client, run, node_id)
             client.close()
     log.info("rollout node stopped", version=applied)
     return applied
 
 
-def _deregister(client: redis.Redis, run: str, node_id: str) -> None:
+def open_node_store(
+    settings: Settings, client: redis.Redis, run: str, store_url: str | None = None
+) -> ObjectStore:
+    """The store a node of ``run`` reads: every manifest checked against the verify key
+    when one is set, and refused at once if the run is bound to another store."""
+    verify_key = load_public_key(settings.verify_key_path) if settings.verify_key_path else None
+    store = trusted(open_store(store_url or settings.store_url), verify_key)
+    run_binding.check_store(client, run, store)
+    return store
+
+
+def deregister_node(client: redis.Redis, run: str, node_id: str) -> None:
     """A node that stops takes its heartbeat along, so garbage collection need not wait
     out its TTL; with Redis gone the heartbeat simply expires."""
     try:

@@ -31,7 +31,7 @@ from pipeline.redis_server import ensure_redis, redis_client
 from pipeline.rollout_report import Reporter
 from pipeline.rollout_stream import StreamFollower
 from pipeline.signing import load_public_key
-from pipeline.store import open_store
+from workers.rollout import open_node_store
 
 log = structlog.get_logger(__name__)
 
@@ -96,8 +96,8 @@ def run_http_rollout(
     """Follow ``run`` until ``stop`` or until ``until_version`` is applied; returns the
     version the server holds."""
     server = VllmHttp(url)
-    store = open_store(settings.store_url)
     client = redis_client(settings.redis_url or ensure_redis(settings.data_dir))
+    store = open_node_store(settings, client, run)
     events = EventStream(client, run)
     stream = StreamFollower(events, run)
     report = Reporter(run, node_id, events=events, redis=client, heartbeat_interval_s=5.0,

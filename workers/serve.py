@@ -38,13 +38,19 @@ from pipeline.logs import bind_context, configure_logging
 from pipeline.manifest import Manifest
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
 from pipeline.rollout import RolloutNode
-from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.targets.vllm import EXTENSION_CLS, VllmTarget, _engine_start_guard
 from pipeline.targets.vllm_cpu import PLAIN_LINEAR_ENV
 from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm_engine import ServedEngine, VersionGate
-from workers.rollout import _anchor_specs, _vllm_on_cpu, default_node_id, make_node
+from workers.rollout import (
+    _anchor_specs,
+    _vllm_on_cpu,
+    default_node_id,
+    deregister_node,
+    make_node,
+    open_node_store,
+)
 from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)
@@ -193,9 +199,9 @@ def run_serve(
     node_id = node_id or default_node_id()
     bind_context(run=run, node=node_id)
     args = parse_server_args(server_argv(model_path, host, port, vllm_args))
-    store = open_store(settings.store_url)
     url = settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url)
+    store = open_node_store(settings, client, run)
     log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
     # Keep CPU linear weights plain, so deltas are written in place; spawned engine
     # processes inherit the variable and install the hook with the extension.
@@ -211,6 +217,7 @@ def run_serve(
     try:
         uvloop.run(serving.main())
     finally:
+        deregister_node(client, run, node_id)
         client.close()
     log.info("serve stopped", version=serving.driver.version if serving.driver else None)
 
