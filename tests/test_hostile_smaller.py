@@ -153,3 +153,21 @@ def test_checkpoint_roots_limit_what_a_job_may_name(tmp_path: Path) -> None:
     for outside in (Path("/etc/passwd"), trainer / "evil" / "passwd", limited.staging_dir):
         with pytest.raises(ConfigError, match="outside the run's staging folder"):
             check_checkpoint_root(limited, RUN, outside)
+
+
+def test_a_retried_poison_step_is_recorded_and_announced_once(redis_url: str) -> None:
+    from pipeline import dead_letters
+    from pipeline.event_stream import EventStream
+    from pipeline.redis_server import redis_client
+
+    r = redis_client(redis_url)
+    run = "retried"
+    pending = f"deltasync:run:{run}:pending-steps"
+    for _ in range(4):  # the job and rq's three retries
+        r.hset(pending, "2", "{}")
+        reason = dead_letters.record(r, run, 2, "/x\n", ValueError("bad\nstep"), pending)
+    assert reason == "ValueError: bad"
+    assert [d.step for d in dead_letters.list_dead(r, run)] == [2]
+    events = [e for _, e in EventStream(r, run).read("0-0") if e is not None]
+    assert [e.type for e in events] == ["step-failed"]
+    assert not r.hexists(pending, "2")

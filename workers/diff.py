@@ -148,6 +148,7 @@ def _diff_one(
 
     def published(manifest: Manifest) -> None:
         runtime.redis.hdel(queues.pending_steps_key(run), str(step))
+        runtime.redis.hdel(dead_letters.dead_steps_key(run), str(step))  # set aside before
         faults.point("diff.before_announce")
         announce(runtime, manifest)
         announced.append(manifest.version)
