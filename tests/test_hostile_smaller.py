@@ -171,3 +171,29 @@ def test_a_retried_poison_step_is_recorded_and_announced_once(redis_url: str) ->
     events = [e for _, e in EventStream(r, run).read("0-0") if e is not None]
     assert [e.type for e in events] == ["step-failed"]
     assert not r.hexists(pending, "2")
+
+
+def test_a_fifo_named_as_a_checkpoint_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    store = FileStore(tmp_path / "store")
+    outcome: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            publish_step(store, RUN, 0, fifo, StateCache(tmp_path / "cache", RUN), level=1)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=publish, daemon=True)
+    worker.start()
+    worker.join(60)
+    if worker.is_alive():
+        with open(fifo, "wb"):  # unblock it before failing
+            pass
+        pytest.fail("a FIFO named as a checkpoint blocked the publish")
+    assert len(outcome) == 1 and isinstance(outcome[0], CorruptObjectError)
+    assert "not a regular file" in str(outcome[0])
