@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -151,8 +152,13 @@ def _header_entry(name: str, info: object, body: int, source: str) -> HeaderEntr
 def read_file_header(path: Path) -> SafetensorsHeader:
     """Header of a safetensors file, checked against the file's size."""
     try:
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # Non-blocking open, regular files only: a FIFO named as a checkpoint must not hang.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptObjectError(f"checkpoint file {path} is not a regular file")
+            size = info.st_size
             head = f.read(8)
             if len(head) == 8:
                 (n,) = struct.unpack("<Q", head)
@@ -236,7 +242,7 @@ class CheckpointReader:
                 weight_map = doc["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise TypeError
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
                 raise CorruptObjectError(f"checkpoint index {index} is malformed") from None
             shard_names: list[str] = []
             for shard in weight_map.values():

@@ -167,6 +167,16 @@ class Settings:
             "Keep staged checkpoints that deltasync wrote after they are published.",
         ),
     )
+    checkpoint_roots: tuple[Path, ...] | None = field(
+        default=None,
+        metadata=_var(
+            "DELTASYNC_CHECKPOINT_ROOTS",
+            "(any)",
+            "Folders, separated by ':', that diff workers accept checkpoints from besides "
+            "the run's staging folder; a job naming another path is set aside. Unset: any "
+            "readable path (set it where Redis writers are not trusted to name files).",
+        ),
+    )
 
     parallel_parts: bool = field(
         default=False,
@@ -338,6 +348,12 @@ def _text(env: str, value: object) -> str:
     return value
 
 
+def _paths(env: str, value: object) -> tuple[Path, ...]:
+    if isinstance(value, tuple | list):
+        return tuple(_path(env, v) for v in value)
+    return tuple(_path(env, part) for part in _text(env, value).split(os.pathsep) if part)
+
+
 def _path(env: str, value: object) -> Path:
     path = value if isinstance(value, Path) else Path(_text(env, value))
     return path.expanduser().absolute()
@@ -409,6 +425,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "log_level": _log_level,
     "log_json": _bool,
     "keep_staging": _bool,
+    "checkpoint_roots": _paths,
     "parallel_parts": _bool,
     "cache_link": _bool,
     "early_start": _bool,

@@ -73,6 +73,10 @@ def record(
     where = _CONTROL.sub("?", checkpoint[:500]) or "?"
     doc = {"reason": reason, "checkpoint": where, "time": now_iso()}
     event = StepFailed.now(run=run, version=step, reason=reason, checkpoint=where)
+    with redis_errors(client, f"recording dead step {step} of {run}"):
+        if client.hexists(dead_steps_key(run), str(step)):  # a retry of the same step
+            client.hdel(pending_key, str(step))
+            return reason
     with (
         redis_errors(client, f"recording dead step {step} of {run}"),
         client.pipeline(transaction=True) as pipe,

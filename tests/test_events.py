@@ -25,6 +25,7 @@ from pipeline.events import (
     Event,
     ReplicaError,
     StepCompleted,
+    StepFailed,
     check_run_name,
     parse_event,
 )
@@ -38,6 +39,7 @@ def sample_events(run: str = RUN) -> list[Event]:
     return [
         StepCompleted.now(run=run, version=0, checkpoint="/staging/step-0", owned=True, level=2),
         StepCompleted(run=run, version=1, checkpoint="s3://b/ckpt", owned=False, level=None),
+        StepFailed.now(run=run, version=3, reason="TypeError: not a path", checkpoint="?"),
         DeltaAvailable.now(
             run=run,
             version=1,

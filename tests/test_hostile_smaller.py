@@ -14,11 +14,14 @@ from structlog.testing import capture_logs
 
 from pipeline import chain
 from pipeline.checkpoint_write import write_checkpoint
+from pipeline.compaction import collect_garbage, compact
 from pipeline.diff_step import publish_step
-from pipeline.errors import CodecError, CorruptObjectError, StoreError
+from pipeline.errors import CodecError, CorruptObjectError, SignatureError, StoreError
 from pipeline.policy import compaction_reason
+from pipeline.signing import generate_keypair, load_private_key, load_public_key
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
+from pipeline.trust import trusted
 
 RUN = "small"
 
@@ -96,3 +99,101 @@ def test_a_symlinked_version_folder_is_never_written_through(tmp_path: Path) -> 
     assert list(elsewhere.iterdir()) == []
     with pytest.raises(StoreError, match="symlink"):
         store.get(f"{RUN}/deltas/0000000001/manifest.json")
+
+
+def _signed_run(tmp: Path) -> tuple[FileStore, Path, Path]:
+    private, public = generate_keypair(tmp / "keys")
+    store = FileStore(tmp / "store")
+    cache = StateCache(tmp / "cache", RUN)
+    for step in range(3):
+        path = tmp / f"ckpt-{step}.safetensors"
+        write_checkpoint(path, _state(step).items())
+        publish_step(store, RUN, step, path, cache, level=1, signing_key=load_private_key(private))
+    return store, private, public
+
+
+def test_a_signing_worker_never_builds_on_an_unsigned_head(tmp_path: Path) -> None:
+    store, private, _ = _signed_run(tmp_path)
+    forged = tmp_path / "forged.safetensors"
+    write_checkpoint(forged, _state(7).items())
+    publish_step(store, RUN, 3, forged, StateCache(tmp_path / "attacker", RUN), level=1)
+    path = tmp_path / "ckpt-4.safetensors"
+    write_checkpoint(path, _state(4).items())
+    cache = StateCache(tmp_path / "cache", RUN)
+    with pytest.raises(SignatureError, match="delta 3 of run small is not signed"):
+        publish_step(store, RUN, 4, path, cache, level=1, signing_key=load_private_key(private))
+    assert chain.list_versions(store, RUN).head == 3
+
+
+def test_garbage_collection_verifies_what_it_keeps(tmp_path: Path) -> None:
+    """An unsigned anchor at the head would let GC delete the signed chains below it."""
+    store, private, public = _signed_run(tmp_path)
+    compact(store, RUN, 1, signing_key=load_private_key(private))
+    compact(store, RUN, 2)  # someone without the key: an unsigned anchor
+    before = sorted(store.list(RUN))
+    with pytest.raises(SignatureError, match="anchor 2 of run small is not signed"):
+        collect_garbage(trusted(store, load_public_key(public)), RUN, 1, None)
+    assert sorted(store.list(RUN)) == before
+
+
+def test_checkpoint_roots_limit_what_a_job_may_name(tmp_path: Path) -> None:
+    from pipeline.config import Settings
+    from pipeline.errors import ConfigError
+    from workers.diff import check_checkpoint_root
+
+    home = {"DELTASYNC_HOME": str(tmp_path / "home")}
+    trainer = tmp_path / "trainer"
+    trainer.mkdir()
+    (trainer / "evil").symlink_to("/etc")
+    open_settings = Settings.from_env(home)
+    check_checkpoint_root(open_settings, RUN, Path("/etc/passwd"))  # unset: any path
+    limited = Settings.from_env(home, checkpoint_roots=str(trainer))
+    check_checkpoint_root(limited, RUN, trainer / "step-3")
+    check_checkpoint_root(limited, RUN, limited.staging_dir / RUN / "step-0000000003")
+    for outside in (Path("/etc/passwd"), trainer / "evil" / "passwd", limited.staging_dir):
+        with pytest.raises(ConfigError, match="outside the run's staging folder"):
+            check_checkpoint_root(limited, RUN, outside)
+
+
+def test_a_retried_poison_step_is_recorded_and_announced_once(redis_url: str) -> None:
+    from pipeline import dead_letters
+    from pipeline.event_stream import EventStream
+    from pipeline.redis_server import redis_client
+
+    r = redis_client(redis_url)
+    run = "retried"
+    pending = f"deltasync:run:{run}:pending-steps"
+    for _ in range(4):  # the job and rq's three retries
+        r.hset(pending, "2", "{}")
+        reason = dead_letters.record(r, run, 2, "/x\n", ValueError("bad\nstep"), pending)
+    assert reason == "ValueError: bad"
+    assert [d.step for d in dead_letters.list_dead(r, run)] == [2]
+    events = [e for _, e in EventStream(r, run).read("0-0") if e is not None]
+    assert [e.type for e in events] == ["step-failed"]
+    assert not r.hexists(pending, "2")
+
+
+def test_a_fifo_named_as_a_checkpoint_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    store = FileStore(tmp_path / "store")
+    outcome: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            publish_step(store, RUN, 0, fifo, StateCache(tmp_path / "cache", RUN), level=1)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=publish, daemon=True)
+    worker.start()
+    worker.join(60)
+    if worker.is_alive():
+        with open(fifo, "wb"):  # unblock it before failing
+            pass
+        pytest.fail("a FIFO named as a checkpoint blocked the publish")
+    assert len(outcome) == 1 and isinstance(outcome[0], CorruptObjectError)
+    assert "not a regular file" in str(outcome[0])

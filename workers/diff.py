@@ -13,6 +13,7 @@ from rq import get_current_job
 from pipeline import dead_letters, faults, run_binding
 from pipeline.config import Settings
 from pipeline.diff_step import PublishResult, publish_step
+from pipeline.errors import ConfigError
 from pipeline.event_stream import EventStream
 from pipeline.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.logs import bind_context, get_logger
@@ -139,6 +140,7 @@ def _diff_one(
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
     path = Path(checkpoint)
+    check_checkpoint_root(settings, run, path)
     # Only deltasync's own staging copies are moved or removed; never a user's checkpoint.
     staged = owned and not settings.keep_staging and is_own_staging(settings, run, step, path)
 
@@ -146,6 +148,7 @@ def _diff_one(
 
     def published(manifest: Manifest) -> None:
         runtime.redis.hdel(queues.pending_steps_key(run), str(step))
+        runtime.redis.hdel(dead_letters.dead_steps_key(run), str(step))  # set aside before
         faults.point("diff.before_announce")
         announce(runtime, manifest)
         announced.append(manifest.version)
@@ -200,6 +203,20 @@ def _diff_one(
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     log.info("diff job done", status=result.status)
     return result.summary()
+
+
+def check_checkpoint_root(settings: Settings, run: str, path: Path) -> None:
+    """ConfigError (the step is set aside) for a checkpoint outside the run's staging
+    folder and ``DELTASYNC_CHECKPOINT_ROOTS``, when that is set."""
+    if settings.checkpoint_roots is None:
+        return
+    resolved = path.resolve()
+    roots = [settings.staging_dir / run, *settings.checkpoint_roots]
+    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
+        raise ConfigError(
+            f"checkpoint {str(path)[:200]} is outside the run's staging folder and "
+            "DELTASYNC_CHECKPOINT_ROOTS: refused"
+        )
 
 
 def is_own_staging(settings: Settings, run: str, step: int, path: Path) -> bool:
