@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any, cast
 
+from pipeline import content_hashes
 from pipeline.errors import CodecError, CorruptObjectError
 from pipeline.manifest import (
     DTYPES,
@@ -24,6 +25,7 @@ from pipeline.manifest import (
     MAX_TENSOR_NAME,
     MAX_VERSION,
     RUN_PATTERN,
+    SCHEMA1_CONTENT_HASH,
     SUPPORTED_SCHEMAS,
     CodecInfo,
     Kind,
@@ -54,9 +56,10 @@ _TOP_KEYS = frozenset(
         "created",
         "extra",
         "signature",
+        "content_hash",
     }
 )
-_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature"}
+_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature", "content_hash"}
 
 
 class _Checker:
@@ -164,6 +167,7 @@ def parse_manifest(
     if not isinstance(extra, dict):
         raise c.fail("extra is not an object")
     signature = _parse_signature(c, doc.get("signature"))
+    algorithm = _parse_content_hash(c, schema, doc.get("content_hash"))
 
     manifest = Manifest(
         run=run,
@@ -180,6 +184,7 @@ def parse_manifest(
         signature=signature,
         extra=extra,
         parent_state_hash=parent_state,
+        content_hash=algorithm,
     )
     if expected_run is not None and run != expected_run:
         raise CorruptObjectError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")
@@ -190,6 +195,20 @@ def parse_manifest(
     if expected_kind is not None and kind != expected_kind:
         raise CorruptObjectError(f"manifest {source} is a {kind}, expected a {expected_kind}")
     return manifest
+
+
+def _parse_content_hash(c: _Checker, schema: int, raw: object) -> str:
+    """Schema 1 names no algorithm (xxh3-128); schema 2 names a known one."""
+    if schema < 2:
+        if raw is not None:
+            raise c.fail(f"schema {schema} names no content_hash")
+        return SCHEMA1_CONTENT_HASH
+    name = c.string(raw, "content_hash")
+    if name not in content_hashes.ALGORITHMS:
+        raise c.fail(
+            f"content_hash {name[:40]!r} is not one of {sorted(content_hashes.ALGORITHMS)}"
+        )
+    return name
 
 
 def _parse_objects(c: _Checker, raw: object) -> tuple[ObjectEntry, ...]:

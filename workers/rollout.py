@@ -34,6 +34,7 @@ from pipeline.logs import bind_context, configure_logging
 from pipeline.manifest import dtype_from_name
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
 from pipeline.rollout import RolloutNode
+from pipeline.scrub import ScrubPace
 from pipeline.signing import load_public_key
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
@@ -130,6 +131,11 @@ def run_rollout(
             state_path=state_path_for(settings.data_dir, run, node_id),
             replica_ttl_s=settings.replica_ttl_s,
             early_start=settings.early_start if early_start is None else early_start,
+            scrub=(
+                ScrubPace(settings.scrub_minutes * 60, settings.scrub_cpu)
+                if settings.scrub_minutes > 0
+                else None
+            ),
         )
         try:
             applied = node.run(until_version=until_version, stop=stop)
