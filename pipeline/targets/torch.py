@@ -21,7 +21,7 @@ import structlog
 import torch
 from torch import nn
 
-from pipeline import content_hashes
+from pipeline import content_hashes, faults
 from pipeline.codec import TensorPatch
 from pipeline.content_hashes import HashAlgorithm
 from pipeline.errors import MismatchError, TargetError
@@ -225,7 +225,9 @@ class TorchTarget:
             known = self._hash_cache.get(canonical)
             if known is None:
                 return True
-            return self._algorithm.full(self._tensors[canonical]) == known
+            same = self._algorithm.full(self._tensors[canonical]) == known
+            faults.point("target.mid_scrub")
+            return same
 
     def state_hash(self, names: Iterable[str] | None = None) -> str:
         """State hash over the given checkpoint names (default: the checkpoint's names),
