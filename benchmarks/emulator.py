@@ -182,6 +182,27 @@ class UpdateEmulator:
         return changed
 
 
+class UniformEmulator:
+    """A harder update than the calibrated one: every tensor changes ``density`` of
+    its elements at uniformly random positions, by +-1 or +-2 units in the last
+    place (so every tensor is touched, norms and embeddings as much as the rest)."""
+
+    def __init__(self, density: float, seed: int = 0) -> None:
+        self.density = density
+        self.rng = np.random.default_rng(seed)
+        self.steps = np.array([-2, -1, -1, 1, 1, 2], np.int16)
+
+    def step_(self, state: dict[str, torch.Tensor]) -> int:
+        changed = 0
+        for tensor in state.values():
+            bits = tensor.view(torch.int16).reshape(-1).numpy()
+            count = max(1, round(self.density * bits.size))
+            where = np.unique(self.rng.integers(0, bits.size, count))
+            bits[where] += self.rng.choice(self.steps, where.size)
+            changed += int(where.size)
+        return changed
+
+
 # ---------------------------------------------------------------- emulated model
 
 

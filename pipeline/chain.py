@@ -19,6 +19,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pipeline import content_hashes
 from pipeline.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.codec import apply_patch, read_delta
 from pipeline.codec.anchor import anchor_tensors
@@ -27,7 +28,7 @@ from pipeline.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
 )
-from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.hashing import sha256_bytes
 from pipeline.logs import Throttle
 from pipeline.manifest import (
     KIND_FOLDERS,
@@ -231,6 +232,11 @@ def _check_same_tensors(plan: ChainPlan) -> None:
     """Every manifest of the chain must describe the same tensors (names, dtypes, shapes)."""
     target = {t.name: (t.dtype, t.shape) for t in plan.target.tensors}
     for m in plan.manifests:
+        if m.content_hash != plan.target.content_hash:  # the first anchor fixes it
+            raise ChainError(
+                f"run {plan.run}: {m.kind} {m.version} hashes tensors with {m.content_hash}, "
+                f"version {plan.version} with {plan.target.content_hash}"
+            )
         mine = {t.name: (t.dtype, t.shape) for t in m.tensors}
         if mine != target:
             diff = sorted(set(mine.items()) ^ set(target.items()))
@@ -296,6 +302,7 @@ def reconstruct_parts(
     _check_same_tensors(plan)
     target = plan.target
     target_entries = {t.name: t for t in target.tensors}
+    algorithm = content_hashes.of(target)
     anchor_entries = {t.name: t for t in plan.anchor.tensors}
     parts = target.parts()
     progress = Throttle()
@@ -314,7 +321,7 @@ def reconstruct_parts(
             _apply_delta(store, delta, names, tensors)
         if verify_hashes:
             for n in names:
-                if content_hash(tensors[n]) != target_entries[n].hash:
+                if algorithm.full(tensors[n]) != target_entries[n].hash:
                     raise CorruptObjectError(
                         f"run {run} version {version}: tensor {n!r} does not match its "
                         "manifest hash after reconstruction"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pipeline import content_hashes
 from pipeline.codec.anchor import ANCHOR_COMPRESSIONS
 from pipeline.codec.api import LEVELS
 from pipeline.errors import ConfigError
@@ -205,6 +206,33 @@ class Settings:
             "worker's.",
         ),
     )
+    content_hash: str = field(
+        default="mixsum-128",
+        metadata=_var(
+            "DELTASYNC_CONTENT_HASH",
+            "mixsum-128",
+            "Tensor content hash of a new run, fixed by its first anchor: mixsum-128 "
+            "(updated from the changed elements alone) or xxh3-128 (rehashed in full).",
+        ),
+    )
+    scrub_minutes: float = field(
+        default=10.0,
+        metadata=_var(
+            "DELTASYNC_SCRUB_MINUTES",
+            "10",
+            "Rollout nodes re-hash every held tensor in full in the background, one pass "
+            "about every this many minutes (0: never); a mismatch is reported as a "
+            "replica error and the node recovers from the store.",
+        ),
+    )
+    scrub_cpu: float = field(
+        default=0.25,
+        metadata=_var(
+            "DELTASYNC_SCRUB_CPU",
+            "0.25",
+            "Share of the hashing cores the background re-hash may use at most (0 to 1).",
+        ),
+    )
     patch_memory_mb: int = field(
         default=1024,
         metadata=_var(
@@ -260,6 +288,15 @@ class Settings:
             )
         if self.keep_anchors < 1:
             raise ConfigError(f"DELTASYNC_KEEP_ANCHORS: must be >= 1, got {self.keep_anchors}")
+        if self.content_hash not in content_hashes.ALGORITHMS:
+            raise ConfigError(
+                f"DELTASYNC_CONTENT_HASH: {self.content_hash!r} is not one of "
+                f"{', '.join(sorted(content_hashes.ALGORITHMS))}"
+            )
+        if not (math.isfinite(self.scrub_minutes) and self.scrub_minutes >= 0):
+            raise ConfigError(f"DELTASYNC_SCRUB_MINUTES: must be >= 0, got {self.scrub_minutes}")
+        if not 0 < self.scrub_cpu <= 1:
+            raise ConfigError(f"DELTASYNC_SCRUB_CPU: must be in (0, 1], got {self.scrub_cpu}")
         if self.patch_memory_mb < 0:
             raise ConfigError(
                 f"DELTASYNC_PATCH_MEMORY_MB: must be >= 0, got {self.patch_memory_mb}"
@@ -429,6 +466,9 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "parallel_parts": _bool,
     "cache_link": _bool,
     "early_start": _bool,
+    "content_hash": _choice,
+    "scrub_minutes": _float,
+    "scrub_cpu": _float,
     "patch_memory_mb": _int,
     "part_bytes": _int,
     "anchor_compression": _choice,

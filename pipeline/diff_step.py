@@ -95,6 +95,7 @@ def publish_step(
     link: bool = False,
     anchor_compression: str = "none",
     on_part: Callable[[DeltaPart], None] | None = None,
+    content_hash: str | None = None,
 ) -> PublishResult:
     """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
 
@@ -109,7 +110,8 @@ def publish_step(
     ``anchor_compression`` applies to the run's first version (an anchor). ``on_part``
     gets a hint for each delta object once it is stored, before the manifest. With
     ``signing_key`` the head is verified with its public half before anything builds
-    on it."""
+    on it. ``content_hash`` names the tensor hash of a new run (its first anchor fixes
+    it; default ``content_hashes.DEFAULT``); later versions keep the run's."""
     store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     head = index.head
@@ -142,6 +144,7 @@ def publish_step(
                 part_bytes=part_bytes,
                 timings=timings,
                 anchor_compression=anchor_compression,
+                content_hash=content_hash,
             )
         else:
             parent_kind: Kind = "anchor" if head in index.anchors else "delta"
@@ -153,6 +156,7 @@ def publish_step(
                 cache.rebuild(store, run, head)
 
             def delta(parent: Manifest = parent, head: int = head) -> Manifest:
+                proven = cache.is_proven_for(parent)
                 with cache.reader() as base:
                     return publish_delta(
                         store,
@@ -167,6 +171,7 @@ def publish_step(
                         index=index,
                         base_unchanged=cache.linked_files_unchanged,
                         on_part=on_part,
+                        base_proven=proven,
                     )
 
             try:
@@ -188,7 +193,10 @@ def publish_step(
         cache_started = time.perf_counter()
         new.close()
         checkpoint = Path(checkpoint_path)
-        moved = adopt and cache.adopt(checkpoint, manifest)
+        # An anchor hashed this very file; a delta's base was proven (or hashed in full
+        # by it) and its encoding compared every element: deltasync owns the adopted
+        # checkpoint, so what was hashed or encoded is what the cache holds.
+        moved = adopt and cache.adopt(checkpoint, manifest, proven=True)
         if not (moved or (link and cache.link(checkpoint, manifest))):
             cache.advance(new, manifest)
         timings.cache_s = time.perf_counter() - cache_started

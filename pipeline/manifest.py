@@ -25,8 +25,10 @@ import torch
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.hashing import state_hash
 
-SCHEMA_VERSION = 1
-SUPPORTED_SCHEMAS = frozenset({1})
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMAS = frozenset({1, 2})
+# Schema 1 names no content hash: its tensors carry xxh3-128 (pipeline.content_hashes).
+SCHEMA1_CONTENT_HASH = "xxh3-128"
 MANIFEST_NAME = "manifest.json"
 
 Kind = Literal["delta", "anchor"]
@@ -94,7 +96,7 @@ class TensorEntry:
     name: str  # checkpoint (HF) name
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: tuple[int, ...]
-    hash: str  # xxh3-128 hex of the tensor's bytes at this version
+    hash: str  # content hash (the manifest's ``content_hash``) at this version
     object: str  # key of the object that holds this tensor's data or delta
     changed: int = 0  # elements changed against the parent (anchors: 0)
 
@@ -133,6 +135,7 @@ class Manifest:
     instance: str | None = None  # the run instance (pipeline/run_binding.py); optional
     # How the trainer's tensors were named (pipeline.checkpoint_names); None: not recorded.
     tensor_form: str | None = None
+    content_hash: str = SCHEMA1_CONTENT_HASH  # algorithm of the tensor hashes (schema 2)
 
     @property
     def key(self) -> str:
@@ -255,6 +258,8 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
         doc["instance"] = manifest.instance
     if manifest.tensor_form is not None:
         doc["tensor_form"] = manifest.tensor_form
+    if manifest.schema >= 2:
+        doc["content_hash"] = manifest.content_hash
     if with_signature and manifest.signature is not None:
         doc["signature"] = dict(manifest.signature)
     return doc

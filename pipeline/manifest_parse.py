@@ -12,6 +12,7 @@ import math
 import re
 from typing import Any, cast
 
+from pipeline import content_hashes
 from pipeline.bounded import load_json
 from pipeline.errors import CodecError, CorruptObjectError
 from pipeline.manifest import (
@@ -24,6 +25,7 @@ from pipeline.manifest import (
     MAX_TENSOR_NAME,
     MAX_VERSION,
     RUN_PATTERN,
+    SCHEMA1_CONTENT_HASH,
     SUPPORTED_SCHEMAS,
     CodecInfo,
     Kind,
@@ -57,9 +59,17 @@ _TOP_KEYS = frozenset(
         "signature",
         "instance",
         "tensor_form",
+        "content_hash",
     }
 )
-_REQUIRED_KEYS = _TOP_KEYS - {"parent_state_hash", "extra", "signature", "instance", "tensor_form"}
+_REQUIRED_KEYS = _TOP_KEYS - {
+    "parent_state_hash",
+    "extra",
+    "signature",
+    "instance",
+    "tensor_form",
+    "content_hash",
+}
 
 
 class _Checker:
@@ -166,6 +176,7 @@ def parse_manifest(
     instance = None if instance_raw is None else c.string(instance_raw, "instance", _HEX32)
     form = doc.get("tensor_form")
     tensor_form = None if form is None else c.string(form, "tensor_form", _FORM)
+    algorithm = _parse_content_hash(c, schema, doc.get("content_hash"))
 
     manifest = Manifest(
         run=run,
@@ -184,6 +195,7 @@ def parse_manifest(
         parent_state_hash=parent_state,
         instance=instance,
         tensor_form=tensor_form,
+        content_hash=algorithm,
     )
     if expected_run is not None and run != expected_run:
         raise CorruptObjectError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")
@@ -201,6 +213,20 @@ def load_manifest_json(data: bytes | str, source: str) -> Any:
     return load_json(
         data, max_bytes=MAX_MANIFEST_BYTES, what=f"manifest {source}", error=CorruptObjectError
     )
+
+
+def _parse_content_hash(c: _Checker, schema: int, raw: object) -> str:
+    """Schema 1 names no algorithm (xxh3-128); schema 2 names a known one."""
+    if schema < 2:
+        if raw is not None:
+            raise c.fail(f"schema {schema} names no content_hash")
+        return SCHEMA1_CONTENT_HASH
+    name = c.string(raw, "content_hash")
+    if name not in content_hashes.ALGORITHMS:
+        raise c.fail(
+            f"content_hash {name[:40]!r} is not one of {sorted(content_hashes.ALGORITHMS)}"
+        )
+    return name
 
 
 def _parse_objects(c: _Checker, raw: object) -> tuple[ObjectEntry, ...]:

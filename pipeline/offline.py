@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 import torch
 
+from pipeline import content_hashes
 from pipeline.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.codec import (
@@ -216,6 +217,7 @@ def apply_delta(
         objects.raw(entry)  # every object intact before any work starts
     entries = {t.name: t for t in manifest.tensors}
     expected_base = _base_hashes(manifest)
+    algorithm = content_hashes.of(manifest)
     with CheckpointReader(base_path) as base:
         for name in base.names():
             if name not in entries:
@@ -234,7 +236,7 @@ def apply_delta(
         def patched(names: list[str], last: bool) -> Iterator[tuple[str, torch.Tensor]]:
             for name in names:
                 tensor = base.get(name)
-                digest = content_hash(tensor)
+                digest = algorithm.full(tensor)
                 if expected_base is not None and expected_base.get(name) != digest:
                     raise MismatchError(
                         f"tensor {name!r} of base {base.path} is not the delta's base"
@@ -243,7 +245,7 @@ def apply_delta(
                 entry = entries[name]
                 if entry.changed:
                     apply_patch(tensor, objects.get(entry.object).decode(name, tensor))
-                if content_hash(tensor) != entry.hash:
+                if algorithm.full(tensor) != entry.hash:
                     raise CorruptObjectError(
                         f"delta {folder}: tensor {name!r} does not match its hash after apply"
                     )

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 import structlog
 
-from pipeline import chain, faults
+from pipeline import chain, content_hashes, faults
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_names import published_form
 from pipeline.codec import encode_delta, read_delta
@@ -55,6 +55,7 @@ from pipeline.publish import (
     hash_pool,
     submit_hashes,
     tensor_entry,
+    updated_hashes,
     write_manifest,
 )
 from pipeline.replicas import run_lock
@@ -159,8 +160,12 @@ def encode_part(
     parent_hashes = {t.name: t.hash for t in parent.tensors}
     pairs = [(n, base.view(n), new.view(n)) for n in names]
     # Base and new are hashed on other threads while the codec encodes, as in publish_delta.
+    algorithm = content_hashes.of(parent)
+    # An incremental hash: the base is still proven in full, the new hashes come from
+    # the parent's and the changes.
+    hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in pairs] if algorithm.incremental else pairs
     with hash_pool() as hasher:
-        hashes = submit_hashes(hasher, pairs)
+        hashes = submit_hashes(hasher, hashed, algorithm)
         data = encode_delta(pairs, fanout.level)
         base_hashes, new_hashes = hashes()
     for n, digest in base_hashes.items():
@@ -168,7 +173,10 @@ def encode_part(
             raise MismatchError(
                 f"base tensor {n!r} in {base.path} does not match version {parent.version}"
             )
-    changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
+    delta = read_delta(data, object_name=key)
+    if algorithm.incremental:
+        new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm)
+    changed = {i.name: i.changed for i in delta.tensors}
     entries = [tensor_entry(n, t, key, changed[n], new_hashes[n]) for n, _, t in pairs]
     obj = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
     del pairs

@@ -23,14 +23,15 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pipeline import chain, cpus, faults, run_binding
+from pipeline import chain, content_hashes, cpus, faults, mixsum, run_binding
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_names import published_form
-from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
+from pipeline.codec import CODEC_NAME, CODEC_VERSION, DeltaObject, encode_delta, read_delta
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
+from pipeline.content_hashes import HashAlgorithm
 from pipeline.errors import ChainError, MismatchError
 from pipeline.events import DeltaPart
-from pipeline.hashing import content_hash, sha256_bytes
+from pipeline.hashing import sha256_bytes
 from pipeline.manifest import (
     CodecInfo,
     Kind,
@@ -103,11 +104,13 @@ Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
 HASH_THREADS = max(1, min(4, cpus.available() // 4))
 
 
-def _pair_hashes(pairs: Pairs) -> tuple[dict[str, str], dict[str, str]]:
+def _pair_hashes(
+    pairs: Pairs, algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM
+) -> tuple[dict[str, str], dict[str, str]]:
     """Content hashes of the (base, new) tensors of ``pairs``."""
     return (
-        {n: content_hash(b) for n, b, _ in pairs},
-        {n: content_hash(t) for n, _, t in pairs},
+        {n: algorithm.full(b) for n, b, _ in pairs},
+        {n: algorithm.full(t) for n, _, t in pairs},
     )
 
 
@@ -128,11 +131,16 @@ def hash_pool() -> ThreadPoolExecutor:
 
 
 def submit_hashes(
-    pool: ThreadPoolExecutor, pairs: Pairs
+    pool: ThreadPoolExecutor,
+    pairs: Pairs,
+    algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM,
 ) -> Callable[[], tuple[dict[str, str], dict[str, str]]]:
     """Hash ``pairs`` on ``HASH_THREADS`` of ``pool``'s threads; the returned call waits
     for all of them."""
-    futures = [pool.submit(_pair_hashes, share) for share in shares_by_bytes(pairs, HASH_THREADS)]
+    futures = [
+        pool.submit(_pair_hashes, share, algorithm)
+        for share in shares_by_bytes(pairs, HASH_THREADS)
+    ]
 
     def result() -> tuple[dict[str, str], dict[str, str]]:
         base: dict[str, str] = {}
@@ -147,16 +155,43 @@ def submit_hashes(
 
 
 def tensor_entry(
-    name: str, tensor: torch.Tensor, obj: str, changed: int = 0, digest: str | None = None
+    name: str,
+    tensor: torch.Tensor,
+    obj: str,
+    changed: int = 0,
+    digest: str | None = None,
+    algorithm: HashAlgorithm | None = None,
 ) -> TensorEntry:
+    if digest is None:
+        digest = (algorithm or content_hashes.XXH3_ALGORITHM).full(tensor)
     return TensorEntry(
         name=name,
         dtype=dtype_name(tensor.dtype),
         shape=tuple(tensor.shape),
-        hash=digest if digest is not None else content_hash(tensor),
+        hash=digest,
         object=obj,
         changed=changed,
     )
+
+
+def updated_hashes(
+    delta: DeltaObject, pairs: Pairs, held: dict[str, str], algorithm: HashAlgorithm
+) -> dict[str, str]:
+    """The new content hash of each tensor of ``pairs`` from its base's (``held``) and
+    the changes ``delta`` makes to it: O(changed), the old contents read at the changed
+    positions only."""
+    out: dict[str, str] = {}
+    for name, base, _ in pairs:
+        if delta.info(name).changed == 0:
+            out[name] = held[name]
+            continue
+        patch = delta.decode(name, base)
+        flat = mixsum.int_flat(base)
+        old = flat.index_select(0, patch.positions.to(flat.device))
+        out[name] = algorithm.updated(
+            held[name], patch.positions, old, patch.values, base.element_size()
+        )
+    return out
 
 
 # ---------------------------------------------------------------- anchors
@@ -173,11 +208,12 @@ def _anchor_part(
     uploader: Uploader,
     timings: PublishTimings,
     compression: str,
+    algorithm: HashAlgorithm,
 ) -> None:
     faults.point("anchor.after_read")
     clock = Clock()
     for name, tensor in part:
-        entry = tensor_entry(name, tensor, key)
+        entry = tensor_entry(name, tensor, key, algorithm=algorithm)
         if want is not None:
             w = want.get(name)
             if w is None or (w.dtype, w.shape, w.hash) != (entry.dtype, entry.shape, entry.hash):
@@ -208,13 +244,19 @@ def publish_anchor(
     parent_state_hash: str | None = None,
     timings: PublishTimings | None = None,
     anchor_compression: str = "none",
+    content_hash: str | None = None,
 ) -> Manifest:
     """Publish a full version as safetensors parts: plain (any safetensors reader loads
     them) or, with ``anchor_compression="zstd"``, as lossless zstd byte planes (see
     :mod:`pipeline.codec.anchor`). ``layout`` keeps an existing partition; ``expected``
     is a manifest of the same version whose tensor hashes the anchor must match before
-    its manifest is written."""
+    its manifest is written. ``content_hash`` names the tensor hash algorithm: by
+    default ``expected``'s (the run's), or for a run's first anchor
+    ``content_hashes.DEFAULT``; it is then the run's for good."""
     check_compression(anchor_compression)
+    if content_hash is None:
+        content_hash = expected.content_hash if expected is not None else content_hashes.DEFAULT
+    algorithm = content_hashes.get(content_hash)
     found = _existing(store, run, "anchor", version)
     if found is not None:
         log.info("anchor exists, nothing to do", run=run, version=version)
@@ -236,6 +278,7 @@ def publish_anchor(
                 uploader,
                 timings,
                 anchor_compression,
+                algorithm,
             )
             del part  # else held while the next part is read: two parts resident, not one
         uploader.finish()
@@ -258,6 +301,7 @@ def publish_anchor(
         extra={"reason": reason},
         parent_state_hash=parent_state_hash,
         tensor_form=published_form(tensors) if isinstance(tensors, CheckpointReader) else None,
+        content_hash=algorithm.name,
     )
     manifest = write_manifest(store, manifest, signing_key, "anchor")
     log.info(
@@ -301,6 +345,7 @@ def delta_manifest(
         },
         parent_state_hash=parent.state_hash,
         tensor_form=tensor_form,
+        content_hash=parent.content_hash,  # a run keeps its first anchor's
     )
 
 
@@ -318,13 +363,19 @@ def publish_delta(
     index: chain.VersionIndex | None = None,
     base_unchanged: Callable[[], bool] | None = None,
     on_part: Callable[[DeltaPart], None] | None = None,
+    base_proven: bool = False,
 ) -> Manifest:
     """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
     as delta ``version``, part by part in the run's partition, manifest last. ``index``
     saves a listing when the caller has just made one. ``base_unchanged`` is asked once
     every part is encoded, before the manifest: False means the base's files were
     modified while they were read (StaleBaseError, nothing published). ``on_part``
-    gets a hint for each part object once it is stored (before the manifest)."""
+    gets a hint for each part object once it is stored (before the manifest).
+
+    With an incremental content hash (the run's, see :mod:`pipeline.content_hashes`)
+    the new hashes come from the parent's and the changes alone; ``base_proven`` (the
+    base was proven to hold ``parent`` by a full hash, e.g. when its cache was rebuilt)
+    then saves hashing the base too: the version costs its encoding and O(changed)."""
     found = _existing(store, run, "delta", version)
     if found is not None:
         log.info("delta exists, nothing to do", run=run, version=version)
@@ -341,10 +392,13 @@ def publish_delta(
     timings = timings or PublishTimings()
     clock = Clock()
     parent_hashes = {t.name: t.hash for t in parent.tensors}
+    algorithm = content_hashes.of(parent)
+    incremental = algorithm.incremental
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
     # The base and new tensors are hashed on other threads while the codec encodes
-    # (both release the GIL); the base is proven before the part is uploaded.
+    # (both release the GIL); the base is proven before the part is uploaded. With an
+    # incremental hash the new tensors are not hashed, nor a proven base.
     with (
         Uploader(store, "publish", timings) as uploader,
         hash_pool() as hasher,
@@ -354,25 +408,31 @@ def publish_delta(
             # Read-only views of the mapped files: the codec and the hashes only read.
             pairs = [(n, base.view(n), new.view(n)) for n in names]
             timings.read_s += clock.lap()
-            hashes = submit_hashes(hasher, pairs)
+            hashed = [] if incremental and base_proven else pairs
+            if incremental:  # the base alone, its hashes only checked
+                hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in hashed]
+            hashes = submit_hashes(hasher, hashed, algorithm)
             faults.point("publish.after_read")
             data = encode_delta(pairs, level)
             timings.encode_s += clock.lap()
             base_hashes, new_hashes = hashes()
+            delta = read_delta(data, object_name=key)
+            if incremental:
+                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm)
             timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
             for n, digest in base_hashes.items():
                 if digest != parent_hashes[n]:
                     raise StaleBaseError(
                         f"base tensor {n!r} in {base.path} does not match version {parent.version}"
                     )
-            changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
+            changed = {i.name: i.changed for i in delta.tensors}
             entries.extend(
                 tensor_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs
             )
             stored = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
             objects.append(stored)
             timings.encode_s += clock.lap()
-            del pairs
+            del pairs, delta
             # Unmap this part's pages: a model larger than RAM stays one part resident.
             base.close()
             new.close()

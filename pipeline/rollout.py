@@ -45,8 +45,15 @@ from pipeline.rollout_fetch import Fetched, fetch_delta, stream_anchor
 from pipeline.rollout_report import Reporter
 from pipeline.rollout_state import read_state, remove_state, write_state
 from pipeline.rollout_stream import StreamFollower
+from pipeline.scrub import Scrubbable, Scrubber, ScrubPace
 from pipeline.store.base import ObjectStore
-from pipeline.targets.base import EarlyProofStarter, EarlyProver, Target, VerifyMode
+from pipeline.targets.base import (
+    EarlyProofStarter,
+    EarlyProver,
+    HashSelector,
+    Target,
+    VerifyMode,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +88,7 @@ class RolloutNode:
         progress: bool | None = None,
         early_start: bool = False,
         on_applied: Callable[[Manifest], None] | None = None,
+        scrub: ScrubPace | None = None,
     ) -> None:
         """``on_applied(manifest)`` runs on the node's thread each time the target is
         known to hold a version (applied, loaded or resumed)."""
@@ -134,6 +142,12 @@ class RolloutNode:
             early_start=self.early is not None,
         )
         self.history = self.report.history
+        # Held tensors re-hashed in the background (a target that can be scrubbed):
+        # a mismatch is reported and the node recovers from the store.
+        self._scrub_failed: str | None = None
+        self.scrubber: Scrubber | None = None
+        if scrub is not None and isinstance(target, Scrubbable):
+            self.scrubber = Scrubber(target, scrub, self._on_scrub_mismatch)
 
     # -- public ----------------------------------------------------------------------
 
@@ -152,6 +166,8 @@ class RolloutNode:
         if not self._started:
             self._started = True
             self._resume()
+            if self.scrubber is not None:
+                self.scrubber.start()
         return self._applied
 
     def step_once(self) -> int | None:
@@ -167,9 +183,28 @@ class RolloutNode:
             self.early.hand_off()
         return self._step()
 
+    def _on_scrub_mismatch(self, name: str) -> None:
+        self._scrub_failed = name
+
+    def _take_scrub_failure(self) -> None:
+        """A scrub found held memory changed: report it and recover from the store
+        (a bootstrap of the head), like a refused version."""
+        name, self._scrub_failed = self._scrub_failed, None
+        if name is None:
+            return
+        exc = MismatchError(
+            f"scrub: held tensor {name!r} of v{self._applied} no longer matches its hash "
+            "(memory changed behind the node's back); recovering from the store"
+        )
+        log.warning("scrub mismatch", run=self.run_name, node=self.node_id, tensor=name)
+        self.report.failed(self._applied, exc)
+        self._need_bootstrap = True
+        self._stuck_on = None  # the held state is what is wrong, not the store's
+
     def _step(self) -> int | None:
         self.start()
         try:
+            self._take_scrub_failure()
             self._sync()
         except DeltasyncError as exc:
             self._on_error(exc)
@@ -222,6 +257,8 @@ class RolloutNode:
         return out
 
     def close(self) -> None:
+        if self.scrubber is not None:
+            self.scrubber.stop()
         if self.early is not None:
             self.early.close()
         if self._pool is not None:
@@ -237,7 +274,7 @@ class RolloutNode:
         version, kind = recorded
         try:
             manifest = self._manifest(kind, version)
-            held = self.target.hashes([t.name for t in manifest.tensors])
+            held = self.target.hashes([t.name for t in manifest.tensors], manifest.content_hash)
         except DeltasyncError as exc:
             log.info("cannot resume, will bootstrap", version=version, error=str(exc))
             return
@@ -337,6 +374,8 @@ class RolloutNode:
             tensors = iter(list(tensors))
         self._stuck_on = store_state
         self._forget_state()  # mid-load the target holds no provable version
+        if isinstance(self.target, HashSelector):
+            self.target.use_content_hash(manifest.content_hash)
         self.target.load_state(tensors)
         load_s = time.perf_counter() - started
         self._need_bootstrap = False

@@ -16,10 +16,9 @@ import structlog
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from pipeline import chain, faults
+from pipeline import chain, content_hashes, faults
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import CorruptObjectError
-from pipeline.hashing import content_hash
 from pipeline.logs import Throttle
 from pipeline.manifest import Manifest
 from pipeline.store.base import ObjectStore
@@ -107,6 +106,7 @@ def stream_anchor(
     each checked against the manifest's content hash before it is handed over."""
     expected = {t.name: t.hash for t in manifest.tensors}
     shapes = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
+    algorithm = content_hashes.of(manifest)
     entries = list(manifest.objects)
     total = sum(e.size for e in entries)
     with progress_bar(progress, f"anchor v{manifest.version}", total) as advance:
@@ -126,7 +126,7 @@ def stream_anchor(
                         f"object {entry.key} of anchor v{manifest.version} holds tensor "
                         f"{name!r} that the manifest does not list"
                     )
-                if content_hash(tensor) != want:
+                if algorithm.full(tensor) != want:
                     raise CorruptObjectError(
                         f"tensor {name!r} of anchor v{manifest.version}: content hash "
                         "does not match the manifest"

@@ -22,11 +22,10 @@ from typing import Any
 import structlog
 import torch
 
-from pipeline import chain
+from pipeline import chain, content_hashes
 from pipeline.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.checkpoint_write import write_sharded
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
-from pipeline.hashing import content_hash
 from pipeline.manifest import Manifest, check_run, dtype_name
 from pipeline.store.base import ObjectStore
 from pipeline.targets.base import TensorSpec
@@ -169,14 +168,28 @@ class StateCache:
         )
         marker.touch()
 
+    def is_proven_for(self, manifest: Manifest) -> bool:
+        """:meth:`is_valid_for`, and the cached bytes were proven by a full hash (a
+        rebuild, a rewrite, an adopted anchor) or follow from a proven state by a
+        published delta whose checkpoint deltasync owned (adopted): its encoding
+        compared every element with the proven base. A diff against a proven base
+        need not hash it again."""
+        state = self._state()
+        return state is not None and state.get("proven") is True and self.is_valid_for(manifest)
+
     def _switch(
-        self, folder: Path, manifest: Manifest, linked: dict[str, list[int]] | None = None
+        self,
+        folder: Path,
+        manifest: Manifest,
+        linked: dict[str, list[int]] | None = None,
+        proven: bool = False,
     ) -> None:
         doc: dict[str, Any] = {
             "run": self.run,
             "version": manifest.version,
             "state_hash": manifest.state_hash,
             "folder": folder.name,
+            "proven": proven,
         }
         if linked:
             doc["linked"] = linked
@@ -209,7 +222,7 @@ class StateCache:
             raise ConfigError(f"state cache {self.root} is for run {self.run}, not {run}")
         folder = self._folder_for(version)
         manifest = chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True)
-        self._switch(folder, manifest)
+        self._switch(folder, manifest, proven=True)  # every tensor hashed on the way
         log.info("state cache rebuilt", run=run, version=version)
         return manifest
 
@@ -232,10 +245,11 @@ class StateCache:
                 log.info("state cache cannot be updated in place, rewriting", error=str(e))
         self._rewrite(new, manifest)
 
-    def adopt(self, checkpoint: Path, manifest: Manifest) -> bool:
+    def adopt(self, checkpoint: Path, manifest: Manifest, proven: bool = False) -> bool:
         """Move ``checkpoint`` (a file or folder holding exactly ``manifest``'s state,
         owned by deltasync) into the cache as that version: a rename, no copy. False,
-        with nothing changed, when it cannot be renamed here (another file system)."""
+        with nothing changed, when it cannot be renamed here (another file system).
+        ``proven``: it was just published as a delta from a proven base."""
         if not checkpoint.exists():
             return False
         folder = self._folder_for(manifest.version)
@@ -252,8 +266,8 @@ class StateCache:
             log.info("checkpoint cannot be moved into the state cache, copying", error=str(e))
             shutil.rmtree(folder, ignore_errors=True)
             return False
-        # Proven like every cached state: the next diff checks its base hashes.
-        self._switch(folder, manifest)
+        # Unless ``proven``, the next diff checks its base hashes.
+        self._switch(folder, manifest, proven=proven)
         return True
 
     def link(self, checkpoint: Path, manifest: Manifest) -> bool:
@@ -324,11 +338,12 @@ class StateCache:
 
     def _rewrite(self, new: CheckpointReader, manifest: Manifest) -> None:
         entries = {t.name: t for t in manifest.tensors}
+        algorithm = content_hashes.of(manifest)
 
         def part(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             for n in names:
                 t = new.get(n)
-                if content_hash(t) != entries[n].hash:
+                if algorithm.full(t) != entries[n].hash:
                     raise MismatchError(
                         f"tensor {n!r} in {new.path} does not match version {manifest.version}"
                     )
@@ -339,4 +354,4 @@ class StateCache:
         write_sharded(
             folder, ((key, part(names)) for key, names in manifest.parts()), overwrite=True
         )
-        self._switch(folder, manifest)
+        self._switch(folder, manifest, proven=True)  # every tensor hashed

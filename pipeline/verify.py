@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline import content_hashes
 from pipeline.chain import fetch_object, reconstruct_tensors, resolve
 from pipeline.checkpoint import CheckpointReader
 from pipeline.errors import CorruptObjectError, StoreError
-from pipeline.hashing import content_hash
 from pipeline.store.base import ObjectStore
 
 
@@ -86,6 +86,7 @@ def verify(
         return report
     reader = CheckpointReader(Path(against_checkpoint))
     target = {t.name: t for t in plan.target.tensors}
+    algorithm = content_hashes.of(plan.target)
     for name in target:
         if name not in reader:
             report.differences.append(TensorDifference(name, "missing"))
@@ -97,7 +98,7 @@ def verify(
             store, run, version, plan=plan, verify_hashes=False
         ):
             report.tensors += 1
-            if content_hash(tensor) != target[name].hash:
+            if algorithm.full(tensor) != target[name].hash:
                 report.differences.append(TensorDifference(name, "manifest-hash"))
             if name not in reader:
                 continue

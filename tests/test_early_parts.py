@@ -22,6 +22,7 @@ from pipeline import chain
 from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import api
 from pipeline.config import Settings
+from pipeline.content_hashes import MIXSUM, XXH3
 from pipeline.diff_step import publish_step
 from pipeline.errors import MismatchError
 from pipeline.event_stream import EventStream
@@ -55,9 +56,10 @@ def store(tmp_path: Path) -> FileStore:
     return FileStore(tmp_path / "store")
 
 
-@pytest.fixture
-def trainer(store: FileStore, tmp_path: Path) -> Trainer:
-    return Trainer(store, tmp_path / "trainer")
+@pytest.fixture(params=[XXH3, MIXSUM])
+def trainer(store: FileStore, tmp_path: Path, request: pytest.FixtureRequest) -> Trainer:
+    """A run hashed with either content hash: early proofs hold for both."""
+    return Trainer(store, tmp_path / "trainer", content_hash=request.param)
 
 
 def objects_of(store: FileStore, manifest: Manifest) -> dict[str, bytes]:
@@ -67,16 +69,18 @@ def objects_of(store: FileStore, manifest: Manifest) -> dict[str, bytes]:
     }
 
 
-def count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the tensors the one-pass proof decodes from here on."""
+def count_decodes(monkeypatch: pytest.MonkeyPatch, trainer: Trainer) -> list[str]:
+    """Names of the tensors the proof decodes from here on (the one-pass proof of
+    xxh3-128, the decode of the incremental one)."""
     calls: list[str] = []
-    real = api.DeltaObject.decode_hashed
+    method = "decode_hashed" if trainer.content_hash == XXH3 else "decode"
+    real = getattr(api.DeltaObject, method)
 
     def counted(self: api.DeltaObject, name: str, base: torch.Tensor) -> Any:
         calls.append(name)
         return real(self, name, base)
 
-    monkeypatch.setattr(api.DeltaObject, "decode_hashed", counted)
+    monkeypatch.setattr(api.DeltaObject, method, counted)
     return calls
 
 
@@ -95,7 +99,9 @@ def held_copy(
     trainer: Trainer, version: int, device: str = "cpu", **options: Any
 ) -> tuple[TorchTarget, dict[str, torch.Tensor]]:
     held = {n: t.to(device, copy=True) for n, t in trainer.states[version].items()}
-    return TorchTarget(held, **options), held
+    target = TorchTarget(held, **options)
+    target.use_content_hash(trainer.content_hash or MIXSUM)  # as a node does at bootstrap
+    return target, held
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,11 +117,11 @@ def test_early_proofs_stand_in_for_the_decode_and_give_the_same_weights(
     target, held = held_copy(trainer, 0, device, patch_memory_bytes=budget)
     proofs = early_proofs(target, store, manifest)
     covered = {name for p in proofs for name in p.hashed}
-    if device != "cpu" and budget == 0:
-        assert not covered
+    if device != "cpu" and budget == 0 and trainer.content_hash == XXH3:
+        assert not covered  # (the incremental proof keeps O(changed) whatever the budget)
     else:
         assert len(covered) > 1  # (tensors in other encodings are proven at the apply)
-    decoded = count_decodes(monkeypatch)
+    decoded = count_decodes(monkeypatch, trainer)
     report = target.apply_delta(manifest, objects_of(store, manifest), "touched", proofs)
     assert not covered & set(decoded)  # those came from the early proofs
     assert report.version == version
@@ -142,7 +148,7 @@ def test_early_proofs_that_do_not_hold_are_ignored(
             EarlyProof(p.key, "0" * 64, p.generation, p.hashed)
             for p in early_proofs(target, store, manifest)
         ]
-    decoded = count_decodes(monkeypatch)
+    decoded = count_decodes(monkeypatch, trainer)
     target.apply_delta(manifest, objects_of(store, manifest), "touched", proofs)
     assert len(decoded) == sum(1 for t in manifest.tensors if t.changed > 0)
     assert_holds(held, trainer.states[version])
@@ -164,12 +170,14 @@ def test_an_early_proof_against_the_wrong_weights_is_refused_before_any_write(
     assert_holds(held, before)
 
 
+@pytest.mark.parametrize("trainer", [XXH3], indirect=True)
 def test_background_proofs_match_the_targets_own_and_end_at_a_write(
     trainer: Trainer, store: FileStore
 ) -> None:
     """What a vLLM worker keeps for early start: proofs made on a thread of their own,
     the same as the target's own early proofs, handed over once and dropped by a
-    write to the weights."""
+    write to the weights. (Its proofs are the one-pass xxh3-128 ones; a worker takes
+    none for an incremental run, whose proof reads the changes alone anyway.)"""
     trainer.publish()
     version = trainer.publish()
     manifest = chain.load_manifest(store, RUN, "delta", version)
@@ -213,8 +221,13 @@ class FetchOnlyTarget:
     ) -> ApplyReport:
         return self.inner.apply_delta(manifest, objects, verify)
 
-    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        return self.inner.hashes(names)
+    def hashes(
+        self, names: Sequence[str] | None = None, algorithm: str | None = None
+    ) -> dict[str, str]:
+        return self.inner.hashes(names, algorithm)
+
+    def use_content_hash(self, name: str) -> None:
+        self.inner.use_content_hash(name)
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.inner.export()
@@ -227,7 +240,11 @@ class HandOffTarget(FetchOnlyTarget):
 
     def __init__(self, inner: TorchTarget) -> None:
         super().__init__(inner)
-        self.proofs = BackgroundProofs(inner.tensor)
+        self.proofs = BackgroundProofs(
+            inner.tensor,
+            lambda: inner._algorithm,
+            lambda name: inner._cached_hash(inner._canonical[name]),
+        )
         self.started_on: list[str] = []
         self.reports: list[ApplyReport] = []
 
@@ -246,7 +263,7 @@ class HandOffTarget(FetchOnlyTarget):
         self.proofs.wrote()
         # Proofs that held here are made against the inner target's current weights.
         now = self.inner._generation
-        early = [EarlyProof(p.key, p.sha256, now, p.hashed) for p in valid]
+        early = [EarlyProof(p.key, p.sha256, now, p.hashed, p.content_hash) for p in valid]
         report = self.inner.apply_delta(manifest, objects, verify, early)
         self.reports.append(report)
         return report

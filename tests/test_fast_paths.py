@@ -11,6 +11,7 @@ from pipeline import chain, hashing
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.codec import TensorPatch, apply_patch, encode_delta, read_delta
+from pipeline.content_hashes import XXH3
 from pipeline.diff_step import publish_step
 from pipeline.errors import MismatchError
 from pipeline.hashing import content_hash
@@ -54,7 +55,9 @@ def test_hash_patched_equals_hash_of_patched_copy(
         hash_patched([patch], lambda _n: held, {"w": content_hash(held)})
 
 
-def _publish(tmp: Path, steps: int) -> tuple[FileStore, StateCache, dict[str, torch.Tensor]]:
+def _publish(
+    tmp: Path, steps: int, content_hash: str | None = None
+) -> tuple[FileStore, StateCache, dict[str, torch.Tensor]]:
     store = FileStore(tmp / "store")
     cache = StateCache(tmp / "cache", "r")
     generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=1e-5, seed=3)
@@ -64,7 +67,7 @@ def _publish(tmp: Path, steps: int) -> tuple[FileStore, StateCache, dict[str, to
             state = generator.step()
         path = tmp / f"s{step}.safetensors"
         save_state(state, path)
-        result = publish_step(store, "r", step, path, cache, level=1)
+        result = publish_step(store, "r", step, path, cache, level=1, content_hash=content_hash)
         assert result.status == "published"
     return store, cache, state
 
@@ -232,8 +235,9 @@ def test_proof_on_threads_equals_the_sequential_proof_and_names_the_first_fault(
 ) -> None:
     """Tensors proven on several threads give the same patches, hashes and old
     contents as one thread; with two tensors at fault, the first in manifest order
-    is reported, and the held weights are not written."""
-    store, _, _ = _publish(tmp_path, 2)
+    is reported, and the held weights are not written. (The one-pass proof of an
+    xxh3-128 run.)"""
+    store, _, _ = _publish(tmp_path, 2, XXH3)
     manifest = chain.load_manifest(store, "r", "delta", 1)
     objects = {o.key: store.get(object_key("r", "delta", 1, o.key)) for o in manifest.objects}
     held = dict(chain.reconstruct_tensors(store, "r", 0))

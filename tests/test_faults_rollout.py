@@ -222,6 +222,21 @@ def test_node_killed_mid_walked_write_converges_bit_exactly(tmp_path: Path, redi
     assert rollout_crash_scenario(tmp_path, redis_url, ("target.mid_walk@2",), walked).recovered
 
 
+def test_node_killed_mid_scrub_converges_bit_exactly(tmp_path: Path, redis_url: str) -> None:
+    """The background scrubber re-hashing held tensors at a fast pace; the node is
+    killed while a tensor is being re-hashed, restarted, and reaches the head."""
+    run = publish_run(tmp_path)
+    home = tmp_path / "node"
+    scrub = {"DELTASYNC_SCRUB_MINUTES": "0.001", "DELTASYNC_SCRUB_CPU": "1"}
+    # Following past the head: it runs until the scrubber's fault kills it.
+    crashed = node(
+        home, run, redis_url, "--until", str(run.head + 1), fault="target.mid_scrub@2",
+        settings=scrub,
+    )  # fmt: skip
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    converge(home, run, redis_url, tmp_path / "dump.safetensors", settings=scrub)
+
+
 def test_node_killed_mid_write_resumes_from_its_dump(tmp_path: Path, redis_url: str) -> None:
     assert resume_crash_scenario(tmp_path, redis_url).recovered == 1
 

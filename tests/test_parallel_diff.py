@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain, retention, synthetic
+from pipeline import chain, content_hashes, retention, synthetic
 from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
 from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError, MismatchError
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaAvailable, parse_event
-from pipeline.hashing import content_hash
 from pipeline.manifest import manifest_key, version_prefix
 from pipeline.parallel import (
     Fanout,
@@ -203,7 +202,8 @@ def test_a_part_against_the_wrong_base_is_refused(tmp_path: Path) -> None:
     assert list(store.list("run/deltas/")) == []
     with CheckpointReader(paths[0]) as base, CheckpointReader(paths[2]) as new:
         _, entries = encode_part(store, fanout, anchor, key, names, base, new)
-        assert [e.hash for e in entries] == [content_hash(new.view(n)) for n in names]
+        full = content_hashes.of(anchor).full
+        assert [e.hash for e in entries] == [full(new.view(n)) for n in names]
 
 
 def test_a_step_redone_against_a_newer_head_encodes_its_parts_again(

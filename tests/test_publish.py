@@ -15,13 +15,12 @@ import safetensors.torch
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pipeline import chain, publish
+from pipeline import chain, content_hashes, publish
 from pipeline.checkpoint import CheckpointReader
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.compaction import compact
 from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
-from pipeline.hashing import content_hash
 from pipeline.manifest import manifest_key
 from pipeline.parts import plan_parts
 from pipeline.publish import publish_anchor, publish_delta, shares_by_bytes
@@ -167,7 +166,8 @@ def test_wrong_base_is_refused_and_hashes_match_on_any_threads(
     assert not file_store.exists(manifest_key(trainer.run, "delta", 1))
     with CheckpointReader(trainer.paths[0]) as base, CheckpointReader(one) as new:
         delta = publish_delta(file_store, trainer.run, 1, base, new, anchor, level=1)
-        expected = {n: content_hash(new.view(n)) for n in new.names()}
+        full = content_hashes.of(anchor).full  # the run's (updated from the changes)
+        expected = {n: full(new.view(n)) for n in new.names()}
     assert {t.name: t.hash for t in delta.tensors} == expected
     assert {t.name: t.hash for t in delta.tensors} != {t.name: t.hash for t in anchor.tensors}
 

@@ -43,8 +43,11 @@ PART_BYTES = 2 << 20  # several parts per version
 class Trainer:
     """Realistic bf16 states published as a run, remembered by version."""
 
-    def __init__(self, store: FileStore, workdir: Path, lr: float = 1e-5) -> None:
+    def __init__(
+        self, store: FileStore, workdir: Path, lr: float = 1e-5, content_hash: str | None = None
+    ) -> None:
         self.store = store
+        self.content_hash = content_hash  # of the run (None: the default)
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=lr, seed=0)
@@ -72,6 +75,7 @@ class Trainer:
             self.cache,
             level=1,
             part_bytes=PART_BYTES,
+            content_hash=self.content_hash,
         )
         assert result.status == "published"
         self.states[self.step] = {k: v.clone() for k, v in self.current.items()}

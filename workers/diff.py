@@ -184,6 +184,7 @@ def _diff_one(
                 link=settings.cache_link,
                 anchor_compression=settings.anchor_compression,
                 on_part=lambda hint: publish_part(runtime.redis, hint),
+                content_hash=settings.content_hash,
             )
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.

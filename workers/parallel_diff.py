@@ -149,6 +149,7 @@ def _coordinate(
             signing_key=settings.signing_key(),
             part_bytes=settings.part_bytes,
             anchor_compression=settings.anchor_compression,
+            content_hash=settings.content_hash,
         )
     started = time.perf_counter()
     parent_kind: Kind = "anchor" if head in index.anchors else "delta"

@@ -38,6 +38,7 @@ from pipeline.manifest import Manifest, dtype_from_name
 from pipeline.redis_server import ensure_redis, redact_url, redis_client
 from pipeline.replicas import forget_replica
 from pipeline.rollout import RolloutNode
+from pipeline.scrub import ScrubPace
 from pipeline.signing import load_public_key
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
@@ -204,6 +205,11 @@ def make_node(
         replica_ttl_s=settings.replica_ttl_s,
         early_start=settings.early_start if early_start is None else early_start,
         on_applied=on_applied,
+        scrub=(
+            ScrubPace(settings.scrub_minutes * 60, settings.scrub_cpu)
+            if settings.scrub_minutes > 0
+            else None
+        ),
     )
 
 

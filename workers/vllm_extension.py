@@ -30,7 +30,7 @@ from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.hashing import sha256_bytes
 from pipeline.manifest import dtype_from_name
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
-from pipeline.targets.proving import early_results, prove_entries
+from pipeline.targets.proving import early_results, prove_entries, prove_incremental
 from pipeline.targets.vllm_cpu import computes_from_weight
 from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm_mapping import (
@@ -311,13 +311,25 @@ class DeltasyncWorkerExtension:
             vouched = request.get("early") or {}
             if not isinstance(vouched, dict):
                 raise TargetError("vLLM worker: bad prepare request: early is not a mapping")
-            ready = early_results(entries, vouched, state.early.take(), state.early.generation)
+            taken = state.early.take()  # none still hashes with the old algorithm
+            algorithm = state.use(request.get("content_hash"))
+            ready = early_results(entries, vouched, taken, state.early.generation, algorithm.name)
+            incremental = algorithm.incremental and verify != "none"
+            if verify == "all":
+                state.hashes = {}  # every held hash is recomputed in full
             if verify != "none":
                 check_base(state, entries, request.get("parent_state_hash"), verify)
             shadow = state.shadow.__getitem__
             if verify == "none":
                 patches, hashes = decode_entries(entries, objects, shadow, specs), {}
                 old_values = None
+            elif incremental:
+                # O(changed): held hashes plus the changes, old contents read at the
+                # changed positions only; the written positions are read back.
+                proven = prove_incremental(
+                    entries, objects, shadow, specs, state.hash_of, algorithm, ready
+                )
+                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
             else:
                 # Each patched tensor's hash is proven against its entry before any
                 # write to the shadow (one pass per tensor on CPU).
@@ -329,7 +341,9 @@ class DeltasyncWorkerExtension:
             # "all" also rehashes the written tensors, as the torch target does.
             recheck = {e.name: e.hash for e in entries} if verify == "all" else None
             state.early.wrote()
-            applied = apply_verified(patches, shadow, recheck, old_values)
+            applied = apply_verified(
+                patches, shadow, recheck, old_values, full=algorithm.full, read_back=incremental
+            )
             touched = [patch.name for patch in patches]
             for name in touched:
                 state.hashes.pop(name, None)
@@ -448,9 +462,10 @@ class DeltasyncWorkerExtension:
 
         return enveloped(run)
 
-    def deltasync_hashes(self, names: list[str] | None) -> Envelope:
+    def deltasync_hashes(self, names: list[str] | None, algorithm: str | None = None) -> Envelope:
         def run() -> dict[str, str]:
             state = self._ds_loaded()
+            state.use(algorithm)
             wanted = list(state.shadow) if names is None else list(names)
             missing = [n for n in wanted if n not in state.shadow]
             if missing:

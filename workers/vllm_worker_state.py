@@ -17,8 +17,10 @@ from typing import Any
 import structlog
 import torch
 
+from pipeline import content_hashes
+from pipeline.content_hashes import HashAlgorithm
 from pipeline.errors import DeltasyncError, MismatchError, TargetError
-from pipeline.hashing import content_hash, state_hash
+from pipeline.hashing import state_hash
 from pipeline.manifest import TensorEntry, dtype_name
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.early_proofs import BackgroundProofs
@@ -65,6 +67,8 @@ class WorkerState:
 
     shadow: dict[str, torch.Tensor] = field(default_factory=dict)
     hashes: dict[str, str] = field(default_factory=dict)  # cache; missing = not computed
+    # The run's content hash (named by its manifests); ``hashes`` holds this one's.
+    algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM
     routes: dict[str, Route] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
     staging: dict[str, torch.Tensor] | None = None
@@ -77,7 +81,9 @@ class WorkerState:
     early: BackgroundProofs = field(init=False)
 
     def __post_init__(self) -> None:
-        self.early = BackgroundProofs(lambda name: self.shadow[name])
+        self.early = BackgroundProofs(
+            lambda name: self.shadow[name], lambda: self.algorithm, self.hash_of
+        )
 
     def busy(self) -> bool:
         """A background prepare is running, or a prepared delta awaits its commit."""
@@ -93,10 +99,18 @@ class WorkerState:
     def specs(self) -> dict[str, TensorSpec]:
         return {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in self.shadow.items()}
 
+    def use(self, name: object) -> HashAlgorithm:
+        """Hash with the algorithm ``name`` (a manifest's ``content_hash``; None:
+        keep the one in use) from now on."""
+        if isinstance(name, str) and name != self.algorithm.name:
+            self.algorithm = content_hashes.get(name)
+            self.hashes = {}
+        return self.algorithm
+
     def hash_of(self, name: str) -> str:
         digest = self.hashes.get(name)
         if digest is None:
-            digest = content_hash(self.shadow[name])
+            digest = self.algorithm.full(self.shadow[name])
             self.hashes[name] = digest
         return digest
 

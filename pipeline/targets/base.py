@@ -50,8 +50,11 @@ class Target(Protocol):
         of the touched (or all) tensors afterwards. Raises a DeltasyncError and
         leaves the weights untouched when any check fails."""
 
-    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """xxh3-128 content hashes (pipeline.hashing.content_hash) of held tensors."""
+    def hashes(
+        self, names: Sequence[str] | None = None, algorithm: str | None = None
+    ) -> dict[str, str]:
+        """Content hashes of held tensors, by ``algorithm`` (a manifest's
+        ``content_hash``, see pipeline.content_hashes; default: the one in use)."""
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """CPU copies of every tensor in checkpoint names (for dumps and checks)."""
@@ -75,6 +78,14 @@ class EarlyProver(Protocol):
     ) -> ApplyReport:
         """``Target.apply_delta``, reusing ``early`` proofs whose object the manifest
         names with the same sha256 and that were made against the held weights."""
+
+
+@runtime_checkable
+class HashSelector(Protocol):
+    """A target told the run's content hash at bootstrap (before any delta names it)."""
+
+    def use_content_hash(self, name: str) -> None:
+        """Hash held tensors with algorithm ``name`` from now on."""
 
 
 @runtime_checkable

@@ -18,7 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import structlog
 import torch
 
-from pipeline.targets.proving import EarlyProof, prove_object
+from pipeline.content_hashes import XXH3_ALGORITHM, HashAlgorithm
+from pipeline.targets.proving import EarlyProof, prove_object, prove_object_incremental
 
 log = structlog.get_logger(__name__)
 
@@ -29,8 +30,17 @@ class BackgroundProofs:
     """Early proofs of delta objects against ``base`` weights, one at a time on a
     thread of their own."""
 
-    def __init__(self, base: Callable[[str], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        base: Callable[[str], torch.Tensor],
+        algorithm: Callable[[], HashAlgorithm] = lambda: XXH3_ALGORITHM,
+        held_hash: Callable[[str], str] | None = None,
+    ) -> None:
+        """``algorithm()``: the content hash in use; an incremental one is proven
+        from ``held_hash(name)`` and the changes (see ``prove_incremental``)."""
         self._base = base
+        self._algorithm = algorithm
+        self._held_hash = held_hash
         self._writes = 0
         self._proofs: dict[tuple[str, str], Future[EarlyProof]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -51,9 +61,18 @@ class BackgroundProofs:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-early-proof")
             generation = self.generation
             self._proofs[(key, sha256)] = self._pool.submit(
-                lambda: EarlyProof(key, sha256, generation, prove_object(key, data, self._base))
+                self._prove, key, data, sha256, generation
             )
         return True
+
+    def _prove(self, key: str, data: bytes, sha256: str, generation: str) -> EarlyProof:
+        algorithm = self._algorithm()
+        if algorithm.incremental and self._held_hash is not None:
+            hashed = prove_object_incremental(key, data, self._base, self._held_hash, algorithm)
+        else:
+            algorithm = XXH3_ALGORITHM
+            hashed = prove_object(key, data, self._base)
+        return EarlyProof(key, sha256, generation, hashed, algorithm.name)
 
     def take(self) -> list[EarlyProof]:
         """Wait for every proof started, then hand over those made against the weights

@@ -369,13 +369,16 @@ def _write(
 
 
 def rehash_written(
-    names: Sequence[str], tensor: Callable[[str], torch.Tensor], expected: Mapping[str, str]
+    names: Sequence[str],
+    tensor: Callable[[str], torch.Tensor],
+    expected: Mapping[str, str],
+    full: Callable[[torch.Tensor], str] = content_hash,
 ) -> dict[str, str]:
-    """Content hashes of the written tensors ``names``; MismatchError naming the first
-    that differs from ``expected``."""
+    """Content hashes (``full``) of the written tensors ``names``; MismatchError naming
+    the first that differs from ``expected``."""
     hashes: dict[str, str] = {}
     for name in names:
-        digest = content_hash(tensor(name))
+        digest = full(tensor(name))
         want = expected.get(name)
         if digest != want:
             raise hash_mismatch(name, digest, want)
@@ -383,11 +386,33 @@ def rehash_written(
     return hashes
 
 
+def check_written(patches: Sequence[TensorPatch], tensor: Callable[[str], torch.Tensor]) -> None:
+    """Read back the written positions: each holds its patch's new contents
+    (MismatchError naming the first tensor that does not). O(changed)."""
+    for patch in patches:
+        flat = int_view(tensor(patch.name)).view(-1)
+        if flat.device.type == "cpu" and patch.positions.device.type == "cpu":
+            # numpy's gather and compare: several times faster than torch's here
+            got_np = flat.numpy()[patch.positions.numpy()]
+            same = bool(np.array_equal(got_np, patch.values.view(flat.dtype).numpy()))
+        else:
+            got = flat.index_select(0, patch.positions.to(flat.device))
+            same = torch.equal(got, patch.values.to(got.device).view(got.dtype))
+        if not same:
+            raise MismatchError(
+                f"tensor {patch.name}: read back after the write, the changed positions do "
+                "not hold the new contents"
+            )
+
+
 def apply_verified(
     patches: Sequence[TensorPatch],
     tensor: Callable[[str], torch.Tensor],
     expected: Mapping[str, str] | None,
     old_values: Mapping[str, torch.Tensor] | None = None,
+    *,
+    full: Callable[[torch.Tensor], str] = content_hash,
+    read_back: bool = False,
 ) -> AppliedPatches:
     """Apply all patches in place; with ``expected`` hashes, check each touched tensor
     and roll every patch back if one differs (MismatchError naming it).
@@ -396,6 +421,8 @@ def apply_verified(
     layout). The result can still be rolled back (a later step failed) and carries
     the new content hashes of the touched tensors (empty when ``expected`` is None).
     ``old_values`` (from :func:`saved_old_values`) saves gathering them here.
+    ``full`` is the content hash (the manifest's); ``read_back`` checks the written
+    positions (:func:`check_written`) before any rehash.
     """
     applied = AppliedPatches(list(patches), {}, tensor, [])
     try:
@@ -416,8 +443,10 @@ def apply_verified(
             on_cpu,
             lambda part, faulty: _write(part, tensor, faulty),
         )
+        if read_back:
+            check_written(patches, tensor)
         if expected is not None:
-            applied.hashes.update(rehash_written([p.name for p in patches], tensor, expected))
+            applied.hashes.update(rehash_written([p.name for p in patches], tensor, expected, full))
         return applied
     except BaseException:
         applied.rollback()

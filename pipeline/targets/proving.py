@@ -18,7 +18,8 @@ import torch
 
 from pipeline import cpus
 from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
-from pipeline.errors import MismatchError
+from pipeline.content_hashes import XXH3, HashAlgorithm
+from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import (
@@ -29,6 +30,7 @@ from pipeline.targets.patching import (
     guarded,
     hash_mismatch,
     hash_patched,
+    int_view,
     parse_objects,
     saved_old_values,
 )
@@ -187,6 +189,105 @@ def _prove_one(
     return hashed.patch, hashed.digest, hashed.old
 
 
+def prove_incremental(
+    entries: Sequence[TensorEntry],
+    objects: Mapping[str, bytes],
+    base: Callable[[str], torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+    held_hash: Callable[[str], str],
+    algorithm: HashAlgorithm,
+    early: Mapping[str, EarlyResult] | None = None,
+) -> ProvenPatches:
+    """:func:`prove_entries` for an incremental content hash: each touched tensor's
+    hash after its patch is the held hash (``held_hash(name)``, proven when the
+    tensor was last hashed in full) plus the changes, with the old contents read at
+    the changed positions only. Nothing else of the weights is read; nothing is
+    written. The patches live on their tensors' devices, as do the hash updates.
+    ``early`` results (from :func:`prove_object_incremental`) are checked, not redone."""
+    found = early or {}
+
+    def one(entry: TensorEntry, delta: DeltaObject, held: torch.Tensor) -> HashedPatch:
+        done = found.get(entry.name)
+        if isinstance(done, HashedPatch):
+            return done
+        return _incremental_one(entry, delta, held, held_hash, algorithm)
+
+    changes = list(changed_entries(entries, objects, base, specs))
+    # Tensors on PROVE_THREADS threads (the walk, gathers and hash updates release
+    # the GIL); the first at fault in manifest order is reported.
+    if PROVE_THREADS > 1 and len(changes) > 1:
+        futures = [_provers().submit(one, e, d, h) for e, d, h, _ in changes]
+        try:
+            results = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+    else:
+        results = [one(e, d, h) for e, d, h, _ in changes]
+    proven = ProvenPatches([], {}, {})
+    for (entry, _, _, spec), hashed in zip(changes, results, strict=True):
+        check_patch(hashed.patch, entry, spec)
+        _check_digest(entry, hashed.digest)
+        proven.patches.append(hashed.patch)
+        proven.hashes[entry.name] = hashed.digest
+        proven.old_values[entry.name] = hashed.old
+    return proven
+
+
+def _incremental_one(
+    entry: TensorEntry,
+    delta: DeltaObject,
+    held: torch.Tensor,
+    held_hash: Callable[[str], str],
+    algorithm: HashAlgorithm,
+) -> HashedPatch:
+    """One tensor's patch (on its device), old contents at its positions and hash
+    after it: the held hash plus the changes."""
+    flat = int_view(held.detach()).reshape(-1)
+    walked = guarded(delta.decode_changes, entry, held)
+    if walked is not None:  # one compiled walk, a gather at the changed positions
+        patch, old = walked
+        positions, new = patch.positions, patch.values
+    else:
+        patch = decode_entry(delta, entry, held)
+        positions = patch.positions.to(flat.device)
+        if positions.numel() and (int(positions[0]) < 0 or int(positions[-1]) >= flat.numel()):
+            raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
+        old = flat.index_select(0, positions)
+        new = patch.values.to(flat.device)
+    digest = algorithm.updated(held_hash(entry.name), positions, old, new, held.element_size())
+    moved = replace(patch, positions=positions, values=new)
+    return HashedPatch(moved, old, digest)
+
+
+def prove_object_incremental(
+    key: str,
+    data: bytes,
+    base: Callable[[str], torch.Tensor],
+    held_hash: Callable[[str], str],
+    algorithm: HashAlgorithm,
+) -> dict[str, EarlyResult]:
+    """:func:`prove_object` for an incremental content hash (see
+    :func:`prove_incremental`): every changed tensor of one object, O(changed)."""
+    delta = parse_objects({key: data}, [key])[key]
+    out: dict[str, EarlyResult] = {}
+    for info in delta.tensors:
+        if info.changed == 0:
+            continue
+        named = TensorEntry(
+            name=info.name,
+            dtype=dtype_name(info.dtype),
+            shape=tuple(info.shape),
+            hash="",  # not known before the manifest: checked against it later
+            object=key,
+            changed=info.changed,
+        )
+        out[info.name] = _incremental_one(named, delta, base(info.name), held_hash, algorithm)
+    return out
+
+
 def _to_device(hashed: HashedPatch, device: torch.device) -> HashedPatch:
     """A host-decoded proof of a tensor held on ``device``: its patch moves there now,
     before the weights are locked for the write; the old contents stay on the host
@@ -210,6 +311,7 @@ class EarlyProof:
     sha256: str  # of the object's bytes
     generation: str  # the target and its write count when made: stale after a write
     hashed: dict[str, EarlyResult]
+    content_hash: str = XXH3  # the algorithm of its digests: others' proofs are ignored
 
 
 def prove_object(
@@ -251,10 +353,10 @@ def early_patches(
     manifest: Manifest, proofs: Sequence[EarlyProof], generation: str
 ) -> dict[str, EarlyResult]:
     """The early results that hold for ``manifest``: made at ``generation`` (no write
-    since), from an object the manifest lists with the same sha256, for a tensor the
-    manifest places in that object."""
+    since) with the manifest's content hash, from an object the manifest lists with
+    the same sha256, for a tensor the manifest places in that object."""
     objects = {o.key: o.sha256 for o in manifest.objects}
-    return early_results(manifest.tensors, objects, proofs, generation)
+    return early_results(manifest.tensors, objects, proofs, generation, manifest.content_hash)
 
 
 def early_results(
@@ -262,11 +364,16 @@ def early_results(
     objects: Mapping[str, str],
     proofs: Sequence[EarlyProof],
     generation: str,
+    content_hash: str = XXH3,
 ) -> dict[str, EarlyResult]:
     """:func:`early_patches` from a manifest's tensor ``entries`` and the sha256 of
     the objects whose proofs may be used (``objects``: key -> sha256)."""
     valid = {
-        p.key: p for p in proofs if p.generation == generation and objects.get(p.key) == p.sha256
+        p.key: p
+        for p in proofs
+        if p.generation == generation
+        and objects.get(p.key) == p.sha256
+        and p.content_hash == content_hash
     }
     out: dict[str, EarlyResult] = {}
     for entry in entries:

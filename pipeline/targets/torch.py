@@ -21,12 +21,20 @@ import structlog
 import torch
 from torch import nn
 
+from pipeline import content_hashes, faults
 from pipeline.codec import TensorPatch
+from pipeline.content_hashes import HashAlgorithm
 from pipeline.errors import MismatchError, TargetError
-from pipeline.hashing import content_hash, state_hash
+from pipeline.hashing import state_hash
 from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
-from pipeline.targets.patching import apply_verified, decode_manifest, int_view, saved_old_values
+from pipeline.targets.patching import (
+    apply_verified,
+    check_objects,
+    decode_manifest,
+    int_view,
+    saved_old_values,
+)
 from pipeline.targets.proving import (
     EarlyProof,
     EarlyResult,
@@ -34,7 +42,9 @@ from pipeline.targets.proving import (
     decode_and_prove,
     early_patches,
     patch_bytes,
+    prove_incremental,
     prove_object,
+    prove_object_incremental,
 )
 from pipeline.targets.walking import Walk, apply_walks
 
@@ -110,6 +120,8 @@ class TorchTarget:
         # Names as the checkpoint carries them (for export); all names until known.
         self._checkpoint_names: list[str] = list(self._names)
         self._hash_cache: dict[str, str] = {}  # canonical name -> content hash
+        # The run's content hash (its manifests name it); the cache holds this one's.
+        self._algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM
         # This target and its writes so far: an early proof holds until the next write.
         self._token = uuid.uuid4().hex
         self._writes = 0
@@ -158,24 +170,64 @@ class TorchTarget:
 
     # -- hashes --------------------------------------------------------------------
 
-    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
-        """Fresh content hashes (computed now, not cached) of the named tensors."""
+    def hashes(
+        self, names: Sequence[str] | None = None, algorithm: str | None = None
+    ) -> dict[str, str]:
+        """Fresh content hashes (computed now, not cached) of the named tensors, by
+        ``algorithm`` (a manifest's ``content_hash``; default: the one in use)."""
         wanted = self._names if names is None else list(names)
         out: dict[str, str] = {}
         with self.lock:
+            if algorithm is not None:
+                self._use(content_hashes.get(algorithm))
             for name in wanted:
                 canonical = self._resolve(name, "hashes()")
-                digest = content_hash(self._tensors[canonical])
+                digest = self._algorithm.full(self._tensors[canonical])
                 self._hash_cache[canonical] = digest
                 out[name] = digest
         return out
 
+    def use_content_hash(self, name: str) -> None:
+        """Hash with ``name`` (the run's ``content_hash``) from now on: a node says so
+        at bootstrap, so that early proofs before the first delta use it too."""
+        with self._write_lock:
+            self._use(content_hashes.get(name))
+
+    def _use(self, algorithm: HashAlgorithm) -> None:
+        """Hash with ``algorithm`` from now on (a run's manifests name it)."""
+        if algorithm is not self._algorithm:
+            self._algorithm = algorithm
+            self._hash_cache.clear()
+            self._wrote()  # early proofs hashed with the other one are stale
+
     def _cached_hash(self, canonical: str) -> str:
         digest = self._hash_cache.get(canonical)
         if digest is None:
-            digest = content_hash(self._tensors[canonical])
+            digest = self._algorithm.full(self._tensors[canonical])
             self._hash_cache[canonical] = digest
         return digest
+
+    # -- scrubbing -----------------------------------------------------------------
+
+    def scrub_names(self) -> list[str]:
+        """The held tensors a scrub pass re-hashes, by canonical name."""
+        return list(self._tensors)
+
+    def scrub_bytes(self, canonical: str) -> int:
+        return self._tensors[canonical].nbytes
+
+    def scrub(self, canonical: str) -> bool:
+        """Re-hash one held tensor in full and compare it with the hash it is known by
+        (False: its memory changed behind the target's back). Writers wait meanwhile;
+        readers of ``lock`` do not. A tensor with no known hash is True (nothing to
+        compare: its next use hashes it in full)."""
+        with self._write_lock:
+            known = self._hash_cache.get(canonical)
+            if known is None:
+                return True
+            same = self._algorithm.full(self._tensors[canonical]) == known
+            faults.point("target.mid_scrub")
+            return same
 
     def state_hash(self, names: Iterable[str] | None = None) -> str:
         """State hash over the given checkpoint names (default: the checkpoint's names),
@@ -199,11 +251,13 @@ class TorchTarget:
                 self._check_spec(name, src.dtype, tuple(src.shape), "load_state")
                 order.append(name)
                 dst = self._tensors[canonical]
-                src_hash = content_hash(src) if src.device.type == "cpu" else None
+                # The incremental hash costs more in full: its first use computes it.
+                eager = src.device.type == "cpu" and not self._algorithm.incremental
+                src_hash = self._algorithm.full(src) if eager else None
                 if canonical in seen:
                     # The other name of a tied weight: must carry the same bits.
                     if src_hash is None:
-                        src_hash = content_hash(src)
+                        src_hash = self._algorithm.full(src)
                     if src_hash != self._cached_hash(canonical):
                         raise MismatchError(
                             f"tensors {seen[canonical]!r} and {name!r} share storage in the "
@@ -249,8 +303,17 @@ class TorchTarget:
         if the manifest confirms the object and nothing was written meanwhile."""
         with self._write_lock:
             generation = self._generation
-            hashed = prove_object(key, data, self.tensor, self._early_keep)
-        return EarlyProof(key, sha256, generation, hashed)
+            if self._algorithm.incremental:
+                hashed = prove_object_incremental(
+                    key,
+                    data,
+                    self.tensor,
+                    lambda name: self._cached_hash(self._canonical[name]),
+                    self._algorithm,
+                )
+            else:
+                hashed = prove_object(key, data, self.tensor, self._early_keep)
+        return EarlyProof(key, sha256, generation, hashed, self._algorithm.name)
 
     def apply_delta(
         self,
@@ -273,6 +336,10 @@ class TorchTarget:
         # Only writers take _write_lock, so the held weights stay as checked until the
         # write below, while readers holding ``lock`` keep running meanwhile.
         with self._write_lock:
+            self._use(content_hashes.of(manifest))
+            algorithm = self._algorithm
+            if verify == "all":
+                self._hash_cache.clear()  # every held hash is recomputed in full
             entries = self._check_manifest(manifest, where)
             self._check_base(manifest, where)
             specs = self.specs()
@@ -280,6 +347,21 @@ class TorchTarget:
             early_used: dict[str, EarlyResult] = {}
             if verify == "none":
                 patches = decode_manifest(manifest, objects, self.tensor, specs)
+            elif algorithm.incremental:
+                # O(changed): held hashes plus the changes; old contents read at the
+                # changed positions only.
+                check_objects(manifest, objects)
+                early_used = early_patches(manifest, early, self._generation)
+                proven = prove_incremental(
+                    manifest.tensors,
+                    objects,
+                    self.tensor,
+                    specs,
+                    lambda name: self._cached_hash(self._canonical[name]),
+                    algorithm,
+                    early_used,
+                )
+                patches = proven.patches
             else:
                 # Decoded and proven against the manifest's hashes, nothing written yet.
                 early_used = early_patches(manifest, early, self._generation)
@@ -309,11 +391,7 @@ class TorchTarget:
             for canonical, entry in entries.items():
                 if canonical in written:
                     continue
-                held = (
-                    content_hash(self._tensors[canonical])
-                    if verify == "all"
-                    else self._cached_hash(canonical)
-                )
+                held = self._cached_hash(canonical)  # fresh for "all": cleared above
                 if held != entry.hash:
                     raise MismatchError(
                         f"{where}: tensor {entry.name!r} is unchanged by the delta but its held "
@@ -333,7 +411,12 @@ class TorchTarget:
                 start = time.perf_counter()
                 try:
                     applied = apply_verified(
-                        list(touched.values()), self.tensor, recheck, old_values
+                        list(touched.values()),
+                        self.tensor,
+                        recheck,
+                        old_values,
+                        full=algorithm.full,
+                        read_back=algorithm.incremental and verify != "none",
                     )
                     try:
                         apply_walks(list(walks.values()), self.tensor, recheck)

@@ -305,9 +305,11 @@ class VllmTarget:
                 wait = min(wait * 2, 0.005)
         return [results[index] for index in range(workers)]
 
-    def hashes(self, names: Sequence[str] | None = None) -> dict[str, str]:
+    def hashes(
+        self, names: Sequence[str] | None = None, algorithm: str | None = None
+    ) -> dict[str, str]:
         answer: dict[str, str] = self._call(
-            "deltasync_hashes", None if names is None else list(names)
+            "deltasync_hashes", None if names is None else list(names), algorithm
         )
         return answer
 
@@ -342,6 +344,7 @@ def delta_request(
         "version": manifest.version,
         "verify": verify,
         "parent_state_hash": manifest.parent_state_hash,
+        "content_hash": manifest.content_hash,
         "entries": [
             [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
         ],
