@@ -29,7 +29,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pipeline import chain, faults
+from pipeline import chain, faults, metrics
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import (
     ChainError,
@@ -97,6 +97,7 @@ class RolloutNode:
         self.progress = sys.stderr.isatty() if progress is None else progress
 
         self._applied: int | None = None
+        self._head_seen: int | None = None  # the store's head at the last sync
         self._state_hash: str | None = None
         self._started = False
         self._manifests: dict[tuple[Kind, int], Manifest] = {}  # write-once: safe to cache
@@ -170,6 +171,7 @@ class RolloutNode:
             self._next_retry = 0.0
             self.last_error = None
         self.report.heartbeat_if_due(self._applied, self._state_hash)
+        metrics.replica_at(self.run_name, self.node_id, self._head_seen, self._applied)
         return self._applied
 
     def run(
@@ -253,7 +255,7 @@ class RolloutNode:
 
     def _sync(self) -> None:
         index = chain.list_versions(self.store, self.run_name)
-        head = index.head
+        head = self._head_seen = index.head
         if head is None:
             return
         if self._applied is None or self._need_bootstrap:

@@ -142,6 +142,7 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
             }
             head_manifest = plan.deltas[-1] if plan.deltas else plan.anchor
             report["signed"] = head_manifest.signature is not None
+            report["head_state_hash"] = head_manifest.state_hash
         except ChainError as exc:
             report["chain"] = {"error": str(exc)}
     r = runtime.redis
@@ -164,6 +165,7 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
                 "node": info.node,
                 "version": info.version,
                 "lag_versions": lag,
+                "state_hash": info.state_hash or None,
                 "seen_s_ago": round(info.age_s, 1),
             }
         )

@@ -7,6 +7,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.logs import get_logger
 from workers import queues
+from workers.metrics_http import serve_metrics
 from workers.runtime import Runtime
 
 log = get_logger(__name__)
@@ -44,5 +45,6 @@ def run_worker(
     )
     if runtime.settings.signing_key_path is None:
         log.warning("versions are unsigned: set DELTASYNC_SIGNING_KEY to sign manifests")
+    serve_metrics(runtime.settings.metrics_port, queues_of=connection)
     worked: bool = worker.work(burst=burst, with_scheduler=True, logging_level=None)
     return worked
