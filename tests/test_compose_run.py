@@ -1,6 +1,7 @@
 """compose.yaml for real: the images built from docker/, the stack up, steps emitted
-through it, a diff worker restarted and another killed with SIGKILL mid-run, and every
-version reaching the replica bit-exactly.
+through it, the diff workers restarted, one killed mid-job by a crash point
+(tests/compose.faults.yaml) and another with SIGKILL from outside, and every version
+reaching the replica bit-exactly.
 
 Needs a Docker engine: the one DOCKER_HOST names, else a private dockerd that
 scripts/docker-local.sh starts (root, Debian's docker.io) on a base image it builds
