@@ -178,3 +178,14 @@ def test_prometheus_scrapes_every_deltasync_service_on_the_metrics_port() -> Non
         or str(service.get("image", "")).startswith("${DELTASYNC_")
     }
     assert deltasync == scraped_names
+
+
+def test_a_taken_port_leaves_the_process_working_without_an_endpoint() -> None:
+    from workers import metrics_http
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert metrics_http.serve_metrics(port) is None  # logged, not raised
+        assert metrics_http.serve_metrics(0) is None  # off

@@ -60,9 +60,15 @@ def serve_metrics(port: int, *, queues_of: redis.Redis | None = None) -> int | N
     global _serving
     if port == 0 or _serving is not None:
         return _serving
+    try:
+        start_http_server(port, addr="0.0.0.0")
+    except OSError as exc:
+        # Several workers on one host with one port setting: the first serves, the rest
+        # work on without an endpoint rather than fail.
+        log.warning("metrics not served", port=port, error=str(exc))
+        return None
     if queues_of is not None:
         REGISTRY.register(QueueDepth(queues_of))
-    start_http_server(port, addr="0.0.0.0")
     _serving = port
     log.info("metrics served", port=port, path="/metrics")
     return port
