@@ -254,6 +254,15 @@ class Settings:
             "both.",
         ),
     )
+    metrics_port: int = field(
+        default=0,
+        metadata=_var(
+            "DELTASYNC_METRICS_PORT",
+            "0",
+            "Port of the Prometheus /metrics endpoint that workers and rollout nodes serve "
+            "(all interfaces); 0: none.",
+        ),
+    )
 
     def __post_init__(self) -> None:
         # Empty values mean "derive from data_dir"; frozen, hence object.__setattr__.
@@ -306,6 +315,8 @@ class Settings:
                 f"DELTASYNC_REPLICA_TTL: must be a positive number of seconds, "
                 f"got {self.replica_ttl_s}"
             )
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"DELTASYNC_METRICS_PORT: not a port number: {self.metrics_port}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(
                 f"DELTASYNC_LOG_LEVEL: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
@@ -472,6 +483,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "patch_memory_mb": _int,
     "part_bytes": _int,
     "anchor_compression": _choice,
+    "metrics_port": _int,
 }
 
 

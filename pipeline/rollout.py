@@ -29,7 +29,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pipeline import chain, faults, run_binding
+from pipeline import chain, faults, metrics, run_binding
 from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import (
     ChainError,
@@ -113,6 +113,7 @@ class RolloutNode:
         # the store once); a node never goes back below either's word.
         self._highest: int | None = None
         self._instance: run_binding.RunInstance | None = None
+        self._head_seen: int | None = None  # the store's head at the last sync
         self._state_hash: str | None = None
         self._started = False
         self._manifests: dict[tuple[Kind, int], Manifest] = {}  # write-once: safe to cache
@@ -214,6 +215,7 @@ class RolloutNode:
             self.last_error = None
             self.report.synced()
         self.report.heartbeat_if_due(self._applied, self._state_hash)
+        metrics.replica_at(self.run_name, self.node_id, self._head_seen, self._applied)
         return self._applied
 
     def run(
@@ -306,6 +308,7 @@ class RolloutNode:
                 f"run {self.run_name}: the store's head is v{head}, older than v{floor} "
                 "this node has seen; refusing to go back"
             )
+        head = self._head_seen = index.head
         if head is None:
             return
         if self._applied is None or self._need_bootstrap:

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from pipeline import replica_problems, replicas
+from pipeline import metrics, replica_problems, replicas
 from pipeline.errors import DeltasyncError
 from pipeline.event_stream import EventStream
 from pipeline.events import DeltaApplied, Event, ReplicaError
@@ -86,6 +86,7 @@ class Reporter:
                 manifest.version, manifest.kind, fetch_s, apply_s, pause_s, latency, early_parts
             )
         )
+        metrics.applied(self.run, manifest.kind, manifest.total_bytes, pause_s, latency)
         self.publish(
             DeltaApplied(
                 run=self.run,
@@ -102,6 +103,7 @@ class Reporter:
 
     def failed(self, held: int | None, exc: DeltasyncError) -> None:
         """Announce a failed sync; the node keeps ``held`` and recovers."""
+        metrics.refused(self.run, "rollout", exc)
         self.publish(
             ReplicaError(
                 run=self.run,

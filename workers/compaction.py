@@ -6,7 +6,7 @@ from typing import Any
 
 from rq import get_current_job
 
-from pipeline import faults, run_binding
+from pipeline import faults, metrics, run_binding
 from pipeline.compaction import collect_garbage, compact
 from pipeline.events import AnchorAvailable
 from pipeline.logs import bind_context, get_logger
@@ -46,6 +46,7 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
             signing_key=settings.signing_key(),
             anchor_compression=settings.anchor_compression,
         )
+        metrics.published(run, "anchor", manifest.total_bytes, None)
         faults.point("compact.before_event")
         r = runtime.redis
         event = AnchorAvailable.now(

@@ -10,19 +10,19 @@ from typing import Any
 import redis
 from rq import get_current_job
 
-from pipeline import dead_letters, faults, run_binding
+from pipeline import chain, dead_letters, faults, metrics, run_binding
 from pipeline.config import Settings
 from pipeline.diff_step import PublishResult, publish_step
 from pipeline.errors import ConfigError
 from pipeline.event_stream import EventStream
 from pipeline.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.logs import bind_context, get_logger
-from pipeline.manifest import Manifest, manifest_key
+from pipeline.manifest import Kind, Manifest, manifest_key
 from pipeline.part_hints import publish_part
 from pipeline.policy import compaction_reason
 from pipeline.replicas import claim_once, run_lock
 from pipeline.state_cache import StateCache
-from workers import parallel_diff, queues
+from workers import metrics_http, parallel_diff, queues
 from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
@@ -70,7 +70,30 @@ def announce(runtime: Runtime, manifest: Manifest) -> None:
         total=sum(t.numel for t in manifest.tensors),
         manifest=manifest_key(manifest.run, manifest.kind, manifest.version),
     )
-    publish_once(runtime, f"deltasync:run:{manifest.run}:announced:{manifest.version}", event)
+    publish_once(runtime, _announced_key(manifest.run, manifest.version), event)
+
+
+def announce_parent(runtime: Runtime, manifest: Manifest) -> None:
+    """Announce the parent of ``manifest`` if it was emitted and nobody announced it: a
+    worker killed between a version's manifest and its event leaves it unannounced until
+    rq retries its job (the job timeout later), so the next version announces it first
+    and events stay in order. Versions published without an emit stay unannounced."""
+    parent = manifest.parent
+    if parent is None:
+        return
+    emitted = f"deltasync:run:{manifest.run}:emitted:{parent}"  # set by workers.trainer
+    if not runtime.redis.exists(emitted) or runtime.redis.exists(
+        _announced_key(manifest.run, parent)
+    ):
+        return
+    deltas = chain.list_versions(runtime.store, manifest.run).deltas
+    kind: Kind = "delta" if parent in deltas else "anchor"
+    announce(runtime, chain.load_manifest(runtime.store, manifest.run, kind, parent))
+    log.warning("announced a version its worker did not", version=parent)
+
+
+def _announced_key(run: str, version: int) -> str:
+    return f"deltasync:run:{run}:announced:{version}"
 
 
 def _job_id() -> str | None:
@@ -104,6 +127,7 @@ def diff_job(
     except Exception as exc:
         if dead_letters.is_transient(exc):
             raise
+        metrics.refused(run, "diff", exc)
         reason = dead_letters.record(runtime.redis, run, step, str(checkpoint), exc, pending)
         raise dead_letters.PoisonStepError(
             f"step {step} of run {run} set aside: {reason}"
@@ -150,6 +174,7 @@ def _diff_one(
         runtime.redis.hdel(queues.pending_steps_key(run), str(step))
         runtime.redis.hdel(dead_letters.dead_steps_key(run), str(step))  # set aside before
         faults.point("diff.before_announce")
+        announce_parent(runtime, manifest)
         announce(runtime, manifest)
         announced.append(manifest.version)
         faults.point("diff.after_announce")
@@ -190,6 +215,11 @@ def _diff_one(
         # Also after a crash between the manifest and the event: announce once.
         published(result.manifest)
     runtime.redis.hdel(queues.pending_steps_key(run), str(step))
+    if result.status == "published" and result.manifest is not None:
+        since = metrics_http.since_step_s(runtime.redis, run, step)
+        metrics.published(run, result.manifest.kind, result.bytes, since)
+    elif result.manifest is None:
+        metrics.refused(run, "diff", "stale-step")
     if result.status == "published":
         reason = compaction_reason(
             runtime.store, run, step, settings.max_chain, settings.max_delta_fraction

@@ -145,6 +145,8 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
             }
             # "signed" means verified: resolve checked every signature with the key.
             report["signed"] = store_key(store) is not None
+            head_manifest = plan.deltas[-1] if plan.deltas else plan.anchor
+            report["head_state_hash"] = head_manifest.state_hash
         except DeltasyncError as exc:
             report["chain"] = {"error": str(exc)}
             report["signed"] = False
@@ -168,6 +170,7 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
                 "node": info.node,
                 "version": info.version,
                 "lag_versions": lag,
+                "state_hash": info.state_hash or None,
                 "seen_s_ago": round(info.age_s, 1),
             }
         )

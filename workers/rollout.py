@@ -45,6 +45,7 @@ from pipeline.store.base import ObjectStore
 from pipeline.targets import target_class
 from pipeline.targets.base import Target, TensorSpec, VerifyMode
 from pipeline.trust import trusted
+from workers.metrics_http import serve_metrics
 from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)
@@ -113,6 +114,7 @@ def run_rollout(
         log.warning(
             "signatures are not checked: set DELTASYNC_VERIFY_KEY to refuse unsigned versions"
         )
+    serve_metrics(settings.metrics_port)
     stop = stop or threading.Event()
     with _signals_stop(stop):
         built = _build_target(

@@ -9,6 +9,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.logs import clear_context, get_logger
 from workers import queues
+from workers.metrics_http import serve_metrics
 from workers.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -62,5 +63,6 @@ def run_worker(
     )
     if runtime.settings.signing_key_path is None:
         log.warning("versions are unsigned: set DELTASYNC_SIGNING_KEY to sign manifests")
+    serve_metrics(runtime.settings.metrics_port, queues_of=connection)
     worked: bool = worker.work(burst=burst, with_scheduler=True, logging_level=None)
     return worked
