@@ -66,7 +66,8 @@ def test_a_node_that_cannot_bootstrap_is_listed_with_its_error(
     assert done.returncode == 0, done.stderr[-2000:]
     report = _status(env)
     assert report["failing"] == []
-    assert [r["node"] for r in report["replicas"]] == ["bad-node"]  # type: ignore[attr-defined]
+    # It reached v1 (--until) and, stopping, took its heartbeat along.
+    assert report["replicas"] == []
 
 
 def test_failure_records_keep_since_and_go_at_the_next_sync(redis_url: str) -> None:
