@@ -42,6 +42,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from pipeline.diff_step import publish_step
+from pipeline.redis_server import stop_redis
 from pipeline.state_cache import StateCache
 from pipeline.store.file import FileStore
 from tests.vllm_model import VOCAB, build_tokenizer, save_version
@@ -249,6 +250,7 @@ def main() -> None:
             server.terminate()
             server.wait(timeout=120)
             log.close()
+            stop_redis(tmp / "home")  # the server's embedded Redis
         pauses = status["recent_pauses"]
         full = [held for v, held, _drain in pauses if v is None]
         held = [h for v, h, _d in pauses if v is not None]

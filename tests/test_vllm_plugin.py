@@ -7,23 +7,28 @@ worker publishes versions.
 Checked: no request fails; `/weight_info` names each version; every greedy answer is
 what a fresh engine generates at one of the run's versions (none mixes two), and
 once the server says v5, exactly v5's; a damaged delta is refused while the server
-answers on with v5.
+answers on with v5; the workers' weights end equal to the trainer's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pipeline.config import Settings
 from pipeline.event_stream import EventStream
 from pipeline.events import ReplicaError
+from pipeline.hashing import content_hash
 from pipeline.redis_server import redis_client
 from pipeline.store.file import FileStore
+from pipeline.targets.vllm import EXTENSION_CLS
 from tests.pipeline_helpers import REPO, deltasync_env, processes, wait_for
 from tests.servers import free_port, stop_process
 from tests.test_vllm_serve import (
@@ -66,6 +71,34 @@ def plugin_site(folder: Path) -> Path:
     return folder
 
 
+def collective_rpc(base: str, method: str, *args: object) -> Any:
+    request = urllib.request.Request(
+        f"{base}/collective_rpc",
+        data=json.dumps({"method": method, "args": list(args)}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+class HashesRead:
+    """``deltasync_hashes`` through ``/collective_rpc``; ``read`` is False while vLLM
+    answers something other than one envelope per worker (the last answer is kept
+    for the failure message)."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.results: Any = None
+
+    def read(self) -> bool:
+        self.results = collective_rpc(self.base, "deltasync_hashes", None)["results"]
+        ok = isinstance(self.results, list) and all(isinstance(r, dict) for r in self.results)
+        if not ok:
+            print(f"collective_rpc deltasync_hashes answered {self.results!r:.500}")
+        return ok
+
+
 def test_stock_vllm_server_with_the_plugin_follows_a_run_driven_over_http(
     tmp_path: Path, redis_url: str
 ) -> None:
@@ -89,6 +122,7 @@ def test_stock_vllm_server_with_the_plugin_follows_a_run_driven_over_http(
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(serve_model),
          "--load-format", "dummy", "--weight-transfer-config", '{"backend": "deltasync"}',
+         "--worker-extension-cls", EXTENSION_CLS,
          "--enforce-eager", "--host", "127.0.0.1", "--port", str(port), *SERVER_OPTIONS],
         env=server_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -123,6 +157,8 @@ def test_stock_vllm_server_with_the_plugin_follows_a_run_driven_over_http(
                     answered = load.count(None)
                     wait_for(load.answered(None, answered + 8), "answers after the refusal")
                     info = get_json(f"{base}/weight_info")
+                held = HashesRead(base)
+                wait_for(held.read, "the workers' hashes")
                 assert procs["node"].poll() is None
         assert server.poll() is None
     finally:
@@ -132,6 +168,10 @@ def test_stock_vllm_server_with_the_plugin_follows_a_run_driven_over_http(
 
     assert load.failures == []
     assert info["weight_version"] == f"{RUN}@{VERSIONS - 1}"
+    # The workers' weights are the trainer's last version, bit for bit (content
+    # hashes of the state the backend keeps, read through the worker extension).
+    want = {name: content_hash(t) for name, t in weights[-1].items()}
+    assert held.results == [{"ok": True, "value": want}]
     references = reference_outputs(folders, tmp_path / "reference.json")
     last = VERSIONS - 1
     for index, answer in enumerate(load.answers):

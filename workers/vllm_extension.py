@@ -71,7 +71,13 @@ class DeltasyncWorkerExtension:
     def _ds(self) -> WorkerState:
         state: WorkerState | None = getattr(self, "_deltasync_state", None)
         if state is None:
-            state = WorkerState()
+            # With the deltasync weight-transfer backend too (workers/vllm_plugin.py),
+            # this worker's methods read and write the state that backend keeps.
+            host = getattr(getattr(self, "weight_transfer_engine", None), "host", None)
+            if isinstance(host, DeltasyncWorkerExtension) and host is not self:
+                state = host._ds()
+            else:
+                state = WorkerState()
             self._deltasync_state = state
         return state
 
