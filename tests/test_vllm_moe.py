@@ -184,21 +184,38 @@ def test_one_changed_expert_reloads_its_whole_group(trained: Trained, engine: An
     assert _generate(engine, PROMPTS) == patched
 
 
-def test_a_tensor_the_model_cannot_place_is_refused(trained: Trained, engine: Any) -> None:
+@pytest.mark.parametrize("kind", ["unknown-module", "expert-out-of-range"])
+def test_a_tensor_the_model_cannot_place_is_refused(
+    trained: Trained, engine: Any, kind: str
+) -> None:
+    """A name the loader rejects, and one it would drop silently (expert 9 of a
+    model with 4 experts): refused, weights and generations unchanged."""
     from pipeline.targets.vllm import VllmTarget
 
     target = VllmTarget(engine, chunk_bytes=256 << 10)
     target.load_state(trained.weights[0].items())
     hashes = target.hashes()
     outputs = _generate(engine, PROMPTS)
+    (live,) = engine.collective_rpc(_live_hashes)
     weights = dict(trained.weights[1])
-    stray = f"model.layers.0.{EXPERT_NAMES[trained.family][0]}.extra_proj.weight"
-    weights[stray] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    if kind == "unknown-module":
+        stray = f"model.layers.0.{EXPERT_NAMES[trained.family][0]}.extra_proj.weight"
+        weights[stray] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    else:
+        stray = _expert(trained.family, 0, 9, 2)
+        weights[stray] = torch.ones_like(weights[_expert(trained.family, 0, 1, 2)])
     with pytest.raises(TargetError, match=rf"tensor {stray}: ") as caught:
         target.load_state(weights.items())
     assert "\n" not in str(caught.value)
     assert target.hashes() == hashes
+    assert engine.collective_rpc(_live_hashes) == [live]  # the engine's own bits
     assert _generate(engine, PROMPTS) == outputs
+
+
+def _live_hashes(worker: Any) -> dict[str, str]:
+    """Runs inside the worker: a hash of every parameter the engine computes with."""
+    model = worker.model_runner.get_model()
+    return {n: content_hash(p.data.contiguous()) for n, p in model.named_parameters()}
 
 
 def _probe_experts(worker: Any) -> dict[str, Any]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import pytest
 import torch
 
+from pipeline.errors import TargetError
 from pipeline.targets.vllm_mapping import (
     placed_view,
     probe_placement,
@@ -50,6 +52,10 @@ class StackedExperts(torch.nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
             parts = name.split(".")
+            # As vLLM's loaders: rotary caches and experts with no mapping entry
+            # (an index beyond the config) are skipped without an error.
+            if "rotary_emb.inv_freq" in name or (parts[1].isdecimal() and int(parts[1]) >= EXPERTS):
+                continue
             if parts[1] == "gate_up_proj":  # fused: every expert, gate then up
                 for expert in range(tensor.shape[0]):
                     for shard, half in (("w1", 0), ("w3", 1)):
@@ -143,3 +149,28 @@ def test_a_tied_parameter_gets_its_own_loader_back() -> None:
         model, "embed.weight", routes["embed.weight"], (4, 2), model.load_one
     )
     assert placement is not None and placement.size == (4, 2)
+
+
+def test_an_expert_the_loader_skips_is_refused_and_nothing_changes() -> None:
+    model = StackedExperts()
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in (model.w13, model.w2):
+            param.copy_(torch.randn(param.shape, generator=generator))
+    before = {n: p.detach().clone().view(torch.int16) for n, p in model.named_parameters()}
+    shapes = {
+        "experts.0.gate": (torch.bfloat16, (ROWS, HIDDEN)),
+        # Accepted: vLLM drops it on purpose, recomputed from the config.
+        "layers.0.rotary_emb.inv_freq": (torch.float32, (HIDDEN // 2,)),
+        f"experts.{EXPERTS + 6}.down": (torch.bfloat16, (HIDDEN, ROWS)),
+    }
+    with pytest.raises(TargetError, match=rf"^tensor experts\.{EXPERTS + 6}\.down: ") as caught:
+        route_names(model, model.load_weights, shapes)
+    assert "\n" not in str(caught.value)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach().view(torch.int16), before[name]), name
+        assert param.weight_loader == model.weight_loader  # type: ignore[attr-defined]
+    del shapes[f"experts.{EXPERTS + 6}.down"]
+    routes = route_names(model, model.load_weights, shapes)
+    assert routes["layers.0.rotary_emb.inv_freq"].parameter is None
+    assert routes["experts.0.gate"].parameter == "w13"

@@ -130,9 +130,9 @@ class DeltasyncWorkerExtension:
             ignored=len(ignored),
         )
         if ignored:
-            # Skipped by the model's own loader (a tied lm_head, or a name it does not
-            # know and drops, as its own load would): held in the shadow only.
-            log.warning("tensors the vLLM model does not load", tensors=ignored[:8])
+            # Skipped on purpose (rotary caches, a tied alias, another stage's
+            # layer; route_names refuses any other skip): held in the shadow only.
+            log.info("tensors the vLLM model does not load", tensors=ignored[:8])
 
     def _ds_placements(self, state: WorkerState) -> dict[str, Placement]:
         """Plain-tensor placements of shadow tensors that the model holds bit for bit."""

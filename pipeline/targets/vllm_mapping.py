@@ -74,6 +74,15 @@ class Placement:
 
 
 _Hit = tuple[str, tuple[Any, ...], tuple[tuple[str, Any], ...]]
+# Buffers vLLM's loaders drop on purpose: recomputed from the config, no weight lost.
+_DERIVED_BUFFERS = (
+    "rotary_emb.inv_freq",
+    "rotary_pos_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
+# Layers that another pipeline stage holds (vLLM's placeholders on this stage).
+_OTHER_STAGE = ("PPMissingLayer", "StageMissingLayer")
 # Keywords naming the loader's two tensors (FusedMoE passes everything by keyword).
 _TENSOR_KEYWORDS = ("param", "loaded_weight")
 
@@ -107,6 +116,21 @@ def _route(hf_name: str, hits: list[_Hit]) -> Route:
     return Route(hits[0][0], (), (), calls=len(hits))
 
 
+def _skipped_on_purpose(model: torch.nn.Module, hf_name: str, tied: set[str]) -> bool:
+    """Whether the loader skipping ``hf_name`` loses no weight of this model."""
+    if hf_name in tied or any(buffer in hf_name for buffer in _DERIVED_BUFFERS):
+        return True  # a tied alias is loaded under its other name
+    module = model
+    for part in hf_name.split(".")[:-1]:
+        child = dict(module.named_children()).get(part)
+        if child is None:
+            return False
+        if type(child).__name__ in _OTHER_STAGE:
+            return True
+        module = child
+    return False
+
+
 def route_names(
     model: torch.nn.Module,
     load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
@@ -116,11 +140,18 @@ def route_names(
 
     ``shapes`` gives dtype and shape of each checkpoint tensor; placeholders of
     that dtype and shape are passed (expanded zero-stride views: no memory).
-    A name the model's loader rejects raises TargetError naming it.
+    A name the model's loader rejects raises TargetError naming it, and so does
+    one it skips silently (an expert index the model does not have, a parameter it
+    lacks): its weights would be lost. Names skipped on purpose stay, routed to
+    ``None``: rotary caches, a tied alias, a layer of another pipeline stage.
     """
     # One entry per parameter object: a tied parameter (lm_head sharing the
     # embedding) is saved and restored once, under its first name.
     params = dict(model.named_parameters())
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    tied = {name for names in names_of.values() if len(names) > 1 for name in names}
     saved: dict[str, object] = {}
     hits: list[_Hit] = []
     for name, param in params.items():
@@ -139,6 +170,11 @@ def route_names(
                     f"{str(exc).splitlines()[0] if str(exc) else ''})"
                 ) from exc
             routes[hf_name] = _route(hf_name, hits)
+            if not hits and not _skipped_on_purpose(model, hf_name, tied):
+                raise TargetError(
+                    f"tensor {hf_name}: the vLLM model's loader skips it, its weights "
+                    "would be lost (no such expert or parameter in this model)"
+                )
     finally:
         for name, param in params.items():
             if saved[name] is _MISSING:
