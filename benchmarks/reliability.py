@@ -133,7 +133,9 @@ def main() -> None:
 
     def node_walked(tmp: Path, url: str) -> int:
         walked = {"DELTASYNC_PATCH_MEMORY_MB": "0"}
-        return rollout.rollout_crash_scenario(tmp, url, ("target.mid_walk@2",), walked).runs
+        return rollout.rollout_crash_scenario(
+            tmp, url, ("target.mid_walk@2",), walked, content_hash="xxh3-128"
+        ).runs
 
     def node_resume(tmp: Path, url: str) -> int:
         return rollout.resume_crash_scenario(tmp, url).runs

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pipeline.checkpoint import CheckpointReader
+from pipeline.content_hashes import XXH3
 from pipeline.diff_step import publish_step
 from pipeline.hashing import content_hash
 from pipeline.state_cache import StateCache
@@ -51,7 +52,9 @@ class PublishedRun:
         return max(self.states)
 
 
-def publish_run(tmp: Path, versions: int = VERSIONS) -> PublishedRun:
+def publish_run(
+    tmp: Path, versions: int = VERSIONS, content_hash: str | None = None
+) -> PublishedRun:
     store = FileStore(tmp / "store")
     generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=1e-5, seed=5)
     cache = StateCache(tmp / "trainer-cache", RUN)
@@ -63,7 +66,10 @@ def publish_run(tmp: Path, versions: int = VERSIONS) -> PublishedRun:
         path = tmp / "trainer" / f"{step}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_state(state, path)
-        publish_step(store, RUN, step, path, cache, level=1, part_bytes=PART_BYTES)
+        publish_step(
+            store, RUN, step, path, cache, level=1, part_bytes=PART_BYTES,
+            content_hash=content_hash,
+        )  # fmt: skip
         states[step] = {n: t.clone() for n, t in state.items()}
     return PublishedRun(store, states)
 
@@ -131,10 +137,15 @@ def converge(
 
 
 def rollout_crash_scenario(
-    tmp: Path, redis_url: str, points: tuple[str, ...], settings: dict[str, str] | None = None
+    tmp: Path,
+    redis_url: str,
+    points: tuple[str, ...],
+    settings: dict[str, str] | None = None,
+    content_hash: str | None = None,
 ) -> Outcome:
-    """``settings``: extra DELTASYNC_* variables for the node (crashed and restarted)."""
-    run = publish_run(tmp)
+    """``settings``: extra DELTASYNC_* variables for the node (crashed and restarted);
+    ``content_hash``: the run's (default: a new run's)."""
+    run = publish_run(tmp, content_hash=content_hash)
     outcome = Outcome()
     for i, fault in enumerate(points):
         home = tmp / f"node-{i}"
@@ -216,10 +227,13 @@ def test_node_killed_at_every_point_converges_bit_exactly(tmp_path: Path, redis_
 
 
 def test_node_killed_mid_walked_write_converges_bit_exactly(tmp_path: Path, redis_url: str) -> None:
-    """No memory for decoded patches: deltas are walked into the weights; a kill between
-    two walked tensors still ends bit-exact."""
+    """No memory for decoded patches: deltas are walked into the weights (an xxh3-128
+    run: an incremental one keeps its O(changed) patches); a kill between two walked
+    tensors still ends bit-exact."""
     walked = {"DELTASYNC_PATCH_MEMORY_MB": "0"}
-    assert rollout_crash_scenario(tmp_path, redis_url, ("target.mid_walk@2",), walked).recovered
+    assert rollout_crash_scenario(
+        tmp_path, redis_url, ("target.mid_walk@2",), walked, content_hash=XXH3
+    ).recovered
 
 
 def test_node_killed_mid_scrub_converges_bit_exactly(tmp_path: Path, redis_url: str) -> None:

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def publish_versions(
-    store: FileStore, workdir: Path, count: int
+    store: FileStore, workdir: Path, count: int, content_hash: str | None = None
 ) -> dict[int, dict[str, torch.Tensor]]:
     generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=1e-6, seed=1)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -41,7 +41,7 @@ def publish_versions(
             state = generator.step()
         path = workdir / f"{step}.safetensors"
         save_state(state, path)
-        publish_step(store, RUN, step, path, cache, level=1)
+        publish_step(store, RUN, step, path, cache, level=1, content_hash=content_hash)
         states[step] = state
     return states
 
@@ -77,7 +77,8 @@ def test_rollout_command_follows_dumps_and_resumes_from_its_dump(
     tmp_path: Path, redis_url: str
 ) -> None:
     store = FileStore(tmp_path / "store")
-    states = publish_versions(store, tmp_path / "trainer", 3)
+    # xxh3-128: the walked write below is that hash's (an incremental run keeps patches)
+    states = publish_versions(store, tmp_path / "trainer", 3, content_hash="xxh3-128")
     home = tmp_path / "home"
     first_dump = tmp_path / "first.safetensors"
     logs = rollout(home, store, redis_url, "--until", "2", "--dump", str(first_dump))

@@ -17,7 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline import synthetic, verify
+from pipeline import content_hashes, synthetic, verify
 from pipeline.checkpoint import CheckpointReader
 from pipeline.event_stream import EventStream
 from pipeline.events import (
@@ -27,7 +27,7 @@ from pipeline.events import (
     ReplicaError,
     StepCompleted,
 )
-from pipeline.hashing import content_hash, state_hash
+from pipeline.hashing import state_hash
 from pipeline.logs import configure_logging, get_logger
 from pipeline.replicas import list_replicas
 from workers.runtime import Runtime
@@ -215,11 +215,13 @@ class Demo:
         try:
             with Live(self._live_view(0), console=self.console, refresh_per_second=4) as live:
                 state = generator.state()
+                # The demo's run is new: its first anchor takes the configured hash.
+                full = content_hashes.get(self.runtime.settings.content_hash).full
                 for step in range(opts.steps):
                     if step:
                         state = generator.step()
                     row = self.rows.setdefault(step, VersionRow(step))
-                    hashes = {n: content_hash(t) for n, t in state.items()}
+                    hashes = {n: full(t) for n, t in state.items()}
                     row.trainer_hash = state_hash(hashes.items())
                     if step:
                         row.changed = sum(
