@@ -29,13 +29,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from pipeline import cpus
 
 NAME = "mixsum-128"
 # k0 (positions), k1 (lane A), k2 (lane B), k3 (odd multiplier of the bits, lane B).
@@ -47,7 +48,7 @@ _SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Elements per thread task / per torch-ops step (bounds the int64 temporaries).
 CPU_CHUNK = 1 << 22
 TORCH_CHUNK = 1 << 23
-THREADS = max(1, min(8, os.cpu_count() or 1))
+THREADS = max(1, min(8, cpus.available()))
 
 # Tests switch this off to compare the torch-ops path with the compiled one.
 COMPILED = True
