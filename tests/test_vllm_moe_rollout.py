@@ -71,4 +71,5 @@ def test_vllm_node_follows_a_moe_trainer_publishing_from_memory(
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout[status.stdout.index("{") :])
     assert report["failing"] == []
-    assert [(r["node"], r["version"]) for r in report["replicas"]] == [("moe-node", 2)]
+    # The node reached v2 (--until, dump above) and, stopping, took its heartbeat along.
+    assert report["replicas"] == []
