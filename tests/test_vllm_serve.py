@@ -272,6 +272,8 @@ def test_serve_follows_a_run_under_load_with_every_response_tagged(
             wait_for(lambda: load.count(last) >= answered + 4, "answers after the refusal")
         status = get_json(f"{base}/deltasync/version")
         weights_seen = get_json(f"{base}/deltasync/weights")
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            metrics_text = response.read().decode()
         assert procs["serve"].poll() is None
     client.close()
 
@@ -279,6 +281,14 @@ def test_serve_follows_a_run_under_load_with_every_response_tagged(
     assert status["version"] == VERSIONS - 1 and status["label"] == last
     assert status["head"] == damaged_version and status["lag"] == 1
     assert status["last_error"], status
+    # vLLM's own /metrics shows deltasync's series beside its own: the deltas applied
+    # while serving (one per version after the bootstrap's anchor).
+    assert "vllm:" in metrics_text
+    applied_lines = [line for line in metrics_text.splitlines()
+               if line.startswith("deltasync_versions_applied_total{") and 'kind="delta"' in line
+               and f'run="{RUN}"' in line]  # fmt: skip
+    assert len(applied_lines) == 1, applied_lines
+    assert float(applied_lines[0].rsplit(" ", 1)[1]) >= VERSIONS - 2, applied_lines
     # Every response names its version, the same in header and body (streamed
     # chunks omit the fingerprint until the last, so only its header is checked).
     labels = {a.label for a in load.answers}
