@@ -11,6 +11,27 @@ from workers.runtime import from_context
 RUN = click.option("--run", required=True, help="Run name: [A-Za-z0-9][A-Za-z0-9._-]{0,127}.")
 
 
+# Options every rollout node takes (rollout, serve), declared once.
+NODE_ID_OPTION = click.option(
+    "--node-id", default=None, help="Stable replica name (default: host-pid)."
+)
+VERIFY_OPTION = click.option(
+    "--verify",
+    type=click.Choice(["touched", "all", "none"]),
+    default="touched",
+    show_default=True,
+    help="Content hashes checked after each apply.",
+)
+POLL_OPTION = click.option(
+    "--poll",
+    "poll_interval_s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds between store polls (events are only hints).",
+)
+
+
 @click.command("worker")
 @click.argument("kind", type=click.Choice(["diff", "compact"]))
 @click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
@@ -42,7 +63,7 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
     "weight-transfer backend (docs/VLLM.md).",
 )
 @click.option("--url", default=None, help="The vLLM server for --target vllm-http.")
-@click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
+@NODE_ID_OPTION
 @click.option(
     "--device",
     default="cpu",
@@ -57,21 +78,8 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
     default=None,
     help="Model folder for --target vllm (config and tokenizer; weights come from the run).",
 )
-@click.option(
-    "--verify",
-    type=click.Choice(["touched", "all", "none"]),
-    default="touched",
-    show_default=True,
-    help="Content hashes checked after each apply.",
-)
-@click.option(
-    "--poll",
-    "poll_interval_s",
-    type=float,
-    default=2.0,
-    show_default=True,
-    help="Seconds between store polls (events are only hints).",
-)
+@VERIFY_OPTION
+@POLL_OPTION
 @click.option(
     "--until",
     "until_version",
@@ -262,22 +270,9 @@ def demo(
 )
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--node-id", default=None, help="Stable replica name (default: host-pid).")
-@click.option(
-    "--verify",
-    type=click.Choice(["touched", "all", "none"]),
-    default="touched",
-    show_default=True,
-    help="Content hashes checked after each apply.",
-)
-@click.option(
-    "--poll",
-    "poll_interval_s",
-    type=float,
-    default=2.0,
-    show_default=True,
-    help="Seconds between store polls (events are only hints).",
-)
+@NODE_ID_OPTION
+@VERIFY_OPTION
+@POLL_OPTION
 @click.option(
     "--early-start/--no-early-start",
     default=None,
