@@ -15,7 +15,6 @@ engines were shut down; never two engines at once.
 from __future__ import annotations
 
 import copy
-import gc
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,31 +64,6 @@ class Trained:
     references: list[list[tuple[list[int], list[int]]]]  # fresh engine outputs per version
 
 
-def _generate(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
-    """Greedy tokens and the bit patterns of their logprobs, one request per call."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, seed=0)
-    result = []
-    for prompt in prompts:
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        completion = output.outputs[0]
-        logprobs = [
-            step[token].logprob
-            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
-        ]
-        bits = torch.tensor(logprobs, dtype=torch.float32).view(torch.int32).tolist()
-        result.append((list(completion.token_ids), bits))
-    return result
-
-
-def _shutdown(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 def _hashes(weights: dict[str, torch.Tensor], algorithm: str = XXH3) -> dict[str, str]:
     full = content_hashes.get(algorithm).full
     return {name: full(tensor) for name, tensor in weights.items()}
@@ -112,8 +86,8 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     references = []
     for folder in folders:
         llm = tiny.engine(folder)
-        references.append(_generate(llm, PROMPTS))
-        _shutdown(llm)
+        references.append(tiny.greedy(llm, PROMPTS))
+        tiny.shutdown(llm)
     return Trained(family, folders, [moe.read_weights(f) for f in folders], references)
 
 
@@ -122,7 +96,7 @@ def engine(trained: Trained) -> Iterator[Any]:
     # Random weights, as a rollout node starts before it has any.
     llm = tiny.engine(trained.folders[0], load_format="dummy")
     yield llm
-    _shutdown(llm)
+    tiny.shutdown(llm)
 
 
 def _target(engine: Any, weights: dict[str, torch.Tensor]) -> Any:
@@ -146,7 +120,7 @@ def test_node_follows_adamw_versions_bit_exact_like_fresh_engines(
         # publish_step gives the run the default tensor hash; compared in that hash.
         held = target.hashes(algorithm=content_hashes.DEFAULT)
         assert held == _hashes(trained.weights[step], content_hashes.DEFAULT)
-        outputs.append(_generate(engine, PROMPTS))
+        outputs.append(tiny.greedy(engine, PROMPTS))
         assert outputs[-1] == trained.references[step], f"version {step}"
     # The versions differ enough to be seen in the outputs: the check has teeth.
     assert outputs[0] != outputs[-1]
@@ -179,14 +153,14 @@ def test_one_changed_expert_reloads_its_whole_group(trained: Trained, engine: An
     changed[name] = bits.view(torch.bfloat16)
     manifest, objects = make_delta(2, 1, base, changed)
     assert [e.name for e in manifest.tensors if e.changed] == [name]
-    before = _generate(engine, PROMPTS)
+    before = tiny.greedy(engine, PROMPTS)
     target.apply_delta(manifest, objects, "touched")
     assert target.hashes() == _hashes(changed)
     assert target.read_parameter(name) is None  # not in place: the kernel's copy is packed
-    patched = _generate(engine, PROMPTS)
+    patched = tiny.greedy(engine, PROMPTS)
     assert patched != before
     target.load_state(changed.items())  # vLLM's own full load of the same weights
-    assert _generate(engine, PROMPTS) == patched
+    assert tiny.greedy(engine, PROMPTS) == patched
 
 
 @pytest.mark.parametrize("kind", ["unknown-module", "expert-out-of-range"])
@@ -200,7 +174,7 @@ def test_a_tensor_the_model_cannot_place_is_refused(
     target = VllmTarget(engine, chunk_bytes=256 << 10)
     target.load_state(trained.weights[0].items())
     hashes = target.hashes()
-    outputs = _generate(engine, PROMPTS)
+    outputs = tiny.greedy(engine, PROMPTS)
     (live,) = engine.collective_rpc(_live_hashes)
     weights = dict(trained.weights[1])
     if kind == "unknown-module":
@@ -214,7 +188,7 @@ def test_a_tensor_the_model_cannot_place_is_refused(
     assert "\n" not in str(caught.value)
     assert target.hashes() == hashes
     assert engine.collective_rpc(_live_hashes) == [live]  # the engine's own bits
-    assert _generate(engine, PROMPTS) == outputs
+    assert tiny.greedy(engine, PROMPTS) == outputs
 
 
 def _live_hashes(worker: Any) -> dict[str, str]:

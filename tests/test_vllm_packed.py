@@ -11,9 +11,7 @@ from tests import vllm_model as tiny
 from tests.test_vllm_target import (
     PROMPTS,
     Chain,
-    _generate,
     _hashes,
-    _shutdown,
     chain,
     on_engine,
 )
@@ -26,8 +24,8 @@ def test_chain_through_vllm_loader_matches_a_fresh_packed_engine(chain: Chain) -
     from pipeline.targets.vllm import VllmTarget
 
     reference = tiny.engine(chain.versions[-1].folder, cpu_plain_linear=False)
-    expected = _generate(reference, PROMPTS)
-    _shutdown(reference)
+    expected = tiny.greedy(reference, PROMPTS)
+    tiny.shutdown(reference)
 
     llm = tiny.engine(chain.versions[0].folder, load_format="dummy", cpu_plain_linear=False)
     try:
@@ -40,6 +38,6 @@ def test_chain_through_vllm_loader_matches_a_fresh_packed_engine(chain: Chain) -
         for manifest, objects in chain.deltas:
             target.apply_delta(manifest, objects, "touched")
         assert target.hashes() == _hashes(chain.versions[-1].weights)
-        assert _generate(llm, PROMPTS) == expected
+        assert tiny.greedy(llm, PROMPTS) == expected
     finally:
-        _shutdown(llm)
+        tiny.shutdown(llm)

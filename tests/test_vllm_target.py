@@ -10,7 +10,6 @@ their logprobs compared exactly against the fresh engine.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import itertools
 from collections.abc import Iterator
@@ -192,41 +191,12 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
 # --- engines ------------------------------------------------------------------------
 
 
-def _generate(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
-    """Greedy tokens, and the bit patterns of their logprobs, per prompt.
-
-    One request per call: batch composition changes the kernels' shapes and with
-    them the last bits of the logprobs.
-    """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, seed=0)
-    result = []
-    for prompt in prompts:
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        completion = output.outputs[0]
-        logprobs = [
-            step[token].logprob
-            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
-        ]
-        bits = torch.tensor(logprobs, dtype=torch.float32).view(torch.int32).tolist()
-        result.append((list(completion.token_ids), bits))
-    return result
-
-
-def _shutdown(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def reference(chain: Chain) -> dict[str, Any]:
     """Outputs of a fresh engine started from the trainer's checkpoint of the head."""
     llm = tiny.engine(chain.versions[-1].folder)
-    outputs = _generate(llm, [*PROMPTS, CACHED_PROMPT])
-    _shutdown(llm)
+    outputs = tiny.greedy(llm, [*PROMPTS, CACHED_PROMPT])
+    tiny.shutdown(llm)
     return {"prompts": outputs[:-1], "cached": outputs[-1]}
 
 
@@ -236,7 +206,7 @@ def engine(chain: Chain, reference: dict[str, Any]) -> Iterator[Any]:
     # fills the engine through load_state first.
     llm = tiny.engine(chain.versions[0].folder, load_format="dummy")
     yield llm
-    _shutdown(llm)
+    tiny.shutdown(llm)
 
 
 @pytest.fixture
@@ -264,7 +234,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 def test_chain_is_bit_exact_and_generates_like_a_fresh_engine(
     target: Any, engine: Any, chain: Chain, reference: dict[str, Any]
 ) -> None:
-    before = _generate(engine, PROMPTS)
+    before = tiny.greedy(engine, PROMPTS)
     for (manifest, objects), verify in zip(chain.deltas, ["all", "touched", "none"], strict=True):
         report = target.apply_delta(manifest, objects, verify)
         assert report.version == manifest.version
@@ -276,7 +246,7 @@ def test_chain_is_bit_exact_and_generates_like_a_fresh_engine(
     exported = dict(target.export())
     assert sorted(exported) == sorted(head)
     assert all(torch.equal(_bits(exported[n]), _bits(head[n])) for n in head)
-    after = _generate(engine, PROMPTS)
+    after = tiny.greedy(engine, PROMPTS)
     assert after == reference["prompts"]
     assert after != before  # the versions differ enough to be seen in the outputs
 
@@ -307,7 +277,7 @@ def test_early_proofs_made_in_the_workers_stand_in_until_a_write(
     start(third, third_objects, sha256="0" * 64)  # not the bytes the manifest lists
     assert target.apply_delta(third, third_objects, "touched").early_tensors == 0
     assert target.hashes() == _hashes(chain.versions[-1].weights)
-    assert _generate(engine, PROMPTS) == reference["prompts"]
+    assert tiny.greedy(engine, PROMPTS) == reference["prompts"]
 
 
 @on_engine
@@ -328,12 +298,12 @@ def test_prefix_cached_before_the_patch_is_not_served_after_it(
     assert cached_tokens() > 0  # the prompt's prefix is in the cache at version 0
     for manifest, objects in chain.deltas:
         target.apply_delta(manifest, objects, "touched")
-    assert _generate(engine, [CACHED_PROMPT]) == [reference["cached"]]
+    assert tiny.greedy(engine, [CACHED_PROMPT]) == [reference["cached"]]
 
 
 def _unchanged(target: Any, engine: Any, hashes: dict[str, str], outputs: Any) -> None:
     assert target.hashes() == hashes
-    assert _generate(engine, PROMPTS) == outputs
+    assert tiny.greedy(engine, PROMPTS) == outputs
 
 
 def _with_entry(manifest: Manifest, tensor: str, /, **changes: Any) -> Manifest:
@@ -351,7 +321,7 @@ def test_bad_deltas_are_refused_and_leave_the_engine_untouched(
 ) -> None:
     manifest, objects = chain.deltas[0]
     hashes = target.hashes()
-    outputs = _generate(engine, PROMPTS)
+    outputs = tiny.greedy(engine, PROMPTS)
     later, later_objects = chain.deltas[1]  # a delta for version 1, not 0
     qkv = _changed_entry(manifest, "model.layers.1.self_attn.k_proj").name
     embed = "model.embed_tokens.weight"
@@ -405,7 +375,7 @@ def test_bad_deltas_are_refused_and_leave_the_engine_untouched(
 @on_engine
 def test_a_tensor_the_model_cannot_place_is_refused(target: Any, engine: Any, chain: Chain) -> None:
     hashes = target.hashes()
-    outputs = _generate(engine, PROMPTS)
+    outputs = tiny.greedy(engine, PROMPTS)
     weights = dict(chain.versions[1].weights)
     weights["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     with pytest.raises(TargetError, match="extra_proj"):
@@ -438,16 +408,16 @@ def test_in_place_writes_reach_the_live_parameters(target: Any, engine: Any, cha
         bits[chosen] += 1
         nudged[name] = bits.view(torch.bfloat16)
     manifest, objects = make_delta(1, 0, base, nudged)
-    before = _generate(engine, PROMPTS)
+    before = tiny.greedy(engine, PROMPTS)
     target.apply_delta(manifest, objects, "touched")
     for name in norms:
         live = target.read_parameter(name)
         assert live is not None, f"{name} should be written in place"
         assert torch.equal(_bits(live), _bits(nudged[name]))
-    patched = _generate(engine, PROMPTS)
+    patched = tiny.greedy(engine, PROMPTS)
     assert patched != before
     target.load_state(nudged.items())  # vLLM's own full load of the same weights
-    assert _generate(engine, PROMPTS) == patched
+    assert tiny.greedy(engine, PROMPTS) == patched
 
 
 def _probe_fused_layers(worker: Any) -> dict[str, Any]:
@@ -574,19 +544,19 @@ def test_engine_serves_the_old_version_while_a_delta_is_prepared(
     weights until the commit; a second prepare is refused until then."""
     for manifest, objects in chain.deltas[:-1]:
         target.apply_delta(manifest, objects, "touched")
-    old = _generate(engine, PROMPTS)
+    old = tiny.greedy(engine, PROMPTS)
     manifest, objects = chain.deltas[-1]
     (started,) = engine.collective_rpc(
         "deltasync_prepare_start", args=(_request(manifest, objects),)
     )
     assert started["ok"], started
-    assert _generate(engine, PROMPTS) == old  # served while (or after) preparing
+    assert tiny.greedy(engine, PROMPTS) == old  # served while (or after) preparing
     while True:
         (result,) = engine.collective_rpc("deltasync_prepare_result")
         if not result["ok"] or result["value"] is not None:
             break
     assert result["ok"], result
-    assert _generate(engine, PROMPTS) == old  # prepared, not committed: still the old model
+    assert tiny.greedy(engine, PROMPTS) == old  # prepared, not committed: still the old model
     (second,) = engine.collective_rpc(
         "deltasync_prepare_start", args=(_request(manifest, objects),)
     )
@@ -595,4 +565,4 @@ def test_engine_serves_the_old_version_while_a_delta_is_prepared(
     assert committed["ok"], committed
     assert engine.reset_prefix_cache()
     assert target.hashes() == _hashes(chain.versions[-1].weights)
-    assert _generate(engine, PROMPTS) == reference["prompts"]
+    assert tiny.greedy(engine, PROMPTS) == reference["prompts"]

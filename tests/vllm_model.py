@@ -7,6 +7,7 @@ LM loss on random token ids, cast to bf16 after each step, like an RL trainer.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,6 +112,35 @@ def engine(folder: Path, **overrides: Any) -> Any:
     }
     options.update(overrides)
     return start_engine(**options)
+
+
+def greedy(llm: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Greedy tokens, and the bit patterns of their logprobs, per prompt.
+
+    One request per call: batch composition changes the kernels' shapes and with
+    them the last bits of the logprobs.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, seed=0)
+    result = []
+    for prompt in prompts:
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        completion = output.outputs[0]
+        logprobs = [
+            step[token].logprob
+            for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+        ]
+        bits = torch.tensor(logprobs, dtype=torch.float32).view(torch.int32).tolist()
+        result.append((list(completion.token_ids), bits))
+    return result
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
 
 
 def build_tokenizer(folder: Path) -> Path:
