@@ -30,11 +30,11 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import make_state, qwen_like_shapes
-from pipeline.publish import publish_anchor
-from pipeline.rollout import RolloutNode
+from pipeline.publish.version import publish_anchor
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.synthetic import save_state
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import save_state
 from tests.pipeline_helpers import bits
 
 

@@ -30,14 +30,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
-from pipeline.diff_step import publish_step
-from pipeline.rollout import RolloutNode
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.versions import chain
 
 RUN = "bench"
 HEADING = "## Rollout apply (torch target)"

@@ -37,8 +37,8 @@ from benchmarks.emulator import (  # noqa: E402
     qwen_like_shapes,
 )
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta  # noqa: E402
-from pipeline.hashing import content_hash, sha256_bytes  # noqa: E402
-from pipeline.manifest import (  # noqa: E402
+from pipeline.format.hashing import content_hash, sha256_bytes  # noqa: E402
+from pipeline.format.manifest import (  # noqa: E402
     CodecInfo,
     Manifest,
     ObjectEntry,
@@ -47,7 +47,7 @@ from pipeline.manifest import (  # noqa: E402
     dtype_name,
     now_iso,
 )
-from pipeline.parts import plan_parts  # noqa: E402
+from pipeline.publish.parts import plan_parts  # noqa: E402
 from pipeline.targets.torch import TorchTarget  # noqa: E402
 
 

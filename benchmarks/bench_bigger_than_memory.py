@@ -14,7 +14,7 @@ folder store, each polled through /proc for its resident memory:
 - ``deltasync worker diff --burst`` after ``deltasync emit`` of step 0 (the
   first version: an anchor) and again after step 1 (a delta against the
   worker's state cache);
-- a rollout node (``pipeline.rollout.RolloutNode``, the code behind ``deltasync
+- a rollout node (``pipeline.rollout.node.RolloutNode``, the code behind ``deltasync
   rollout``) whose torch target is a memory-mapped file (MAP_SHARED views, so
   patches go to the page cache, not to anonymous memory): it bootstraps from
   the anchor and applies delta 1;
@@ -59,8 +59,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import UpdateEmulator, calibrated_profile
-from pipeline.checkpoint import CheckpointReader, read_file_header
-from pipeline.checkpoint_write import write_sharded
+from pipeline.format.checkpoint import CheckpointReader, read_file_header
+from pipeline.format.checkpoint_write import write_sharded
 from tests.pipeline_helpers import REPO, deltasync_env
 from tests.servers import RedisServer
 
@@ -140,7 +140,7 @@ def mapped_node(store_url: str, template: Path, out: Path, until: int) -> None:
     """A rollout node whose torch target is ``out``, a safetensors file laid out like
     ``template`` and mapped shared: the weights live in the page cache, not in the
     process's anonymous memory."""
-    from pipeline.rollout import RolloutNode
+    from pipeline.rollout.node import RolloutNode
     from pipeline.store import open_store
     from pipeline.targets.torch import TorchTarget
 

@@ -33,8 +33,8 @@ import torch
 from benchmarks.bench_apply import sync
 from pipeline.codec import apply_patch, encode_delta, kernels, read_delta
 from pipeline.codec.dtypes import BY_DTYPE
-from pipeline.synthetic import ModelConfig, UpdateGenerator
 from pipeline.targets.walking import Walk, apply_walks
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
 State = dict[str, torch.Tensor]
 COPY_INTO = "copy_ into preallocated weights"

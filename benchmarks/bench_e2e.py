@@ -55,9 +55,9 @@ from benchmarks.emulator import (
     make_state,
     qwen_like_shapes,
 )
-from pipeline.checkpoint import CheckpointReader
-from pipeline.event_stream import ENTRY_FIELD, stream_key
-from pipeline.synthetic import save_state
+from pipeline.coord.stream import ENTRY_FIELD, stream_key
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.testing.synthetic import save_state
 from tests.pipeline_helpers import REPO, bits, deltasync_env, processes, wait_for
 from tests.servers import RedisServer, SeaweedS3Server
 

@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from emulator import make_state, qwen_like_shapes
 
-from pipeline import content_hashes
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
-from pipeline.hashing import sha256_bytes
-from pipeline.manifest import (
+from pipeline.format import content_hashes
+from pipeline.format.hashing import sha256_bytes
+from pipeline.format.manifest import (
     CodecInfo,
     Manifest,
     ObjectEntry,

@@ -31,11 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, qwen_like_shapes
-from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
-from pipeline.event_stream import ENTRY_FIELD, stream_key
+from pipeline.coord.stream import ENTRY_FIELD, stream_key
+from pipeline.format.checkpoint import CheckpointReader
 from pipeline.store import open_store
-from pipeline.synthetic import save_state
+from pipeline.testing.synthetic import save_state
+from pipeline.versions import chain
 from tests.pipeline_helpers import bits, deltasync_env, processes, wait_for
 from tests.servers import RedisServer
 

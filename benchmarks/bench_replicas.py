@@ -34,16 +34,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, qwen_like_shapes
-from pipeline import chain
-from pipeline.diff_step import publish_step
-from pipeline.event_stream import EventStream
-from pipeline.events import DeltaAvailable
-from pipeline.manifest import manifest_key
-from pipeline.rollout import RolloutNode
-from pipeline.state_cache import StateCache
+from pipeline.coord.events import DeltaAvailable
+from pipeline.coord.stream import EventStream
+from pipeline.format.manifest import manifest_key
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.synthetic import save_state
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import save_state
+from pipeline.versions import chain
 from tests.pipeline_helpers import bits
 from tests.servers import RedisServer
 

@@ -40,8 +40,8 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta
-from pipeline.hashing import content_hash, sha256_bytes
-from pipeline.manifest import (
+from pipeline.format.hashing import content_hash, sha256_bytes
+from pipeline.format.manifest import (
     CodecInfo,
     Manifest,
     ObjectEntry,
@@ -50,7 +50,7 @@ from pipeline.manifest import (
     dtype_name,
     now_iso,
 )
-from pipeline.targets.vllm import EXTENSION_CLS, VllmTarget, start_engine
+from pipeline.targets.vllm.target import EXTENSION_CLS, VllmTarget, start_engine
 
 
 def build(folder: Path, args: argparse.Namespace) -> dict[str, torch.Tensor]:

@@ -41,11 +41,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from pipeline.diff_step import publish_step
-from pipeline.redis_server import stop_redis
-from pipeline.state_cache import StateCache
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
 from tests.vllm_model import VOCAB, build_tokenizer, save_version
+from workers.redis_launcher import stop_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "bench"

@@ -7,7 +7,7 @@ master weight crosses a rounding boundary; an update of roughly fixed size
 crosses one far more often where the unit in the last place is small, so the
 chance of a change depends on the element's exponent, and most changes are
 +-1 unit in the last place. :class:`ChangeProfile` measures exactly those two
-things on real optimizer steps of ``pipeline.synthetic`` (change probability
+things on real optimizer steps of ``pipeline.testing.synthetic`` (change probability
 per exponent, distribution of the bit-pattern difference per exponent), and
 :class:`UpdateEmulator` draws new versions of any bf16 state from it: one
 compiled pass over the integer view per step (about a nanosecond per element),
@@ -274,7 +274,7 @@ def step_stats(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) 
 def _real_steps(
     preset: str, lr: float, warmup: int, steps: int, seed: int
 ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    from pipeline.synthetic import ModelConfig, UpdateGenerator
+    from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
     generator = UpdateGenerator(ModelConfig.preset(preset), lr=lr, seed=seed)
     for _ in range(warmup):

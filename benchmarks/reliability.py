@@ -341,7 +341,7 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         f"in {total_s / 60:.1f} minutes. Every run uses real processes and servers: "
         f"redis-server ({_redis_version()}), the SeaweedFS S3 server, "
         "`deltasync worker diff|compact` and `deltasync rollout` processes killed with "
-        "SIGKILL (fault points of `pipeline/faults.py`, or at seeded random moments).",
+        "SIGKILL (fault points of `pipeline/testing/faults.py`, or at seeded random moments).",
         "",
         "After each run the checks are: every emitted step is published exactly once "
         "(redone by rq's retry of the abandoned job when the kill came before its "

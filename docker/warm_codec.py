@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from pipeline.codec import LEVELS, encode_delta, read_delta
-from pipeline.diff_step import publish_step
-from pipeline.rollout import RolloutNode
-from pipeline.state_cache import StateCache
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 
 
 def run_once(folder: Path) -> None:

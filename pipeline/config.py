@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline import content_hashes
 from pipeline.codec.anchor import ANCHOR_COMPRESSIONS
 from pipeline.codec.api import LEVELS
 from pipeline.errors import ConfigError
+from pipeline.format import content_hashes
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 REDIS_SCHEMES = ("redis", "rediss", "unix")

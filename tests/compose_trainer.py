@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from workers.trainer import Emitter
 
 

@@ -17,9 +17,6 @@ import safetensors.torch
 import torch
 import zstandard
 
-from pipeline import chain
-from pipeline.checkpoint import parse_header
-from pipeline.checkpoint_write import safetensors_bytes
 from pipeline.codec.anchor import (
     FORMAT,
     FORMAT_KEY,
@@ -28,16 +25,19 @@ from pipeline.codec.anchor import (
     encode_anchor,
 )
 from pipeline.codec.dtypes import BY_DTYPE
-from pipeline.compaction import compact
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, CorruptObjectError
-from pipeline.manifest import DTYPES, Manifest
-from pipeline.publish import publish_anchor
-from pipeline.rollout import RolloutNode
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import parse_header
+from pipeline.format.checkpoint_write import safetensors_bytes
+from pipeline.format.manifest import DTYPES, Manifest
+from pipeline.publish.compaction import compact
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.version import publish_anchor
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
+from pipeline.versions import chain
 from tests.test_chain import SyntheticRun
 from tests.test_checkpoint import same_bits, special_tensors
 from tests.test_codec_roundtrip import special_values

@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 import safetensors.torch
 
-from pipeline import chain, publish
-from pipeline.checkpoint import CheckpointReader
-from pipeline.diff_step import publish_step
 from pipeline.errors import MismatchError
-from pipeline.manifest import manifest_key
-from pipeline.publish import publish_delta
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.manifest import manifest_key
+from pipeline.publish import version as publish
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.publish.version import publish_delta
 from pipeline.store.file import FileStore
+from pipeline.versions import chain
 from tests.test_chain import SyntheticRun
 
 

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain, retention, verify
-from pipeline.checkpoint import CheckpointReader
-from pipeline.checkpoint_write import write_checkpoint
-from pipeline.compaction import collect_garbage, compact
-from pipeline.diff_step import PublishResult, publish_step
 from pipeline.errors import ChainError, CorruptObjectError
-from pipeline.manifest import TensorEntry, compute_state_hash, manifest_key
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.manifest import TensorEntry, compute_state_hash, manifest_key
+from pipeline.publish.compaction import collect_garbage, compact
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import PublishResult, publish_step
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
+from pipeline.versions import chain, retention, verify
 from tests.test_checkpoint import same_bits, special_tensors
 
 # About 150k parameters: real AdamW updates on a real loss, fast on two cores.

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
-from pipeline.checkpoint_names import checkpoint_state
 from pipeline.config import Settings
+from pipeline.format.checkpoint_names import checkpoint_state
 from pipeline.store import open_store
+from pipeline.versions import chain
 from tests import vllm_model as dense
 from tests import vllm_moe_model as moe
 from tests.pipeline_helpers import assert_same_state, deltasync_env, processes, wait_for
@@ -106,8 +106,8 @@ def test_emitted_versions_are_the_saved_checkpoints_and_say_so(
 
 def test_the_manifest_records_the_form_only_when_known() -> None:
     from pipeline.errors import CorruptObjectError
-    from pipeline.manifest import to_json
-    from pipeline.manifest_parse import parse_manifest
+    from pipeline.format.manifest import to_json
+    from pipeline.format.manifest_parse import parse_manifest
     from tests.test_manifest import sample
 
     unknown = sample()

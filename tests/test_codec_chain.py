@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipeline.codec import DEFAULT_LEVEL, apply_patch, encode_delta, read_delta
-from pipeline.hashing import content_hash
-from pipeline.synthetic import ModelConfig, UpdateGenerator
+from pipeline.format.hashing import content_hash
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
 
 @pytest.mark.parametrize(("level", "lr"), [(1, 1e-6), (2, 1e-5)])

@@ -191,7 +191,7 @@ def test_dockerfile_runs_deltasync_as_non_root_with_a_healthcheck(dockerfile: Pa
 
 def test_entrypoint_is_the_installed_console_script() -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["deltasync"] == "workers.cli:main"
+    assert scripts["deltasync"] == "workers.cli.main:main"
 
 
 def _lock(name: str) -> dict[str, str]:
@@ -387,7 +387,7 @@ def test_every_service_environment_makes_valid_settings(tmp_path: Path) -> None:
 def parse_with_cli(argv: list[str]) -> list[click.Context]:
     """Parse ``deltasync ARGS`` down to the leaf command without invoking anything."""
     # Imported here so that a broken CLI fails these tests, not the whole module.
-    cli = importlib.import_module("workers.cli").cli
+    cli = importlib.import_module("workers.cli.main").cli
     assert isinstance(cli, click.Group)
     assert argv[0] == "deltasync", argv
     command: click.Command = cli
@@ -475,7 +475,7 @@ def test_a_renamed_option_would_be_caught() -> None:
 
 def test_vllm_image_carries_the_extension_class_the_vllm_target_loads() -> None:
     # The class path lives in the vLLM target, which passes it to vLLM's engine.
-    target = importlib.import_module("pipeline.targets.vllm")
+    target = importlib.import_module("pipeline.targets.vllm.target")
     class_path = target.EXTENSION_CLS
     assert isinstance(class_path, str)
     module_name, _, class_name = class_path.rpartition(".")

@@ -18,25 +18,25 @@ import pytest
 import redis
 import torch
 
-from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import api
 from pipeline.config import Settings
-from pipeline.content_hashes import MIXSUM, XXH3
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import DeltaApplied, DeltaPart
+from pipeline.coord.hints import channel, publish_part
+from pipeline.coord.stream import EventStream
 from pipeline.errors import MismatchError
-from pipeline.event_stream import EventStream
-from pipeline.events import DeltaApplied, DeltaPart
-from pipeline.manifest import Manifest, object_key
-from pipeline.part_hints import channel, publish_part
-from pipeline.redis_server import redis_client
-from pipeline.rollout import RolloutNode
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.content_hashes import MIXSUM, XXH3
+from pipeline.format.manifest import Manifest, object_key
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator
 from pipeline.targets.base import ApplyReport, EarlyProofStarter, TensorSpec, VerifyMode
 from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.proving import EarlyProof
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
+from pipeline.versions import chain
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
 from tests.servers import RedisServer
 from tests.test_rollout import (

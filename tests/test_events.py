@@ -12,9 +12,8 @@ import pytest
 import redis
 from structlog.testing import capture_logs
 
-from pipeline.errors import ConfigError, EventError, ServiceUnavailableError
-from pipeline.event_stream import ENTRY_FIELD, EventStream, list_runs, stream_key, wait_for
-from pipeline.events import (
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import (
     EVENT_TYPES,
     MAX_EVENT_BYTES,
     AnchorAvailable,
@@ -29,7 +28,8 @@ from pipeline.events import (
     check_run_name,
     parse_event,
 )
-from pipeline.redis_server import redis_client
+from pipeline.coord.stream import ENTRY_FIELD, EventStream, list_runs, stream_key, wait_for
+from pipeline.errors import ConfigError, EventError, ServiceUnavailableError
 from tests.servers import free_port
 
 RUN = "run-1"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.redis_server import redis_client
-from pipeline.replica_problems import clear_failure, list_failing, report_failure
+from pipeline.coord.connection import redis_client
+from pipeline.coord.problems import clear_failure, list_failing, report_failure
 from pipeline.store.file import FileStore
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from tests.test_rollout_process import RUN, publish_versions

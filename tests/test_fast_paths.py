@@ -7,21 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain, hashing
-from pipeline.checkpoint import CheckpointReader
-from pipeline.checkpoint_write import write_checkpoint
 from pipeline.codec import TensorPatch, apply_patch, encode_delta, read_delta
-from pipeline.content_hashes import XXH3
-from pipeline.diff_step import publish_step
 from pipeline.errors import MismatchError
-from pipeline.hashing import content_hash
-from pipeline.manifest import Manifest, object_key
-from pipeline.state_cache import StateCache
+from pipeline.format import hashing
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.content_hashes import XXH3
+from pipeline.format.hashing import content_hash
+from pipeline.format.manifest import Manifest, object_key
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets import patching, proving
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import hash_patched
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.versions import chain
 from tests.pipeline_helpers import bits
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint import CheckpointReader
-from pipeline.content_hashes import XXH3
-from pipeline.diff_step import publish_step
-from pipeline.hashing import content_hash
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.content_hashes import XXH3
+from pipeline.format.hashing import content_hash
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from tests.pipeline_helpers import REPO
 from tests.servers import RedisServer
 from tests.test_faults_workers import Outcome
@@ -177,7 +177,7 @@ def resume_crash_scenario(tmp: Path, redis_url: str) -> Outcome:
     assert "resumed" in events and "bootstrapping" not in events, events
     # A dump that is not what the state file names is never resumed from.
     stale = tmp / "v0.safetensors"
-    from pipeline.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoint_write import write_checkpoint
 
     write_checkpoint(stale, run.states[0].items())
     events = converge(home, run, redis_url, tmp / "final2.safetensors", "--model", str(stale))

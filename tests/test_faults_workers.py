@@ -1,5 +1,5 @@
 """Crash tests with real processes: the diff and compaction workers are SIGKILLed at
-named points of a job (``pipeline.faults``) and at random moments; after a restart
+named points of a job (``pipeline.testing.faults``) and at random moments; after a restart
 and rq's retry of the abandoned job every version is published exactly once (or not
 at all and redone), the chain stays linear and every version rebuilds bit-exactly.
 
@@ -29,21 +29,22 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline import chain, replicas, retention
 from pipeline.config import Settings
-from pipeline.diff_step import publish_step
-from pipeline.event_stream import EventStream
-from pipeline.events import AnchorAvailable, DeltaAvailable
-from pipeline.hashing import content_hash
-from pipeline.redis_server import redis_client
-from pipeline.state_cache import StateCache
+from pipeline.coord import replicas
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import AnchorAvailable, DeltaAvailable
+from pipeline.coord.stream import EventStream
+from pipeline.format.hashing import content_hash
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.versions import chain, retention
 from tests.pipeline_helpers import REPO, deltasync_env, wait_for
 from tests.servers import RedisServer
 from workers import queues
-from workers.diff import request_compaction
+from workers.jobs.diff import request_compaction
 from workers.runtime import Runtime
 from workers.trainer import Emitter
 

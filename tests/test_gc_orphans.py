@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import chain
-from pipeline.compaction import collect_garbage, compact
-from pipeline.manifest import Kind, manifest_key, version_prefix
-from pipeline.parallel import Fanout, assemble, start_fanout, work_parts
-from pipeline.redis_server import redis_client
+from pipeline.coord.connection import redis_client
+from pipeline.format.manifest import Kind, manifest_key, version_prefix
+from pipeline.publish.compaction import collect_garbage, compact
+from pipeline.publish.parallel import Fanout, assemble, start_fanout, work_parts
 from pipeline.store.base import ObjectStore
+from pipeline.versions import chain
 from tests.test_chain import SyntheticRun
 
 RUN = "gc-orphans"

@@ -17,10 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import chain
 from pipeline.codec.anchor import anchor_tensors, encode_anchor
 from pipeline.config import Settings
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import MAX_EVENT_BYTES, DeltaApplied, parse_event
+from pipeline.coord.stream import ENTRY_FIELD, EventStream
 from pipeline.errors import (
     CorruptObjectError,
     DeltasyncError,
@@ -28,17 +29,16 @@ from pipeline.errors import (
     SignatureError,
     StoreError,
 )
-from pipeline.event_stream import ENTRY_FIELD, EventStream
-from pipeline.events import MAX_EVENT_BYTES, DeltaApplied, parse_event
-from pipeline.manifest import MAX_MANIFEST_BYTES, manifest_key
-from pipeline.manifest_parse import parse_manifest
-from pipeline.redis_server import redis_client
-from pipeline.signing import generate_keypair, load_public_key
-from pipeline.state_cache import StateCache
+from pipeline.format.manifest import MAX_MANIFEST_BYTES, manifest_key
+from pipeline.format.manifest_parse import parse_manifest
+from pipeline.format.signing import generate_keypair, load_public_key
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store import ObjectStore, open_store
 from pipeline.store.base import read_bounded
 from pipeline.store.file import FileStore
-from pipeline.trust import trusted
+from pipeline.store.trust import trusted
+from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers.trainer import Emitter
 
@@ -58,7 +58,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _publish(tmp: Path, steps: int = 2) -> FileStore:
-    from pipeline.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoint_write import write_checkpoint
 
     store = FileStore(tmp / "store")
     cache = StateCache(tmp / "cache", RUN)

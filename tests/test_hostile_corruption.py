@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
-from pipeline.compaction import compact
-from pipeline.event_stream import EventStream
-from pipeline.events import ReplicaError
-from pipeline.hashing import content_hash
-from pipeline.manifest import manifest_key, object_key
-from pipeline.redis_server import redis_client
-from pipeline.rollout import RolloutNode
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import ReplicaError
+from pipeline.coord.stream import EventStream
+from pipeline.format.hashing import content_hash
+from pipeline.format.manifest import manifest_key, object_key
+from pipeline.publish.compaction import compact
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
+from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env
 from tests.test_faults_rollout import RUN, PublishedRun, publish_run
 
@@ -174,7 +174,7 @@ def test_verify_names_the_damaged_key(
     run = _copy_run(published, tmp_path)
     env = deltasync_env(redis_url, tmp_path)  # its store is tmp_path/store: the copy
     checkpoint = tmp_path / "v4.safetensors"
-    from pipeline.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoint_write import write_checkpoint
 
     write_checkpoint(checkpoint, run.states[4].items())
     fine = cli(env, "verify", "--run", RUN, "--version", "4", "--against", str(checkpoint))

@@ -20,18 +20,18 @@ from hypothesis import strategies as st
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from pipeline.checkpoint import CheckpointReader, tensors_from_bytes
 from pipeline.codec import encode_delta, read_delta
 from pipeline.config import Settings
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import parse_event
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError, EventError
-from pipeline.event_stream import EventStream
-from pipeline.events import parse_event
-from pipeline.manifest import manifest_key
-from pipeline.manifest_parse import parse_manifest
-from pipeline.redis_server import redis_client
-from pipeline.rollout import RolloutNode
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import CheckpointReader, tensors_from_bytes
+from pipeline.format.manifest import manifest_key
+from pipeline.format.manifest_parse import parse_manifest
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
@@ -62,7 +62,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    from pipeline.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoint_write import write_checkpoint
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_checkpoint(path, tensors.items())

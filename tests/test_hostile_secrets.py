@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline import chain
 from pipeline.config import Settings
 from pipeline.store import open_store
-from pipeline.synthetic import ModelConfig, UpdateGenerator
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
+from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from tests.servers import S3_SECRET_KEY, RedisServer, SeaweedS3Server
 from workers import queues

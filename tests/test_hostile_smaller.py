@@ -12,16 +12,16 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from pipeline import chain
-from pipeline.checkpoint_write import write_checkpoint
-from pipeline.compaction import collect_garbage, compact
-from pipeline.diff_step import publish_step
 from pipeline.errors import CodecError, CorruptObjectError, SignatureError, StoreError
-from pipeline.policy import compaction_reason
-from pipeline.signing import generate_keypair, load_private_key, load_public_key
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.publish.compaction import collect_garbage, compact
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
-from pipeline.trust import trusted
+from pipeline.store.trust import trusted
+from pipeline.versions import chain
+from pipeline.versions.policy import compaction_reason
 
 RUN = "small"
 
@@ -139,7 +139,7 @@ def test_garbage_collection_verifies_what_it_keeps(tmp_path: Path) -> None:
 def test_checkpoint_roots_limit_what_a_job_may_name(tmp_path: Path) -> None:
     from pipeline.config import Settings
     from pipeline.errors import ConfigError
-    from workers.diff import check_checkpoint_root
+    from workers.jobs.diff import check_checkpoint_root
 
     home = {"DELTASYNC_HOME": str(tmp_path / "home")}
     trainer = tmp_path / "trainer"
@@ -156,9 +156,9 @@ def test_checkpoint_roots_limit_what_a_job_may_name(tmp_path: Path) -> None:
 
 
 def test_a_retried_poison_step_is_recorded_and_announced_once(redis_url: str) -> None:
-    from pipeline import dead_letters
-    from pipeline.event_stream import EventStream
-    from pipeline.redis_server import redis_client
+    from pipeline.coord.connection import redis_client
+    from pipeline.coord.stream import EventStream
+    from pipeline.publish import dead_letters
 
     r = redis_client(redis_url)
     run = "retried"

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
-from pipeline.checkpoint_write import write_checkpoint
 from pipeline.config import Settings
-from pipeline.dead_letters import dead_steps_key, list_dead
-from pipeline.redis_server import redis_client
+from pipeline.coord.connection import redis_client
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.publish.dead_letters import dead_steps_key, list_dead
 from pipeline.store import open_store
+from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers import queues
 from workers.trainer import Emitter

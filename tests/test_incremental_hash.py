@@ -12,23 +12,24 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import chain, mixsum
 from pipeline.codec import apply_patch
-from pipeline.content_hashes import MIXSUM, XXH3
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import ReplicaError
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, CodecError, CorruptObjectError, MismatchError
-from pipeline.event_stream import EventStream
-from pipeline.events import ReplicaError
-from pipeline.manifest import manifest_key, to_json
-from pipeline.manifest_parse import parse_manifest
-from pipeline.redis_server import redis_client
-from pipeline.rollout import RolloutNode
-from pipeline.scrub import ScrubPace
+from pipeline.format import mixsum
+from pipeline.format.content_hashes import MIXSUM, XXH3
+from pipeline.format.manifest import manifest_key, to_json
+from pipeline.format.manifest_parse import parse_manifest
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.scrub import ScrubPace
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets import patching
 from pipeline.targets.torch import TorchTarget
-from pipeline.verify import verify
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.versions import chain
+from pipeline.versions.verify import verify
 from tests.test_rollout import RUN, Trainer, assert_holds, empty_target
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -193,7 +194,7 @@ def test_a_scrubber_thread_at_its_pace_finds_a_change(trainer: Trainer) -> None:
     """The background thread: a pass at a bounded pace reports the changed tensor."""
     import threading
 
-    from pipeline.scrub import Scrubber
+    from pipeline.rollout.scrub import Scrubber
 
     trainer.publish()
     target, held = empty_target(trainer.states[0])

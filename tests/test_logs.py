@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import structlog
 
-from pipeline import chain, logs, rollout_fetch
+from pipeline import logs
 from pipeline.errors import ConfigError
 from pipeline.logs import bind_context, clear_context, configure_logging, get_logger
+from pipeline.publish.uploads import PublishTimings, Uploader
+from pipeline.rollout import fetch as rollout_fetch
 from pipeline.store.file import FileStore
-from pipeline.uploads import PublishTimings, Uploader
+from pipeline.versions import chain
 from tests.test_chain import SyntheticRun
 
 

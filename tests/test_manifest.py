@@ -13,8 +13,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.errors import CodecError, ConfigError, CorruptObjectError, SignatureError
-from pipeline.hashing import content_hash
-from pipeline.manifest import (
+from pipeline.format.hashing import content_hash
+from pipeline.format.manifest import (
     CodecInfo,
     Manifest,
     ObjectEntry,
@@ -24,8 +24,8 @@ from pipeline.manifest import (
     object_key,
     to_json,
 )
-from pipeline.manifest_parse import parse_manifest
-from pipeline.signing import (
+from pipeline.format.manifest_parse import parse_manifest
+from pipeline.format.signing import (
     generate_keypair,
     load_private_key,
     load_public_key,

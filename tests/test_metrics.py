@@ -16,9 +16,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from pipeline import chain, metrics, synthetic
+from pipeline import metrics
 from pipeline.config import Settings
 from pipeline.store import open_store
+from pipeline.testing import synthetic
+from pipeline.versions import chain
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
 from workers import queues
 from workers.runtime import Runtime, set_current

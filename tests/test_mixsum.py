@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import mixsum
-from pipeline.manifest import DTYPES
+from pipeline.format import mixsum
+from pipeline.format.manifest import DTYPES
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint import INDEX_NAME, CheckpointReader
-from pipeline.checkpoint_write import write_checkpoint
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.manifest import MANIFEST_NAME
-from pipeline.manifest_parse import parse_manifest
-from pipeline.offline import apply_delta, create_delta, inspect_delta
-from pipeline.synthetic import UpdateGenerator
+from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.manifest import MANIFEST_NAME
+from pipeline.format.manifest_parse import parse_manifest
+from pipeline.publish.offline import apply_delta, create_delta, inspect_delta
+from pipeline.testing.synthetic import UpdateGenerator
 from tests.test_chain import SMALL
 from tests.test_checkpoint import bits, same_bits, special_tensors
 

@@ -18,15 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain, content_hashes, retention, synthetic
-from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import DeltaAvailable, parse_event
+from pipeline.coord.hints import channel as part_channel
+from pipeline.coord.replicas import RunLock
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, MismatchError
-from pipeline.event_stream import EventStream
-from pipeline.events import DeltaAvailable, parse_event
-from pipeline.manifest import manifest_key, version_prefix
-from pipeline.parallel import (
+from pipeline.format import content_hashes
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.manifest import manifest_key, version_prefix
+from pipeline.publish.parallel import (
     Fanout,
     assemble,
     current_fanout,
@@ -36,11 +38,11 @@ from pipeline.parallel import (
     start_fanout,
     work_parts,
 )
-from pipeline.part_hints import channel as part_channel
-from pipeline.redis_server import redis_client
-from pipeline.replicas import RunLock
-from pipeline.state_cache import StateCache
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store import open_store
+from pipeline.testing import synthetic
+from pipeline.versions import chain, retention
 from tests.pipeline_helpers import assert_same_state, deltasync_env, processes, wait_for
 from tests.test_faults_workers import (
     Cluster,

@@ -15,19 +15,21 @@ import safetensors.torch
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pipeline import chain, content_hashes, publish
-from pipeline.checkpoint import CheckpointReader
-from pipeline.checkpoint_write import write_checkpoint
-from pipeline.compaction import compact
-from pipeline.diff_step import publish_step
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
-from pipeline.manifest import manifest_key
-from pipeline.parts import plan_parts
-from pipeline.publish import publish_anchor, publish_delta, shares_by_bytes
-from pipeline.state_cache import StateCache
+from pipeline.format import content_hashes
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.manifest import manifest_key
+from pipeline.publish import version as publish
+from pipeline.publish.compaction import compact
+from pipeline.publish.parts import plan_parts
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.publish.version import publish_anchor, publish_delta, shares_by_bytes
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.versions import chain
 from tests.test_chain import PART_BYTES, SyntheticRun
 from tests.test_checkpoint import same_bits
 
@@ -281,8 +283,8 @@ def test_anchor_must_match_what_it_replaces(file_store: FileStore, tmp_path: Pat
 _CRASH_SCRIPT = """
 import sys
 from pathlib import Path
-from pipeline.diff_step import publish_step
-from pipeline.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.publish.state_cache import StateCache
 from pipeline.store.file import FileStore
 
 root, run, step, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]

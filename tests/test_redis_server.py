@@ -14,20 +14,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from pipeline.coord.connection import client_url, redact_url, redis_client, redis_errors
+from pipeline.coord.events import StepCompleted
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError, ServiceUnavailableError
-from pipeline.event_stream import EventStream
-from pipeline.events import StepCompleted
-from pipeline.redis_server import (
-    client_url,
-    ensure_redis,
-    read_server_record,
-    redact_url,
-    redis_binary,
-    redis_client,
-    redis_errors,
-    stop_redis,
-)
 from tests.servers import free_port, stop_process, wait_until
+from workers.redis_launcher import ensure_redis, read_server_record, redis_binary, stop_redis
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +44,7 @@ def pid_alive(pid: int) -> bool:
 def ensure_in_subprocess(*data_dirs: Path) -> list[str]:
     """Run ensure_redis in separate processes at the same time; their URLs."""
     code = (
-        "import sys; from pipeline.redis_server import ensure_redis; "
+        "import sys; from workers.redis_launcher import ensure_redis; "
         "print(ensure_redis(sys.argv[1]))"
     )
     procs = [

@@ -7,9 +7,8 @@ import threading
 import pytest
 import redis
 
-from pipeline.errors import ConfigError, LockError
-from pipeline.redis_server import redis_client
-from pipeline.replicas import (
+from pipeline.coord.connection import redis_client
+from pipeline.coord.replicas import (
     RunLock,
     claim_once,
     forget_replica,
@@ -20,6 +19,7 @@ from pipeline.replicas import (
     report,
     run_lock,
 )
+from pipeline.errors import ConfigError, LockError
 
 RUN = "run-r"
 

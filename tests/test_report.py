@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import synthetic
 from pipeline.config import Settings
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError
-from pipeline.event_stream import EventStream
-from pipeline.rollout import RolloutNode
-from pipeline.run_report import build, collect
+from pipeline.rollout.node import RolloutNode
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing import synthetic
+from pipeline.versions.history import build, collect
 from tests.pipeline_helpers import cli, deltasync_env
-from workers import diff
+from workers.jobs import diff
 from workers.report import COLOURS, DPI, HEIGHT_IN, NODE_COLOURS, WIDTH_IN, render_png
 from workers.runtime import Runtime, set_current
 from workers.trainer import Emitter

@@ -14,26 +14,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
 from pipeline.codec import encode_delta, read_delta
-from pipeline.compaction import collect_garbage, compact
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import CompactionRequested, DeltaApplied, DeltaAvailable, ReplicaError
+from pipeline.coord.replicas import list_replicas
+from pipeline.coord.stream import EventStream
 from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
-from pipeline.event_stream import EventStream
-from pipeline.events import CompactionRequested, DeltaApplied, DeltaAvailable, ReplicaError
-from pipeline.hashing import content_hash, sha256_bytes
-from pipeline.manifest import ObjectEntry, TensorEntry, compute_state_hash, manifest_key, to_json
-from pipeline.publish import publish_anchor
-from pipeline.redis_server import redis_client
-from pipeline.replicas import list_replicas
-from pipeline.rollout import RolloutNode
-from pipeline.signing import generate_keypair, load_private_key, load_public_key
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.hashing import content_hash, sha256_bytes
+from pipeline.format.manifest import (
+    ObjectEntry,
+    TensorEntry,
+    compute_state_hash,
+    manifest_key,
+    to_json,
+)
+from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.publish.compaction import collect_garbage, compact
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.publish.version import publish_anchor
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.patching import int_view
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
+from pipeline.versions import chain
 from tests.servers import RedisServer
 
 RUN = "run1"

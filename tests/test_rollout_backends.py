@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline.compaction import compact
-from pipeline.diff_step import publish_step
-from pipeline.rollout import RolloutNode
-from pipeline.state_cache import StateCache
+from pipeline.publish.compaction import compact
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store import ObjectStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.patching import int_view
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 
 RUN = "backends"
 

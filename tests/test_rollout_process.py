@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint import CheckpointReader
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
+from pipeline.coord.replicas import list_replicas
 from pipeline.errors import ConfigError
-from pipeline.hashing import content_hash
-from pipeline.redis_server import redis_client
-from pipeline.replicas import list_replicas
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.hashing import content_hash
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.targets.patching import int_view
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from workers.rollout import run_rollout
 
 RUN = "proc"

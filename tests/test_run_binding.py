@@ -14,19 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain, run_binding
-from pipeline.checkpoint_write import write_checkpoint
 from pipeline.config import Settings
-from pipeline.diff_step import publish_step
+from pipeline.coord.connection import redis_client
 from pipeline.errors import ChainError, SignatureError
-from pipeline.manifest import manifest_key
-from pipeline.redis_server import redis_client
-from pipeline.rollout import RolloutNode
-from pipeline.signing import generate_keypair, load_private_key, load_public_key
-from pipeline.state_cache import StateCache
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.manifest import manifest_key
+from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
+from pipeline.versions import binding as run_binding
+from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers import queues
 from workers.trainer import Emitter

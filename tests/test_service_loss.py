@@ -11,11 +11,11 @@ import pytest
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from pipeline.checkpoint import CheckpointReader
-from pipeline.event_stream import EventStream
-from pipeline.events import ReplicaError
-from pipeline.hashing import content_hash
-from pipeline.synthetic import save_state
+from pipeline.coord.events import ReplicaError
+from pipeline.coord.stream import EventStream
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.hashing import content_hash
+from pipeline.testing.synthetic import save_state
 from tests.pipeline_helpers import wait_for
 from tests.servers import SeaweedS3Server
 from tests.test_faults_workers import Cluster, Outcome, assert_rebuilds, cluster

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
-from pipeline.event_stream import EventStream
-from pipeline.events import DeltaApplied, ReplicaError
-from pipeline.hashing import content_hash
-from pipeline.redis_server import redis_client
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import DeltaApplied, ReplicaError
+from pipeline.coord.stream import EventStream
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.hashing import content_hash
 from pipeline.store import open_store
-from pipeline.synthetic import ModelConfig, UpdateGenerator
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
+from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers.trainer import Emitter
 
@@ -152,9 +152,9 @@ def test_a_tampered_signed_manifest_is_refused(tmp_path: Path, redis_url: str) -
 def _forge_unsigned_delta(store_url: str, run: str, step: int, cache_dir: Path, ckpt: Path) -> None:
     """What someone with store write access but no signing key can do: publish an
     unsigned delta of their own weights on top of the signed head."""
-    from pipeline.checkpoint_write import write_checkpoint
-    from pipeline.diff_step import publish_step
-    from pipeline.state_cache import StateCache
+    from pipeline.format.checkpoint_write import write_checkpoint
+    from pipeline.publish.state_cache import StateCache
+    from pipeline.publish.step import publish_step
 
     store = open_store(store_url)
     head = chain.list_versions(store, run).head

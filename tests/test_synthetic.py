@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.synthetic import ModelConfig, UpdateGenerator, save_state, state_bytes
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state, state_bytes
 
 TINY = ModelConfig.preset("tiny")
 

@@ -11,8 +11,15 @@ from torch import nn
 
 from pipeline.codec import encode_delta
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.hashing import content_hash, sha256_bytes, state_hash
-from pipeline.manifest import CodecInfo, Manifest, ObjectEntry, TensorEntry, dtype_name, now_iso
+from pipeline.format.hashing import content_hash, sha256_bytes, state_hash
+from pipeline.format.manifest import (
+    CodecInfo,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    dtype_name,
+    now_iso,
+)
 from pipeline.targets import TARGETS, patching, target_class
 from pipeline.targets.patching import int_view
 from pipeline.targets.torch import TorchTarget

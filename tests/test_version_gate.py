@@ -1,4 +1,4 @@
-"""The version gate of `deltasync serve` (pipeline/targets/vllm_engine.py): requests
+"""The version gate of `deltasync serve` (pipeline/targets/vllm/engine.py): requests
 are admitted under one label, a closer waits for the admitted ones and holds new
 ones, and every request names the label it was admitted under. Ordering only, no
 timing: each step is awaited to completion before the next is checked."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.targets.vllm_engine import VersionGate
+from pipeline.targets.vllm.engine import VersionGate
 
 
 async def _settle() -> None:

@@ -24,17 +24,17 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import content_hashes
-from pipeline.content_hashes import XXH3
-from pipeline.diff_step import publish_step
 from pipeline.errors import TargetError
-from pipeline.hashing import content_hash
-from pipeline.manifest import dtype_name
-from pipeline.rollout import RolloutNode
-from pipeline.state_cache import StateCache
+from pipeline.format import content_hashes
+from pipeline.format.content_hashes import XXH3
+from pipeline.format.hashing import content_hash
+from pipeline.format.manifest import dtype_name
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.base import TensorSpec
-from pipeline.targets.vllm_mapping import Route, probe_placement, scatter_positions
+from pipeline.targets.vllm.mapping import Route, probe_placement, scatter_positions
 from tests import vllm_model as tiny
 from tests import vllm_moe_model as moe
 from tests.test_vllm_target import make_delta
@@ -100,7 +100,7 @@ def engine(trained: Trained) -> Iterator[Any]:
 
 
 def _target(engine: Any, weights: dict[str, torch.Tensor]) -> Any:
-    from pipeline.targets.vllm import VllmTarget
+    from pipeline.targets.vllm.target import VllmTarget
 
     specs = {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in weights.items()}
     return VllmTarget(engine, chunk_bytes=256 << 10, expected_specs=specs)
@@ -140,7 +140,7 @@ def test_one_changed_expert_reloads_its_whole_group(trained: Trained, engine: An
     loading path: a delta touching one expert of one layer reloads every expert
     tensor of that layer from the shadow (a partial group would corrupt the layer).
     The engine must then generate exactly what vLLM's own full load generates."""
-    from pipeline.targets.vllm import VllmTarget
+    from pipeline.targets.vllm.target import VllmTarget
 
     base = trained.weights[1]
     target = VllmTarget(engine, chunk_bytes=256 << 10)
@@ -169,7 +169,7 @@ def test_a_tensor_the_model_cannot_place_is_refused(
 ) -> None:
     """A name the loader rejects, and one it would drop silently (expert 9 of a
     model with 4 experts): refused, weights and generations unchanged."""
-    from pipeline.targets.vllm import VllmTarget
+    from pipeline.targets.vllm.target import VllmTarget
 
     target = VllmTarget(engine, chunk_bytes=256 << 10)
     target.load_state(trained.weights[0].items())
@@ -238,7 +238,7 @@ def _probe_experts(worker: Any) -> dict[str, Any]:
 
 
 def test_probe_learns_the_stacked_expert_layout(trained: Trained, engine: Any) -> None:
-    from pipeline.targets.vllm import VllmTarget
+    from pipeline.targets.vllm.target import VllmTarget
 
     VllmTarget(engine).load_state(trained.weights[0].items())
     (found,) = engine.collective_rpc(_probe_experts)
@@ -254,7 +254,7 @@ def test_probe_learns_the_stacked_expert_layout(trained: Trained, engine: Any) -
 def test_shared_expert_and_router_gates_are_placed(trained: Trained, engine: Any) -> None:
     """Router gates, and the Qwen2-MoE shared expert with its gate, are plain linears
     (with plain CPU linears) and take the in-place path; their live bits follow."""
-    from pipeline.targets.vllm import VllmTarget
+    from pipeline.targets.vllm.target import VllmTarget
 
     old, new = trained.weights[0], trained.weights[1]
     target = VllmTarget(engine, chunk_bytes=256 << 10)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.errors import TargetError
-from pipeline.targets.vllm_mapping import (
+from pipeline.targets.vllm.mapping import (
     placed_view,
     probe_placement,
     route_names,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain
 from pipeline.config import Settings
 from pipeline.store import open_store
+from pipeline.versions import chain
 from tests import vllm_moe_model as moe
 from tests.pipeline_helpers import assert_same_state, cli, deltasync_env, processes, wait_for
 from tests.test_rollout_process import dumped

@@ -21,7 +21,7 @@ __all__ = ["chain"]  # the module-scoped fixture, shared with test_vllm_target
 
 @on_engine
 def test_chain_through_vllm_loader_matches_a_fresh_packed_engine(chain: Chain) -> None:
-    from pipeline.targets.vllm import VllmTarget
+    from pipeline.targets.vllm.target import VllmTarget
 
     reference = tiny.engine(chain.versions[-1].folder, cpu_plain_linear=False)
     expected = tiny.greedy(reference, PROMPTS)

@@ -22,13 +22,14 @@ from typing import Any
 
 import pytest
 
-from pipeline import chain, content_hashes
 from pipeline.config import Settings
-from pipeline.event_stream import EventStream
-from pipeline.events import ReplicaError
-from pipeline.redis_server import redis_client
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import ReplicaError
+from pipeline.coord.stream import EventStream
+from pipeline.format import content_hashes
 from pipeline.store.file import FileStore
-from pipeline.targets.vllm import EXTENSION_CLS
+from pipeline.targets.vllm.target import EXTENSION_CLS
+from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, deltasync_env, processes, wait_for
 from tests.servers import free_port, stop_process
 from tests.test_vllm_serve import (

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.event_stream import EventStream
-from pipeline.events import DeltaApplied
-from pipeline.redis_server import redis_client
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import DeltaApplied
+from pipeline.coord.stream import EventStream
 from pipeline.store.file import FileStore
-from pipeline.synthetic import ModelConfig
+from pipeline.testing.synthetic import ModelConfig
 from tests.test_rollout_process import RUN, assert_same, dumped, publish_versions, rollout
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -24,14 +24,15 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import chain, content_hashes
-from pipeline.diff_step import publish_step
-from pipeline.event_stream import EventStream
-from pipeline.events import DeltaApplied, ReplicaError
-from pipeline.hashing import state_hash
-from pipeline.redis_server import redis_client
-from pipeline.state_cache import StateCache
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import DeltaApplied, ReplicaError
+from pipeline.coord.stream import EventStream
+from pipeline.format import content_hashes
+from pipeline.format.hashing import state_hash
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
+from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, deltasync_env, processes, wait_for
 from tests.servers import free_port
 from tests.vllm_model import (

@@ -22,8 +22,8 @@ import torch
 
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
-from pipeline.hashing import content_hash, sha256_bytes
-from pipeline.manifest import (
+from pipeline.format.hashing import content_hash, sha256_bytes
+from pipeline.format.manifest import (
     CodecInfo,
     Manifest,
     ObjectEntry,
@@ -32,7 +32,7 @@ from pipeline.manifest import (
     dtype_name,
     now_iso,
 )
-from pipeline.targets.vllm_mapping import Placement, Route, probe_placement, scatter_positions
+from pipeline.targets.vllm.mapping import Placement, Route, probe_placement, scatter_positions
 from tests import vllm_model as tiny
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -212,7 +212,7 @@ def engine(chain: Chain, reference: dict[str, Any]) -> Iterator[Any]:
 @pytest.fixture
 def target(engine: Any, chain: Chain) -> Any:
     """The engine under test, reset to version 0 through load_state."""
-    from pipeline.targets.vllm import VllmTarget
+    from pipeline.targets.vllm.target import VllmTarget
 
     target = VllmTarget(engine, chunk_bytes=256 << 10)  # several chunks even when tiny
     target.load_state(chain.versions[0].weights.items())

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from pipeline.event_stream import EventStream
-from pipeline.redis_server import redis_client
+from pipeline.coord.connection import redis_client
+from pipeline.coord.stream import EventStream
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
 
 pytestmark = pytest.mark.slow

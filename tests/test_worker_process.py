@@ -6,8 +6,8 @@ import structlog
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from pipeline.coord.connection import redis_client
 from pipeline.logs import bind_context
-from pipeline.redis_server import redis_client
 from workers.worker_process import JobWorker
 
 

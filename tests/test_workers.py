@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import chain, replicas, synthetic
 from pipeline.config import Settings
+from pipeline.coord import replicas
+from pipeline.coord.connection import redis_client
+from pipeline.coord.events import StepCompleted
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError
-from pipeline.event_stream import EventStream
-from pipeline.events import StepCompleted
-from pipeline.redis_server import redis_client
-from pipeline.state_cache import StateCache
+from pipeline.publish.state_cache import StateCache
 from pipeline.store import open_store
+from pipeline.testing import synthetic
+from pipeline.versions import chain
 from tests.pipeline_helpers import (
     assert_same_state,
     cli,
@@ -24,7 +26,7 @@ from tests.pipeline_helpers import (
     processes,
     wait_for,
 )
-from workers import diff
+from workers.jobs import diff
 from workers.runtime import Runtime, set_current
 from workers.trainer import Emitter
 
@@ -188,7 +190,7 @@ def test_user_checkpoint_is_never_removed(redis_url: str, tmp_path: Path, link: 
     run = "byhand"
     env = deltasync_env(redis_url, tmp_path, DELTASYNC_CACHE_LINK=link)
     generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), seed=1)
-    from pipeline.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoint_write import write_checkpoint
 
     paths = []
     state = generator.state()
@@ -274,7 +276,7 @@ def test_workers_announcing_one_version_at_once_append_one_event(
     finishing one version may): the marker is WATCHed, so one event per version."""
     import threading
 
-    from pipeline.events import DeltaAvailable
+    from pipeline.coord.events import DeltaAvailable
 
     settings = Settings.from_env(deltasync_env(redis_url, tmp_path))
     run = "race"

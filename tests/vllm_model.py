@@ -97,7 +97,7 @@ def engine(folder: Path, **overrides: Any) -> Any:
     """An in-process vLLM engine over ``folder`` with the deltasync worker extension."""
     for key, value in SINGLE_PROCESS_ENV.items():
         os.environ.setdefault(key, value)
-    from pipeline.targets.vllm import start_engine
+    from pipeline.targets.vllm.target import start_engine
 
     options: dict[str, Any] = {
         "model": str(folder),
@@ -108,7 +108,7 @@ def engine(folder: Path, **overrides: Any) -> Any:
         "seed": 0,
         "skip_tokenizer_init": True,
         "distributed_executor_backend": "uni",
-        "worker_extension_cls": "workers.vllm_extension.DeltasyncWorkerExtension",
+        "worker_extension_cls": "pipeline.targets.vllm.extension.DeltasyncWorkerExtension",
     }
     options.update(overrides)
     return start_engine(**options)

@@ -17,19 +17,21 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from pipeline import content_hashes, synthetic, verify
-from pipeline.checkpoint import CheckpointReader
-from pipeline.event_stream import EventStream
-from pipeline.events import (
+from pipeline.coord.events import (
     AnchorAvailable,
     DeltaApplied,
     DeltaAvailable,
     ReplicaError,
     StepCompleted,
 )
-from pipeline.hashing import state_hash
+from pipeline.coord.replicas import list_replicas
+from pipeline.coord.stream import EventStream
+from pipeline.format import content_hashes
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.hashing import state_hash
 from pipeline.logs import configure_logging, get_logger
-from pipeline.replicas import list_replicas
+from pipeline.testing import synthetic
+from pipeline.versions import verify
 from workers.runtime import Runtime
 from workers.trainer import Emitter
 

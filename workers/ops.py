@@ -13,16 +13,16 @@ import click
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline import chain
-from pipeline.dead_letters import list_dead
+from pipeline.coord.connection import redis_errors
+from pipeline.coord.events import DeltaPart, Event
+from pipeline.coord.hints import PartListener
+from pipeline.coord.problems import list_failing
+from pipeline.coord.replicas import list_replicas
+from pipeline.coord.stream import EventStream, list_runs
 from pipeline.errors import ConfigError, DeltasyncError
-from pipeline.event_stream import EventStream, list_runs
-from pipeline.events import DeltaPart, Event
-from pipeline.part_hints import PartListener
-from pipeline.redis_server import redis_errors
-from pipeline.replica_problems import list_failing
-from pipeline.replicas import list_replicas
-from pipeline.trust import store_key
+from pipeline.publish.dead_letters import list_dead
+from pipeline.store.trust import store_key
+from pipeline.versions import chain
 from workers import queues
 from workers.runtime import Runtime
 

@@ -13,9 +13,9 @@ from rq.serializers import JSONSerializer
 DIFF_QUEUE = "deltasync:diff"
 COMPACT_QUEUE = "deltasync:compact"
 
-DIFF_JOB = "workers.diff.diff_job"
-DIFF_PART_JOB = "workers.diff.diff_part_job"
-COMPACT_JOB = "workers.compaction.compact_job"
+DIFF_JOB = "workers.jobs.diff.diff_job"
+DIFF_PART_JOB = "workers.jobs.diff.diff_part_job"
+COMPACT_JOB = "workers.jobs.compaction.compact_job"
 
 # Store or Redis hiccups: retried with backoff (needs a worker running its scheduler).
 JOB_RETRY = Retry(max=3, interval=[2, 10, 30])

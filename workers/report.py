@@ -1,4 +1,4 @@
-"""``deltasync report``: a picture of a run (pipeline/run_report.py collects the data).
+"""``deltasync report``: a picture of a run (pipeline/versions/history.py collects the data).
 
 Four panels: the changed fraction per version; the delta's bytes against the full
 checkpoint and the raw int32-index + value format; the latency from step-completed to
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError
-from pipeline.run_report import RunReport
+from pipeline.versions.history import RunReport
 
 # Fixed colours (the tests read them back): the series, then one per replica in name order.
 COLOURS = ("#1f77b4", "#d62728", "#7f7f7f", "#bcbd22", "#ff7f0e")

@@ -5,7 +5,7 @@ from a checkpoint given with ``model_path`` (a safetensors file or sharded
 folder: a node restarted with its own ``--dump`` resumes without a bootstrap),
 else they are allocated from the newest anchor's manifest and filled by the
 bootstrap. The vLLM target starts an in-process engine from ``model_path``
-through ``pipeline.targets.vllm.start_engine`` (deltasync's worker extension;
+through ``pipeline.targets.vllm.target.start_engine`` (deltasync's worker extension;
 ``load_format="dummy"`` when the folder holds no weights: the bootstrap loads
 them; options in ``vllm_engine_options``).
 """
@@ -27,25 +27,27 @@ import redis
 import structlog
 import torch
 
-from pipeline import chain, run_binding
-from pipeline.checkpoint import CheckpointReader
 from pipeline.config import Settings
+from pipeline.coord.connection import redact_url, redis_client
+from pipeline.coord.events import ReplicaError
+from pipeline.coord.replicas import forget_replica
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError, DeltasyncError
-from pipeline.event_stream import EventStream
-from pipeline.events import ReplicaError
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.manifest import Manifest, dtype_from_name
+from pipeline.format.signing import load_public_key
 from pipeline.logs import bind_context, configure_logging
-from pipeline.manifest import Manifest, dtype_from_name
-from pipeline.redis_server import ensure_redis, redact_url, redis_client
-from pipeline.replicas import forget_replica
-from pipeline.rollout import RolloutNode
-from pipeline.scrub import ScrubPace
-from pipeline.signing import load_public_key
+from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.scrub import ScrubPace
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
+from pipeline.store.trust import trusted
 from pipeline.targets import target_class
 from pipeline.targets.base import Target, TensorSpec, VerifyMode
-from pipeline.trust import trusted
+from pipeline.versions import binding as run_binding
+from pipeline.versions import chain
 from workers.metrics_http import serve_metrics
+from workers.redis_launcher import ensure_redis
 from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)
@@ -380,7 +382,7 @@ def _start_vllm(model_path: Path, options: Mapping[str, Any]) -> Any:
     parallel = int(kwargs.get("tensor_parallel_size", 1))
     if parallel * int(kwargs.get("pipeline_parallel_size", 1)) == 1:
         kwargs.setdefault("distributed_executor_backend", "uni")
-    from pipeline.targets.vllm import start_engine
+    from pipeline.targets.vllm.target import start_engine
 
     # start_engine hides objects (numba's llvmlite) that break vLLM's CPU start-up.
     return start_engine(**kwargs)

@@ -22,15 +22,16 @@ from typing import Any
 
 import structlog
 
-from pipeline import chain
 from pipeline.config import Settings
+from pipeline.coord.connection import redis_client
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, ConfigError, DeltasyncError, TargetError
-from pipeline.event_stream import EventStream
-from pipeline.manifest import Kind, Manifest
-from pipeline.redis_server import ensure_redis, redis_client
-from pipeline.rollout_report import Reporter
-from pipeline.rollout_stream import StreamFollower
-from pipeline.signing import load_public_key
+from pipeline.format.manifest import Kind, Manifest
+from pipeline.format.signing import load_public_key
+from pipeline.rollout.report import Reporter
+from pipeline.rollout.stream import StreamFollower
+from pipeline.versions import chain
+from workers.redis_launcher import ensure_redis
 from workers.rollout import open_node_store
 
 log = structlog.get_logger(__name__)

@@ -9,11 +9,12 @@ import click
 import redis
 
 from pipeline.config import Settings
+from pipeline.coord.connection import redact_url, redis_client
 from pipeline.logs import configure_logging
-from pipeline.redis_server import ensure_redis, redact_url, redis_client
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
-from pipeline.trust import process_key, trusted
+from pipeline.store.trust import process_key, trusted
+from workers.redis_launcher import ensure_redis
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Runtime:
     @cached_property
     def store(self) -> ObjectStore:
         """The store; with a verify or signing key, every manifest read from it must be
-        signed by that key (see pipeline/trust.py)."""
+        signed by that key (see pipeline/store/trust.py)."""
         key = process_key(self.settings.signing_key(), self.settings.verify_key())
         return trusted(open_store(self.settings.store_url), key)
 

@@ -3,7 +3,7 @@
 vLLM's own app (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/health``, ``/metrics``, ...) is built over an ``AsyncLLM`` with the deltasync
 worker extension, and a rollout node runs on a thread of the same process. The node
-drives the engine through ``pipeline.targets.vllm_engine.ServedEngine``: each
+drives the engine through ``pipeline.targets.vllm.engine.ServedEngine``: each
 version is fetched, decoded and proven while the server answers, then applied at a
 clean boundary (new requests held, generation paused in ``wait`` mode, patch,
 prefix cache reset, resume). No dev-mode route is opened.
@@ -30,19 +30,20 @@ from typing import Any
 
 import structlog
 
-from pipeline import chain
 from pipeline.config import Settings
+from pipeline.coord.connection import redact_url, redis_client
 from pipeline.errors import ConfigError, DeltasyncError
-from pipeline.hashing import state_hash
+from pipeline.format.hashing import state_hash
+from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
-from pipeline.manifest import Manifest
-from pipeline.redis_server import ensure_redis, redact_url, redis_client
-from pipeline.rollout import RolloutNode
+from pipeline.rollout.node import RolloutNode
 from pipeline.store.base import ObjectStore
-from pipeline.targets.vllm import EXTENSION_CLS, VllmTarget, _engine_start_guard
-from pipeline.targets.vllm_cpu import PLAIN_LINEAR_ENV
-from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
-from pipeline.targets.vllm_engine import ServedEngine, VersionGate
+from pipeline.targets.vllm.cpu import PLAIN_LINEAR_ENV
+from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
+from pipeline.targets.vllm.engine import ServedEngine, VersionGate
+from pipeline.targets.vllm.target import EXTENSION_CLS, VllmTarget, _engine_start_guard
+from pipeline.versions import chain
+from workers.redis_launcher import ensure_redis
 from workers.rollout import (
     _anchor_specs,
     _vllm_on_cpu,

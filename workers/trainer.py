@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from pipeline import chain
-from pipeline.checkpoint import CheckpointReader
-from pipeline.checkpoint_names import FORM_METADATA_KEY, TensorForm, checkpoint_state
-from pipeline.checkpoint_write import write_checkpoint
 from pipeline.config import Settings
+from pipeline.coord.events import StepCompleted, check_run_name
+from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, ConfigError
-from pipeline.event_stream import EventStream
-from pipeline.events import StepCompleted, check_run_name
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoint_names import FORM_METADATA_KEY, TensorForm, checkpoint_state
+from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.logs import get_logger
+from pipeline.versions import chain
 from workers import queues
 from workers.runtime import Runtime
 
@@ -90,7 +90,7 @@ class Emitter:
         A transformers model is published in its checkpoint format, the names and
         layout ``save_pretrained`` writes (experts one tensor each, even where the
         model keeps them fused in memory); a mapping is published as given. The
-        manifest records which (``tensor_form``, see ``pipeline.checkpoint_names``)."""
+        manifest records which (``tensor_form``, see ``pipeline.format.checkpoint_names``)."""
         self._check_newer(step)
         form: TensorForm = "given"
         if isinstance(weights, torch.nn.Module):

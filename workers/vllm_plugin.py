@@ -33,18 +33,18 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from pipeline import chain
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, DeltasyncError
-from pipeline.manifest import Manifest
-from pipeline.rollout_fetch import fetch_delta, stream_anchor
-from pipeline.signing import load_public_key
+from pipeline.format.manifest import Manifest
+from pipeline.format.signing import load_public_key
+from pipeline.rollout.fetch import fetch_delta, stream_anchor
 from pipeline.store import open_store
 from pipeline.targets.base import VerifyMode
-from pipeline.targets.vllm import _raise, delta_request
-from pipeline.targets.vllm_cpu import install as install_cpu_linear_hook
-from workers.vllm_extension import DeltasyncWorkerExtension
-from workers.vllm_worker_state import Envelope
+from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
+from pipeline.targets.vllm.extension import DeltasyncWorkerExtension
+from pipeline.targets.vllm.target import _raise, delta_request
+from pipeline.targets.vllm.worker_state import Envelope
+from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
 

@@ -7,8 +7,8 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.checkpoint import CheckpointReader
 from pipeline.errors import ChainError, DeltasyncError
+from pipeline.format.checkpoint import CheckpointReader
 from pipeline.logs import get_logger
 from workers.runtime import Runtime
 from workers.trainer import Emitter

@@ -17,7 +17,6 @@ import torch
 import xxhash
 
 from pipeline import cpus
-from pipeline.bounded import load_json
 from pipeline.codec import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
@@ -31,7 +30,8 @@ from pipeline.codec.tensorcodec import (
     walk_sparse,
 )
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
-from pipeline.hashing import patched_tensor_hash
+from pipeline.format.bounded import load_json
+from pipeline.format.hashing import patched_tensor_hash
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.bounded import load_json
 from pipeline.errors import CorruptObjectError
+from pipeline.format.bounded import load_json
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 

@@ -11,7 +11,7 @@ from pipeline.errors import ConfigError
 
 TARGETS: dict[str, str] = {
     "torch": "pipeline.targets.torch:TorchTarget",
-    "vllm": "pipeline.targets.vllm:VllmTarget",
+    "vllm": "pipeline.targets.vllm.target:VllmTarget",
 }
 
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
 
-from pipeline.manifest import Manifest
-from pipeline.tensors import TensorSpec
+from pipeline.format.manifest import Manifest
+from pipeline.format.tensors import TensorSpec
 
 __all__ = ["ApplyReport", "EarlyProofStarter", "EarlyProver", "Target", "TensorSpec", "VerifyMode"]
 
@@ -54,7 +54,7 @@ class Target(Protocol):
         self, names: Sequence[str] | None = None, algorithm: str | None = None
     ) -> dict[str, str]:
         """Content hashes of held tensors, by ``algorithm`` (a manifest's
-        ``content_hash``, see pipeline.content_hashes; default: the one in use)."""
+        ``content_hash``, see pipeline.format.content_hashes; default: the one in use)."""
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """CPU copies of every tensor in checkpoint names (for dumps and checks)."""
@@ -63,7 +63,7 @@ class Target(Protocol):
 @runtime_checkable
 class EarlyProver(Protocol):
     """A target that can decode and hash a delta object against its held weights
-    before the version's manifest exists (see pipeline/part_hints.py)."""
+    before the version's manifest exists (see pipeline/coord/hints.py)."""
 
     def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
         """Decode and hash object ``key`` (of sha256 ``sha256``) against the held

@@ -31,12 +31,13 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from pipeline import cpus, faults
+from pipeline import cpus
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
-from pipeline.hashing import content_hash, patched_tensor_hash, sha256_bytes
-from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.hashing import content_hash, patched_tensor_hash, sha256_bytes
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
+from pipeline.testing import faults
 
 _T = TypeVar("_T")
 

@@ -18,9 +18,9 @@ import torch
 
 from pipeline import cpus
 from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
-from pipeline.content_hashes import XXH3, HashAlgorithm
 from pipeline.errors import CorruptObjectError, MismatchError
-from pipeline.manifest import Manifest, TensorEntry, dtype_name
+from pipeline.format.content_hashes import XXH3, HashAlgorithm
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import (
     changed_entries,

@@ -21,12 +21,12 @@ import structlog
 import torch
 from torch import nn
 
-from pipeline import content_hashes, faults
 from pipeline.codec import TensorPatch
-from pipeline.content_hashes import HashAlgorithm
 from pipeline.errors import MismatchError, TargetError
-from pipeline.hashing import state_hash
-from pipeline.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format import content_hashes
+from pipeline.format.content_hashes import HashAlgorithm
+from pipeline.format.hashing import state_hash
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import (
     apply_verified,
@@ -47,6 +47,7 @@ from pipeline.targets.proving import (
     prove_object_incremental,
 )
 from pipeline.targets.walking import Walk, apply_walks
+from pipeline.testing import faults
 
 log = structlog.get_logger(__name__)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline import faults
 from pipeline.codec import DeltaObject
 from pipeline.targets.patching import rehash_written, write_on_two_threads
+from pipeline.testing import faults
 
 
 @dataclass(frozen=True)

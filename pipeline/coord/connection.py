@@ -1,0 +1,103 @@
+"""Redis connections: clients from URLs, URLs with secrets redacted, and one
+translation of Redis failures into ``ServiceUnavailableError``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from pipeline.errors import ConfigError, ServiceUnavailableError
+
+_SECRET_QUERY_KEYS = ("password", "pass", "token", "secret")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, safe for logs and errors."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<malformed URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, sep, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{host}" if sep else f"{userinfo}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode(
+            [(k, "***" if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*/"
+        )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redis_client(
+    url: str,
+    *,
+    socket_timeout_s: float = 30.0,
+    connect_timeout_s: float = 5.0,
+    retries: int = 3,
+) -> redis.Redis:
+    """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs.
+
+    Users and passwords (ACL) come from the URL; TLS options from its query
+    (``?ssl_ca_certs=/path&ssl_cert_reqs=required``). Transient connection
+    errors and timeouts are retried with exponential backoff. Blocking reads
+    must block for less than ``socket_timeout_s`` (``EventStream`` sees to that;
+    rq raises the timeout of its own connections as it needs).
+    """
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(f"redis URL {redact_url(url)!r}: scheme must be redis, rediss or unix")
+    try:
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            health_check_interval=30,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"redis URL {redact_url(url)!r} is invalid: {exc}") from None
+    return client
+
+
+def client_url(client: redis.Redis) -> str:
+    """Where ``client`` connects, as a URL without any password."""
+    kwargs = client.connection_pool.connection_kwargs
+    db = kwargs.get("db", 0)
+    user = kwargs.get("username")
+    auth = f"{quote(str(user))}@" if user else ""
+    if kwargs.get("path"):
+        return f"unix://{auth}{kwargs['path']}?db={db}"
+    scheme = "rediss" if "ssl_cert_reqs" in kwargs else "redis"
+    return f"{scheme}://{auth}{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+
+
+@contextlib.contextmanager
+def redis_errors(client: redis.Redis, doing: str = "") -> Iterator[None]:
+    """Turn Redis failures into ``ServiceUnavailableError`` naming the server (no password).
+
+    Connection problems and timeouts read "unavailable"; errors the server
+    answers with (wrong type, read-only replica, out of memory) read "failed".
+    """
+    try:
+        yield
+    except redis.RedisError as exc:
+        what = f" while {doing}" if doing else ""
+        lines = str(exc).splitlines()
+        detail = lines[0] if lines else type(exc).__name__
+        state = (
+            "is unavailable"
+            if isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+            else "failed"
+        )
+        raise ServiceUnavailableError(
+            f"redis at {client_url(client)} {state}{what}: {detail}"
+        ) from exc

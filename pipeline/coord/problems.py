@@ -1,0 +1,135 @@
+"""Rollout nodes that fail to sync, as `deltasync status` shows them.
+
+A heartbeat names the version a node holds, so a node that never bootstrapped (or
+keeps failing) has none and would not show up. A failing node therefore also writes
+``deltasync:run:<run>:failing:<node>``: its last error, the version it holds (if
+any), how many syncs failed in a row, and since when (the Redis server's clock). The
+record expires unless renewed by the next failure, and is removed at the node's next
+successful sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+
+from pipeline.coord.connection import redis_errors
+from pipeline.coord.events import check_run_name
+from pipeline.coord.replicas import DEFAULT_TTL_S, NODE_PATTERN, check_node_name
+
+# The first failure of a streak sets "since"; every failure renews the rest.
+_FAILED = """
+local t = redis.call('TIME')
+local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+redis.call('HSETNX', KEYS[1], 'since', now)
+redis.call('HSET', KEYS[1], 'node', ARGV[1], 'held', ARGV[2], 'error', ARGV[3], 'last', now)
+redis.call('HINCRBY', KEYS[1], 'failures', 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[1])
+return now
+"""
+MAX_ERROR_CHARS = 2000
+
+
+def failing_key(run: str, node: str) -> str:
+    return f"deltasync:run:{check_run_name(run)}:failing:{check_node_name(node)}"
+
+
+def failing_index_key(run: str) -> str:
+    return f"deltasync:run:{check_run_name(run)}:failing"
+
+
+@dataclass(frozen=True)
+class FailingReplica:
+    node: str
+    held: int | None  # the version it holds, None before its first bootstrap
+    error: str  # "ErrorType: message" of the last failed sync
+    since: datetime  # first failure of this streak (the Redis server's clock)
+    failing_for_s: float
+    last_s_ago: float  # since the last failure
+    failures: int  # failed syncs in a row
+
+
+def report_failure(
+    client: redis.Redis,
+    run: str,
+    node: str,
+    held: int | None,
+    error: str,
+    *,
+    ttl_s: float = DEFAULT_TTL_S,
+) -> None:
+    """Record that ``node``'s last sync failed with ``error``."""
+    key = failing_key(run, node)
+    held_text = "" if held is None else str(int(held))
+    with redis_errors(client, f"reporting failing replica {node}"):
+        client.eval(
+            _FAILED,
+            2,
+            key,
+            failing_index_key(run),
+            node,
+            held_text,
+            error[:MAX_ERROR_CHARS],
+            max(1, round(ttl_s * 1000)),
+        )
+
+
+def clear_failure(client: redis.Redis, run: str, node: str) -> None:
+    """``node`` synced again: it is no longer failing."""
+    with redis_errors(client, f"clearing failing replica {node}"), client.pipeline() as pipe:
+        pipe.delete(failing_key(run, node))
+        pipe.srem(failing_index_key(run), node)
+        pipe.execute()
+
+
+def list_failing(client: redis.Redis, run: str) -> list[FailingReplica]:
+    """The nodes of ``run`` whose last sync failed (record not expired), by name."""
+    index = failing_index_key(run)
+    with redis_errors(client, f"reading {index}"):
+        members: Any = client.smembers(index)
+        nodes = sorted(_text(n) for n in members)
+        valid = [n for n in nodes if NODE_PATTERN.fullmatch(n)]
+        with client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            for node in valid:
+                pipe.hgetall(failing_key(run, node))
+            now_raw, *records = pipe.execute()
+        now = float(now_raw[0]) + float(now_raw[1]) / 1e6
+        found: list[FailingReplica] = []
+        gone = [n for n in nodes if n not in valid]
+        for node, raw in zip(valid, records, strict=True):
+            info = _parse(node, raw, now)
+            if info is None:
+                gone.append(node)
+            else:
+                found.append(info)
+        if gone:  # expired records leave their name in the index
+            client.srem(index, *gone)
+    return found
+
+
+def _parse(node: str, raw: dict[Any, Any], now: float) -> FailingReplica | None:
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    try:
+        since = float(fields["since"])
+        last = float(fields["last"])
+        held = fields.get("held", "")
+        return FailingReplica(
+            node=node,
+            held=int(held) if held else None,
+            error=fields.get("error", ""),
+            since=datetime.fromtimestamp(since, UTC),
+            failing_for_s=max(0.0, now - since),
+            last_s_ago=max(0.0, now - last),
+            failures=int(fields.get("failures", "1")),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

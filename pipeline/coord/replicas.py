@@ -1,0 +1,351 @@
+"""Replica heartbeats, per-run locks and once-only claims on Redis.
+
+A replica reports the version it holds to ``deltasync:run:<run>:replica:<node>``
+(a hash that expires unless renewed); garbage collection keeps what the oldest
+live replica still needs. Heartbeat times come from the Redis server's clock,
+so ages do not depend on clocks agreeing between machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+import structlog
+
+from pipeline.coord.connection import redis_errors
+from pipeline.coord.events import check_run_name
+from pipeline.errors import ConfigError, DeltasyncError, LockError
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_TTL_S = 600.0
+NODE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}")
+
+
+class _Script:
+    """A Lua script sent once per server: called by its sha1 (EVALSHA), loaded on a miss."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: redis.Redis, keys: list[str], *args: Any) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            client.script_load(self.source)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+# Stamp with the server's clock, store, expire and index in one step.
+_REPORT = _Script("""
+local t = redis.call('TIME')
+local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+redis.call('HSET', KEYS[1], 'node', ARGV[1], 'version', ARGV[2], 'state_hash', ARGV[3],
+           'time', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[1])
+return now
+""")
+# Release or extend a lock only while it still holds our token.
+_RELEASE = _Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""")
+_EXTEND = _Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+""")
+# Take a lock over from a holder known to be dead, only if it still holds it.
+_TAKE_OVER = _Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+""")
+
+
+def check_node_name(node: str) -> str:
+    if not isinstance(node, str) or not NODE_PATTERN.fullmatch(node):
+        raise ConfigError(f"invalid node name {node!r}: use [A-Za-z0-9][A-Za-z0-9._:@-]{{0,255}}")
+    return node
+
+
+def replica_key(run: str, node: str) -> str:
+    return f"deltasync:run:{check_run_name(run)}:replica:{check_node_name(node)}"
+
+
+def replicas_key(run: str) -> str:
+    return f"deltasync:run:{check_run_name(run)}:replicas"
+
+
+def _ms(seconds: float) -> int:
+    if not seconds > 0:
+        raise ConfigError(f"a time-to-live must be positive, got {seconds}")
+    return max(1, round(seconds * 1000))
+
+
+# --------------------------------------------------------------------------- heartbeats
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    node: str
+    version: int
+    time: datetime  # when it last reported (the Redis server's clock)
+    age_s: float  # seconds since then
+    state_hash: str
+
+
+def report(
+    client: redis.Redis,
+    run: str,
+    node: str,
+    version: int,
+    state_hash: str,
+    *,
+    ttl_s: float = DEFAULT_TTL_S,
+) -> None:
+    """Record that ``node`` holds ``version`` of ``run``; forgotten after ``ttl_s`` silence."""
+    key = replica_key(run, node)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ConfigError(f"replica {node} of run {run}: invalid version {version!r}")
+    with redis_errors(client, f"reporting replica {node}"):
+        _REPORT(client, [key, replicas_key(run)], node, version, state_hash, _ms(ttl_s))
+
+
+def forget_replica(client: redis.Redis, run: str, node: str) -> None:
+    """Remove ``node``'s heartbeat (a replica shutting down cleanly)."""
+    with redis_errors(client, f"removing replica {node}"), client.pipeline() as pipe:
+        pipe.delete(replica_key(run, node))
+        pipe.srem(replicas_key(run), node)
+        pipe.execute()
+
+
+def list_replicas(client: redis.Redis, run: str) -> list[ReplicaInfo]:
+    """The replicas of ``run`` whose heartbeat has not expired, by node name."""
+    index = replicas_key(run)
+    with redis_errors(client, f"reading {index}"):
+        nodes = sorted(_text(n) for n in client.smembers(index))  # type: ignore[union-attr]
+        valid = [n for n in nodes if NODE_PATTERN.fullmatch(n)]
+        with client.pipeline(transaction=False) as pipe:
+            pipe.time()
+            for node in valid:
+                pipe.hgetall(replica_key(run, node))
+            now_raw, *hashes = pipe.execute()
+        now = float(now_raw[0]) + float(now_raw[1]) / 1e6
+        infos: list[ReplicaInfo] = []
+        gone: list[str] = [n for n in nodes if n not in valid]
+        for node, raw in zip(valid, hashes, strict=True):
+            info = _info(node, raw, now)
+            if info is None:
+                gone.append(node)
+            else:
+                infos.append(info)
+        if gone:  # expired heartbeats leave their name in the index
+            client.srem(index, *gone)
+    return infos
+
+
+def _info(node: str, raw: dict[Any, Any], now: float) -> ReplicaInfo | None:
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    try:
+        stamp = float(fields["time"])
+        return ReplicaInfo(
+            node=node,
+            version=int(fields["version"]),
+            time=datetime.fromtimestamp(stamp, UTC),
+            age_s=max(0.0, now - stamp),
+            state_hash=fields.get("state_hash", ""),
+        )
+    except (KeyError, ValueError):
+        return None  # expired (empty) or not written by report()
+
+
+def min_live_version(client: redis.Redis, run: str, ttl_s: float = DEFAULT_TTL_S) -> int | None:
+    """The lowest version a replica heard from within ``ttl_s`` holds; None if none is live."""
+    versions = [r.version for r in list_replicas(client, run) if r.age_s <= ttl_s]
+    return min(versions, default=None)
+
+
+# --------------------------------------------------------------------------- locks
+
+
+def _process_identity(pid: int) -> str | None:
+    """``boot:pid-namespace:pid:start-time`` of a live process on this kernel (Linux), or
+    None. The start time tells a reused pid apart; boot id and pid namespace tell
+    processes in other containers or on other machines apart."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    if len(fields) < 20:
+        return None
+    return f"{boot}:{namespace}:{pid}:{fields[19]}"
+
+
+def _holder_is_dead(token: str) -> bool:
+    """True only when ``token`` names a process of this kernel and pid namespace that no
+    longer exists; any doubt (another machine, no /proc) answers False."""
+    parts = token.split(":")
+    mine = _process_identity(os.getpid())
+    if len(parts) != 5 or mine is None or not parts[2].isdigit():
+        return False
+    boot, namespace = mine.split(":")[:2]
+    if parts[0] != boot or parts[1] != namespace:
+        return False
+    return _process_identity(int(parts[2])) != ":".join(parts[:4])
+
+
+class RunLock:
+    """A lock on ``deltasync:run:<run>:lock:<name>`` that expires after ``timeout_s``.
+
+    Taken with SET NX PX and a token naming the holding process; released or
+    extended only while the token is still ours, so a holder whose lock expired
+    (and was taken by another) cannot release the new holder's lock. A lock
+    whose holder died on this machine (a killed worker) is taken over at once
+    instead of waiting for it to expire.
+    """
+
+    def __init__(self, client: redis.Redis, run: str, name: str, timeout_s: float) -> None:
+        if not NODE_PATTERN.fullmatch(name):
+            raise ConfigError(f"invalid lock name {name!r}")
+        self.redis = client
+        self.key = f"deltasync:run:{check_run_name(run)}:lock:{name}"
+        self.timeout_ms = _ms(timeout_s)
+        me = _process_identity(os.getpid()) or f"-:-:{os.getpid()}:-"
+        self.token = f"{me}:{secrets.token_hex(16)}"
+
+    def acquire(self, wait_s: float = 0.0) -> bool:
+        """Take the lock, polling for up to ``wait_s`` seconds; False if still held by another."""
+        deadline = time.monotonic() + wait_s
+        delay = 0.02
+        while True:
+            with redis_errors(self.redis, f"taking lock {self.key}"):
+                if self.redis.set(self.key, self.token, nx=True, px=self.timeout_ms):
+                    return True
+                if self._take_over_dead_holder():
+                    return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.5)
+
+    def _take_over_dead_holder(self) -> bool:
+        holder = _text_or_none(self.redis.get(self.key))
+        if holder is None or not _holder_is_dead(holder):
+            return False
+        taken = bool(_TAKE_OVER(self.redis, [self.key], holder, self.token, self.timeout_ms))
+        if taken:
+            log.warning("lock taken over from a dead holder", lock=self.key, holder=holder)
+        return taken
+
+    def release(self) -> bool:
+        """Release if still ours; False if it had expired (and maybe been taken by another)."""
+        with redis_errors(self.redis, f"releasing lock {self.key}"):
+            return bool(_RELEASE(self.redis, [self.key], self.token))
+
+    def extend(self, timeout_s: float | None = None) -> bool:
+        """Restart the expiry (for long jobs); False if the lock is no longer ours."""
+        ms = self.timeout_ms if timeout_s is None else _ms(timeout_s)
+        with redis_errors(self.redis, f"extending lock {self.key}"):
+            return bool(_EXTEND(self.redis, [self.key], self.token, ms))
+
+    def owned(self) -> bool:
+        with redis_errors(self.redis, f"reading lock {self.key}"):
+            return _text_or_none(self.redis.get(self.key)) == self.token
+
+
+class _Renewer:
+    """Extends a lock every ``every_s`` on a daemon thread until stopped, so a short
+    lease covers a long job and lapses soon after its holder vanishes."""
+
+    def __init__(self, lock: RunLock, every_s: float) -> None:
+        self.lock = lock
+        self.every_s = every_s
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="deltasync-lock", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            try:
+                if not self.lock.extend():
+                    log.warning("lock lost while held", lock=self.lock.key)
+                    return
+            except DeltasyncError as exc:  # Redis away for a moment: try again
+                log.warning("cannot extend lock", lock=self.lock.key, error=str(exc))
+
+    def __enter__(self) -> _Renewer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+@contextlib.contextmanager
+def run_lock(
+    client: redis.Redis,
+    run: str,
+    name: str,
+    timeout_s: float,
+    *,
+    wait_s: float | None = None,
+    renew_every_s: float | None = None,
+) -> Iterator[RunLock]:
+    """Hold the lock ``name`` of ``run`` for the block; LockError if it stays taken.
+
+    Waits for up to ``wait_s`` (default: ``timeout_s``, after which any
+    holder's lock has expired) before giving up. With ``renew_every_s`` the
+    lock is extended in the background while the block runs, so ``timeout_s``
+    can be a short lease rather than the longest job.
+    """
+    lock = RunLock(client, run, name, timeout_s)
+    if not lock.acquire(timeout_s if wait_s is None else wait_s):
+        raise LockError(f"lock {lock.key} is held by another process")
+    try:
+        if renew_every_s is None:
+            yield lock
+        else:
+            with _Renewer(lock, renew_every_s):
+                yield lock
+    finally:
+        try:
+            released = lock.release()
+        except DeltasyncError as exc:  # it expires on its own
+            log.warning("cannot release lock", lock=lock.key, error=str(exc))
+        else:
+            if not released:
+                log.warning("lock expired before release", lock=lock.key, timeout_s=timeout_s)
+
+
+def claim_once(client: redis.Redis, key: str, ttl_s: float, value: str = "1") -> bool:
+    """True for the first caller to claim ``key`` within ``ttl_s``; False for every later one."""
+    with redis_errors(client, f"claiming {key}"):
+        return bool(client.set(key, value, nx=True, px=_ms(ttl_s)))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else _text(value)

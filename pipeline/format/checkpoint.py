@@ -1,0 +1,380 @@
+"""Checkpoints: safetensors files and sharded folders of them, read.
+
+Reading is lazy and memory-mapped (``safe_open``); every header is parsed and
+checked against the file size by hand first, so a truncated or half-written
+checkpoint fails on open with one line naming the file instead of deep inside
+a load. Writing is in ``pipeline.format.checkpoint_write``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from pipeline.errors import CorruptObjectError, MismatchError
+from pipeline.format.bounded import load_json
+from pipeline.format.tensors import TensorSpec
+
+log = structlog.get_logger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+Tensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor in a safetensors header; offsets are relative to the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    entries: tuple[HeaderEntry, ...]  # in data-offset order
+    metadata: dict[str, str]
+    data_start: int  # 8 + header length
+
+
+def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHeader:
+    """Parse and check a safetensors header.
+
+    ``prefix`` holds at least the first ``8 + header length`` bytes of a file or
+    buffer of ``total_size`` bytes; CorruptObjectError naming ``source`` if the
+    header is absurd, malformed, or points past the end (a truncated file).
+    """
+    if total_size < 8 or len(prefix) < 8:
+        raise CorruptObjectError(f"{source}: {total_size} bytes is too short for safetensors")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n < 2 or n > MAX_HEADER_BYTES or 8 + n > total_size:
+        raise CorruptObjectError(
+            # Not the length itself: it is the file's first 8 bytes, which may be secret.
+            f"{source}: header length is absurd for a file of {total_size} bytes "
+            "(not a safetensors file)"
+        )
+    if len(prefix) < 8 + n:
+        raise CorruptObjectError(f"{source}: header is truncated")
+    doc = load_json(
+        prefix[8 : 8 + n], max_bytes=n, what=f"{source}: header", error=CorruptObjectError
+    )
+    if not isinstance(doc, dict):
+        raise CorruptObjectError(f"{source}: header is not a JSON object")
+    body = total_size - 8 - n
+    metadata_raw = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata_raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
+    ):
+        raise CorruptObjectError(f"{source}: __metadata__ is not a string map")
+    entries = [_header_entry(name, info, body, source) for name, info in doc.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    end = 0
+    for e in entries:
+        if e.begin < end:
+            raise CorruptObjectError(f"{source}: tensor {e.name!r} overlaps another tensor")
+        end = e.end
+    if end != body:
+        raise CorruptObjectError(
+            f"{source}: data section is {body} bytes but the tensors cover {end}"
+        )
+    return SafetensorsHeader(tuple(entries), dict(metadata_raw), 8 + n)
+
+
+def _header_entry(name: str, info: object, body: int, source: str) -> HeaderEntry:
+    if not isinstance(info, dict):
+        raise CorruptObjectError(f"{source}: entry {name!r} is not an object")
+    dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise CorruptObjectError(
+            f"{source}: tensor {name!r} has unknown dtype {info.get('dtype')!r}"
+        )
+    shape = info.get("shape")
+    offsets = info.get("data_offsets")
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise CorruptObjectError(f"{source}: tensor {name!r} has a malformed shape or offsets")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 <= begin <= end or end - begin != nbytes:
+        raise CorruptObjectError(
+            f"{source}: tensor {name!r} offsets {begin}..{end} do not fit its shape {shape}"
+        )
+    if end > body:
+        raise CorruptObjectError(
+            f"{source}: tensor {name!r} ends at {end} past the data section ({body} bytes); "
+            "truncated?"
+        )
+    return HeaderEntry(name, dtype, tuple(shape), begin, end)
+
+
+def read_file_header(path: Path) -> SafetensorsHeader:
+    """Header of a safetensors file, checked against the file's size."""
+    try:
+        # Non-blocking open, regular files only: a FIFO named as a checkpoint must not hang.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptObjectError(f"checkpoint file {path} is not a regular file")
+            size = info.st_size
+            head = f.read(8)
+            if len(head) == 8:
+                (n,) = struct.unpack("<Q", head)
+                if 2 <= n <= MAX_HEADER_BYTES and 8 + n <= size:
+                    head += f.read(n)
+    except FileNotFoundError:
+        raise CorruptObjectError(f"checkpoint file {path} is missing") from None
+    except OSError as e:
+        raise CorruptObjectError(f"checkpoint file {path} cannot be read: {e.strerror}") from None
+    return parse_header(head, size, str(path))
+
+
+def tensors_from_bytes(data: bytes, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of an in-memory safetensors buffer, in data order, as owned writable copies."""
+    header = parse_header(data, len(data), source)
+    view = memoryview(data)
+    for e in header.entries:
+        yield e.name, _from_buffer(view[header.data_start + e.begin : header.data_start + e.end], e)
+
+
+def _from_buffer(buf: memoryview, e: HeaderEntry) -> torch.Tensor:
+    if e.end == e.begin:
+        return torch.empty(e.shape, dtype=e.dtype)
+    raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    return raw.view(e.dtype).reshape(e.shape)
+
+
+# ---------------------------------------------------------------- reading
+
+_NUMBERED_SHARD = re.compile(r"^(.*)-(\d+)-of-(\d+)\.safetensors$")
+
+
+def _check_numbered_shards(folder: Path, names: list[str]) -> None:
+    """Without an index, ``x-00001-of-00003.safetensors`` still says how many shards
+    make the whole: a folder still being written must not look complete."""
+    groups: dict[tuple[str, int], set[int]] = {}
+    for name in names:
+        m = _NUMBERED_SHARD.match(name)
+        if m:
+            groups.setdefault((m.group(1), int(m.group(3))), set()).add(int(m.group(2)))
+    for (prefix, count), present in groups.items():
+        missing = sorted(set(range(1, count + 1)) - present)
+        if missing:
+            raise CorruptObjectError(
+                f"checkpoint folder {folder} lacks shard {missing[0]} of {count} ({prefix}-*) "
+                f"and has no {INDEX_NAME}"
+            )
+
+
+class CheckpointReader:
+    """A safetensors file or sharded folder, read lazily one tensor at a time.
+
+    ``get`` returns an owned, writable CPU tensor; callers may patch it in
+    place without touching the file or later ``get`` results.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.sharded = False
+        self._files: list[Path] = []
+        self._data_start: list[int] = []  # per file: where its data section begins
+        self._entries: dict[str, tuple[int, HeaderEntry]] = {}
+        self._order: list[str] = []
+        self._handles: dict[int, Any] = {}
+        self.metadata: dict[str, str] = {}
+        if self.path.is_dir():
+            self._open_folder()
+        elif self.path.exists():
+            self._add_file(self.path)
+        else:
+            raise CorruptObjectError(f"checkpoint {self.path} does not exist")
+        if not self._order:
+            raise CorruptObjectError(f"checkpoint {self.path} holds no tensors")
+
+    def _open_folder(self) -> None:
+        index = self.path / INDEX_NAME
+        if index.exists():
+            self.sharded = True
+            try:
+                doc = json.loads(index.read_bytes())
+                weight_map = doc["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                raise CorruptObjectError(f"checkpoint index {index} is malformed") from None
+            shard_names: list[str] = []
+            for shard in weight_map.values():
+                if not isinstance(shard, str) or "/" in shard or shard in ("", ".", ".."):
+                    raise CorruptObjectError(f"checkpoint index {index} names shard {shard!r}")
+                if shard not in shard_names:
+                    shard_names.append(shard)
+            for shard in sorted(shard_names):
+                if not (self.path / shard).is_file():
+                    raise CorruptObjectError(
+                        f"checkpoint index {index} names missing shard {shard}"
+                    )
+                self._add_file(self.path / shard)
+            listed = set(weight_map)
+            present = set(self._order)
+            if listed != present:
+                name = sorted(listed ^ present)[0]
+                raise CorruptObjectError(
+                    f"checkpoint index {index} and its shards disagree about tensor {name!r}"
+                )
+            for name, shard in weight_map.items():
+                if self._files[self._entries[name][0]].name != shard:
+                    raise CorruptObjectError(
+                        f"checkpoint index {index}: {name!r} is not in {shard}"
+                    )
+        else:
+            files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
+            if not files:
+                raise CorruptObjectError(f"checkpoint folder {self.path} has no safetensors files")
+            self.sharded = len(files) > 1
+            _check_numbered_shards(self.path, [f.name for f in files])
+            for f in files:
+                self._add_file(f)
+
+    def _add_file(self, path: Path) -> None:
+        header = read_file_header(path)
+        i = len(self._files)
+        self._files.append(path)
+        self._data_start.append(header.data_start)
+        if not self.metadata:
+            self.metadata = header.metadata
+        for e in header.entries:
+            if e.name in self._entries:
+                raise CorruptObjectError(f"checkpoint {self.path}: tensor {e.name!r} appears twice")
+            self._entries[e.name] = (i, e)
+            self._order.append(e.name)
+
+    def names(self) -> list[str]:
+        """Tensor names in file order (shard by shard, by data offset)."""
+        return list(self._order)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def _entry(self, name: str) -> tuple[int, HeaderEntry]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise MismatchError(f"tensor {name!r} is not in checkpoint {self.path}") from None
+
+    def spec(self, name: str) -> TensorSpec:
+        e = self._entry(name)[1]
+        return TensorSpec(dtype=e.dtype, shape=e.shape)
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {n: self.spec(n) for n in self._order}
+
+    def nbytes(self, name: str) -> int:
+        e = self._entry(name)[1]
+        return e.end - e.begin
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.end - e.begin for _, e in self._entries.values())
+
+    def shards(self) -> list[tuple[str, list[str]]]:
+        """(file name, tensor names in file order) per file, in file order."""
+        out: list[tuple[str, list[str]]] = [(p.name, []) for p in self._files]
+        for name in self._order:
+            out[self._entries[name][0]][1].append(name)
+        return out
+
+    def _handle(self, i: int) -> Any:
+        handle = self._handles.get(i)
+        if handle is None:
+            try:
+                handle = safe_open(str(self._files[i]), framework="pt")  # type: ignore[no-untyped-call]
+            except Exception as ex:  # safetensors raises its own error types
+                raise CorruptObjectError(f"checkpoint file {self._files[i]}: {ex}") from None
+            self._handles[i] = handle
+        return handle
+
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as a zero-copy view of the memory-mapped file: for reading only
+        (never write it), valid while the file is unchanged. Saves a copy of every byte
+        where the caller only compares or hashes."""
+        i, e = self._entry(name)
+        tensor: torch.Tensor = self._handle(i).get_tensor(name)
+        if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+            raise CorruptObjectError(f"checkpoint file {self._files[i]}: tensor {name!r} misread")
+        return tensor
+
+    def get(self, name: str) -> torch.Tensor:
+        # safe_open hands out views of one private mapping: copy, so patching is safe.
+        return self.view(name).clone()
+
+    def location(self, name: str) -> tuple[Path, int, int]:
+        """(file, byte offset of the tensor's data in it, byte length)."""
+        i, e = self._entry(name)
+        return self._files[i], self._data_start[i] + e.begin, e.end - e.begin
+
+    def tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self._order if names is None else names:
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_complete(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a readable, whole checkpoint (every shard present and sized)."""
+    try:
+        CheckpointReader(path).close()
+    except CorruptObjectError:
+        return False
+    return True

@@ -1,0 +1,70 @@
+"""The tensor content hashes a manifest may name, by name: the one definition that
+publishing, verification, compaction, the state cache and every target use.
+
+A run's first anchor fixes its algorithm; every later version of the run carries the
+same one. Schema 1 manifests name none: they are ``xxh3-128``, a hash of the bytes
+that must be recomputed in full after any change. Schema 2 manifests name theirs;
+new runs use ``mixsum-128`` (:mod:`pipeline.format.mixsum`), which is updated from the
+changed elements alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pipeline.errors import ConfigError, CorruptObjectError
+from pipeline.format import mixsum
+from pipeline.format.hashing import CONTENT_HASH, content_hash
+
+if TYPE_CHECKING:
+    from pipeline.format.manifest import Manifest
+
+XXH3 = CONTENT_HASH
+MIXSUM = mixsum.NAME
+DEFAULT = MIXSUM  # what a new run's first anchor fixes
+
+Positions = torch.Tensor | npt.NDArray[np.int64]
+Values = torch.Tensor | npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class HashAlgorithm:
+    name: str
+    full: Callable[[torch.Tensor], str]  # the digest of a whole tensor's bits
+    incremental: bool  # whether :meth:`updated` applies
+
+    def updated(self, held: str, positions: Positions, old: Values, new: Values, width: int) -> str:
+        """The digest after the elements at ``positions`` change from ``old`` to
+        ``new`` (integer contents of ``width`` bytes), from the digest before."""
+        if not self.incremental:
+            raise ConfigError(f"content hash {self.name} cannot be updated from changes")
+        return mixsum.updated(held, positions, old, new, width)
+
+
+ALGORITHMS: dict[str, HashAlgorithm] = {
+    XXH3: HashAlgorithm(XXH3, content_hash, incremental=False),
+    MIXSUM: HashAlgorithm(MIXSUM, mixsum.full, incremental=True),
+}
+
+XXH3_ALGORITHM = ALGORITHMS[XXH3]
+
+
+def get(name: str) -> HashAlgorithm:
+    """The algorithm ``name``; CorruptObjectError for one this build does not know."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise CorruptObjectError(
+            f"unknown content hash {name!r} (known: {', '.join(sorted(ALGORITHMS))})"
+        ) from None
+
+
+def of(manifest: Manifest) -> HashAlgorithm:
+    """The algorithm of a manifest's tensor hashes."""
+    return get(manifest.content_hash)

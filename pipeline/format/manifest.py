@@ -1,0 +1,284 @@
+"""Version manifests: the versioned JSON document that makes a version exist.
+
+A manifest names the run, the version, its parent, the anchor its chain
+starts from, the codec, every object (size, sha256) and every tensor (name,
+dtype, shape, content hash, the object that holds it). It is written last;
+a version exists when, and only when, its manifest does.
+
+Serialisation is canonical (sorted keys, no whitespace) so that the same
+manifest always gives the same bytes, which is what a signature covers.
+Parsing, which checks every field before a reader trusts it, is in
+``manifest_parse``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
+from pipeline.format.hashing import state_hash
+
+SCHEMA_VERSION = 2
+SUPPORTED_SCHEMAS = frozenset({1, 2})
+# Schema 1 names no content hash: its tensors carry xxh3-128 (pipeline.format.content_hashes).
+SCHEMA1_CONTENT_HASH = "xxh3-128"
+MANIFEST_NAME = "manifest.json"
+
+Kind = Literal["delta", "anchor"]
+KINDS: tuple[Kind, ...] = ("delta", "anchor")
+KIND_FOLDERS: dict[str, str] = {"delta": "deltas", "anchor": "anchors"}
+
+RUN_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+OBJECT_KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
+
+MAX_VERSION = 10**10 - 1  # folder names are 10 digits
+MAX_OBJECT_SIZE = 1 << 44  # 16 TiB: far above any real part, far below overflow
+MAX_ELEMENTS = 1 << 44
+MAX_NDIM = 16
+MAX_TENSOR_NAME = 1024
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+# Every dtype deltasync moves, by its torch name without "torch.".
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "int32": torch.int32,
+    "uint32": torch.uint32,
+    "int64": torch.int64,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["float8_e8m0fnu"] = torch.float8_e8m0fnu
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; MismatchError for dtypes deltasync cannot move."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise MismatchError(f"unsupported dtype {dtype}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise MismatchError(f"unknown dtype {name!r}") from None
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    key: str  # relative to the manifest's folder, e.g. "part-00000.safetensors"
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str  # checkpoint (HF) name
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: tuple[int, ...]
+    hash: str  # content hash (the manifest's ``content_hash``) at this version
+    object: str  # key of the object that holds this tensor's data or delta
+    changed: int = 0  # elements changed against the parent (anchors: 0)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class CodecInfo:
+    name: str  # "deltasync-bitdelta" for deltas, "safetensors" for anchors
+    version: int
+    level: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    run: str
+    version: int
+    kind: Kind
+    parent: int | None  # previous published version (None only for the first anchor)
+    anchor: int  # the anchor version this delta's chain starts from (anchors: own version)
+    codec: CodecInfo
+    objects: tuple[ObjectEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    state_hash: str  # pipeline.format.hashing.state_hash over (name, hash) of all tensors
+    created: str  # ISO 8601 UTC
+    schema: int = SCHEMA_VERSION
+    signature: dict[str, str] | None = None
+    extra: dict[str, object] = field(default_factory=dict)  # stats; never needed to decode
+    parent_state_hash: str | None = None  # state hash of the parent version
+    instance: str | None = None  # the run instance (pipeline/versions/binding.py); optional
+    # How the trainer's tensors were named (pipeline.format.checkpoint_names); None: not recorded.
+    tensor_form: str | None = None
+    content_hash: str = SCHEMA1_CONTENT_HASH  # algorithm of the tensor hashes (schema 2)
+
+    @property
+    def key(self) -> str:
+        """The store key of this manifest."""
+        return manifest_key(self.run, self.kind, self.version)
+
+    def object_key(self, key: str) -> str:
+        """The store key of one of this manifest's objects."""
+        return object_key(self.run, self.kind, self.version, key)
+
+    def tensor(self, name: str) -> TensorEntry:
+        for entry in self.tensors:
+            if entry.name == name:
+                return entry
+        raise MismatchError(f"tensor {name!r} is not in {self.kind} {self.version} of {self.run}")
+
+    def object_entry(self, key: str) -> ObjectEntry:
+        for entry in self.objects:
+            if entry.key == key:
+                return entry
+        raise CorruptObjectError(f"object {key!r} is not listed in manifest {self.key}")
+
+    def parts(self) -> list[tuple[str, list[str]]]:
+        """Objects in order of first use, each with the tensors it holds in manifest order."""
+        groups: dict[str, list[str]] = {}
+        for entry in self.tensors:
+            groups.setdefault(entry.object, []).append(entry.name)
+        return list(groups.items())
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all objects this version stores."""
+        return sum(o.size for o in self.objects)
+
+
+# ---------------------------------------------------------------- keys
+
+
+def check_run(run: str) -> str:
+    if not isinstance(run, str) or not RUN_PATTERN.match(run):
+        raise ConfigError(f"invalid run name {run!r}: use [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
+    return run
+
+
+def version_prefix(run: str, kind: Kind | str, version: int) -> str:
+    """``<run>/deltas/<version:010d>/`` (or ``anchors``), the folder of one version."""
+    check_run(run)
+    if kind not in KIND_FOLDERS:
+        raise ConfigError(f"unknown version kind {kind!r}")
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or not (0 <= version <= MAX_VERSION)
+    ):
+        raise ConfigError(f"invalid version {version!r} for run {run}")
+    return f"{run}/{KIND_FOLDERS[kind]}/{version:010d}/"
+
+
+def manifest_key(run: str, kind: Kind | str, version: int) -> str:
+    return version_prefix(run, kind, version) + MANIFEST_NAME
+
+
+def object_key(run: str, kind: Kind | str, version: int, key: str) -> str:
+    check_object_key(key, f"{run}/{kind}/{version}")
+    return version_prefix(run, kind, version) + key
+
+
+def check_object_key(key: str, source: str) -> None:
+    if (
+        not isinstance(key, str)
+        or not OBJECT_KEY_PATTERN.match(key)
+        or ".." in key
+        or key == MANIFEST_NAME
+    ):
+        raise CorruptObjectError(f"manifest {source}: object key {key!r} is not a plain name")
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def compute_state_hash(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> str:
+    return state_hash((t.name, t.hash) for t in tensors)
+
+
+# ---------------------------------------------------------------- JSON
+
+
+def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "schema": manifest.schema,
+        "run": manifest.run,
+        "version": manifest.version,
+        "kind": manifest.kind,
+        "parent": manifest.parent,
+        "anchor": manifest.anchor,
+        "codec": {
+            "name": manifest.codec.name,
+            "version": manifest.codec.version,
+            "level": manifest.codec.level,
+        },
+        "objects": [{"key": o.key, "size": o.size, "sha256": o.sha256} for o in manifest.objects],
+        "tensors": [
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "hash": t.hash,
+                "object": t.object,
+                "changed": t.changed,
+            }
+            for t in manifest.tensors
+        ],
+        "state_hash": manifest.state_hash,
+        "parent_state_hash": manifest.parent_state_hash,
+        "created": manifest.created,
+        "extra": manifest.extra,
+    }
+    if manifest.instance is not None:  # absent from older manifests, as their signature
+        doc["instance"] = manifest.instance
+    if manifest.tensor_form is not None:
+        doc["tensor_form"] = manifest.tensor_form
+    if manifest.schema >= 2:
+        doc["content_hash"] = manifest.content_hash
+    if with_signature and manifest.signature is not None:
+        doc["signature"] = dict(manifest.signature)
+    return doc
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    return json.dumps(
+        doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def to_json(manifest: Manifest) -> bytes:
+    """Canonical JSON: sorted keys, no whitespace, ASCII only."""
+    try:
+        return _dumps(to_dict(manifest))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"manifest {manifest.run}/{manifest.version} is not JSON: {e}") from e
+
+
+def signing_payload(manifest: Manifest) -> bytes:
+    """The bytes a signature covers: the canonical JSON without the signature field."""
+    return _dumps(to_dict(manifest, with_signature=False))

@@ -1,0 +1,309 @@
+"""Parsing a manifest: every field a reader relies on is checked before it is trusted.
+
+Object keys stay inside the version folder, sizes and shapes are sane, every tensor's
+object is listed and the state hash agrees with the tensor hashes. Any fault is a
+one-line ``CorruptObjectError`` naming the manifest and the field.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+from typing import Any, cast
+
+from pipeline.errors import CodecError, CorruptObjectError
+from pipeline.format import content_hashes
+from pipeline.format.bounded import load_json
+from pipeline.format.manifest import (
+    DTYPES,
+    KINDS,
+    MAX_ELEMENTS,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    MAX_OBJECT_SIZE,
+    MAX_TENSOR_NAME,
+    MAX_VERSION,
+    RUN_PATTERN,
+    SCHEMA1_CONTENT_HASH,
+    SUPPORTED_SCHEMAS,
+    CodecInfo,
+    Kind,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    check_object_key,
+    compute_state_hash,
+)
+
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_FORM = re.compile(r"^[a-z_]{1,32}$")  # checkpoint_names.TENSOR_FORMS, and later
+
+
+_TOP_KEYS = frozenset(
+    {
+        "schema",
+        "run",
+        "version",
+        "kind",
+        "parent",
+        "anchor",
+        "codec",
+        "objects",
+        "tensors",
+        "state_hash",
+        "parent_state_hash",
+        "created",
+        "extra",
+        "signature",
+        "instance",
+        "tensor_form",
+        "content_hash",
+    }
+)
+_REQUIRED_KEYS = _TOP_KEYS - {
+    "parent_state_hash",
+    "extra",
+    "signature",
+    "instance",
+    "tensor_form",
+    "content_hash",
+}
+
+
+class _Checker:
+    """Field validation that names the manifest and the field at fault."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, what: str) -> CorruptObjectError:
+        return CorruptObjectError(f"manifest {self.source}: {what}")
+
+    def obj(self, value: object, what: str, keys: frozenset[str]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(f"{what} is not an object")
+        unknown = set(value) - keys
+        if unknown:
+            raise self.fail(f"{what} has unknown field {sorted(unknown)[0]!r}")
+        return cast(dict[str, Any], value)
+
+    def integer(self, value: object, what: str, lo: int = 0, hi: int = MAX_OBJECT_SIZE) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(f"{what} is not an integer")
+        if not lo <= value <= hi:
+            raise self.fail(f"{what} {value} is out of range [{lo}, {hi}]")
+        return value
+
+    def string(self, value: object, what: str, pattern: re.Pattern[str] | None = None) -> str:
+        if not isinstance(value, str):
+            raise self.fail(f"{what} is not a string")
+        if pattern is not None and not pattern.match(value):
+            raise self.fail(f"{what} {value[:80]!r} is malformed")
+        return value
+
+
+def parse_manifest(
+    data: bytes | str,
+    *,
+    expected_run: str | None = None,
+    expected_version: int | None = None,
+    expected_kind: Kind | None = None,
+    source: str = "<manifest>",
+) -> Manifest:
+    """Parse and validate a manifest; CorruptObjectError (CodecError for an unknown schema)."""
+    c = _Checker(source)
+    doc = load_manifest_json(data, source)
+    if not isinstance(doc, dict):
+        raise c.fail("is not a JSON object")
+    schema = doc.get("schema")
+    if isinstance(schema, bool) or not isinstance(schema, int):
+        raise c.fail("schema is missing or not an integer")
+    if schema not in SUPPORTED_SCHEMAS:
+        raise CodecError(
+            f"manifest {source}: unsupported schema {schema} "
+            f"(supported: {', '.join(map(str, sorted(SUPPORTED_SCHEMAS)))})"
+        )
+    doc = c.obj(doc, "manifest", _TOP_KEYS)
+    missing = _REQUIRED_KEYS - set(doc)
+    if missing:
+        raise c.fail(f"field {sorted(missing)[0]!r} is missing")
+
+    run = c.string(doc["run"], "run", RUN_PATTERN)
+    version = c.integer(doc["version"], "version", 0, MAX_VERSION)
+    kind = doc["kind"]
+    if kind not in KINDS:
+        raise c.fail(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    parent_raw = doc["parent"]
+    parent = None if parent_raw is None else c.integer(parent_raw, "parent", 0, MAX_VERSION)
+    anchor = c.integer(doc["anchor"], "anchor", 0, MAX_VERSION)
+    if parent is not None and parent >= version:
+        raise c.fail(f"parent {parent} is not older than version {version}")
+    if kind == "delta" and parent is None:
+        raise c.fail("a delta has no parent")
+    if kind == "anchor" and anchor != version:
+        raise c.fail(f"anchor {version} names anchor {anchor}")
+    if kind == "delta" and (parent is None or anchor > parent):
+        raise c.fail(f"delta {version} names anchor {anchor} newer than its parent")
+
+    codec_doc = c.obj(doc["codec"], "codec", frozenset({"name", "version", "level"}))
+    codec = CodecInfo(
+        name=c.string(codec_doc.get("name"), "codec name", re.compile(r"^[A-Za-z0-9._-]{1,64}$")),
+        version=c.integer(codec_doc.get("version"), "codec version", 0, 1 << 20),
+        level=c.integer(codec_doc.get("level", 0), "codec level", 0, 1 << 20),
+    )
+
+    objects = _parse_objects(c, doc["objects"])
+    object_keys = {o.key for o in objects}
+    tensors = _parse_tensors(c, doc["tensors"], object_keys)
+
+    digest = c.string(doc["state_hash"], "state_hash", _HEX32)
+    if compute_state_hash(tensors) != digest:
+        raise c.fail("state_hash does not match the tensor hashes")
+    psh_raw = doc.get("parent_state_hash")
+    parent_state = None if psh_raw is None else c.string(psh_raw, "parent_state_hash", _HEX32)
+    created = c.string(doc["created"], "created")
+    try:
+        dt.datetime.fromisoformat(created)
+    except ValueError:
+        raise c.fail(f"created {created[:40]!r} is not an ISO 8601 time") from None
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise c.fail("extra is not an object")
+    signature = _parse_signature(c, doc.get("signature"))
+    instance_raw = doc.get("instance")
+    instance = None if instance_raw is None else c.string(instance_raw, "instance", _HEX32)
+    form = doc.get("tensor_form")
+    tensor_form = None if form is None else c.string(form, "tensor_form", _FORM)
+    algorithm = _parse_content_hash(c, schema, doc.get("content_hash"))
+
+    manifest = Manifest(
+        run=run,
+        version=version,
+        kind=kind,
+        parent=parent,
+        anchor=anchor,
+        codec=codec,
+        objects=objects,
+        tensors=tensors,
+        state_hash=digest,
+        created=created,
+        schema=schema,
+        signature=signature,
+        extra=extra,
+        parent_state_hash=parent_state,
+        instance=instance,
+        tensor_form=tensor_form,
+        content_hash=algorithm,
+    )
+    if expected_run is not None and run != expected_run:
+        raise CorruptObjectError(f"manifest {source} is for run {run!r}, expected {expected_run!r}")
+    if expected_version is not None and version != expected_version:
+        raise CorruptObjectError(
+            f"manifest {source} is for version {version}, expected {expected_version}"
+        )
+    if expected_kind is not None and kind != expected_kind:
+        raise CorruptObjectError(f"manifest {source} is a {kind}, expected a {expected_kind}")
+    return manifest
+
+
+def load_manifest_json(data: bytes | str, source: str) -> Any:
+    """A manifest's JSON, size- and depth-bounded; CorruptObjectError naming ``source``."""
+    return load_json(
+        data, max_bytes=MAX_MANIFEST_BYTES, what=f"manifest {source}", error=CorruptObjectError
+    )
+
+
+def _parse_content_hash(c: _Checker, schema: int, raw: object) -> str:
+    """Schema 1 names no algorithm (xxh3-128); schema 2 names a known one."""
+    if schema < 2:
+        if raw is not None:
+            raise c.fail(f"schema {schema} names no content_hash")
+        return SCHEMA1_CONTENT_HASH
+    name = c.string(raw, "content_hash")
+    if name not in content_hashes.ALGORITHMS:
+        raise c.fail(
+            f"content_hash {name[:40]!r} is not one of {sorted(content_hashes.ALGORITHMS)}"
+        )
+    return name
+
+
+def _parse_objects(c: _Checker, raw: object) -> tuple[ObjectEntry, ...]:
+    if not isinstance(raw, list):
+        raise c.fail("objects is not a list")
+    out: list[ObjectEntry] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        o = c.obj(item, f"objects[{i}]", frozenset({"key", "size", "sha256"}))
+        key = o.get("key")
+        check_object_key(cast(str, key), c.source)
+        if key in seen:
+            raise c.fail(f"object {key!r} is listed twice")
+        seen.add(cast(str, key))
+        out.append(
+            ObjectEntry(
+                key=cast(str, key),
+                size=c.integer(o.get("size"), f"size of object {key}"),
+                sha256=c.string(o.get("sha256"), f"sha256 of object {key}", _HEX64),
+            )
+        )
+    return tuple(out)
+
+
+def check_tensor_name(name: object, source: str) -> str:
+    """``name`` if a manifest may carry it, else CorruptObjectError naming ``source``."""
+    return _check_tensor_name(_Checker(source), name)
+
+
+def _check_tensor_name(c: _Checker, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise c.fail("a tensor name is empty or not a string")
+    if len(name) > MAX_TENSOR_NAME or not name.isprintable():
+        raise c.fail(f"tensor name {name[:80]!r} is too long or has control characters")
+    return name
+
+
+def _parse_tensors(c: _Checker, raw: object, object_keys: set[str]) -> tuple[TensorEntry, ...]:
+    if not isinstance(raw, list):
+        raise c.fail("tensors is not a list")
+    fields = frozenset({"name", "dtype", "shape", "hash", "object", "changed"})
+    out: list[TensorEntry] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        t = c.obj(item, f"tensors[{i}]", fields)
+        name = _check_tensor_name(c, t.get("name"))
+        if name in seen:
+            raise c.fail(f"tensor {name!r} is listed twice")
+        seen.add(name)
+        dtype = t.get("dtype")
+        if dtype not in DTYPES:
+            raise c.fail(f"tensor {name!r} has unknown dtype {dtype!r}")
+        shape_raw = t.get("shape")
+        if not isinstance(shape_raw, list) or len(shape_raw) > MAX_NDIM:
+            raise c.fail(f"tensor {name!r} has a malformed shape")
+        shape = tuple(c.integer(d, f"shape of tensor {name!r}", 0, MAX_ELEMENTS) for d in shape_raw)
+        numel = math.prod(shape)
+        if numel > MAX_ELEMENTS:
+            raise c.fail(f"tensor {name!r} has an absurd size {numel}")
+        obj = t.get("object")
+        if obj not in object_keys:
+            raise c.fail(f"tensor {name!r} names object {obj!r}, which is not listed")
+        out.append(
+            TensorEntry(
+                name=name,
+                dtype=cast(str, dtype),
+                shape=shape,
+                hash=c.string(t.get("hash"), f"hash of tensor {name!r}", _HEX32),
+                object=cast(str, obj),
+                changed=c.integer(t.get("changed", 0), f"changed of tensor {name!r}", 0, numel),
+            )
+        )
+    return tuple(out)
+
+
+def _parse_signature(c: _Checker, raw: object) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    sig = c.obj(raw, "signature", frozenset({"alg", "key_id", "sig"}))
+    return {k: c.string(sig.get(k), f"signature {k}") for k in ("alg", "key_id", "sig")}

@@ -1,0 +1,254 @@
+"""mixsum-128: a content hash a replica can update from the changed elements alone.
+
+For a tensor whose elements, as unsigned integers of their width, are ``b_i`` at
+flat position ``i``:
+
+    H = (sum_i A(i, b_i) mod 2^64, sum_i B(i, b_i) mod 2^64)
+
+with ``s = splitmix(i ^ k0)`` (a bijection of the position), ``A = murmur(s ^ b ^ k1)``
+and ``B = splitmix(rotl(s, 29) + b * k3 + k2)``: two keyed 64-bit mixes whose
+finalisers differ. So:
+
+- ``H(new) = H(old) + sum over changed i of [f(i, new_i) - f(i, old_i)]``: a delta's
+  effect needs the changed elements only;
+- the sums split across threads or GPU blocks in any order;
+- for a fixed position each lane is a bijection of the bits, so any change of ONE
+  element changes both lanes (a flipped bit is always caught); several changes
+  cancel only if 128 pseudo-random bits happen to sum to zero.
+
+It is not a MAC: anyone can forge a collision. The security boundary is the
+objects' sha256 and the signed manifest; this hash proves that held memory matches.
+
+Computed by compiled loops on CPU threads (numba), or by torch ops on the tensor's
+own device (a GPU hashes its weights without a host copy); both give the same
+digest, which is ``"%016x%016x" % (lane A, lane B)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from pipeline import cpus
+
+NAME = "mixsum-128"
+# k0 (positions), k1 (lane A), k2 (lane B), k3 (odd multiplier of the bits, lane B).
+KEYS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89 | 1)
+_MASK = (1 << 64) - 1
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Elements per thread task / per torch-ops step (bounds the int64 temporaries).
+CPU_CHUNK = 1 << 22
+TORCH_CHUNK = 1 << 23
+THREADS = max(1, min(8, cpus.available()))
+
+# Tests switch this off to compare the torch-ops path with the compiled one.
+COMPILED = True
+
+
+@functools.cache
+def _jit() -> Any | None:
+    if importlib.util.find_spec("numba") is None:
+        return None
+    return importlib.import_module("pipeline.format.mixsum_jit")
+
+
+def compiled() -> Any | None:
+    """The compiled loops, or None (torch ops serve)."""
+    return _jit() if COMPILED else None
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="deltasync-mixsum")
+    return _pool
+
+
+# ---------------------------------------------------------------- digests
+
+
+def digest(lanes: tuple[int, int]) -> str:
+    return f"{lanes[0] & _MASK:016x}{lanes[1] & _MASK:016x}"
+
+
+def lanes_of(hexdigest: str) -> tuple[int, int]:
+    if len(hexdigest) != 32:
+        raise ValueError(f"not a {NAME} digest: {hexdigest!r}")
+    return int(hexdigest[:16], 16), int(hexdigest[16:], 16)
+
+
+def add(hexdigest: str, lanes: tuple[int, int]) -> str:
+    """``hexdigest`` plus lane sums (modulo 2^64 each)."""
+    a, b = lanes_of(hexdigest)
+    return digest((a + lanes[0], b + lanes[1]))
+
+
+# ---------------------------------------------------------------- integer views
+
+
+def int_flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as a flat integer tensor of the same width, on its device."""
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8).view(-1)
+    return t.view(_SIGNED_VIEW[t.element_size()]).view(-1)
+
+
+def _unsigned(values: torch.Tensor | npt.NDArray[Any], width: int) -> npt.NDArray[Any]:
+    """CPU integer values of ``width`` bytes as a numpy unsigned array (no copy)."""
+    if isinstance(values, torch.Tensor):
+        values = int_flat(values).numpy()
+    return np.ascontiguousarray(values).reshape(-1).view(_UNSIGNED[width])
+
+
+# ---------------------------------------------------------------- torch ops
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_T_S1, _T_S2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_T_M1, _T_M2 = _signed(0xFF51AFD7ED558CCD), _signed(0xC4CEB9FE1A85EC53)
+_T_KEYS = tuple(_signed(k) for k in KEYS)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shr(x, 30)) * _T_S1
+    x = (x ^ _shr(x, 27)) * _T_S2
+    return x ^ _shr(x, 31)
+
+
+def _murmur(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shr(x, 33)) * _T_M1
+    x = (x ^ _shr(x, 33)) * _T_M2
+    return x ^ _shr(x, 33)
+
+
+def _torch_lanes(i: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lane values (int64 bit patterns) of bits ``b`` at positions ``i`` (both int64)."""
+    s = _splitmix(i ^ _T_KEYS[0])
+    a = _murmur(s ^ b ^ _T_KEYS[1])
+    rot = (s << 29) | _shr(s, 35)
+    c = _splitmix(rot + b * _T_KEYS[3] + _T_KEYS[2])
+    return a, c
+
+
+def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Integer values of ``width`` bytes as int64 holding their unsigned bits."""
+    wide = values.to(torch.int64)
+    return wide if width == 8 else wide & ((1 << (8 * width)) - 1)
+
+
+def _torch_sum(lanes: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
+    # int64 sums wrap like uint64 ones; the result's bits are what count.
+    return int(lanes[0].sum()), int(lanes[1].sum())
+
+
+def torch_full(flat: torch.Tensor) -> tuple[int, int]:
+    """Lane sums of a flat integer tensor, by torch ops on its own device."""
+    width = flat.element_size()
+    total = [0, 0]
+    for start in range(0, flat.numel(), TORCH_CHUNK):
+        part = flat[start : start + TORCH_CHUNK]
+        i = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device)
+        a, b = _torch_sum(_torch_lanes(i, _widen(part, width)))
+        total[0] += a
+        total[1] += b
+    return total[0] & _MASK, total[1] & _MASK
+
+
+def torch_change(
+    positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, width: int
+) -> tuple[int, int]:
+    """Lane sums of f(i, new_i) - f(i, old_i), by torch ops on the positions' device."""
+    i = positions.to(torch.int64)
+    na, nb = _torch_lanes(i, _widen(new, width))
+    oa, ob = _torch_lanes(i, _widen(old, width))
+    return _torch_sum((na - oa, nb - ob))
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def full_lanes(tensor: torch.Tensor) -> tuple[int, int]:
+    """Lane sums of a whole tensor: compiled loops on CPU threads for a CPU tensor,
+    torch ops on its device otherwise (no host copy)."""
+    flat = int_flat(tensor)
+    jit = compiled()
+    if flat.device.type != "cpu" or jit is None:
+        return torch_full(flat)
+    data = _unsigned(flat.numpy(), flat.element_size())
+    starts = range(0, data.size, CPU_CHUNK)
+    if len(starts) <= 1:
+        sums = [jit.full_sum(data, 0)]
+    else:
+        sums = list(_threads().map(lambda s: jit.full_sum(data[s : s + CPU_CHUNK], s), starts))
+    return (
+        sum(int(s[0]) for s in sums) & _MASK,
+        sum(int(s[1]) for s in sums) & _MASK,
+    )
+
+
+def full(tensor: torch.Tensor) -> str:
+    """The mixsum-128 digest of a tensor's bits (dtype and shape are checked apart)."""
+    return digest(full_lanes(tensor))
+
+
+def change_lanes(
+    positions: torch.Tensor | npt.NDArray[np.int64],
+    old: torch.Tensor | npt.NDArray[Any],
+    new: torch.Tensor | npt.NDArray[Any],
+    width: int,
+) -> tuple[int, int]:
+    """Lane sums of f(i, new_i) - f(i, old_i) over the changed positions (integer
+    contents of ``width`` bytes, signed or unsigned views alike), on the device the
+    positions are on."""
+    if isinstance(positions, torch.Tensor) and positions.device.type != "cpu":
+        assert isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)
+        return torch_change(positions, int_flat(old), int_flat(new), width)
+    jit = compiled()
+    if jit is None:
+        signed = _SIGNED_NP[width]
+        return torch_change(
+            torch.as_tensor(positions),
+            torch.from_numpy(_unsigned(old, width).view(signed)),
+            torch.from_numpy(_unsigned(new, width).view(signed)),
+            width,
+        )
+    pos_np = positions.numpy() if isinstance(positions, torch.Tensor) else positions
+    out = jit.change_sum(
+        np.ascontiguousarray(pos_np, np.int64), _unsigned(old, width), _unsigned(new, width)
+    )
+    return int(out[0]), int(out[1])
+
+
+def updated(
+    held: str,
+    positions: torch.Tensor | npt.NDArray[np.int64],
+    old: torch.Tensor | npt.NDArray[Any],
+    new: torch.Tensor | npt.NDArray[Any],
+    width: int,
+) -> str:
+    """The digest after the elements at ``positions`` change from ``old`` to ``new``,
+    from the digest ``held`` before."""
+    return add(held, change_lanes(positions, old, new, width))

@@ -1,0 +1,103 @@
+"""The compiled loops of mixsum.py, imported only where numba is installed.
+
+Module-level functions, so that numba's disk cache (``cache=True``) serves them to
+the next process instead of compiling again. All arithmetic is on uint64 (it wraps
+modulo 2^64); every constant is a uint64 so that nothing is promoted to float.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba  # type: ignore[import-untyped]
+import numpy as np
+
+from pipeline.format.mixsum import KEYS
+
+jit = numba.njit(cache=True, nogil=True)
+
+_K_POS = np.uint64(KEYS[0])
+_K_A = np.uint64(KEYS[1])
+_K_B = np.uint64(KEYS[2])
+_ODD = np.uint64(KEYS[3])
+_S1 = np.uint64(0xBF58476D1CE4E5B9)
+_S2 = np.uint64(0x94D049BB133111EB)
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_R30 = np.uint64(30)
+_R27 = np.uint64(27)
+_R31 = np.uint64(31)
+_R33 = np.uint64(33)
+_L29 = np.uint64(29)
+_R35 = np.uint64(35)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _lanes(i: Any, b: Any) -> tuple[Any, Any]:
+    """(lane a, lane b) of element bits ``b`` at flat position ``i``; see mixsum.py."""
+    s = i ^ _K_POS
+    s = (s ^ (s >> _R30)) * _S1
+    s = (s ^ (s >> _R27)) * _S2
+    s = s ^ (s >> _R31)
+    a = s ^ b ^ _K_A
+    a = (a ^ (a >> _R33)) * _M1
+    a = (a ^ (a >> _R33)) * _M2
+    a = a ^ (a >> _R33)
+    c = ((s << _L29) | (s >> _R35)) + b * _ODD + _K_B
+    c = (c ^ (c >> _R30)) * _S1
+    c = (c ^ (c >> _R27)) * _S2
+    c = c ^ (c >> _R31)
+    return a, c
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def full_sum(flat: Any, start: int) -> Any:
+    """Both lane sums over ``flat`` (unsigned integers), whose first element sits at
+    flat position ``start`` of its tensor."""
+    sa = np.uint64(0)
+    sb = np.uint64(0)
+    base = np.uint64(start)
+    for k in range(flat.size):
+        a, c = _lanes(base + np.uint64(k), np.uint64(flat[k]))
+        sa += a
+        sb += c
+    out = np.empty(2, np.uint64)
+    out[0] = sa
+    out[1] = sb
+    return out
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def change_sum(positions: Any, old: Any, new: Any) -> Any:
+    """Both lane sums of f(i, new_i) - f(i, old_i) over the changed positions."""
+    sa = np.uint64(0)
+    sb = np.uint64(0)
+    for k in range(positions.size):
+        i = np.uint64(positions[k])
+        na, nc = _lanes(i, np.uint64(new[k]))
+        oa, oc = _lanes(i, np.uint64(old[k]))
+        sa += na - oa
+        sb += nc - oc
+    out = np.empty(2, np.uint64)
+    out[0] = sa
+    out[1] = sb
+    return out
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def gathered_change_sum(positions: Any, held: Any, new: Any) -> Any:
+    """:func:`change_sum` with the old contents read from ``held`` (the whole flat
+    tensor) at the changed positions only."""
+    sa = np.uint64(0)
+    sb = np.uint64(0)
+    for k in range(positions.size):
+        p = positions[k]
+        i = np.uint64(p)
+        na, nc = _lanes(i, np.uint64(new[k]))
+        oa, oc = _lanes(i, np.uint64(held[p]))
+        sa += na - oa
+        sb += nc - oc
+    out = np.empty(2, np.uint64)
+    out[0] = sa
+    out[1] = sb
+    return out

@@ -1,0 +1,83 @@
+"""Compaction (a chain becomes an anchor) and garbage collection."""
+
+from __future__ import annotations
+
+import structlog
+
+from pipeline.errors import ChainError
+from pipeline.format.manifest import Manifest
+from pipeline.publish.version import PrivateKey, publish_anchor
+from pipeline.store.base import ObjectStore
+from pipeline.store.trust import signer_store, store_key
+from pipeline.versions import chain, retention
+
+log = structlog.get_logger(__name__)
+
+
+def compact(
+    store: ObjectStore,
+    run: str,
+    version: int | None = None,
+    *,
+    signing_key: PrivateKey | None = None,
+    anchor_compression: str = "none",
+) -> Manifest:
+    """Publish version ``version`` (default: the head) as an anchor, rebuilt from its
+    chain and checked against its delta manifest. Idempotent. ``anchor_compression``:
+    ``"none"`` (plain safetensors) or ``"zstd"`` (see :mod:`pipeline.codec.anchor`).
+    With ``signing_key`` every manifest of the chain must carry its signature: nothing
+    unsigned is rebuilt into a signed anchor."""
+    store = signer_store(store, signing_key)
+    index = chain.list_versions(store, run)
+    target = index.head if version is None else version
+    if target is None:
+        raise ChainError(f"run {run} has no published version to compact")
+    if target in index.anchors:
+        return chain.load_manifest(store, run, "anchor", target)
+    plan = chain.resolve(store, run, target, index=index)
+    delta = plan.target
+    manifest = publish_anchor(
+        store,
+        run,
+        target,
+        chain.reconstruct_tensors(store, run, target, plan=plan),
+        parent=delta.parent,
+        reason="compaction",
+        signing_key=signing_key,
+        layout=delta.parts(),
+        expected=delta,
+        parent_state_hash=delta.parent_state_hash,
+        anchor_compression=anchor_compression,
+    )
+    return manifest
+
+
+def collect_garbage(
+    store: ObjectStore, run: str, keep_anchors: int, min_live_version: int | None
+) -> list[str]:
+    """Delete what no live replica and no bootstrap needs (see ``retention.gc_plan``), manifests
+    first; also the remains of crashed delta publishes below the head, and of crashed
+    compactions or collections below the newest anchor (callers hold the run's
+    compaction lock, so no anchor is being written)."""
+    index = chain.list_versions(store, run)
+    if store_key(store) is not None and index.head is not None:
+        # What stays must be genuine before what it replaces goes: a forged anchor
+        # would otherwise get the signed chains below it deleted.
+        chain.resolve(store, run, index.head, index=index)
+    doomed = retention.gc_plan(index, keep_anchors, min_live_version)
+    orphans = (
+        retention.orphan_delta_folders(store, run, index.head) if index.head is not None else []
+    )
+    newest_anchor = max(index.anchors, default=None)
+    if newest_anchor is not None:
+        orphans += retention.orphan_anchor_folders(store, run, newest_anchor)
+    deleted = retention.delete_versions(store, doomed, orphans)
+    if deleted:
+        log.info(
+            "garbage collected",
+            run=run,
+            versions=len(doomed),
+            orphans=len(orphans),
+            keys=len(deleted),
+        )
+    return deleted

@@ -1,0 +1,358 @@
+"""The diff worker's state cache: the last published version on local disk.
+
+One safetensors file per part, memory-mapped for the next diff; trusted only
+when its recorded version and state hash equal the head's. With linking on, the
+cache holds hard links to the trainer's own checkpoint files instead of a copy;
+their (inode, size, mtime) is recorded and checked before every use, and files
+shared with anyone else are never written in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
+from pipeline.format import content_hashes
+from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
+from pipeline.format.checkpoint_write import write_sharded
+from pipeline.format.manifest import Manifest, check_run, dtype_name
+from pipeline.store.base import ObjectStore
+from pipeline.targets.base import TensorSpec
+from pipeline.versions import chain
+
+log = structlog.get_logger(__name__)
+
+
+def check_against(manifest: Manifest, specs: dict[str, TensorSpec], what: str) -> None:
+    """MismatchError naming the first tensor whose name, dtype or shape differs."""
+    version = f"{manifest.kind} {manifest.version} of run {manifest.run}"
+    known = {t.name for t in manifest.tensors}
+    for t in manifest.tensors:
+        spec = specs.get(t.name)
+        if spec is None:
+            raise MismatchError(f"tensor {t.name!r} of {version} is missing from {what}")
+        if dtype_name(spec.dtype) != t.dtype or tuple(spec.shape) != t.shape:
+            raise MismatchError(
+                f"tensor {t.name!r} is {dtype_name(spec.dtype)}{list(spec.shape)} in {what} "
+                f"but {t.dtype}{list(t.shape)} in {version}"
+            )
+    for name in specs:
+        if name not in known:
+            raise MismatchError(f"tensor {name!r} of {what} is not in {version}")
+
+
+def _remove_in_background(folders: list[Path]) -> None:
+    """Delete ``folders`` on a thread at the lowest CPU priority: freeing a large
+    version's pages takes a core for a while, and replicas applying the version just
+    announced should not wait for it."""
+
+    def remove() -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    threading.Thread(target=remove, name="deltasync-cache-cleanup", daemon=True).start()
+
+
+def _fingerprint(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+class StateCache:
+    """The diff worker's local copy of a run's last published version.
+
+    ``<cache_dir>/<run>/state.json`` names the version, its state hash and the folder
+    holding its tensors (one safetensors file per part, with an index). A new folder is
+    written completely before ``state.json`` switches to it, so a crash leaves the old
+    state valid.
+    """
+
+    STATE = "state.json"
+    LINKS_OFF = "links-off"  # written when a linked checkpoint was rewritten in place
+
+    def __init__(self, cache_dir: str | os.PathLike[str], run: str) -> None:
+        self.run = run
+        self.root = Path(cache_dir) / check_run(run)
+
+    def _state(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads((self.root / self.STATE).read_text())
+        except (OSError, ValueError):
+            return None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("run") != self.run
+            or not isinstance(doc.get("version"), int)
+            or not isinstance(doc.get("state_hash"), str)
+            or not isinstance(doc.get("folder"), str)
+            or "/" in doc["folder"]
+            or not isinstance(doc.get("linked", {}), dict)
+        ):
+            return None
+        return doc
+
+    @property
+    def version(self) -> int | None:
+        state = self._state()
+        return None if state is None else int(state["version"])
+
+    @property
+    def folder(self) -> Path | None:
+        state = self._state()
+        return None if state is None else self.root / str(state["folder"])
+
+    def reader(self) -> CheckpointReader:
+        folder = self.folder
+        if folder is None:
+            raise ChainError(f"state cache {self.root} holds no version of run {self.run}")
+        return CheckpointReader(folder)
+
+    def is_valid_for(self, manifest: Manifest) -> bool:
+        """Does the cache hold exactly ``manifest``'s state (by version and state hash)?"""
+        state = self._state()
+        if state is None or state["version"] != manifest.version:
+            return False
+        if state["state_hash"] != manifest.state_hash:
+            return False
+        if not self._links_unchanged(state):
+            return False
+        try:
+            with self.reader() as reader:
+                check_against(manifest, reader.specs(), f"state cache {self.root}")
+        except (ChainError, MismatchError, CorruptObjectError):
+            return False
+        return True
+
+    def linked_files_unchanged(self) -> bool:
+        """False when a file the cache links to was modified since it was linked (the
+        trainer rewrote its checkpoint in place); linking is then turned off for the run."""
+        state = self._state()
+        return state is None or self._links_unchanged(state)
+
+    def _links_unchanged(self, state: dict[str, Any]) -> bool:
+        """False (and linking turned off) when a linked file's fingerprint differs from
+        the recorded one."""
+        folder = self.root / str(state["folder"])
+        for name, recorded in state.get("linked", {}).items():
+            try:
+                unchanged = _fingerprint(folder / str(name)) == recorded
+            except (OSError, TypeError):
+                unchanged = False
+            if not unchanged:
+                self._links_off(str(name))
+                return False
+        return True
+
+    def _links_off(self, name: str) -> None:
+        marker = self.root / self.LINKS_OFF
+        if marker.exists():
+            return
+        log.warning(
+            "a checkpoint linked into the state cache was modified after it was published; "
+            "rebuilding the cache, and copying instead of linking from now on for this run "
+            "(write each step's checkpoint to a new path to keep linking)",
+            run=self.run,
+            file=name,
+        )
+        marker.touch()
+
+    def is_proven_for(self, manifest: Manifest) -> bool:
+        """:meth:`is_valid_for`, and the cached bytes were proven by a full hash (a
+        rebuild, a rewrite, an adopted anchor) or follow from a proven state by a
+        published delta whose checkpoint deltasync owned (adopted): its encoding
+        compared every element with the proven base. A diff against a proven base
+        need not hash it again."""
+        state = self._state()
+        return state is not None and state.get("proven") is True and self.is_valid_for(manifest)
+
+    def _switch(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        linked: dict[str, list[int]] | None = None,
+        proven: bool = False,
+    ) -> None:
+        doc: dict[str, Any] = {
+            "run": self.run,
+            "version": manifest.version,
+            "state_hash": manifest.state_hash,
+            "folder": folder.name,
+            "proven": proven,
+        }
+        if linked:
+            doc["linked"] = linked
+        tmp = self.root / f".{self.STATE}.tmp"
+        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+        os.replace(tmp, self.root / self.STATE)
+        # Out of the way at once (a rename), deleted later; a dead process's leftovers
+        # in the trash are taken along by the next switch.
+        trash = self.root.parent / ".trash"
+        trash.mkdir(exist_ok=True)
+        doomed = [p for p in trash.glob(f"{self.run}.*") if p.is_dir()]
+        for other in self.root.iterdir():
+            if other.is_dir() and other.name != folder.name:
+                moved = trash / f"{self.run}.{other.name}.{uuid.uuid4().hex[:12]}"
+                try:
+                    os.replace(other, moved)
+                    doomed.append(moved)
+                except OSError:
+                    shutil.rmtree(other, ignore_errors=True)
+        if doomed:
+            _remove_in_background(doomed)
+
+    def _folder_for(self, version: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root / f"v{version:010d}"
+
+    def rebuild(self, store: ObjectStore, run: str, version: int) -> Manifest:
+        """Rebuild ``version`` from the store (anchor + chain) into the cache."""
+        if run != self.run:
+            raise ConfigError(f"state cache {self.root} is for run {self.run}, not {run}")
+        folder = self._folder_for(version)
+        manifest = chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True)
+        self._switch(folder, manifest, proven=True)  # every tensor hashed on the way
+        log.info("state cache rebuilt", run=run, version=version)
+        return manifest
+
+    def advance(self, new: CheckpointReader, manifest: Manifest) -> None:
+        """Make the cache hold ``new`` as ``manifest``'s version, checking every hash.
+
+        When the cache holds the same tensors (names, dtypes, shapes), their bytes are
+        overwritten in place in the cached files: no new files and no fsync. The state
+        file is removed first, so a crash midway leaves a cache that is rebuilt, never
+        trusted; bytes that differ from the manifest (the checkpoint changed while it
+        was published, or a write was lost) are caught by the base-hash check of the
+        next diff, which rebuilds the cache from the store.
+        """
+        folder = self.folder
+        if folder is not None and folder.is_dir():
+            try:
+                self._advance_in_place(folder, new, manifest)
+                return
+            except (ChainError, CorruptObjectError) as e:
+                log.info("state cache cannot be updated in place, rewriting", error=str(e))
+        self._rewrite(new, manifest)
+
+    def adopt(self, checkpoint: Path, manifest: Manifest, proven: bool = False) -> bool:
+        """Move ``checkpoint`` (a file or folder holding exactly ``manifest``'s state,
+        owned by deltasync) into the cache as that version: a rename, no copy. False,
+        with nothing changed, when it cannot be renamed here (another file system).
+        ``proven``: it was just published as a delta from a proven base."""
+        if not checkpoint.exists():
+            return False
+        folder = self._folder_for(manifest.version)
+        # Until the switch, the state file still names the parent's untouched folder.
+        if folder.exists():  # left by a crashed rewrite
+            shutil.rmtree(folder)
+        try:
+            if checkpoint.is_dir():
+                os.rename(checkpoint, folder)
+            else:
+                folder.mkdir()
+                os.rename(checkpoint, folder / "model.safetensors")
+        except OSError as e:
+            log.info("checkpoint cannot be moved into the state cache, copying", error=str(e))
+            shutil.rmtree(folder, ignore_errors=True)
+            return False
+        # Unless ``proven``, the next diff checks its base hashes.
+        self._switch(folder, manifest, proven=proven)
+        return True
+
+    def link(self, checkpoint: Path, manifest: Manifest) -> bool:
+        """Hard-link the files of ``checkpoint`` (the trainer's own, holding exactly
+        ``manifest``'s state) into the cache as that version: no byte is copied. False,
+        with nothing changed, when linking is off for this run or not possible here
+        (another file system)."""
+        if (self.root / self.LINKS_OFF).exists():
+            return False
+        with CheckpointReader(checkpoint) as reader:
+            files = {reader.location(n)[0] for n in reader.names()}
+        if (checkpoint / INDEX_NAME).is_file():
+            files.add(checkpoint / INDEX_NAME)
+        folder = self._folder_for(manifest.version)
+        if folder.exists():  # left by a crashed rewrite
+            shutil.rmtree(folder)
+        linked: dict[str, list[int]] = {}
+        try:
+            folder.mkdir()
+            for source in sorted(files):
+                name = source.name if checkpoint.is_dir() else "model.safetensors"
+                os.link(source, folder / name)
+                linked[name] = _fingerprint(folder / name)
+        except OSError as e:
+            log.info("checkpoint cannot be linked into the state cache, copying", error=str(e))
+            shutil.rmtree(folder, ignore_errors=True)
+            return False
+        self._switch(folder, manifest, linked)
+        return True
+
+    def _advance_in_place(self, folder: Path, new: CheckpointReader, manifest: Manifest) -> None:
+        with CheckpointReader(folder) as cached:
+            specs = cached.specs()
+            if specs != new.specs() or set(specs) != {t.name for t in manifest.tensors}:
+                raise ChainError(f"state cache {self.root} holds other tensors than {new.path}")
+            locations = {n: cached.location(n) for n in specs}
+        if any(path.stat().st_nlink > 1 for path, _, _ in locations.values()):
+            # Linked from a trainer's checkpoint: writing here would change the trainer's file.
+            raise ChainError(f"state cache {self.root} shares its files with a checkpoint")
+        (self.root / self.STATE).unlink(missing_ok=True)
+        # The manifest's hashes were taken from ``new`` while publishing, and every diff
+        # checks its base's hashes before use (a mismatch rebuilds the cache), so the
+        # bytes are written here without a second hash pass: one page-cache copy.
+        fds: dict[Path, int] = {}
+        try:
+            for entry in manifest.tensors:
+                path, offset, size = locations[entry.name]
+                if size == 0:
+                    continue
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_WRONLY)
+                data = new.view(entry.name).reshape(-1).view(torch.uint8).numpy()
+                view = data.data.cast("B")
+                while view:
+                    written = os.pwrite(fds[path], view, offset)
+                    view, offset = view[written:], offset + written
+                del data, view
+                new.close()  # unmap each tensor once written: residency stays one tensor
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        renamed = self._folder_for(manifest.version)
+        if renamed != folder:
+            if renamed.exists():  # left by a crashed rewrite
+                shutil.rmtree(renamed)
+            os.replace(folder, renamed)
+        self._switch(renamed, manifest)
+
+    def _rewrite(self, new: CheckpointReader, manifest: Manifest) -> None:
+        entries = {t.name: t for t in manifest.tensors}
+        algorithm = content_hashes.of(manifest)
+
+        def part(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+            for n in names:
+                t = new.get(n)
+                if algorithm.full(t) != entries[n].hash:
+                    raise MismatchError(
+                        f"tensor {n!r} in {new.path} does not match version {manifest.version}"
+                    )
+                yield n, t
+            new.close()  # unmap the part's pages once it is read
+
+        folder = self._folder_for(manifest.version)
+        write_sharded(
+            folder, ((key, part(names)) for key, names in manifest.parts()), overwrite=True
+        )
+        self._switch(folder, manifest, proven=True)  # every tensor hashed

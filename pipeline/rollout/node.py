@@ -1,0 +1,566 @@
+"""The rollout node: keeps a target at the head of a run's version chain.
+
+The store is the truth and events are hints. The node bootstraps from the
+newest anchor at or below the head and replays the chain after it; then it
+follows ``delta-available`` events and also lists the store every
+``poll_interval_s``, so a lost event, a trimmed stream or a restarted Redis only
+delays it. Whatever fails, the target keeps the last version that applied and
+verified; the node reports the error and recovers from the store.
+
+An inference server embeds a :class:`RolloutNode` (``run`` in a thread);
+``workers/rollout.py`` is the process entry that wraps it. Downloads live in
+``rollout_fetch.py``, event-stream following in ``rollout_stream.py``, events and
+heartbeats in ``rollout_report.py`` and the state file in ``rollout_state.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pipeline import metrics
+from pipeline.coord.stream import EventStream
+from pipeline.errors import (
+    ChainError,
+    DeltasyncError,
+    MismatchError,
+    ObjectNotFoundError,
+    SignatureError,
+)
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.manifest import Kind, Manifest, dtype_name
+from pipeline.rollout.early import EarlyParts
+from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor
+from pipeline.rollout.report import Reporter
+from pipeline.rollout.scrub import Scrubbable, Scrubber, ScrubPace
+from pipeline.rollout.state import read_state, remove_state, write_state
+from pipeline.rollout.stream import StreamFollower
+from pipeline.store.base import ObjectStore
+from pipeline.targets.base import (
+    EarlyProofStarter,
+    EarlyProver,
+    HashSelector,
+    Target,
+    VerifyMode,
+)
+from pipeline.testing import faults
+from pipeline.versions import binding as run_binding
+from pipeline.versions import chain
+
+log = structlog.get_logger(__name__)
+
+# How often the node's thread looks for early downloads to hand to a target whose
+# proofs it must start itself (a vLLM engine): while some are on their way, and
+# otherwise (hints arrive on another thread while this one waits for events).
+HANDOFF_WAIT_S = 0.02
+HANDOFF_IDLE_WAIT_S = 0.1
+
+
+class RolloutNode:
+    """Brings ``target`` to the head of ``run`` in ``store`` and keeps it there."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        run: str,
+        target: Target,
+        *,
+        events: EventStream | None = None,
+        redis: Any = None,
+        node_id: str = "node",
+        verify: VerifyMode = "touched",
+        poll_interval_s: float = 2.0,
+        prefetch: bool = True,
+        prefetch_depth: int = 2,
+        public_key: Ed25519PublicKey | None = None,
+        state_path: Path | None = None,
+        heartbeat_interval_s: float = 5.0,
+        replica_ttl_s: float = 600.0,
+        max_backoff_s: float = 30.0,
+        progress: bool | None = None,
+        early_start: bool = False,
+        on_applied: Callable[[Manifest], None] | None = None,
+        scrub: ScrubPace | None = None,
+    ) -> None:
+        """``on_applied(manifest)`` runs on the node's thread each time the target is
+        known to hold a version (applied, loaded or resumed)."""
+        self.store = store
+        self.run_name = run
+        self.target = target
+        self.events = events
+        self.redis = redis
+        self.node_id = node_id
+        self.verify: VerifyMode = verify
+        self.poll_interval_s = poll_interval_s
+        self.prefetch = prefetch
+        self.prefetch_depth = max(1, prefetch_depth)
+        self.public_key = public_key
+        self.state_path = state_path
+        self.max_backoff_s = max_backoff_s
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.on_applied = on_applied
+
+        self._applied: int | None = None
+        # Freshness: the newest verified version seen, and the run instance (read from
+        # the store once); a node never goes back below either's word.
+        self._highest: int | None = None
+        self._instance: run_binding.RunInstance | None = None
+        self._head_seen: int | None = None  # the store's head at the last sync
+        self._state_hash: str | None = None
+        self._started = False
+        self._manifests: dict[tuple[Kind, int], Manifest] = {}  # write-once: safe to cache
+        self._failures = 0
+        self._next_retry = 0.0  # monotonic time before which polling waits after a failure
+        self._need_bootstrap = False
+        # (anchor, head, head's creation time) of a bootstrap whose replay failed: the
+        # same store state is not bootstrapped again.
+        self._stuck_on: tuple[int, int | None, str] | None = None
+        self.last_error: DeltasyncError | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._stream = StreamFollower(events, run)
+        # Part hints start downloads, and proofs where the target can, before a
+        # manifest exists (asked for, prefetch on, and Redis to hear the hints on).
+        self.early: EarlyParts | None = None
+        if early_start and prefetch and redis is not None:
+            prover = target if isinstance(target, EarlyProver | EarlyProofStarter) else None
+            self.early = EarlyParts(store, run, prover, lambda: self._applied)
+        self.report = Reporter(
+            run,
+            node_id,
+            events=events,
+            redis=redis,
+            heartbeat_interval_s=heartbeat_interval_s,
+            replica_ttl_s=replica_ttl_s,
+            first_seen=self._stream.first_seen,
+            early_start=self.early is not None,
+        )
+        self.history = self.report.history
+        # Held tensors re-hashed in the background (a target that can be scrubbed):
+        # a mismatch is reported and the node recovers from the store.
+        self._scrub_failed: str | None = None
+        self.scrubber: Scrubber | None = None
+        if scrub is not None and isinstance(target, Scrubbable):
+            self.scrubber = Scrubber(target, scrub, self._on_scrub_mismatch)
+
+    # -- public ----------------------------------------------------------------------
+
+    @property
+    def applied_version(self) -> int | None:
+        """The version the target holds (verified), or None before the first one."""
+        return self._applied
+
+    @property
+    def applied_state_hash(self) -> str | None:
+        return self._state_hash
+
+    def start(self) -> int | None:
+        """Resume from the state file when the target's weights prove it, else leave
+        the target for the first sync to bootstrap. Idempotent."""
+        if not self._started:
+            self._started = True
+            self._resume()
+            if self.scrubber is not None:
+                self.scrubber.start()
+        return self._applied
+
+    def step_once(self) -> int | None:
+        """One sync with the store: bring the target to the head. Errors are reported
+        and remembered in ``last_error``, never raised. Returns the applied version.
+
+        A process that drives its engine itself calls this between its own calls to
+        the engine. With early start, part hints are then heard in the background
+        from the first call on, and finished early downloads are handed to the target
+        here, on the caller's thread, before the sync."""
+        if self.early is not None:
+            self.early.listen(self.redis)
+            self.early.hand_off()
+        return self._step()
+
+    def _on_scrub_mismatch(self, name: str) -> None:
+        self._scrub_failed = name
+
+    def _take_scrub_failure(self) -> None:
+        """A scrub found held memory changed: report it and recover from the store
+        (a bootstrap of the head), like a refused version."""
+        name, self._scrub_failed = self._scrub_failed, None
+        if name is None:
+            return
+        exc = MismatchError(
+            f"scrub: held tensor {name!r} of v{self._applied} no longer matches its hash "
+            "(memory changed behind the node's back); recovering from the store"
+        )
+        log.warning("scrub mismatch", run=self.run_name, node=self.node_id, tensor=name)
+        self.report.failed(self._applied, exc)
+        self._need_bootstrap = True
+        self._stuck_on = None  # the held state is what is wrong, not the store's
+
+    def _step(self) -> int | None:
+        self.start()
+        try:
+            self._take_scrub_failure()
+            self._sync()
+        except DeltasyncError as exc:
+            self._on_error(exc)
+        else:
+            self._failures = 0
+            self._next_retry = 0.0
+            self.last_error = None
+            self.report.synced()
+        self.report.heartbeat_if_due(self._applied, self._state_hash)
+        metrics.replica_at(self.run_name, self.node_id, self._head_seen, self._applied)
+        return self._applied
+
+    def run(
+        self, until_version: int | None = None, stop: threading.Event | None = None
+    ) -> int | None:
+        """Follow the run until ``stop`` is set, or until ``until_version`` (or a later
+        one) has been applied. Returns the applied version."""
+        stop = stop or threading.Event()
+        after_id = self._stream.position()
+        self.start()
+        if self.early is not None:
+            self.early.listen(self.redis)
+        next_poll = 0.0
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                if now >= next_poll and now >= self._next_retry:
+                    self._step()  # handing parts over just before an apply gains nothing
+                    next_poll = time.monotonic() + self.poll_interval_s
+                if self._reached(until_version):
+                    break
+                self.report.heartbeat_if_due(self._applied, self._state_hash)
+                wait_s = max(0.0, max(next_poll, self._next_retry) - time.monotonic())
+                if self.early is not None and self.early.hands_off:
+                    due = self.early.handoff_due()
+                    wait_s = min(wait_s, HANDOFF_WAIT_S if due else HANDOFF_IDLE_WAIT_S)
+                woken, after_id = self._stream.wait(after_id, wait_s, stop, self._applied)
+                if woken:
+                    next_poll = 0.0
+                    self._next_retry = 0.0
+                elif self.early is not None:
+                    self.early.hand_off()  # on this thread: it may call into the target
+        finally:
+            self.close()
+        return self._applied
+
+    def dump(self, path: str | os.PathLike[str]) -> Path:
+        """Write the target's weights (checkpoint names) as a safetensors file."""
+        out = Path(path)
+        write_checkpoint(out, self.target.export())
+        return out
+
+    def close(self) -> None:
+        if self.scrubber is not None:
+            self.scrubber.stop()
+        if self.early is not None:
+            self.early.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    # -- resume ----------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        recorded = read_state(self.state_path, self.run_name)
+        if recorded is None:
+            return
+        version, kind = recorded
+        try:
+            manifest = self._manifest(kind, version)
+            held = self.target.hashes([t.name for t in manifest.tensors], manifest.content_hash)
+        except DeltasyncError as exc:
+            log.info("cannot resume, will bootstrap", version=version, error=str(exc))
+            return
+        bad = [t.name for t in manifest.tensors if held.get(t.name) != t.hash]
+        if bad:
+            log.info(
+                "held weights are not the recorded version, will bootstrap",
+                version=version,
+                first_mismatch=bad[0],
+                mismatches=len(bad),
+            )
+            return
+        self._set_applied(manifest)
+        log.info("resumed", run=self.run_name, version=version)
+
+    def _forget_state(self) -> None:
+        self._applied = None
+        self._state_hash = None
+        remove_state(self.state_path)
+
+    # -- sync ------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        index = chain.list_versions(self.store, self.run_name)
+        head = index.head
+        floor = max(v for v in (self._highest, self._applied, -1) if v is not None)
+        if floor >= 0 and (head is None or head < floor):
+            raise ChainError(
+                f"run {self.run_name}: the store's head is v{head}, older than v{floor} "
+                "this node has seen; refusing to go back"
+            )
+        head = self._head_seen = index.head
+        if head is None:
+            return
+        if self._applied is None or self._need_bootstrap:
+            self._bootstrap(index)
+            return
+        if head <= self._applied:
+            return
+        path = self._plan(index, self._applied, head)
+        anchor = _newest_anchor(index, head)
+        if path is None or (
+            anchor is not None and anchor > self._applied and self._anchor_is_cheaper(anchor, path)
+        ):
+            self._bootstrap(index)
+            return
+        self._apply_chain(path)
+
+    def _plan(self, index: chain.VersionIndex, held: int, head: int) -> list[Manifest] | None:
+        """The delta manifests from ``held`` (exclusive) to ``head``, in chain order;
+        None when the chain does not lead back to ``held``."""
+        path: list[Manifest] = []
+        version: int | None = head
+        while version is not None and version > held:
+            if version not in index.deltas:
+                return None
+            manifest = self._manifest("delta", version)
+            path.append(manifest)
+            version = manifest.parent
+        if version != held:
+            return None
+        path.reverse()
+        return path
+
+    def _anchor_is_cheaper(self, anchor: int, path: list[Manifest]) -> bool:
+        anchor_bytes = sum(o.size for o in self._manifest("anchor", anchor).objects)
+        chain_bytes = sum(o.size for m in path for o in m.objects)
+        after_anchor = sum(o.size for m in path if m.version > anchor for o in m.objects)
+        return anchor_bytes + after_anchor < chain_bytes
+
+    def _bootstrap(self, index: chain.VersionIndex) -> None:
+        head = index.head
+        anchor = _newest_anchor(index, head)
+        if anchor is None:
+            raise ChainError(f"run {self.run_name}: no anchor at or below head v{head}")
+        store_state = (anchor, head, self._head_identity(index))
+        if self._stuck_on == store_state and self._applied is not None:
+            # The same store state already failed to replay: keep what we hold, and
+            # do not download the anchor again until the store changes.
+            raise self.last_error or ChainError(
+                f"run {self.run_name}: chain from anchor v{anchor} to v{head} does not apply"
+            )
+        manifest = self._manifest("anchor", anchor)
+        self._check_specs(manifest)
+        log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
+        started = time.perf_counter()
+        tensors: Iterator[tuple[str, torch.Tensor]] = stream_anchor(
+            self.store,
+            manifest,
+            self._submit,
+            self.prefetch_depth if self.prefetch else 1,
+            self.progress,
+        )
+        if self._applied is not None:
+            # Serving a version: prove the whole anchor (sizes, sha256, tensor hashes)
+            # before the first weight is overwritten, so a damaged anchor leaves the
+            # served version intact rather than a mix of two versions.
+            tensors = iter(list(tensors))
+        self._stuck_on = store_state
+        self._forget_state()  # mid-load the target holds no provable version
+        if isinstance(self.target, HashSelector):
+            self.target.use_content_hash(manifest.content_hash)
+        self.target.load_state(tensors)
+        load_s = time.perf_counter() - started
+        self._need_bootstrap = False
+        self._set_applied(manifest)
+        self.report.applied(manifest, fetch_s=0.0, apply_s=load_s, pause_s=load_s)
+        if head is not None and head > anchor:
+            path = self._plan(index, anchor, head)
+            if path is None:
+                raise ChainError(
+                    f"run {self.run_name}: no delta chain from anchor v{anchor} to head v{head}"
+                )
+            self._apply_chain(path)
+        self._stuck_on = None
+
+    def _head_identity(self, index: chain.VersionIndex) -> str:
+        """Tells a republished head apart from the one that failed."""
+        head = index.head
+        if head is None:
+            return ""
+        kind: Kind = "delta" if head in index.deltas else "anchor"
+        return self._manifest(kind, head).created
+
+    def _check_specs(self, manifest: Manifest) -> None:
+        """Every tensor of the anchor is held with its dtype and shape (checked before
+        anything is written; the target checks that nothing it holds is left out)."""
+        specs = self.target.specs()
+        for entry in manifest.tensors:
+            spec = specs.get(entry.name)
+            where = f"anchor {self.run_name} v{manifest.version}"
+            if spec is None:
+                raise MismatchError(f"tensor {entry.name!r} of {where} is not in the target")
+            if entry.dtype != dtype_name(spec.dtype) or tuple(entry.shape) != spec.shape:
+                raise MismatchError(
+                    f"tensor {entry.name!r} of {where}: {entry.dtype}{list(entry.shape)}, "
+                    f"target holds {dtype_name(spec.dtype)}{list(spec.shape)}"
+                )
+
+    def _apply_chain(self, path: list[Manifest]) -> None:
+        """Apply deltas in order; downloads run ahead of the applies."""
+        pending: deque[Future[Fetched]] = deque()
+        todo = deque(path)
+        depth = self.prefetch_depth if self.prefetch else 1
+        have = None if self.early is None else self.early.data  # early downloads, if any
+        try:
+            while todo or pending:
+                while todo and len(pending) < depth:
+                    pending.append(
+                        self._submit(fetch_delta, self.store, todo.popleft(), self.progress, have)
+                    )
+                self._apply_one(pending.popleft().result())
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def _apply_one(self, fetched: Fetched) -> None:
+        manifest = fetched.manifest
+        if manifest.parent != self._applied:
+            raise ChainError(
+                f"run {self.run_name} v{manifest.version}: parent v{manifest.parent} is not "
+                f"the held v{self._applied}"
+            )
+        started = time.perf_counter()
+        early = [] if self.early is None else self.early.proofs(manifest)
+        early_fetched = 0 if self.early is None else self.early.taken(manifest.version)
+        try:
+            if early and isinstance(self.target, EarlyProver):
+                report = self.target.apply_delta(manifest, fetched.objects, self.verify, early)
+            else:
+                report = self.target.apply_delta(manifest, fetched.objects, self.verify)
+        except MismatchError:
+            self._need_bootstrap = True  # the held weights may be what is wrong
+            raise
+        finally:
+            if self.early is not None:
+                self.early.forget(manifest.version)
+        apply_s = time.perf_counter() - started
+        faults.point("rollout.after_apply")
+        self._set_applied(manifest)
+        log.info(
+            "applied",
+            run=self.run_name,
+            version=manifest.version,
+            tensors=report.tensors,
+            changed=report.changed,
+            fetch_s=round(fetched.fetch_s, 4),
+            apply_s=round(apply_s, 4),
+            pause_s=round(report.pause_s, 4),
+            early_parts=early_fetched,
+            early_tensors=report.early_tensors,
+            walked=report.walked,
+        )
+        self.report.applied(manifest, fetched.fetch_s, apply_s, report.pause_s, early_fetched)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if not self.prefetch:
+            future: Future[Any] = Future()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltasync-fetch")
+        return self._pool.submit(fn, *args)
+
+    def _manifest(self, kind: Kind, version: int) -> Manifest:
+        """A validated (and, with a public key, signature-checked) manifest; cached, as
+        manifests are write-once."""
+        key = (kind, version)
+        manifest = self._manifests.get(key)
+        if manifest is None:
+            manifest = chain.load_manifest(
+                self.store, self.run_name, kind, version, public_key=self.public_key
+            )
+            self._check_instance(manifest)
+            if self.public_key is not None:
+                self._highest = max(self._highest or 0, manifest.version)
+            self._manifests[key] = manifest
+        return manifest
+
+    def _check_instance(self, manifest: Manifest) -> None:
+        """SignatureError for a manifest of another instance of the run (an old run's
+        signed versions under a reused name and key), or one without an instance where
+        the run's record says every manifest has one."""
+        if self._instance is None:
+            self._instance = run_binding.read_instance(self.store, self.run_name)
+        record = self._instance
+        if record is None:
+            return  # a run older than instance ids
+        name = f"{manifest.kind} {manifest.version} of run {self.run_name}"
+        if manifest.instance is None and manifest.version >= record.since:
+            raise SignatureError(f"{name} carries no run instance")
+        if manifest.instance is not None and manifest.instance != record.instance:
+            raise SignatureError(
+                f"{name} belongs to another instance of the run ({manifest.instance[:8]}, "
+                f"not {record.instance[:8]})"
+            )
+
+    def _set_applied(self, manifest: Manifest) -> None:
+        self._applied = manifest.version
+        self._state_hash = manifest.state_hash
+        write_state(self.state_path, self.run_name, self.node_id, manifest)
+        if self.on_applied is not None:
+            self.on_applied(manifest)
+        self.report.heartbeat(self._applied, self._state_hash)
+
+    # -- failures --------------------------------------------------------------------
+
+    def _on_error(self, exc: DeltasyncError) -> None:
+        self.last_error = exc
+        self._failures += 1
+        backoff = min(self.max_backoff_s, self.poll_interval_s * 2 ** (self._failures - 1))
+        self._next_retry = time.monotonic() + backoff
+        self._manifests.clear()  # a repaired store may answer differently
+        if isinstance(exc, ChainError | ObjectNotFoundError):
+            self._need_bootstrap = True  # broken chain or collected delta
+        if isinstance(exc, SignatureError):
+            self._need_bootstrap = False
+        log.warning(
+            "sync failed",
+            run=self.run_name,
+            node=self.node_id,
+            held=self._applied,
+            error=str(exc),
+            error_type=type(exc).__name__,
+            retry_in_s=round(backoff, 2),
+        )
+        self.report.failed(self._applied, exc)
+
+    def _reached(self, until_version: int | None) -> bool:
+        return (
+            until_version is not None
+            and self._applied is not None
+            and self._applied >= until_version
+        )
+
+
+def _newest_anchor(index: chain.VersionIndex, head: int | None) -> int | None:
+    if head is None:
+        return None
+    eligible = [v for v in index.anchors if v <= head]
+    return max(eligible) if eligible else None

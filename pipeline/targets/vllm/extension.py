@@ -1,0 +1,531 @@
+"""deltasync methods added to every vLLM worker (``worker_extension_cls``).
+
+Start vLLM with ``worker_extension_cls="pipeline.targets.vllm.extension.DeltasyncWorkerExtension"``
+and drive it with ``collective_rpc("deltasync_<method>", args=(...))``; the node side
+is ``pipeline.targets.vllm.target.VllmTarget``. Only plain data crosses the process
+boundary (bytes, str, int, float, lists, dicts), and every method answers with an
+envelope (``vllm_worker_state``) so that errors survive the trip.
+
+Each worker keeps a shadow: the full checkpoint-named (HF) weights on CPU, exactly
+as the trainer published them. Deltas are decoded against the shadow (the codec
+needs the exact base), verified, written into the shadow, and then pushed into the
+model. The shadow is also what ``hashes`` and ``export`` read, so they report the
+checkpoint the engine was given, never a re-derived kernel layout.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load, save
+
+from pipeline.errors import CorruptObjectError, MismatchError, TargetError
+from pipeline.format.hashing import sha256_bytes
+from pipeline.format.manifest import dtype_from_name
+from pipeline.targets.patching import apply_verified, decode_entries, int_view
+from pipeline.targets.proving import early_results, prove_entries, prove_incremental
+from pipeline.targets.vllm.cpu import computes_from_weight
+from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
+from pipeline.targets.vllm.mapping import (
+    Placement,
+    Route,
+    gather_placed,
+    placed_view,
+    probe_placement,
+    route_names,
+    scatter_positions,
+    scatter_rows,
+    source_box,
+)
+from pipeline.targets.vllm.worker_state import (
+    Envelope,
+    Pending,
+    WorkerState,
+    check_base,
+    entry_from_list,
+    enveloped,
+    failed,
+    ok,
+    specs_plain,
+)
+
+log = structlog.get_logger(__name__)
+
+# vLLM imports this module in each worker before loading the model: the hook must be
+# in place by then to keep CPU linear weights plain (enabled by environment).
+install_cpu_linear_hook()
+
+
+class DeltasyncWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    # --- helpers (underscore names: never called over RPC) -----------------------
+
+    def _ds(self) -> WorkerState:
+        state: WorkerState | None = getattr(self, "_deltasync_state", None)
+        if state is None:
+            # With the deltasync weight-transfer backend too (workers/vllm_plugin.py),
+            # this worker's methods read and write the state that backend keeps.
+            host = getattr(getattr(self, "weight_transfer_engine", None), "host", None)
+            if isinstance(host, DeltasyncWorkerExtension) and host is not self:
+                state = host._ds()
+            else:
+                state = WorkerState()
+            self._deltasync_state = state
+        return state
+
+    def _ds_model(self) -> torch.nn.Module:
+        model: torch.nn.Module = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return model
+
+    def _ds_loaded(self) -> WorkerState:
+        state = self._ds()
+        state.check_idle()
+        if not state.loaded:
+            raise TargetError("vLLM worker holds no deltasync state: call load_state first")
+        return state
+
+    def _ds_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's own loading path (CPU repacking, TP slicing, fusing included)."""
+        self.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=list(tensors), is_checkpoint_format=True
+        )
+
+    def _ds_adopt(self, tensors: dict[str, torch.Tensor], push: bool) -> None:
+        """Make ``tensors`` the shadow; with ``push``, reload all of them into the model.
+
+        Every name is routed first, so a tensor the model cannot place fails the
+        call (TargetError naming it) before the shadow or the model change.
+        """
+        state = self._ds()
+        state.check_idle()
+        model = self._ds_model()
+        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+        load_weights = model.load_weights  # type: ignore[assignment]
+        shapes = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+        with torch.no_grad():
+            routes = route_names(model, load_weights, shapes)
+        state.pending = None
+        state.early.wrote()
+        if push:
+            state.loaded = False  # a failed reload leaves the model unknown
+            self._ds_reload(tensors.items())
+        state.shadow = tensors
+        state.hashes = {}
+        state.routes = routes
+        state.placements = self._ds_placements(state)
+        state.loaded = True
+        ignored = sorted(n for n, r in routes.items() if r.parameter is None)
+        log.info(
+            "deltasync weight map",
+            tensors=len(routes),
+            in_place=len(state.placements),
+            ignored=len(ignored),
+        )
+        if ignored:
+            # Skipped on purpose (rotary caches, a tied alias, another stage's
+            # layer; route_names refuses any other skip): held in the shadow only.
+            log.info("tensors the vLLM model does not load", tensors=ignored[:8])
+
+    def _ds_placements(self, state: WorkerState) -> dict[str, Placement]:
+        """Plain-tensor placements of shadow tensors that the model holds bit for bit."""
+        from vllm.model_executor.model_loader.weight_utils import (
+            default_weight_loader,
+        )
+
+        model = self._ds_model()
+        placements: dict[str, Placement] = {}
+        with torch.no_grad():
+            for name, route in state.routes.items():
+                if route.parameter is None or not _writable_in_place(model, route):
+                    continue
+                param = model.get_parameter(route.parameter)
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                shape = tuple(state.shadow[name].shape)
+                placement = probe_placement(model, name, route, shape, loader)
+                if placement is None:
+                    continue
+                # Kernels that repack stacked experts after loading (the CPU build's
+                # grouped GEMM) leave other bits there: the check below refuses them.
+                # Post-load processing (scales, permutes) would make raw checkpoint
+                # values wrong in place: keep a placement only where the parameter
+                # holds the checkpoint's exact bits.
+                held = gather_placed(param, placement)
+                want = source_box(state.shadow[name], placement).to(held.device)
+                if held.dtype == want.dtype and torch.equal(
+                    held.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+                ):
+                    placements[name] = placement
+        return placements
+
+    def _ds_group(self, state: WorkerState, names: Iterable[str]) -> list[str]:
+        """Every shadow tensor feeding the modules that ``names`` reach (whole groups)."""
+        modules = {state.routes[n].module for n in names} - {None}
+        return sorted(n for n, r in state.routes.items() if r.module in modules)
+
+    def _ds_push(self, state: WorkerState, names: list[str], patches: dict[str, Any]) -> None:
+        """Bring the model in line with the shadow for ``names``."""
+        model = self._ds_model()
+        reload: list[str] = []
+        with torch.no_grad():
+            for name in names:
+                route = state.routes[name]
+                if route.parameter is None:
+                    continue
+                placement = state.placements.get(name)
+                patch = patches.get(name)
+                if placement is None or patch is None:
+                    reload.append(name)
+                    continue
+                param = model.get_parameter(placement.parameter)
+                shape = tuple(state.shadow[name].shape)
+                rows = scatter_rows(placement, shape, patch.positions)
+                if rows is not None:
+                    held, flat = rows
+                    values = patch.values[held]
+                else:
+                    keep, flat = scatter_positions(placement, shape, patch.positions)
+                    values = patch.values[keep]
+                if flat.numel() == 0:
+                    continue
+                # Integer views on both sides: the bits move, nothing is converted.
+                int_view(placed_view(param, placement)).view(-1).index_copy_(
+                    0, flat.to(param.device), int_view(values).to(param.device)
+                )
+        if reload:
+            group = self._ds_group(state, reload)
+            self._ds_reload((n, state.shadow[n]) for n in group)
+
+    # --- RPC methods --------------------------------------------------------------
+
+    def deltasync_load_begin(self) -> Envelope:
+        """Start a load_state: following chunks replace the whole shadow."""
+
+        def run() -> None:
+            self._ds().staging = {}
+
+        return enveloped(run)
+
+    def deltasync_load_chunk(self, data: bytes) -> Envelope:
+        """One safetensors blob of checkpoint tensors (part of a load_state)."""
+
+        def run() -> int:
+            state = self._ds()
+            if state.staging is None:
+                raise TargetError("vLLM worker: load chunk outside load_begin/load_commit")
+            tensors = load(bytes(data))
+            state.staging.update((n, t.contiguous()) for n, t in tensors.items())
+            return len(tensors)
+
+        return enveloped(run)
+
+    def deltasync_load_commit(self, push: bool) -> Envelope:
+        """Adopt the staged tensors as the shadow; with ``push``, reload them all into
+        the model (the model then holds exactly the shadow)."""
+
+        def run() -> dict[str, list[Any]]:
+            state = self._ds()
+            if state.staging is None:
+                raise TargetError("vLLM worker: load_commit without load_begin")
+            staged, state.staging = state.staging, None
+            self._ds_adopt(staged, push)
+            return specs_plain(state.specs())
+
+        return enveloped(run)
+
+    def deltasync_load_files(self, paths: list[str] | None, push: bool) -> Envelope:
+        """Adopt safetensors files readable by the worker as the shadow: ``paths``
+        (files or folders), or None for the folder the engine was started from.
+        With ``push`` the tensors are also reloaded into the model. JSON-safe
+        arguments, so it also works through the server's ``/collective_rpc``."""
+
+        def run() -> dict[str, list[Any]]:
+            if paths is None:
+                sources = [Path(self.model_config.model)]  # type: ignore[attr-defined]
+            else:
+                sources = [Path(path) for path in paths]
+            files: list[Path] = []
+            for source in sources:
+                files.extend(sorted(source.glob("*.safetensors")) if source.is_dir() else [source])
+            if not files:
+                raise TargetError(f"vLLM worker: no safetensors files in {sources[0]}")
+            tensors: dict[str, torch.Tensor] = {}
+            for file in files:
+                tensors.update(load(file.read_bytes()))
+            self._ds_adopt(tensors, push)
+            return specs_plain(self._ds().specs())
+
+        return enveloped(run)
+
+    def deltasync_specs(self) -> Envelope:
+        """Specs of the shadow; None while the worker holds no deltasync state."""
+
+        def run() -> dict[str, list[Any]] | None:
+            state = self._ds()
+            return specs_plain(state.specs()) if state.loaded else None
+
+        return enveloped(run)
+
+    def deltasync_check_names(self, specs: dict[str, list[Any]]) -> Envelope:
+        """Check that the model's loader accepts every named tensor (dtype, shape);
+        writes nothing. TargetError names the first it rejects."""
+
+        def run() -> int:
+            shapes = {
+                name: (dtype_from_name(str(dtype)), tuple(int(s) for s in shape))
+                for name, (dtype, shape) in specs.items()
+            }
+            model = self._ds_model()
+            load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+            load_weights = model.load_weights  # type: ignore[assignment]
+            with torch.no_grad():
+                return len(route_names(model, load_weights, shapes))
+
+        return enveloped(run)
+
+    def deltasync_prepare(self, request: dict[str, Any]) -> Envelope:
+        """Decode, check and write a delta into the shadow; the model is not touched.
+
+        ``request``: version, verify ("touched" | "all" | "none"), parent_state_hash
+        (or None), entries (lists: name, dtype, shape, hash, object, changed),
+        objects (key -> bytes), optionally sha256 (key -> hex digest, checked here)
+        and early (key -> sha256 of the objects whose early proofs, started with
+        ``deltasync_prove_start``, may stand in for their decode and hash). Any
+        failure leaves the shadow as it was.
+        """
+
+        def run() -> dict[str, Any]:
+            state = self._ds_loaded()
+            if state.pending is not None:
+                raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
+            entries = [entry_from_list(item) for item in request["entries"]]
+            verify = str(request["verify"])
+            objects: Mapping[str, bytes] = request["objects"]
+            for key, digest in (request.get("sha256") or {}).items():
+                if key not in objects or sha256_bytes(objects[key]) != digest:
+                    raise CorruptObjectError(f"delta object {key}: missing or sha256 mismatch")
+            specs = state.specs()
+            # Early proofs are checked like fresh ones; the generation says the
+            # shadow was not written since they were made.
+            vouched = request.get("early") or {}
+            if not isinstance(vouched, dict):
+                raise TargetError("vLLM worker: bad prepare request: early is not a mapping")
+            taken = state.early.take()  # none still hashes with the old algorithm
+            algorithm = state.use(request.get("content_hash"))
+            ready = early_results(entries, vouched, taken, state.early.generation, algorithm.name)
+            incremental = algorithm.incremental and verify != "none"
+            if verify == "all":
+                state.hashes = {}  # every held hash is recomputed in full
+            if verify != "none":
+                check_base(state, entries, request.get("parent_state_hash"), verify)
+            shadow = state.shadow.__getitem__
+            if verify == "none":
+                patches, hashes = decode_entries(entries, objects, shadow, specs), {}
+                old_values = None
+            elif incremental:
+                # O(changed): held hashes plus the changes, old contents read at the
+                # changed positions only; the written positions are read back.
+                proven = prove_incremental(
+                    entries, objects, shadow, specs, state.hash_of, algorithm, ready
+                )
+                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
+            else:
+                # Each patched tensor's hash is proven against its entry before any
+                # write to the shadow (one pass per tensor on CPU).
+                proven = prove_entries(entries, objects, shadow, specs, ready)
+                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
+            for patch in patches:
+                if state.routes.get(patch.name) is None:
+                    raise TargetError(f"tensor {patch.name}: no place for it in the vLLM model")
+            # "all" also rehashes the written tensors, as the torch target does.
+            recheck = {e.name: e.hash for e in entries} if verify == "all" else None
+            state.early.wrote()
+            applied = apply_verified(
+                patches, shadow, recheck, old_values, full=algorithm.full, read_back=incremental
+            )
+            touched = [patch.name for patch in patches]
+            for name in touched:
+                state.hashes.pop(name, None)
+            state.hashes.update(hashes)
+            state.pending = Pending(int(request["version"]), applied, touched)
+            return {
+                "tensors": len(patches),
+                "changed": sum(int(p.positions.numel()) for p in patches),
+                "early_tensors": len(ready) if verify != "none" else 0,
+            }
+
+        return enveloped(run)
+
+    def deltasync_prove_start(self, key: str, data: bytes, sha256: str) -> Envelope:
+        """Start proving one delta object against the shadow before its manifest is
+        read (early start: the node got it from a part hint and checked its bytes
+        against ``sha256``). Answers at once: True when started, False when the worker
+        is busy with a delta or already has it. A later prepare whose ``early`` lists
+        the object with this sha256 uses the proof if the shadow was not written
+        since."""
+
+        def run() -> bool:
+            state = self._ds()
+            if state.busy() or not state.loaded:
+                return False
+            return state.early.start(key, bytes(data), sha256)
+
+        return enveloped(run)
+
+    def deltasync_prepare_start(self, request: dict[str, Any]) -> Envelope:
+        """``deltasync_prepare`` on a thread of its own; answers at once, so the engine
+        keeps serving while the delta is decoded and verified (the model is not
+        touched). Collect the outcome with ``deltasync_prepare_result``."""
+
+        def run() -> bool:
+            state = self._ds_loaded()
+            if state.pending is not None or state.prepared is not None:
+                raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
+
+            def work() -> None:
+                state.prepared = self.deltasync_prepare(request)
+
+            state.preparing = threading.Thread(target=work, name="deltasync-prepare", daemon=True)
+            state.preparing.start()
+            return True
+
+        return enveloped(run)
+
+    def deltasync_prepare_result(self) -> Envelope:
+        """``{"ok": True, "value": None}`` while a background prepare runs, then the
+        prepare's own envelope (once; its value is never None)."""
+        state = self._ds()
+        thread = state.preparing
+        if thread is None:
+            return failed(TargetError("vLLM worker: no delta is being prepared"))
+        if thread.is_alive():
+            return ok(None)
+        state.preparing = None
+        answer, state.prepared = state.prepared, None
+        return answer or failed(TargetError("vLLM worker: background prepare gave no answer"))
+
+    def deltasync_prepare_json(self, request_json: str) -> Envelope:
+        """``deltasync_prepare`` for callers that can only send JSON text (the
+        server's ``/collective_rpc``): ``objects`` maps each key to a local file path
+        the worker can read, and ``sha256`` should be given."""
+        try:
+            request = json.loads(request_json)
+            paths: dict[str, str] = request["objects"]
+            request["objects"] = {key: Path(path).read_bytes() for key, path in paths.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return failed(TargetError(f"vLLM worker: bad prepare request: {exc}"))
+        return self.deltasync_prepare(request)
+
+    def deltasync_commit(self) -> Envelope:
+        """Push the prepared delta into the model. On failure the shadow is rolled back
+        and the touched groups are pushed again from it."""
+
+        def run() -> float:
+            state = self._ds_loaded()
+            pending = state.pending
+            if pending is None:
+                raise TargetError("vLLM worker: commit without a prepared delta")
+            started = time.perf_counter()
+            patches = {p.name: p for p in pending.applied.patches}
+            try:
+                self._ds_push(state, pending.touched, patches)
+            except Exception:
+                state.early.wrote()
+                pending.applied.rollback()
+                for name in pending.touched:
+                    state.hashes.pop(name, None)
+                state.pending = None
+                group = self._ds_group(state, pending.touched)
+                self._ds_reload((n, state.shadow[n]) for n in group)
+                raise
+            state.pending = None
+            return time.perf_counter() - started
+
+        return enveloped(run)
+
+    def deltasync_abort(self) -> Envelope:
+        """Undo a prepared delta in the shadow (another worker failed to prepare)."""
+
+        def run() -> bool:
+            state = self._ds()
+            state.check_idle()
+            pending = state.pending
+            if pending is None:
+                return False
+            state.early.wrote()
+            pending.applied.rollback()
+            for name in pending.touched:
+                state.hashes.pop(name, None)
+            state.pending = None
+            return True
+
+        return enveloped(run)
+
+    def deltasync_hashes(self, names: list[str] | None, algorithm: str | None = None) -> Envelope:
+        def run() -> dict[str, str]:
+            state = self._ds_loaded()
+            state.use(algorithm)
+            wanted = list(state.shadow) if names is None else list(names)
+            missing = [n for n in wanted if n not in state.shadow]
+            if missing:
+                raise MismatchError(f"tensor {missing[0]} is not held by the vLLM target")
+            return {n: state.hash_of(n) for n in wanted}
+
+        return enveloped(run)
+
+    def deltasync_export(self, names: list[str]) -> Envelope:
+        """Shadow tensors as one safetensors blob."""
+
+        def run() -> bytes:
+            state = self._ds_loaded()
+            return save({n: state.shadow[n] for n in names})
+
+        return enveloped(run)
+
+    def deltasync_read_param(self, hf_name: str) -> Envelope:
+        """The model's own bits of a checkpoint tensor, where a placement knows them
+        (tests and debugging: proves an in-place write reached the live parameter)."""
+
+        def run() -> bytes | None:
+            state = self._ds_loaded()
+            placement = state.placements.get(hf_name)
+            if placement is None:
+                return None
+            param = self._ds_model().get_parameter(placement.parameter)
+            box = gather_placed(param, placement).detach().cpu().contiguous()
+            return save({hf_name: box})
+
+        return enveloped(run)
+
+
+# UnquantizedFusedMoEMethod: stacked experts (w13/w2); whether the kernel computes
+# from them as loaded is decided by the bit check of each placement.
+_PLAIN_METHODS = (
+    "UnquantizedLinearMethod",
+    "UnquantizedEmbeddingMethod",
+    "UnquantizedFusedMoEMethod",
+)
+
+
+def _writable_in_place(model: torch.nn.Module, route: Route) -> bool:
+    """Whether the module computes from the parameter itself, so that writing the
+    parameter is enough. Not so where vLLM derived a kernel copy at load time: the
+    CPU GEMM dispatch (``cpu_linear``) keeps a packed copy unless the plain-linear
+    hook kept the weight (``pipeline.targets.vllm.cpu``), even of lm_head whose
+    weight stays readable; quantized methods hold transformed values."""
+    assert route.module is not None
+    module = model.get_submodule(route.module)
+    if not computes_from_weight(module):
+        return False
+    method = getattr(module, "quant_method", None)
+    if method is not None and type(method).__name__ not in _PLAIN_METHODS:
+        return False
+    param = model.get_parameter(route.parameter or "")
+    return bool(param.is_contiguous())

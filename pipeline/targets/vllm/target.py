@@ -1,0 +1,365 @@
+"""A live vLLM engine as a deltasync target.
+
+``VllmTarget(llm)`` wraps an in-process ``vllm.LLM`` started with
+``worker_extension_cls="pipeline.targets.vllm.extension.DeltasyncWorkerExtension"``. Every
+operation is a ``collective_rpc`` to the extension's ``deltasync_*`` methods with
+plain data only, so the same code drives single-process, multi-process and
+tensor-parallel engines. vllm itself is never imported here.
+
+Applying a delta is two-phase across workers: ``prepare`` decodes and verifies the
+delta against each worker's checkpoint-named shadow and writes the shadow (the
+model untouched); only when every worker prepared does ``commit`` push the changed
+tensors into the model, after which the prefix cache is reset. A failed prepare
+aborts the others, so no worker is left ahead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load, save
+
+from pipeline import errors
+from pipeline.errors import DeltasyncError, MismatchError, TargetError
+from pipeline.format.manifest import Manifest, dtype_from_name, dtype_name
+from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
+from pipeline.targets.patching import check_objects
+from pipeline.targets.vllm.cpu import PLAIN_LINEAR_ENV
+from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
+from pipeline.targets.vllm.engine import as_driver
+
+log = structlog.get_logger(__name__)
+
+EXTENSION_CLS = "pipeline.targets.vllm.extension.DeltasyncWorkerExtension"
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+@contextlib.contextmanager
+def _engine_start_guard() -> Iterator[None]:
+    """Work around vLLM 0.32's CPU start-up scan of every module namespace.
+
+    At engine start the CPU platform walks ``sys.modules`` and calls
+    ``vars(value).get(...)`` on every value that has a ``__dict__``. Objects that
+    answer any attribute (llvmlite's ``binding.ffi.lib``, loaded with numba, which
+    the codec uses for its kernels) return a non-mapping there and the engine fails
+    to start. Such values are taken out of their modules while the engine starts
+    and put back afterwards.
+    """
+    hidden: list[tuple[dict[str, Any], str, object]] = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            try:
+                odd = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+            except Exception:  # vars() itself refusing is harmless to vLLM's scan
+                odd = False
+            if odd:
+                hidden.append((namespace, attr, value))
+                del namespace[attr]
+    try:
+        yield
+    finally:
+        for namespace, attr, value in hidden:
+            namespace[attr] = value
+
+
+def start_engine(*, cpu_plain_linear: bool = True, **llm_options: Any) -> Any:
+    """``vllm.LLM(**llm_options)`` with the deltasync worker extension (unless given)
+    and the start-up workaround above. Use it instead of ``LLM(...)`` in processes
+    that may already have used the codec.
+
+    ``cpu_plain_linear`` (CPU build only): keep linear weights as plain tensors
+    instead of prepacked kernel copies, so a delta is written in place rather than
+    reloading whole layers (``pipeline.targets.vllm.cpu``). It is passed to worker
+    processes through the environment, so it holds for the rest of this process.
+    """
+    from vllm import LLM
+
+    os.environ[PLAIN_LINEAR_ENV] = "1" if cpu_plain_linear else "0"
+    install_cpu_linear_hook()  # in-process workers; spawned ones install it on import
+    llm_options.setdefault("worker_extension_cls", EXTENSION_CLS)
+    with _engine_start_guard():
+        return LLM(**llm_options)
+
+
+def _raise(envelope: dict[str, Any]) -> None:
+    cls = getattr(errors, str(envelope.get("error")), None)
+    if not (isinstance(cls, type) and issubclass(cls, DeltasyncError)):
+        cls = TargetError
+    raise cls(str(envelope.get("message", "vLLM worker failed")))
+
+
+class VllmTarget:
+    """Checkpoint-named weights of a live vLLM engine (see module doc)."""
+
+    def __init__(
+        self,
+        llm: Any,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        expected_specs: Mapping[str, TensorSpec] | None = None,
+        background_prepare: bool = True,
+    ) -> None:
+        """``expected_specs``: the checkpoint tensors an engine that holds no deltasync
+        state yet (started on dummy weights) is to take; ``specs()`` answers them, once
+        the model's loader accepted every name, until ``load_state`` fills the engine."""
+        self.llm = llm
+        # A vllm.LLM, or a driver of a served engine (pipeline.targets.vllm.engine).
+        self.engine = as_driver(llm)
+        self.chunk_bytes = chunk_bytes
+        self.expected_specs = dict(expected_specs) if expected_specs is not None else None
+        # Decode and verify deltas on a worker thread while the engine serves (the
+        # pause is then the commit alone); False: one blocking prepare RPC.
+        self.background_prepare = background_prepare
+        self.version: int | None = None  # last applied version, when known
+        self._specs: dict[str, TensorSpec] | None = None
+        # Seconds spent in each phase of the last apply_delta (prepare, commit, reset).
+        self.last_timings: dict[str, float] = {}
+        self._early: dict[str, str] = {}  # key -> sha256 of objects the workers prove early
+
+    # --- RPC plumbing ---------------------------------------------------------------
+
+    def _envelopes(self, method: str, *args: object) -> list[dict[str, Any]]:
+        try:
+            answers = self.engine.collective_rpc(method, args)
+        except Exception as exc:
+            raise TargetError(f"vLLM collective_rpc {method} failed: {exc}") from exc
+        if not answers or not all(isinstance(a, dict) and "ok" in a for a in answers):
+            raise TargetError(
+                f"vLLM collective_rpc {method}: no deltasync answer (is the engine started "
+                f"with worker_extension_cls={EXTENSION_CLS!r}?)"
+            )
+        return list(answers)
+
+    def _call(self, method: str, *args: object) -> Any:
+        answers = self._envelopes(method, *args)
+        for answer in answers:
+            if not answer["ok"]:
+                _raise(answer)
+        return answers[0]["value"]
+
+    def _set_specs(self, plain: dict[str, list[Any]]) -> dict[str, TensorSpec]:
+        self._specs = {
+            name: TensorSpec(dtype_from_name(dtype), tuple(int(s) for s in shape))
+            for name, (dtype, shape) in plain.items()
+        }
+        return self._specs
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.engine.reset_prefix_cache():
+            raise TargetError("vLLM engine refused to reset its prefix cache (requests running?)")
+
+    # --- Target protocol -------------------------------------------------------------
+
+    def specs(self) -> dict[str, TensorSpec]:
+        if self._specs is None:
+            held = self._call("deltasync_specs")
+            if held is not None:
+                self._set_specs(held)
+            elif self.expected_specs is not None:
+                self._call("deltasync_check_names", _specs_plain(self.expected_specs))
+                return dict(self.expected_specs)
+            else:
+                raise TargetError("vLLM engine holds no deltasync state: call load_state first")
+        assert self._specs is not None
+        return dict(self._specs)
+
+    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights and the workers' shadow with ``tensors`` (a
+        complete checkpoint in HF names), sent as safetensors chunks."""
+        self._early = {}
+        self._call("deltasync_load_begin")
+        batch: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, tensor in tensors:
+            batch[name] = tensor.detach().to("cpu").contiguous()
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.chunk_bytes:
+                self._call("deltasync_load_chunk", save(batch))
+                batch, size = {}, 0
+        if batch:
+            self._call("deltasync_load_chunk", save(batch))
+        with self.engine.weights_change(None):  # the node names the version after
+            self._set_specs(self._call("deltasync_load_commit", True))
+            self._reset_prefix_cache()
+        self.version = None
+        log.info("vllm target loaded", tensors=len(self._specs or {}))
+
+    def load_model_files(self, version: int | None = None) -> None:
+        """Adopt the checkpoint files the engine was started from as the shadow.
+
+        Right only when the node knows which version those files hold: pass it,
+        and compare ``hashes()`` with that version's manifest before trusting it.
+        """
+        self._early = {}
+        self._set_specs(self._call("deltasync_load_files", None, False))
+        self.version = version
+
+    def load_files(self, paths: Sequence[str], version: int | None = None) -> None:
+        """Replace the engine's weights with safetensors files (or folders of them)
+        that the workers can read; cheaper than ``load_state`` on the same host."""
+        self._early = {}
+        with self.engine.weights_change(version):
+            self._set_specs(self._call("deltasync_load_files", [str(p) for p in paths], True))
+            self._reset_prefix_cache()
+        self.version = version
+
+    def apply_delta(
+        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+    ) -> ApplyReport:
+        if manifest.kind != "delta":
+            raise MismatchError(
+                f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
+            )
+        if self.version is not None and manifest.parent != self.version:
+            raise MismatchError(
+                f"delta {manifest.run} v{manifest.version} has parent {manifest.parent}, "
+                f"vLLM target holds v{self.version}"
+            )
+        request = delta_request(manifest, objects, verify, self._early)
+        self._early = {}  # the workers drop every early proof at this prepare
+        started = time.perf_counter()
+        prepared = self._prepare(request)
+        failed = [answer for answer in prepared if not answer["ok"]]
+        if failed:
+            if len(failed) < len(prepared):
+                self._envelopes("deltasync_abort")
+            _raise(failed[0])
+        decoded = time.perf_counter()
+        with self.engine.weights_change(manifest.version):
+            self._call("deltasync_commit")
+            committed = time.perf_counter()
+            self._reset_prefix_cache()
+        finished = time.perf_counter()  # a served engine's drain and resume included
+        # In the background mode the engine keeps serving while workers prepare:
+        # it is unavailable only from the commit on.
+        pause = finished - (decoded if self.background_prepare else started)
+        self.last_timings = {
+            "prepare_s": decoded - started,
+            "commit_s": committed - decoded,
+            "reset_s": finished - committed,
+        }
+        summary = prepared[0]["value"]
+        self.version = manifest.version
+        log.info(
+            "vllm target applied delta",
+            run=manifest.run,
+            version=manifest.version,
+            tensors=summary["tensors"],
+            changed=summary["changed"],
+            pause_s=round(pause, 6),
+        )
+        return ApplyReport(
+            manifest.version,
+            int(summary["tensors"]),
+            int(summary["changed"]),
+            pause,
+            early_tensors=int(summary.get("early_tensors", 0)),
+        )
+
+    def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
+        """Have every worker prove delta object ``key`` (bytes checked against
+        ``sha256``) against its shadow, on a thread of its own while the engine keeps
+        serving; answers at once. The next ``apply_delta`` lets the workers use the
+        proofs if its manifest lists the object with this sha256 and the shadow was
+        not written since. Call it from the thread that drives the engine. False when
+        a worker could not start it (busy with a delta, or holding no state)."""
+        answers = self._envelopes("deltasync_prove_start", key, data, sha256)
+        started = all(answer["ok"] and answer["value"] for answer in answers)
+        if started:
+            self._early[key] = sha256
+        return started
+
+    def _prepare(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker's prepare envelope: in one blocking RPC, or started on a
+        worker thread and polled, so the engine serves in between."""
+        if not self.background_prepare:
+            return self._envelopes("deltasync_prepare", request)
+        started = self._envelopes("deltasync_prepare_start", request)
+        results = self._wait_prepared(len(started))
+        failed = [answer for answer in started if not answer["ok"]]
+        if failed:
+            # The workers that did start have finished: undo them, report why.
+            self._envelopes("deltasync_abort")
+            _raise(failed[0])
+        return results
+
+    def _wait_prepared(self, workers: int) -> list[dict[str, Any]]:
+        """Poll until every worker's background prepare has answered."""
+        results: dict[int, dict[str, Any]] = {}
+        wait = 0.0005
+        while len(results) < workers:
+            for index, answer in enumerate(self._envelopes("deltasync_prepare_result")):
+                if index not in results and (not answer["ok"] or answer["value"] is not None):
+                    results[index] = answer
+            if len(results) < workers:
+                time.sleep(wait)
+                wait = min(wait * 2, 0.005)
+        return [results[index] for index in range(workers)]
+
+    def hashes(
+        self, names: Sequence[str] | None = None, algorithm: str | None = None
+    ) -> dict[str, str]:
+        answer: dict[str, str] = self._call(
+            "deltasync_hashes", None if names is None else list(names), algorithm
+        )
+        return answer
+
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        specs = self.specs()
+        chunk: list[str] = []
+        size = 0
+        for name, spec in specs.items():
+            chunk.append(name)
+            size += spec.dtype.itemsize * _numel(spec.shape)
+            if size >= self.chunk_bytes:
+                yield from load(self._call("deltasync_export", chunk)).items()
+                chunk, size = [], 0
+        if chunk:
+            yield from load(self._call("deltasync_export", chunk)).items()
+
+    def read_parameter(self, name: str) -> torch.Tensor | None:
+        """The engine's own bits of ``name`` where they are a plain tensor (rank 0's
+        slice), else None. For checks: proves in-place writes reached the model."""
+        blob = self._call("deltasync_read_param", name)
+        return None if blob is None else load(blob)[name]
+
+
+def delta_request(
+    manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode, early: Mapping[str, str]
+) -> dict[str, Any]:
+    """The workers' ``deltasync_prepare`` request for a delta whose objects were
+    downloaded (checked here: present, sizes and sha256). ``early``: key -> sha256
+    of the objects the workers proved early."""
+    check_objects(manifest, objects)
+    return {
+        "version": manifest.version,
+        "verify": verify,
+        "parent_state_hash": manifest.parent_state_hash,
+        "content_hash": manifest.content_hash,
+        "entries": [
+            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
+        ],
+        "objects": {o.key: objects[o.key] for o in manifest.objects},
+        "sha256": {},  # checked here already; workers check it on the JSON path
+        "early": {o.key: o.sha256 for o in manifest.objects if early.get(o.key) == o.sha256},
+    }
+
+
+def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
+    return {name: [dtype_name(s.dtype), list(s.shape)] for name, s in specs.items()}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -1,0 +1,155 @@
+"""The vLLM worker side's state and plain-data protocol (see ``vllm_extension``).
+
+Every RPC answers with an envelope, ``{"ok": True, "value": ...}`` or ``{"ok": False,
+"error": class name, "message": ...}``, so errors survive the trip whatever the
+executor. ``WorkerState`` is what each worker keeps: the shadow (checkpoint-named
+weights on CPU), its cached hashes, where each tensor lives in the model, early
+proofs of the next delta's parts, and a delta prepared but not yet committed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from pipeline.errors import DeltasyncError, MismatchError, TargetError
+from pipeline.format import content_hashes
+from pipeline.format.content_hashes import HashAlgorithm
+from pipeline.format.hashing import state_hash
+from pipeline.format.manifest import TensorEntry, dtype_name
+from pipeline.targets.base import TensorSpec
+from pipeline.targets.early_proofs import BackgroundProofs
+from pipeline.targets.patching import AppliedPatches
+from pipeline.targets.vllm.mapping import Placement, Route
+
+log = structlog.get_logger(__name__)
+
+Envelope = dict[str, Any]
+
+
+def ok(value: object = None) -> Envelope:
+    return {"ok": True, "value": value}
+
+
+def failed(exc: BaseException) -> Envelope:
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    name = type(exc).__name__ if isinstance(exc, DeltasyncError) else "TargetError"
+    if not isinstance(exc, DeltasyncError):
+        message = f"vLLM worker: {type(exc).__name__}: {message}"
+    return {"ok": False, "error": name, "message": message}
+
+
+def enveloped(call: Callable[[], object]) -> Envelope:
+    try:
+        return ok(call())
+    except Exception as exc:
+        log.warning("deltasync worker call failed", error=str(exc))
+        return failed(exc)
+
+
+@dataclass
+class Pending:
+    """A verified delta written to the shadow but not yet pushed into the model."""
+
+    version: int
+    applied: AppliedPatches
+    touched: list[str]
+
+
+@dataclass
+class WorkerState:
+    """What one vLLM worker holds for deltasync (kept on the worker object)."""
+
+    shadow: dict[str, torch.Tensor] = field(default_factory=dict)
+    hashes: dict[str, str] = field(default_factory=dict)  # cache; missing = not computed
+    # The run's content hash (named by its manifests); ``hashes`` holds this one's.
+    algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM
+    routes: dict[str, Route] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
+    staging: dict[str, torch.Tensor] | None = None
+    pending: Pending | None = None
+    loaded: bool = False
+    # A prepare running on a thread of its own while the engine keeps serving.
+    preparing: threading.Thread | None = None
+    prepared: Envelope | None = None
+    # Part hints proven against the shadow before their manifest (early start).
+    early: BackgroundProofs = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.early = BackgroundProofs(
+            lambda name: self.shadow[name], lambda: self.algorithm, self.hash_of
+        )
+
+    def busy(self) -> bool:
+        """A background prepare is running, or a prepared delta awaits its commit."""
+        thread = self.preparing
+        return self.pending is not None or (thread is not None and thread.is_alive())
+
+    def check_idle(self) -> None:
+        """Refuse to read or change the shadow while a background prepare writes it."""
+        thread = self.preparing
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            raise TargetError("vLLM worker: a delta is being prepared (wait for its result)")
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in self.shadow.items()}
+
+    def use(self, name: object) -> HashAlgorithm:
+        """Hash with the algorithm ``name`` (a manifest's ``content_hash``; None:
+        keep the one in use) from now on."""
+        if isinstance(name, str) and name != self.algorithm.name:
+            self.algorithm = content_hashes.get(name)
+            self.hashes = {}
+        return self.algorithm
+
+    def hash_of(self, name: str) -> str:
+        digest = self.hashes.get(name)
+        if digest is None:
+            digest = self.algorithm.full(self.shadow[name])
+            self.hashes[name] = digest
+        return digest
+
+
+def specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
+    return {n: [dtype_name(s.dtype), list(s.shape)] for n, s in specs.items()}
+
+
+def entry_from_list(item: list[Any]) -> TensorEntry:
+    name, dtype, shape, digest, key, changed = item
+    return TensorEntry(
+        str(name), str(dtype), tuple(int(s) for s in shape), str(digest), str(key), int(changed)
+    )
+
+
+def check_base(
+    state: WorkerState, entries: list[TensorEntry], parent_state_hash: object, verify: str
+) -> None:
+    """Catch a delta for another base before decoding: the unchanged tensors must
+    already hold their manifest hashes ("all": recomputed; "touched": cached)."""
+    for entry in entries:
+        if entry.changed:
+            continue
+        if entry.name not in state.shadow:
+            continue  # decode_entries reports it
+        spec_ok = dtype_name(state.shadow[entry.name].dtype) == entry.dtype
+        if not spec_ok:
+            continue
+        if verify == "all":
+            state.hashes.pop(entry.name, None)
+        if state.hash_of(entry.name) != entry.hash:
+            raise MismatchError(
+                f"tensor {entry.name}: held content hash differs from the manifest's "
+                "unchanged tensor (delta for another base version?)"
+            )
+    if isinstance(parent_state_hash, str) and parent_state_hash:
+        held = state_hash((n, state.hash_of(n)) for n in state.shadow)
+        if held != parent_state_hash:
+            raise MismatchError(
+                f"vLLM target state hash {held} is not the delta's parent state hash "
+                f"{parent_state_hash}"
+            )

@@ -1,0 +1,145 @@
+"""A run is bound to one store: a random run-instance id kept in the store and in Redis.
+
+The first publish of a run writes ``<run>/run.json`` (``{"instance": <32 hex>, "since":
+<version>}``) into the store, once, and records ``{"store": <url>, "instance": ...}``
+under ``deltasync:run:<run>:store`` in Redis, once. Every manifest published from
+then on carries the instance id (covered by its signature). A worker or node whose
+store holds another instance, or none, than Redis records for the run is refused with
+one line: two stores on one Redis cannot fork a run, and a run that reuses an old
+run's name and key does not accept the old run's signed versions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.coord.connection import redis_errors
+from pipeline.coord.events import check_run_name
+from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError
+from pipeline.format.bounded import load_json
+from pipeline.store.base import ObjectStore, put_if_absent, read_bounded
+from pipeline.versions import chain
+
+RECORD_NAME = "run.json"
+MAX_RECORD_BYTES = 4096
+INSTANCE_PATTERN = re.compile(r"^[0-9a-f]{32}$")
+
+
+class StoreBindingError(ConfigError):
+    """This process's store is not the one the run is bound to (no fault of a step)."""
+
+
+@dataclass(frozen=True)
+class RunInstance:
+    instance: str
+    since: int  # manifests of older versions predate instance ids and may lack one
+
+
+def record_key(run: str) -> str:
+    return f"{check_run_name(run)}/{RECORD_NAME}"
+
+
+def binding_key(run: str) -> str:
+    return f"deltasync:run:{check_run_name(run)}:store"
+
+
+def read_instance(store: ObjectStore, run: str) -> RunInstance | None:
+    """The run's instance record in ``store``, None if it has none; CorruptObjectError if
+    it is malformed."""
+    key = record_key(run)
+    try:
+        data = read_bounded(store, key, MAX_RECORD_BYTES, what="run record")
+    except ObjectNotFoundError:
+        return None
+    doc = load_json(data, max_bytes=MAX_RECORD_BYTES, what=key, error=CorruptObjectError)
+    instance = doc.get("instance") if isinstance(doc, dict) else None
+    since = doc.get("since") if isinstance(doc, dict) else None
+    if (
+        not isinstance(instance, str)
+        or not INSTANCE_PATTERN.match(instance)
+        or isinstance(since, bool)
+        or not isinstance(since, int)
+        or since < 0
+    ):
+        raise CorruptObjectError(f"run record {key} in {store.url} is malformed")
+    return RunInstance(instance, since)
+
+
+def ensure_instance(store: ObjectStore, run: str, since: int) -> RunInstance:
+    """The run's instance in ``store``, created (once, atomically where the backend can)
+    with ``since`` when there is none."""
+    found = read_instance(store, run)
+    if found is not None:
+        return found
+    doc = {"instance": secrets.token_hex(16), "since": since}
+    put_if_absent(store, record_key(run), json.dumps(doc, sort_keys=True).encode())
+    created = read_instance(store, run)
+    assert created is not None  # just written, by this call or a concurrent one
+    return created
+
+
+def bind(client: Any, run: str, store: ObjectStore, instance: RunInstance) -> None:
+    """Record ``store`` as the run's store in Redis unless one is recorded; ConfigError if
+    Redis binds the run to another instance."""
+    doc = json.dumps({"store": store.url, "instance": instance.instance}, sort_keys=True)
+    with redis_errors(client, f"binding run {run} to its store"):
+        client.set(binding_key(run), doc, nx=True)
+    check(client, run, store, instance)
+
+
+def bound(client: Any, run: str) -> tuple[str, str] | None:
+    """(store URL, instance) that Redis binds ``run`` to, or None."""
+    with redis_errors(client, f"reading the store of run {run}"):
+        raw = client.get(binding_key(run))
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        return str(doc["store"]), str(doc["instance"])
+    except (ValueError, TypeError, KeyError, RecursionError):
+        raise ConfigError(f"redis key {binding_key(run)} is malformed") from None
+
+
+def check(client: Any, run: str, store: ObjectStore, instance: RunInstance | None) -> None:
+    """ConfigError unless ``store`` (whose record is ``instance``) is the run's store."""
+    binding = bound(client, run)
+    if binding is None:
+        return
+    url, expected = binding
+    if instance is None or instance.instance != expected:
+        held = "no instance of it" if instance is None else f"instance {instance.instance[:8]}"
+        raise StoreBindingError(
+            f"run {run} is bound to store {url} (instance {expected[:8]}); this process's "
+            f"store {store.url} holds {held}: check DELTASYNC_STORE"
+        )
+
+
+def check_store(client: Any, run: str, store: ObjectStore) -> RunInstance | None:
+    """The run's instance after checking that ``store`` is the one Redis binds it to."""
+    instance = read_instance(store, run)
+    check(client, run, store, instance)
+    return instance
+
+
+def instance_for_publish(store: ObjectStore, run: str) -> RunInstance:
+    """The instance every new manifest of ``run`` carries; created with the run's first
+    publish (for a run older than instance ids: the first one after them, so that its
+    older manifests stay valid)."""
+    found = read_instance(store, run)
+    if found is not None:
+        return found
+    head = chain.list_versions(store, run).head
+    return ensure_instance(store, run, since=0 if head is None else head + 1)
+
+
+def bind_store(client: Any, run: str, store: ObjectStore) -> RunInstance:
+    """Before publishing to ``run``: StoreBindingError if Redis binds it to another
+    store (checked before anything is written here), else bind it to this one."""
+    check(client, run, store, read_instance(store, run))
+    instance = instance_for_publish(store, run)
+    bind(client, run, store, instance)
+    return instance

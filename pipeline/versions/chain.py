@@ -1,0 +1,375 @@
+"""The version chain of a run: list, resolve and reconstruct versions.
+
+Everything here works from the store alone (the store is the truth). A
+version V is rebuilt from the newest anchor at or below it plus the deltas
+after that anchor, found by following parent links down from V. The rebuild
+goes part by part (the run's fixed tensor->object partition), so memory is
+bounded by one part, and every tensor's content hash is checked against V's
+manifest before it is handed out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import structlog
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pipeline.codec import apply_patch, read_delta
+from pipeline.codec.anchor import anchor_tensors
+from pipeline.errors import (
+    ChainError,
+    CorruptObjectError,
+    ObjectNotFoundError,
+)
+from pipeline.format import content_hashes
+from pipeline.format.checkpoint_write import write_checkpoint, write_sharded
+from pipeline.format.hashing import sha256_bytes
+from pipeline.format.manifest import (
+    KIND_FOLDERS,
+    MAX_MANIFEST_BYTES,
+    Kind,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    check_run,
+    dtype_name,
+    manifest_key,
+)
+from pipeline.format.manifest_parse import load_manifest_json, parse_manifest
+from pipeline.format.signing import public_key_from, verify_signature
+from pipeline.logs import Throttle
+from pipeline.store.base import ObjectStore, read_bounded
+from pipeline.store.trust import store_key, verify_document
+
+log = structlog.get_logger(__name__)
+
+_MANIFEST_IN_FOLDER = re.compile(r"^(\d{10})/manifest\.json$")
+_VERSION_FOLDER = re.compile(r"^(\d{10})/")
+
+PublicKey = Ed25519PublicKey | bytes
+Part = tuple[str, list[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class VersionIndex:
+    """The versions of a run that exist (have a manifest), ascending."""
+
+    run: str
+    deltas: tuple[int, ...]
+    anchors: tuple[int, ...]
+
+    @property
+    def head(self) -> int | None:
+        return max((*self.deltas, *self.anchors), default=None)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.deltas) | set(self.anchors)))
+
+    def anchor_at_or_below(self, version: int) -> int | None:
+        return max((a for a in self.anchors if a <= version), default=None)
+
+
+def version_folders(store: ObjectStore, run: str, kind: Kind) -> dict[int, list[str]]:
+    """Every key under ``<run>/<kind folder>/``, grouped by version folder."""
+    prefix = f"{check_run(run)}/{KIND_FOLDERS[kind]}/"
+    folders: dict[int, list[str]] = {}
+    for key in store.list(prefix):
+        m = _VERSION_FOLDER.match(key[len(prefix) :]) if key.startswith(prefix) else None
+        if m is not None:
+            folders.setdefault(int(m.group(1)), []).append(key)
+    return folders
+
+
+def with_manifest(folders: dict[int, list[str]]) -> tuple[int, ...]:
+    return tuple(
+        sorted(
+            v
+            for v, keys in folders.items()
+            if any(k.endswith(f"/{v:010d}/manifest.json") for k in keys)
+        )
+    )
+
+
+def list_versions(store: ObjectStore, run: str) -> VersionIndex:
+    return VersionIndex(
+        run=run,
+        deltas=with_manifest(version_folders(store, run, "delta")),
+        anchors=with_manifest(version_folders(store, run, "anchor")),
+    )
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """How to build ``version``: ``anchor`` then ``deltas`` in order (oldest first)."""
+
+    run: str
+    version: int
+    anchor: Manifest
+    deltas: tuple[Manifest, ...]
+
+    @property
+    def target(self) -> Manifest:
+        """The manifest of ``version`` itself (its hashes are what a rebuild must match)."""
+        return self.deltas[-1] if self.deltas else self.anchor
+
+    @property
+    def manifests(self) -> tuple[Manifest, ...]:
+        return (self.anchor, *self.deltas)
+
+
+def load_manifest(
+    store: ObjectStore,
+    run: str,
+    kind: Kind,
+    version: int,
+    *,
+    public_key: PublicKey | None = None,
+) -> Manifest:
+    """Fetch and validate one manifest. With a key (``public_key``, else the one the
+    store is trusted with, see :mod:`pipeline.store.trust`) the order is: bounded bytes, then
+    the signature, then the schema; nothing unsigned is interpreted."""
+    key = manifest_key(run, kind, version)
+    try:
+        data = read_bounded(store, key, MAX_MANIFEST_BYTES, what="manifest")
+    except ObjectNotFoundError:
+        raise ObjectNotFoundError(f"manifest {key} does not exist in {store.url}") from None
+    trusted_key = public_key_from(public_key) if public_key is not None else store_key(store)
+    if trusted_key is not None:
+        doc = load_manifest_json(data, key)
+        verify_document(doc, trusted_key, f"{kind} {version} of run {run}")
+    manifest = parse_manifest(
+        data, expected_run=run, expected_version=version, expected_kind=kind, source=key
+    )
+    if trusted_key is not None:
+        verify_signature(manifest, trusted_key)
+    return manifest
+
+
+def resolve(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    *,
+    index: VersionIndex | None = None,
+    public_key: PublicKey | None = None,
+) -> ChainPlan:
+    """The newest anchor at or below ``version`` and the deltas after it, by parent links."""
+    index = index or list_versions(store, run)
+    anchors = set(index.anchors)
+    deltas = set(index.deltas)
+    if version in anchors:
+        anchor = load_manifest(store, run, "anchor", version, public_key=public_key)
+        return ChainPlan(run, version, anchor, ())
+    if version not in deltas:
+        raise ChainError(f"run {run} has no version {version} (head is {index.head})")
+    chain: list[Manifest] = []
+    current = version
+    while True:
+        try:
+            m = load_manifest(store, run, "delta", current, public_key=public_key)
+        except ObjectNotFoundError:
+            raise ChainError(
+                f"run {run}: version {version} needs delta {current}, which is missing"
+            ) from None
+        chain.append(m)
+        parent = m.parent
+        assert parent is not None  # parse_manifest guarantees deltas have parents
+        if parent in anchors:
+            try:
+                anchor = load_manifest(store, run, "anchor", parent, public_key=public_key)
+            except ObjectNotFoundError:
+                raise ChainError(
+                    f"run {run}: version {version} needs anchor {parent}, which is missing"
+                ) from None
+            break
+        if parent not in deltas:
+            raise ChainError(
+                f"run {run}: version {version} needs version {parent} (parent of {current}), "
+                "which is missing"
+            )
+        current = parent
+    chain.reverse()
+    plan = ChainPlan(run, version, anchor, tuple(chain))
+    _check_links(plan)
+    return plan
+
+
+def _check_links(plan: ChainPlan) -> None:
+    """Each delta must continue exactly the state its predecessor holds."""
+    previous = plan.anchor
+    for m in plan.deltas:
+        if m.parent_state_hash is not None and m.parent_state_hash != previous.state_hash:
+            raise ChainError(
+                f"run {plan.run}: delta {m.version} was made against a different state of "
+                f"version {previous.version}"
+            )
+        previous = m
+
+
+def fetch_object(store: ObjectStore, manifest: Manifest, entry: ObjectEntry) -> bytes:
+    """An object's bytes, checked against the manifest's size and sha256."""
+    key = manifest.object_key(entry.key)
+    try:
+        data = read_bounded(store, key, entry.size, what="object")
+    except ObjectNotFoundError:
+        raise CorruptObjectError(f"object {key} is missing from {store.url}") from None
+    if len(data) != entry.size:
+        raise CorruptObjectError(
+            f"object {key} is {len(data)} bytes, its manifest says {entry.size}"
+        )
+    if sha256_bytes(data) != entry.sha256:
+        raise CorruptObjectError(f"object {key} does not match its sha256")
+    return data
+
+
+def _check_same_tensors(plan: ChainPlan) -> None:
+    """Every manifest of the chain must describe the same tensors (names, dtypes, shapes)."""
+    target = {t.name: (t.dtype, t.shape) for t in plan.target.tensors}
+    for m in plan.manifests:
+        if m.content_hash != plan.target.content_hash:  # the first anchor fixes it
+            raise ChainError(
+                f"run {plan.run}: {m.kind} {m.version} hashes tensors with {m.content_hash}, "
+                f"version {plan.version} with {plan.target.content_hash}"
+            )
+        mine = {t.name: (t.dtype, t.shape) for t in m.tensors}
+        if mine != target:
+            diff = sorted(set(mine.items()) ^ set(target.items()))
+            raise ChainError(
+                f"run {plan.run}: {m.kind} {m.version} and version {plan.version} "
+                f"disagree about tensor {diff[0][0]!r}"
+            )
+
+
+def _load_anchor_tensors(
+    store: ObjectStore, anchor: Manifest, names: list[str], entries: dict[str, TensorEntry]
+) -> dict[str, torch.Tensor]:
+    wanted = set(names)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes = {t.name: (t.dtype, t.shape) for t in anchor.tensors}
+    for okey in dict.fromkeys(entries[n].object for n in names):
+        data = fetch_object(store, anchor, anchor.object_entry(okey))
+        for name, tensor in anchor_tensors(data, anchor.object_key(okey), shapes):
+            if name in wanted:
+                tensors[name] = tensor
+        del data
+    for name in names:
+        t = tensors.get(name)
+        e = entries[name]
+        if t is None:
+            raise CorruptObjectError(f"object {anchor.object_key(e.object)} lacks tensor {name!r}")
+        if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
+            raise CorruptObjectError(
+                f"object {anchor.object_key(e.object)}: tensor {name!r} is "
+                f"{t.dtype} {tuple(t.shape)}, its manifest says {e.dtype} {e.shape}"
+            )
+    return tensors
+
+
+def _apply_delta(
+    store: ObjectStore, delta: Manifest, names: list[str], tensors: dict[str, torch.Tensor]
+) -> None:
+    entries = {t.name: t for t in delta.tensors}
+    # An unchanged tensor needs nothing from this delta; its hash is checked at the end.
+    by_object: dict[str, list[str]] = {}
+    for n in names:
+        if entries[n].changed:
+            by_object.setdefault(entries[n].object, []).append(n)
+    for okey, members in by_object.items():
+        key = delta.object_key(okey)
+        obj = read_delta(fetch_object(store, delta, delta.object_entry(okey)), object_name=key)
+        for n in members:
+            apply_patch(tensors[n], obj.decode(n, tensors[n]))
+
+
+def reconstruct_parts(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    *,
+    plan: ChainPlan | None = None,
+    verify_hashes: bool = True,
+) -> Iterator[Part]:
+    """Version ``version`` part by part: (object key, [(name, tensor)]) in the target's
+    partition and tensor order. Each part's hashes are checked before it is yielded. A
+    long rebuild logs its progress (``logs.PROGRESS_EVERY_S``)."""
+    plan = plan or resolve(store, run, version)
+    _check_same_tensors(plan)
+    target = plan.target
+    target_entries = {t.name: t for t in target.tensors}
+    algorithm = content_hashes.of(target)
+    anchor_entries = {t.name: t for t in plan.anchor.tensors}
+    parts = target.parts()
+    progress = Throttle()
+    for done, (part_key, names) in enumerate(parts):
+        if progress.due():
+            log.info(
+                "rebuild progress",
+                run=run,
+                version=version,
+                parts_done=done,
+                parts=len(parts),
+                seconds=round(progress.elapsed, 1),
+            )
+        tensors = _load_anchor_tensors(store, plan.anchor, names, anchor_entries)
+        for delta in plan.deltas:
+            _apply_delta(store, delta, names, tensors)
+        if verify_hashes:
+            for n in names:
+                if algorithm.full(tensors[n]) != target_entries[n].hash:
+                    raise CorruptObjectError(
+                        f"run {run} version {version}: tensor {n!r} does not match its "
+                        "manifest hash after reconstruction"
+                    )
+        yield part_key, [(n, tensors.pop(n)) for n in names]
+
+
+def reconstruct_tensors(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    *,
+    plan: ChainPlan | None = None,
+    verify_hashes: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Version ``version`` tensor by tensor (held one part at a time), hashes verified."""
+    for _, tensors in reconstruct_parts(
+        store, run, version, plan=plan, verify_hashes=verify_hashes
+    ):
+        yield from tensors
+
+
+def reconstruct(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    out_path: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int | None = None,
+    by_part: bool = False,
+    overwrite: bool = False,
+) -> Manifest:
+    """Rebuild ``version`` into a checkpoint at ``out_path``, atomically and only if every
+    tensor hash matches. ``by_part`` writes one file per store part (named like the
+    objects, with an index); else one file, or HF shards of ``max_shard_bytes``."""
+    plan = resolve(store, run, version)
+    metadata = {"deltasync.run": run, "deltasync.version": str(version)}
+    parts = reconstruct_parts(store, run, version, plan=plan)
+    if by_part:
+        write_sharded(out_path, parts, metadata=metadata, overwrite=overwrite)
+    else:
+        tensors = (t for _, ts in parts for t in ts)
+        write_checkpoint(
+            out_path,
+            tensors,
+            max_shard_bytes=max_shard_bytes,
+            metadata=metadata,
+            overwrite=overwrite,
+        )
+    log.info("version reconstructed", run=run, version=version, out=str(out_path))
+    return plan.target

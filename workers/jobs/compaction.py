@@ -1,0 +1,73 @@
+"""The compaction job: turn a delta chain into an anchor, then collect garbage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rq import get_current_job
+
+from pipeline import metrics
+from pipeline.coord.events import AnchorAvailable
+from pipeline.coord.replicas import min_live_version, run_lock
+from pipeline.format.manifest import manifest_key
+from pipeline.logs import bind_context, get_logger
+from pipeline.publish.compaction import collect_garbage, compact
+from pipeline.testing import faults
+from pipeline.versions import binding as run_binding
+from workers import queues
+from workers.jobs.diff import publish_once
+from workers.runtime import current
+
+log = get_logger(__name__)
+
+# See workers/jobs/diff.py: a short lease, renewed while the job runs.
+LOCK_LEASE_S = 60.0
+LOCK_RENEW_S = 15.0
+LOCK_WAIT_S = 6 * 3600.0
+
+
+def compact_job(run: str, version: int | None = None, reason: str = "manual") -> dict[str, Any]:
+    """rq entry point; arguments are JSON. Returns a JSON summary."""
+    runtime = current()
+    settings = runtime.settings
+    job = get_current_job()
+    bind_context(run=run, version=version, job_id=job.id if job else None)
+    run_binding.check_store(runtime.redis, run, runtime.store)  # one store per run
+    with run_lock(
+        runtime.redis,
+        run,
+        "compact",
+        timeout_s=LOCK_LEASE_S,
+        wait_s=LOCK_WAIT_S,
+        renew_every_s=LOCK_RENEW_S,
+    ):
+        manifest = compact(
+            runtime.store,
+            run,
+            version,
+            signing_key=settings.signing_key(),
+            anchor_compression=settings.anchor_compression,
+        )
+        metrics.published(run, "anchor", manifest.total_bytes, None)
+        faults.point("compact.before_event")
+        r = runtime.redis
+        event = AnchorAvailable.now(
+            run=run,
+            version=manifest.version,
+            bytes=manifest.total_bytes,
+            manifest=manifest_key(run, "anchor", manifest.version),
+            reason=reason,
+        )
+        publish_once(runtime, f"deltasync:run:{run}:anchored:{manifest.version}", event)
+        faults.point("compact.before_gc")
+        live = min_live_version(r, run, settings.replica_ttl_s)
+        deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
+    runtime.redis.delete(queues.compaction_pending_key(run))
+    log.info("compaction done", anchor=manifest.version, deleted=len(deleted), oldest_live=live)
+    return {
+        "run": run,
+        "anchor": manifest.version,
+        "bytes": manifest.total_bytes,
+        "deleted": len(deleted),
+        "oldest_live_replica": live,
+    }

@@ -1,0 +1,291 @@
+"""The diff job: publish one trainer step as the run's next version."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import redis
+from rq import get_current_job
+
+from pipeline import metrics
+from pipeline.config import Settings
+from pipeline.coord.events import CompactionRequested, DeltaAvailable, Event
+from pipeline.coord.hints import publish_part
+from pipeline.coord.replicas import claim_once, run_lock
+from pipeline.coord.stream import EventStream
+from pipeline.errors import ConfigError
+from pipeline.format.manifest import Kind, Manifest, manifest_key
+from pipeline.logs import bind_context, get_logger
+from pipeline.publish import dead_letters
+from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import PublishResult, publish_step
+from pipeline.testing import faults
+from pipeline.versions import binding as run_binding
+from pipeline.versions import chain
+from pipeline.versions.policy import compaction_reason
+from workers import metrics_http, queues
+from workers.jobs import parallel_diff
+from workers.runtime import Runtime, current
+
+log = get_logger(__name__)
+
+# A short lease renewed while the job runs: a worker that dies stops holding the run
+# within a minute (at once on the same machine), not after the longest job.
+LOCK_LEASE_S = 60.0
+LOCK_RENEW_S = 15.0
+LOCK_WAIT_S = 3600.0
+# A policy compaction that never finishes (its worker died) stops blocking the next one.
+POLICY_PENDING_TTL_S = 3600.0
+ANNOUNCED_TTL_S = 30 * 24 * 3600
+
+
+def publish_once(runtime: Runtime, marker: str, event: Event) -> None:
+    """Append ``event`` unless ``marker`` says it was; event and marker in one MULTI,
+    which WATCHes the marker: of two workers announcing the same version at once, the
+    second finds the marker set and appends nothing."""
+    r = runtime.redis
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(marker)  # type: ignore[no-untyped-call]
+                if pipe.exists(marker):
+                    return
+                pipe.multi()
+                EventStream(r, event.run).publish(event, pipeline=pipe)
+                pipe.set(marker, 1, ex=ANNOUNCED_TTL_S)
+                pipe.execute()
+                return
+            except redis.WatchError:
+                continue  # set meanwhile: the check above now returns
+
+
+def announce(runtime: Runtime, manifest: Manifest) -> None:
+    """Publish ``delta-available`` for a version, at most once per version."""
+    event = DeltaAvailable.now(
+        run=manifest.run,
+        version=manifest.version,
+        kind=manifest.kind,
+        parent=manifest.parent,
+        anchor=manifest.anchor,
+        bytes=manifest.total_bytes,
+        changed=sum(t.changed for t in manifest.tensors),
+        total=sum(t.numel for t in manifest.tensors),
+        manifest=manifest_key(manifest.run, manifest.kind, manifest.version),
+    )
+    publish_once(runtime, _announced_key(manifest.run, manifest.version), event)
+
+
+def announce_parent(runtime: Runtime, manifest: Manifest) -> None:
+    """Announce the parent of ``manifest`` if it was emitted and nobody announced it: a
+    worker killed between a version's manifest and its event leaves it unannounced until
+    rq retries its job (the job timeout later), so the next version announces it first
+    and events stay in order. Versions published without an emit stay unannounced."""
+    parent = manifest.parent
+    if parent is None:
+        return
+    emitted = f"deltasync:run:{manifest.run}:emitted:{parent}"  # set by workers.trainer
+    if not runtime.redis.exists(emitted) or runtime.redis.exists(
+        _announced_key(manifest.run, parent)
+    ):
+        return
+    deltas = chain.list_versions(runtime.store, manifest.run).deltas
+    kind: Kind = "delta" if parent in deltas else "anchor"
+    announce(runtime, chain.load_manifest(runtime.store, manifest.run, kind, parent))
+    log.warning("announced a version its worker did not", version=parent)
+
+
+def _announced_key(run: str, version: int) -> str:
+    return f"deltasync:run:{run}:announced:{version}"
+
+
+def _job_id() -> str | None:
+    job = get_current_job()
+    return job.id if job is not None else None
+
+
+def diff_job(
+    run: str, step: int, checkpoint: str, owned: bool = False, level: int | None = None
+) -> dict[str, Any]:
+    """rq entry point; arguments are JSON. Returns a JSON summary.
+
+    Steps emitted before ``step`` and not yet published go first, in order: with
+    several diff workers the job of a later step may start first, and would
+    otherwise leave the earlier step behind the head (skipped as stale).
+    """
+    runtime = current()
+    pending = queues.pending_steps_key(run)
+    for earlier, args in _earlier_pending(runtime, run, step):
+        try:
+            _diff_one(runtime, run, earlier, **args)
+        except Exception as exc:
+            if dead_letters.is_transient(exc):
+                raise  # the services are the problem: this job is retried as a whole
+            # That step's own input is bad: set aside, so that later steps publish.
+            where = str(args.get("checkpoint"))
+            reason = dead_letters.record(runtime.redis, run, earlier, where, exc, pending)
+            log.warning("earlier step set aside", step=earlier, reason=reason)
+    try:
+        return _diff_one(runtime, run, step, checkpoint, owned, level)
+    except Exception as exc:
+        if dead_letters.is_transient(exc):
+            raise
+        metrics.refused(run, "diff", exc)
+        reason = dead_letters.record(runtime.redis, run, step, str(checkpoint), exc, pending)
+        raise dead_letters.PoisonStepError(
+            f"step {step} of run {run} set aside: {reason}"
+        ) from None
+
+
+def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, dict[str, Any]]]:
+    out: list[tuple[int, dict[str, Any]]] = []
+    for key, raw in runtime.redis.hgetall(queues.pending_steps_key(run)).items():
+        try:
+            earlier = int(key)
+            args = json.loads(raw)
+            out.append((earlier, {k: args[k] for k in ("checkpoint", "owned") if k in args}))
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            log.warning("malformed pending step set aside", run=run, entry=str(key)[:40])
+            name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+            if name.isdigit() and int(name) < step:
+                dead_letters.record(
+                    runtime.redis, run, int(name), "?", exc, queues.pending_steps_key(run)
+                )
+            else:
+                runtime.redis.hdel(queues.pending_steps_key(run), key)
+    return sorted((e, a) for e, a in out if e < step and "checkpoint" in a)
+
+
+def _diff_one(
+    runtime: Runtime,
+    run: str,
+    step: int,
+    checkpoint: str,
+    owned: bool = False,
+    level: int | None = None,
+) -> dict[str, Any]:
+    settings = runtime.settings
+    bind_context(run=run, version=step, job_id=_job_id())
+    path = Path(checkpoint)
+    check_checkpoint_root(settings, run, path)
+    # Only deltasync's own staging copies are moved or removed; never a user's checkpoint.
+    staged = owned and not settings.keep_staging and is_own_staging(settings, run, step, path)
+
+    announced: list[int] = []
+
+    def published(manifest: Manifest) -> None:
+        runtime.redis.hdel(queues.pending_steps_key(run), str(step))
+        runtime.redis.hdel(dead_letters.dead_steps_key(run), str(step))  # set aside before
+        faults.point("diff.before_announce")
+        announce_parent(runtime, manifest)
+        announce(runtime, manifest)
+        announced.append(manifest.version)
+        faults.point("diff.after_announce")
+
+    run_binding.bind_store(runtime.redis, run, runtime.store)  # one store per run
+    result: PublishResult
+    if settings.parallel_parts:
+        result = parallel_diff.publish_step_parallel(
+            runtime, run, step, path, level or settings.level
+        )
+    else:
+        with run_lock(
+            runtime.redis,
+            run,
+            "diff",
+            timeout_s=LOCK_LEASE_S,
+            wait_s=LOCK_WAIT_S,
+            renew_every_s=LOCK_RENEW_S,
+        ):
+            cache = StateCache(settings.cache_dir, run)
+            result = publish_step(
+                runtime.store,
+                run,
+                step,
+                path,
+                cache,
+                level=level or settings.level,
+                signing_key=settings.signing_key(),
+                part_bytes=settings.part_bytes,
+                on_published=published,
+                adopt=staged,
+                link=settings.cache_link,
+                anchor_compression=settings.anchor_compression,
+                on_part=lambda hint: publish_part(runtime.redis, hint),
+                content_hash=settings.content_hash,
+            )
+    if result.manifest is not None and result.manifest.version == step and not announced:
+        # Also after a crash between the manifest and the event: announce once.
+        published(result.manifest)
+    runtime.redis.hdel(queues.pending_steps_key(run), str(step))
+    if result.status == "published" and result.manifest is not None:
+        since = metrics_http.since_step_s(runtime.redis, run, step)
+        metrics.published(run, result.manifest.kind, result.bytes, since)
+    elif result.manifest is None:
+        metrics.refused(run, "diff", "stale-step")
+    if result.status == "published":
+        reason = compaction_reason(
+            runtime.store, run, step, settings.max_chain, settings.max_delta_fraction
+        )
+        # One policy compaction in flight per run: until it lands, every new step
+        # would otherwise ask again.
+        if reason is not None and claim_once(
+            runtime.redis, queues.compaction_pending_key(run), POLICY_PENDING_TTL_S
+        ):
+            request_compaction(runtime, run, step, reason, requested_by="policy")
+    if staged and result.status in ("published", "skipped") and path.exists():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    log.info("diff job done", status=result.status)
+    return result.summary()
+
+
+def check_checkpoint_root(settings: Settings, run: str, path: Path) -> None:
+    """ConfigError (the step is set aside) for a checkpoint outside the run's staging
+    folder and ``DELTASYNC_CHECKPOINT_ROOTS``, when that is set."""
+    if settings.checkpoint_roots is None:
+        return
+    resolved = path.resolve()
+    roots = [settings.staging_dir / run, *settings.checkpoint_roots]
+    if not any(resolved.is_relative_to(root.resolve()) for root in roots):
+        raise ConfigError(
+            f"checkpoint {str(path)[:200]} is outside the run's staging folder and "
+            "DELTASYNC_CHECKPOINT_ROOTS: refused"
+        )
+
+
+def is_own_staging(settings: Settings, run: str, step: int, path: Path) -> bool:
+    """True only for the folder the emitter writes this very step to,
+    ``<staging>/<run>/step-<step>``, compared after resolving: never the staging root, another
+    run's folder or a symlink out of it."""
+    own = settings.staging_dir.resolve() / run / f"step-{step:010d}"
+    return not path.is_symlink() and path.resolve() == own
+
+
+def diff_part_job(
+    run: str, step: int, checkpoint: str, part: str, parent_version: int
+) -> dict[str, Any]:
+    """rq entry point of one part of a parallel diff; arguments are JSON."""
+    bind_context(run=run, version=step, job_id=_job_id())
+    done = parallel_diff.work_on_part(current(), run, step, checkpoint, part, parent_version)
+    return {"run": run, "version": step, "part": part, "parts_encoded": done}
+
+
+def request_compaction(
+    runtime: Runtime, run: str, version: int, reason: str, *, requested_by: str
+) -> str:
+    """Enqueue a compaction job and announce it with ``compaction-requested``."""
+    r = runtime.redis
+    event = CompactionRequested.now(
+        run=run, version=version, reason=reason, requested_by=requested_by
+    )
+    with r.pipeline(transaction=True) as pipe:
+        # rq opens the transaction itself, so the job goes first.
+        job_id = queues.enqueue_compaction(
+            r, run, version, reason, requested_by=requested_by, pipeline=pipe
+        )
+        EventStream(r, run).publish(event, pipeline=pipe)
+        pipe.execute()
+    log.info("compaction requested", run=run, reason=reason, job_id=job_id)
+    return job_id
