@@ -1,0 +1,3 @@
+"""Coordination over Redis: connections, typed events and their stream, part hints,
+heartbeats and locks, failing nodes.
+"""

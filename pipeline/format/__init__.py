@@ -1,0 +1,3 @@
+"""Bytes at rest: tensor specs and dtypes, hashes, safetensors checkpoints, manifests and
+their signatures. Imports nothing above it.
+"""

@@ -1,0 +1,1 @@
+"""The one click group (main.py) and its commands."""

@@ -1,0 +1,3 @@
+"""The rq jobs: diff and compaction. Each decodes its arguments, calls pipeline/ and
+publishes the result.
+"""
