@@ -10,8 +10,10 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
-DIFF_QUEUE = "deltasync:diff"
-COMPACT_QUEUE = "deltasync:compact"
+from pipeline.coord import keys
+
+DIFF_QUEUE = keys.DIFF_QUEUE_NAME
+COMPACT_QUEUE = keys.COMPACT_QUEUE_NAME
 
 DIFF_JOB = "workers.jobs.diff.diff_job"
 DIFF_PART_JOB = "workers.jobs.diff.diff_part_job"
@@ -33,16 +35,6 @@ def _id_part(text: str) -> str:
     if safe != text:
         safe += "_" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return safe
-
-
-def pending_steps_key(run: str) -> str:
-    """Hash of emitted steps not yet published: step -> JSON diff-job arguments."""
-    return f"deltasync:run:{run}:pending-steps"
-
-
-def compaction_pending_key(run: str) -> str:
-    """Set while a policy compaction of ``run`` is queued or running."""
-    return f"deltasync:run:{run}:compaction-pending"
 
 
 def diff_job_id(run: str, step: int) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import Settings
+from pipeline.coord import keys
 from pipeline.coord.events import StepCompleted, check_run_name
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, ConfigError
@@ -133,7 +134,7 @@ class Emitter:
             "checkpoint": str(path),
             "owned": owned,
         }
-        marker = f"deltasync:run:{self.run}:emitted:{step}"
+        marker = keys.emitted_key(self.run, step)
         if r.exists(marker):
             # Best effort only: the diff job itself publishes each version once.
             log.warning("step already emitted, not sent again", run=self.run, step=step)
@@ -145,7 +146,7 @@ class Emitter:
             stream.publish(event, pipeline=pipe)
             pipe.set(marker, 1, ex=7 * 24 * 3600)
             # Lets whichever diff job runs first publish the steps in order.
-            pipe.hset(queues.pending_steps_key(self.run), str(step), json.dumps(kwargs))
+            pipe.hset(keys.pending_steps_key(self.run), str(step), json.dumps(kwargs))
             results = pipe.execute()
         event_id = results[at]
         event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)

@@ -7,6 +7,7 @@ from typing import Any
 from rq import get_current_job
 
 from pipeline import metrics
+from pipeline.coord import keys
 from pipeline.coord.events import AnchorAvailable
 from pipeline.coord.replicas import min_live_version, run_lock
 from pipeline.format.manifest import manifest_key
@@ -14,7 +15,6 @@ from pipeline.logs import bind_context, get_logger
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
-from workers import queues
 from workers.jobs.diff import publish_once
 from workers.runtime import current
 
@@ -58,11 +58,11 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
             manifest=manifest_key(run, "anchor", manifest.version),
             reason=reason,
         )
-        publish_once(runtime, f"deltasync:run:{run}:anchored:{manifest.version}", event)
+        publish_once(runtime, keys.anchored_key(run, manifest.version), event)
         faults.point("compact.before_gc")
         live = min_live_version(r, run, settings.replica_ttl_s)
         deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
-    runtime.redis.delete(queues.compaction_pending_key(run))
+    runtime.redis.delete(keys.compaction_pending_key(run))
     log.info("compaction done", anchor=manifest.version, deleted=len(deleted), oldest_live=live)
     return {
         "run": run,

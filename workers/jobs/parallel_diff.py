@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline.coord import keys
 from pipeline.coord.replicas import RunLock, _Renewer
 from pipeline.errors import DeltasyncError, LockError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
@@ -22,7 +23,6 @@ from pipeline.publish.parallel import (
     assemble,
     current_fanout,
     end_fanout,
-    parts_key,
     start_fanout,
     work_parts,
 )
@@ -69,10 +69,6 @@ def _help(runtime: Runtime, fanout: Fanout, first: str | None = None) -> int:
         return 0
 
 
-def _waiting_key(run: str) -> str:
-    return f"deltasync:run:{run}:diff-waiting"
-
-
 class _Line:
     """Diff jobs of a run waiting for its lease, smallest step first: a job whose
     lease key lapsed (its worker died) no longer holds up the steps after it."""
@@ -80,18 +76,21 @@ class _Line:
     LEASE_MS = 30_000
 
     def __init__(self, runtime: Runtime, run: str, step: int) -> None:
-        self.redis, self.key, self.step = runtime.redis, _waiting_key(run), step
+        self.redis, self.run, self.step = runtime.redis, run, step
+        self.key = keys.diff_waiting_key(run)
 
     def join(self) -> None:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(self.key, {str(self.step): self.step})
-            pipe.set(f"{self.key}:{self.step}", 1, px=self.LEASE_MS)
+            pipe.set(keys.diff_waiting_lease_key(self.run, self.step), 1, px=self.LEASE_MS)
             pipe.execute()
 
     def first(self) -> bool:
         for raw in self.redis.zrangebyscore(self.key, "-inf", self.step - 1):
             member = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if self.redis.exists(f"{self.key}:{member}"):
+            if member.isdigit() and self.redis.exists(
+                keys.diff_waiting_lease_key(self.run, int(member))
+            ):
                 return False
             self.redis.zrem(self.key, member)
         return True
@@ -99,7 +98,7 @@ class _Line:
     def leave(self) -> None:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.zrem(self.key, str(self.step))
-            pipe.delete(f"{self.key}:{self.step}")
+            pipe.delete(keys.diff_waiting_lease_key(self.run, self.step))
             pipe.execute()
 
 
@@ -166,7 +165,7 @@ def _coordinate(
         parts = parent.parts()
         for key, _ in parts:
             queues.enqueue_diff_part(r, run, step, str(checkpoint), key, head)
-        while r.hlen(parts_key(run, step, head)) < len(parts):
+        while r.hlen(keys.part_records_key(run, step, head)) < len(parts):
             try:
                 if work_parts(r, store, cache, fanout, parent) == 0:
                     time.sleep(IDLE_S)
