@@ -10,6 +10,7 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
+from pipeline import config
 from pipeline.coord import keys
 
 DIFF_QUEUE = keys.DIFF_QUEUE_NAME
@@ -21,8 +22,8 @@ COMPACT_JOB = "workers.jobs.compaction.compact_job"
 
 # Store or Redis hiccups: retried with backoff (needs a worker running its scheduler).
 JOB_RETRY = Retry(max=3, interval=[2, 10, 30])
-DIFF_TIMEOUT_S = 3600
-COMPACT_TIMEOUT_S = 6 * 3600
+DIFF_TIMEOUT_S = config.DIFF_JOB_TIMEOUT_S
+COMPACT_TIMEOUT_S = config.COMPACT_JOB_TIMEOUT_S
 
 
 def queue(connection: redis.Redis, name: str) -> Queue:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import config
 from pipeline.config import Settings
 from pipeline.coord import keys
 from pipeline.coord.events import StepCompleted, check_run_name
@@ -144,7 +145,7 @@ class Emitter:
             job_id = queues.enqueue_diff(r, kwargs, pipeline=pipe)
             at = len(pipe.command_stack)
             stream.publish(event, pipeline=pipe)
-            pipe.set(marker, 1, ex=7 * 24 * 3600)
+            pipe.set(marker, 1, ex=config.EMITTED_TTL_S)
             # Lets whichever diff job runs first publish the steps in order.
             pipe.hset(keys.pending_steps_key(self.run), str(step), json.dumps(kwargs))
             results = pipe.execute()

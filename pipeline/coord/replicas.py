@@ -22,6 +22,7 @@ from typing import Any
 import redis
 import structlog
 
+from pipeline.config import REPLICA_TTL_S
 from pipeline.coord import scripts
 from pipeline.coord.connection import redis_errors
 from pipeline.coord.keys import NODE_PATTERN, lock_key, replica_key, replicas_key
@@ -29,7 +30,7 @@ from pipeline.errors import ConfigError, DeltasyncError, LockError
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_TTL_S = 600.0
+DEFAULT_TTL_S = REPLICA_TTL_S
 
 
 def _ms(seconds: float) -> int:

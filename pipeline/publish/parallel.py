@@ -28,6 +28,7 @@ from typing import Any
 import redis
 import structlog
 
+from pipeline import config
 from pipeline.codec import encode_delta, read_delta
 from pipeline.coord.events import DeltaPart
 from pipeline.coord.hints import publish_part
@@ -67,9 +68,9 @@ from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
 
-PART_LEASE_S = 60.0
-PART_RENEW_S = 15.0
-FANOUT_TTL_S = 24 * 3600.0
+PART_LEASE_S = config.LOCK_LEASE_S
+PART_RENEW_S = config.LOCK_RENEW_S
+FANOUT_TTL_S = config.FANOUT_TTL_S
 
 
 def part_lock(step: int, index: int) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from rq import get_current_job
 
-from pipeline import metrics
+from pipeline import config, metrics
 from pipeline.coord import keys
 from pipeline.coord.events import AnchorAvailable
 from pipeline.coord.replicas import min_live_version, run_lock
@@ -20,11 +20,6 @@ from workers.runtime import current
 
 log = get_logger(__name__)
 
-# See workers/jobs/diff.py: a short lease, renewed while the job runs.
-LOCK_LEASE_S = 60.0
-LOCK_RENEW_S = 15.0
-LOCK_WAIT_S = 6 * 3600.0
-
 
 def compact_job(run: str, version: int | None = None, reason: str = "manual") -> dict[str, Any]:
     """rq entry point; arguments are JSON. Returns a JSON summary."""
@@ -37,9 +32,9 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
         runtime.redis,
         run,
         "compact",
-        timeout_s=LOCK_LEASE_S,
-        wait_s=LOCK_WAIT_S,
-        renew_every_s=LOCK_RENEW_S,
+        timeout_s=config.LOCK_LEASE_S,
+        wait_s=config.COMPACT_LOCK_WAIT_S,
+        renew_every_s=config.LOCK_RENEW_S,
     ):
         manifest = compact(
             runtime.store,

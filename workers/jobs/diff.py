@@ -10,7 +10,7 @@ from typing import Any
 import redis
 from rq import get_current_job
 
-from pipeline import metrics
+from pipeline import config, metrics
 from pipeline.config import Settings
 from pipeline.coord import keys
 from pipeline.coord.events import CompactionRequested, DeltaAvailable, Event
@@ -33,15 +33,6 @@ from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
 
-# A short lease renewed while the job runs: a worker that dies stops holding the run
-# within a minute (at once on the same machine), not after the longest job.
-LOCK_LEASE_S = 60.0
-LOCK_RENEW_S = 15.0
-LOCK_WAIT_S = 3600.0
-# A policy compaction that never finishes (its worker died) stops blocking the next one.
-POLICY_PENDING_TTL_S = 3600.0
-ANNOUNCED_TTL_S = 30 * 24 * 3600
-
 
 def publish_once(runtime: Runtime, marker: str, event: Event) -> None:
     """Append ``event`` unless ``marker`` says it was; event and marker in one MULTI,
@@ -56,7 +47,7 @@ def publish_once(runtime: Runtime, marker: str, event: Event) -> None:
                     return
                 pipe.multi()
                 EventStream(r, event.run).publish(event, pipeline=pipe)
-                pipe.set(marker, 1, ex=ANNOUNCED_TTL_S)
+                pipe.set(marker, 1, ex=config.ANNOUNCED_TTL_S)
                 pipe.execute()
                 return
             except redis.WatchError:
@@ -192,9 +183,9 @@ def _diff_one(
             runtime.redis,
             run,
             "diff",
-            timeout_s=LOCK_LEASE_S,
-            wait_s=LOCK_WAIT_S,
-            renew_every_s=LOCK_RENEW_S,
+            timeout_s=config.LOCK_LEASE_S,
+            wait_s=config.DIFF_LOCK_WAIT_S,
+            renew_every_s=config.LOCK_RENEW_S,
         ):
             cache = StateCache(settings.cache_dir, run)
             result = publish_step(
@@ -229,7 +220,7 @@ def _diff_one(
         # One policy compaction in flight per run: until it lands, every new step
         # would otherwise ask again.
         if reason is not None and claim_once(
-            runtime.redis, keys.compaction_pending_key(run), POLICY_PENDING_TTL_S
+            runtime.redis, keys.compaction_pending_key(run), config.POLICY_PENDING_TTL_S
         ):
             request_compaction(runtime, run, step, reason, requested_by="policy")
     if staged and result.status in ("published", "skipped") and path.exists():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline import config
 from pipeline.coord import keys
 from pipeline.coord.replicas import RunLock, _Renewer
 from pipeline.errors import DeltasyncError, LockError, MismatchError
@@ -34,9 +35,6 @@ from workers.runtime import Runtime
 
 log = get_logger(__name__)
 
-LOCK_LEASE_S = 60.0
-LOCK_RENEW_S = 15.0
-LOCK_WAIT_S = 3600.0
 IDLE_S = 0.1
 
 
@@ -73,7 +71,7 @@ class _Line:
     """Diff jobs of a run waiting for its lease, smallest step first: a job whose
     lease key lapsed (its worker died) no longer holds up the steps after it."""
 
-    LEASE_MS = 30_000
+    LEASE_MS = round(config.DIFF_LINE_LEASE_S * 1000)
 
     def __init__(self, runtime: Runtime, run: str, step: int) -> None:
         self.redis, self.run, self.step = runtime.redis, run, step
@@ -107,9 +105,9 @@ def publish_step_parallel(
 ) -> PublishResult:
     """Take the run's diff lease once no smaller step waits for it (helping the
     in-flight fan-out meanwhile) and publish ``step``."""
-    lock = RunLock(runtime.redis, run, "diff", LOCK_LEASE_S)
+    lock = RunLock(runtime.redis, run, "diff", config.LOCK_LEASE_S)
     line = _Line(runtime, run, step)
-    deadline = time.monotonic() + LOCK_WAIT_S
+    deadline = time.monotonic() + config.DIFF_LOCK_WAIT_S
     try:
         while True:
             line.join()
@@ -121,7 +119,7 @@ def publish_step_parallel(
             if fanout is None or _help(runtime, fanout) == 0:
                 time.sleep(IDLE_S)
         try:
-            with _Renewer(lock, LOCK_RENEW_S):
+            with _Renewer(lock, config.LOCK_RENEW_S):
                 return _coordinate(runtime, run, step, checkpoint, level)
         finally:
             lock.release()
