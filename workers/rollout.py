@@ -75,23 +75,22 @@ def run_rollout(
     """Run a rollout node until ``stop`` (or SIGINT/SIGTERM), or until
     ``options.until_version`` is applied. Returns the applied version. ``settings``
     default to the CLI's (its --home and other root options)."""
-    o = options
-    target_class(o.target)  # an unknown name fails here, listing the known ones
+    target_class(options.target)  # an unknown name fails here, listing the known ones
     settings = settings or current_runtime().settings
     if configure_logs:
         configure_logging(settings.log_level, json=settings.log_json)
-    node_id = o.node_id or default_node_id()
-    bind_context(run=o.run, node=node_id)
-    url = o.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
+    node_id = options.node_id or default_node_id()
+    bind_context(run=options.run, node=node_id)
+    url = options.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url)
-    store = open_node_store(settings, client, o.run, o.store_url)
+    store = open_node_store(settings, client, options.run, options.store_url)
     log.info(
         "rollout node starting",
-        target=o.target,
+        target=options.target,
         store=store.url,
         redis=redact_url(url),
-        device=o.device,
-        verify=o.verify,
+        device=options.device,
+        verify=options.verify,
         signatures="required" if settings.verify_key_path else "not checked",
     )
     if settings.verify_key_path is None:
@@ -102,33 +101,35 @@ def run_rollout(
     stop = stop or threading.Event()
     with _signals_stop(stop):
         built = _build_target(
-            o,
+            options,
             store,
             stop,
             settings.patch_memory_mb,
-            _refusal_reporter(EventStream(client, o.run), node_id),
+            _refusal_reporter(EventStream(client, options.run), node_id),
         )
         if built is None:
             return None  # stopped while waiting for the run's first anchor
         node = make_node(
             store,
-            o.run,
+            options.run,
             built,
             client,
             settings,
             node_id=node_id,
-            verify=o.verify,
-            poll_interval_s=o.poll_interval_s,
-            prefetch=o.prefetch,
-            early_start=o.early_start,
+            verify=options.verify,
+            poll_interval_s=options.poll_interval_s,
+            prefetch=options.prefetch,
+            early_start=options.early_start,
         )
         try:
-            applied = node.run(until_version=o.until_version, stop=stop)
+            applied = node.run(until_version=options.until_version, stop=stop)
         finally:
-            if o.dump_path is not None and node.applied_version is not None:
-                node.dump(o.dump_path)
-                log.info("weights dumped", path=str(o.dump_path), version=node.applied_version)
-            deregister_node(client, o.run, node_id)
+            if options.dump_path is not None and node.applied_version is not None:
+                node.dump(options.dump_path)
+                log.info(
+                    "weights dumped", path=str(options.dump_path), version=node.applied_version
+                )
+            deregister_node(client, options.run, node_id)
             client.close()
     log.info("rollout node stopped", version=applied)
     return applied
