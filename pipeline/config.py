@@ -1,14 +1,20 @@
-"""Typed settings from options and the environment, checked when built.
+"""Every setting of deltasync: typed, checked when built, read from one place.
 
 ``Settings.from_env(**overrides)`` reads ``DELTASYNC_*`` variables; an
 override (a command-line option) wins over the environment, and an override of
 ``None`` means "not given". Every bad value raises ``ConfigError`` naming the
 variable. ``configuration_reference()`` renders the table of variables that the
 README's configuration reference is copied from.
+
+Besides ``Settings``: the process variables that tune one component where it
+runs (S3 tuning, vLLM options, fault points; see ``PROCESS_VARIABLES``), and the
+leases and time-to-lives of the Redis coordination. No other module reads a
+``DELTASYNC_*`` variable; thread counts come from ``pipeline/cpus.py``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -27,6 +33,24 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_HOME = Path("~/.deltasync")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+
+# --------------------------------------------------------------------------- leases, TTLs
+# Run locks are short leases renewed while their job runs: a worker that dies stops
+# holding the run within a minute (at once on the same machine), not after the
+# longest job. Part claims of a parallel diff are run locks too.
+LOCK_LEASE_S = 60.0
+LOCK_RENEW_S = 15.0
+DIFF_LOCK_WAIT_S = 3600.0  # a diff job waits this long for the run's diff lock
+COMPACT_LOCK_WAIT_S = 6 * 3600.0
+DIFF_LINE_LEASE_S = 30.0  # a parallel diff job waiting its turn, unless it renews
+FANOUT_TTL_S = 24 * 3600.0  # a parallel diff's fan-out record and part records
+# A policy compaction that never finishes (its worker died) stops blocking the next one.
+POLICY_PENDING_TTL_S = 3600.0
+ANNOUNCED_TTL_S = 30 * 24 * 3600  # once-only markers of announced versions
+EMITTED_TTL_S = 7 * 24 * 3600  # markers of emitted steps
+REPLICA_TTL_S = 600.0  # default of DELTASYNC_REPLICA_TTL
+DIFF_JOB_TIMEOUT_S = 3600  # rq's timeout of one diff job
+COMPACT_JOB_TIMEOUT_S = 6 * 3600
 
 
 def _var(env: str, default: str, doc: str) -> dict[str, str]:
@@ -123,7 +147,7 @@ class Settings:
         ),
     )
     replica_ttl_s: float = field(
-        default=600.0,
+        default=REPLICA_TTL_S,
         metadata=_var(
             "DELTASYNC_REPLICA_TTL",
             "600",
@@ -485,6 +509,146 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "anchor_compression": _choice,
     "metrics_port": _int,
 }
+
+
+# --------------------------------------------------------------------------- a rollout node
+
+VERIFY_MODES = ("touched", "all", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutOptions:
+    """What one rollout node runs (``deltasync rollout``'s options), checked when built.
+
+    ``store_url`` and ``redis_url`` override the settings' (None: the settings';
+    without any Redis URL the embedded server of the data folder). ``early_start``
+    None means ``DELTASYNC_EARLY_START``. ``vllm_options`` are ``vllm.LLM`` keyword
+    arguments, over ``DELTASYNC_VLLM_OPTIONS``.
+    """
+
+    run: str
+    target: str = "torch"
+    node_id: str | None = None
+    store_url: str | None = None
+    redis_url: str | None = None
+    device: str = "cpu"
+    verify: str = "touched"
+    poll_interval_s: float = 2.0
+    until_version: int | None = None
+    dump_path: Path | None = None
+    model_path: Path | None = None
+    prefetch: bool = True
+    early_start: bool | None = None
+    vllm_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(
+                f"verify mode {self.verify!r} is not one of {', '.join(VERIFY_MODES)}"
+            )
+        if not self.poll_interval_s > 0:
+            raise ConfigError(f"poll interval must be positive, got {self.poll_interval_s}")
+
+
+# --------------------------------------------------------------------------- process variables
+# Read where they act, not part of Settings: a store opened from its URL alone, a
+# vLLM worker process that inherits the environment, a crash point in any process.
+
+S3_ENDPOINT_ENV = "DELTASYNC_S3_ENDPOINT"
+S3_PART_SIZE_ENV = "DELTASYNC_S3_PART_SIZE"
+S3_MAX_ATTEMPTS_ENV = "DELTASYNC_S3_MAX_ATTEMPTS"
+VLLM_OPTIONS_ENV = "DELTASYNC_VLLM_OPTIONS"
+VLLM_CPU_PLAIN_LINEAR_ENV = "DELTASYNC_VLLM_CPU_PLAIN_LINEAR"
+FAULT_ENV = "DELTASYNC_FAULT"
+FAULT_FILE_ENV = "DELTASYNC_FAULT_FILE"
+S3_DEFAULT_PART_SIZE = 64 << 20
+S3_DEFAULT_MAX_ATTEMPTS = 4
+
+PROCESS_VARIABLES: dict[str, str] = {
+    S3_ENDPOINT_ENV: "S3 endpoint URL (else AWS_ENDPOINT_URL, else AWS).",
+    S3_PART_SIZE_ENV: f"S3 multipart part size in bytes (default {S3_DEFAULT_PART_SIZE}).",
+    S3_MAX_ATTEMPTS_ENV: f"S3 attempts per request (default {S3_DEFAULT_MAX_ATTEMPTS}).",
+    VLLM_OPTIONS_ENV: "JSON object of vllm.LLM options for rollout nodes' engines.",
+    VLLM_CPU_PLAIN_LINEAR_ENV: "1: vLLM CPU workers keep linear weights plain (set by "
+    "deltasync for the processes vLLM starts).",
+    FAULT_ENV: "Tests: arm a crash point (name[@N]) for the life of the process.",
+    FAULT_FILE_ENV: "Tests: a file naming a crash point, read at each point.",
+}
+
+
+@dataclass(frozen=True)
+class S3Tuning:
+    endpoint: str | None
+    part_size: int
+    max_attempts: int
+
+
+def s3_tuning(env: Mapping[str, str] | None = None) -> S3Tuning:
+    """The S3 store's endpoint, part size and retries from the environment."""
+    environ = os.environ if env is None else env
+    endpoint = environ.get(S3_ENDPOINT_ENV) or environ.get("AWS_ENDPOINT_URL") or None
+    return S3Tuning(
+        endpoint=endpoint,
+        part_size=_env_int(environ, S3_PART_SIZE_ENV, S3_DEFAULT_PART_SIZE),
+        max_attempts=_env_int(environ, S3_MAX_ATTEMPTS_ENV, S3_DEFAULT_MAX_ATTEMPTS),
+    )
+
+
+def vllm_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``vllm.LLM`` options in ``DELTASYNC_VLLM_OPTIONS`` ({} when unset)."""
+    raw = (os.environ if env is None else env).get(VLLM_OPTIONS_ENV)
+    if not raw:
+        return {}
+    try:
+        extra = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{VLLM_OPTIONS_ENV} is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{VLLM_OPTIONS_ENV} must be a JSON object of LLM options")
+    return extra
+
+
+def vllm_cpu_plain_linear() -> bool:
+    """Whether vLLM CPU workers of this process keep linear weights plain."""
+    return os.environ.get(VLLM_CPU_PLAIN_LINEAR_ENV, "0") == "1"
+
+
+def set_vllm_cpu_plain_linear(on: bool) -> None:
+    """Set for this process and the worker processes vLLM starts (they inherit it)."""
+    os.environ[VLLM_CPU_PLAIN_LINEAR_ENV] = "1" if on else "0"
+
+
+def armed_fault() -> str | None:
+    """``DELTASYNC_FAULT``, read at each crash point (tests arm it at run time)."""
+    return os.environ.get(FAULT_ENV)
+
+
+def fault_file() -> str:
+    """``DELTASYNC_FAULT_FILE`` ("" when unset)."""
+    return os.environ.get(FAULT_FILE_ENV, "")
+
+
+def set_in_environment(name: str) -> bool:
+    """Whether the environment sets the variable of the Settings field ``name``."""
+    specs = {f.name: f for f in fields(Settings)}
+    if name not in specs:
+        raise ConfigError(f"unknown setting {name!r}")
+    return specs[name].metadata["env"] in os.environ
+
+
+def environment_variables() -> list[str]:
+    """Every ``DELTASYNC_*`` variable deltasync reads."""
+    return [f.metadata["env"] for f in fields(Settings)] + list(PROCESS_VARIABLES)
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def configuration_reference() -> str:

@@ -247,3 +247,25 @@ def test_header_parser_never_crashes(garbage: bytes, claimed: int) -> None:
         assert "fuzz" in str(e)
     else:
         assert header.data_start == 8 + claimed
+
+
+def test_one_dtype_table_agrees_with_torch_and_safetensors(tmp_path: Path) -> None:
+    from pipeline.format.tensors import BY_NAME, BY_SAFETENSORS, DTYPE_TABLE
+
+    assert len(BY_NAME) == len(BY_SAFETENSORS) == len(DTYPE_TABLE)
+    for row in DTYPE_TABLE:
+        assert row.width == row.dtype.itemsize == row.view.itemsize, row.name
+        assert str(row.dtype) == f"torch.{row.name}"
+        assert not row.view.is_floating_point
+        assert (row.exponent is None) == (not row.dtype.is_floating_point), row.name
+    # Our header codes are the ones safetensors itself writes and reads.
+    tensors = {row.name: torch.zeros(3, dtype=row.dtype) for row in DTYPE_TABLE}
+    path = tmp_path / "all.safetensors"
+    safetensors.torch.save_file(tensors, path)
+    header = json.loads(path.read_bytes()[8 : 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]])
+    for row in DTYPE_TABLE:
+        assert header[row.name]["dtype"] == row.safetensors, row.name
+    with CheckpointReader(path) as reader:
+        assert {n: reader.get(n).dtype for n in reader.names()} == {
+            r.name: r.dtype for r in DTYPE_TABLE
+        }

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from pipeline.config import Settings, configuration_reference
+from pipeline.config import (
+    S3Tuning,
+    Settings,
+    configuration_reference,
+    environment_variables,
+    s3_tuning,
+    vllm_options,
+)
 from pipeline.errors import ConfigError
 
 
@@ -145,3 +153,36 @@ def test_every_field_is_documented() -> None:
         assert spec.metadata["doc"]
         assert f"`{spec.metadata['env']}`" in reference
         assert f"``{spec.name}``" in doc
+
+
+def test_every_variable_is_read_in_config_alone() -> None:
+    """One settings source: each DELTASYNC_* name the code mentions is declared in
+    pipeline/config.py, and no other module reads the environment for one."""
+    declared = set(environment_variables())
+    assert len(declared) == len(environment_variables())
+    repo = Path(__file__).resolve().parents[1]
+    for path in sorted([*repo.glob("pipeline/**/*.py"), *repo.glob("workers/**/*.py")]):
+        text = path.read_text()
+        named = set(re.findall(r"DELTASYNC_[A-Z0-9_]+", text))
+        assert named <= declared, f"{path.relative_to(repo)}: {sorted(named - declared)}"
+        if path.name == "config.py" and path.parent.name == "pipeline":
+            continue
+        for line in text.splitlines():
+            if re.search(r"os\.environ\b|getenv\(", line):
+                assert "DELTASYNC" not in line, f"{path}: {line.strip()}"
+                assert not re.search(r"[A-Z]_ENV\b", line), f"{path}: {line.strip()}"
+
+
+def test_process_variables(tmp_path: Path) -> None:
+    tuning = s3_tuning({"AWS_ENDPOINT_URL": "http://aws", "DELTASYNC_S3_PART_SIZE": "6291456"})
+    assert tuning == S3Tuning(endpoint="http://aws", part_size=6 << 20, max_attempts=4)
+    assert s3_tuning({"DELTASYNC_S3_ENDPOINT": "http://s3", "AWS_ENDPOINT_URL": "x"}).endpoint == (
+        "http://s3"
+    )
+    with pytest.raises(ConfigError, match="DELTASYNC_S3_MAX_ATTEMPTS"):
+        s3_tuning({"DELTASYNC_S3_MAX_ATTEMPTS": "many"})
+    assert vllm_options({}) == {}
+    assert vllm_options({"DELTASYNC_VLLM_OPTIONS": '{"seed": 1}'}) == {"seed": 1}
+    for bad in ("{", "[1]"):
+        with pytest.raises(ConfigError, match="DELTASYNC_VLLM_OPTIONS"):
+            vllm_options({"DELTASYNC_VLLM_OPTIONS": bad})

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from pipeline.config import Settings
+from pipeline.coord import keys
 from pipeline.coord.connection import redis_client
 from pipeline.format.checkpoint_write import write_checkpoint
-from pipeline.publish.dead_letters import dead_steps_key, list_dead
+from pipeline.publish.dead_letters import list_dead
 from pipeline.store import open_store
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
@@ -40,7 +41,7 @@ def test_poison_steps_are_set_aside_and_later_steps_publish(tmp_path: Path, redi
     r = redis_client(redis_url)
     store = open_store(settings.store_url)
     emitter = Emitter(run, settings=settings)
-    pending = queues.pending_steps_key(run)
+    pending = keys.pending_steps_key(run)
 
     # Other runs' unpublished work in staging, which must survive.
     other = settings.staging_dir / "other-run" / "step-0000000007"
@@ -82,7 +83,7 @@ def test_poison_steps_are_set_aside_and_later_steps_publish(tmp_path: Path, redi
     tail = cli(env, "tail", "--run", run, "--type", "step-failed")
     assert tail.returncode == 0, tail.stderr
     assert tail.stdout.count("step-failed") == 5
-    assert r.hlen(dead_steps_key(run)) == 5
+    assert r.hlen(keys.dead_steps_key(run)) == 5
 
 
 def test_only_the_steps_own_staging_folder_is_removed(tmp_path: Path, redis_url: str) -> None:

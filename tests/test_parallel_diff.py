@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pipeline.config import Settings
+from pipeline.coord import keys
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import DeltaAvailable, parse_event
 from pipeline.coord.hints import channel as part_channel
@@ -34,7 +35,6 @@ from pipeline.publish.parallel import (
     current_fanout,
     encode_part,
     part_lock,
-    parts_key,
     start_fanout,
     work_parts,
 )
@@ -158,13 +158,13 @@ def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
     assert work_parts(r, store, cache, fanout, parent) == len(parent.objects) >= 3
     assert work_parts(r, store, cache, fanout, parent) == 0, "each part encoded once"
     missing = parent.objects[1].key
-    record = r.hget(parts_key("run", 1, 0), missing)
-    r.hdel(parts_key("run", 1, 0), missing)
+    record = r.hget(keys.part_records_key("run", 1, 0), missing)
+    r.hdel(keys.part_records_key("run", 1, 0), missing)
     with pytest.raises(ChainError, match="not recorded"):
         assemble(r, store, fanout, parent, None)
     assert not store.exists(manifest_key("run", "delta", 1))
     assert record is not None
-    r.hset(parts_key("run", 1, 0), missing, record)
+    r.hset(keys.part_records_key("run", 1, 0), missing, record)
     manifest = assemble(r, store, fanout, parent, None)
     assert manifest.objects == single.objects
     heard = []

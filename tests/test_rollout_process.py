@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.config import RolloutOptions
 from pipeline.coord.connection import redis_client
 from pipeline.coord.replicas import list_replicas
 from pipeline.errors import ConfigError
@@ -119,7 +120,9 @@ def publish_versions_after(
 
 def test_unknown_target_and_bad_options_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="known targets: torch, vllm"):
-        run_rollout(run=RUN, target="tpu", store_url=(tmp_path / "s").as_uri(),
-                    redis_url="redis://127.0.0.1:1/0")  # fmt: skip
+        run_rollout(RolloutOptions(run=RUN, target="tpu", store_url=(tmp_path / "s").as_uri(),
+                                   redis_url="redis://127.0.0.1:1/0"))  # fmt: skip
     with pytest.raises(ConfigError, match="verify"):
-        run_rollout(run=RUN, verify="some", store_url=(tmp_path / "s").as_uri())
+        RolloutOptions(run=RUN, verify="some", store_url=(tmp_path / "s").as_uri())
+    with pytest.raises(ConfigError, match="poll interval"):
+        RolloutOptions(run=RUN, poll_interval_s=0)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pipeline.config import Settings
+from pipeline.coord import keys
 from pipeline.coord.connection import redis_client
 from pipeline.errors import ChainError, SignatureError
 from pipeline.format.checkpoint_write import write_checkpoint
@@ -29,7 +30,6 @@ from pipeline.targets.torch import TorchTarget
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
-from workers import queues
 from workers.trainer import Emitter
 
 RUN = "bound"
@@ -89,7 +89,7 @@ def test_a_worker_and_a_node_on_another_store_refuse(tmp_path: Path, redis_url: 
         wait_for(refused, "the worker on store b to refuse")
     assert chain.list_versions(store_b, RUN).head is None  # no fork: nothing published
     assert not store_b.exists(run_binding.record_key(RUN))
-    assert r.hexists(queues.pending_steps_key(RUN), "1")  # left for the right worker
+    assert r.hexists(keys.pending_steps_key(RUN), "1")  # left for the right worker
 
     out = cli(env_b, "rollout", "--run", RUN, "--until", "0", "--poll", "0.3")
     assert out.returncode != 0

@@ -17,6 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from pipeline.config import set_in_environment
 from pipeline.coord.events import (
     AnchorAvailable,
     DeltaApplied,
@@ -192,7 +193,7 @@ class Demo:
     # the run ----------------------------------------------------------------
     def execute(self) -> bool:
         opts = self.options
-        if "DELTASYNC_LOG_LEVEL" not in os.environ:
+        if not set_in_environment("log_level"):
             # The live view is the demo's output; the trainer's own logs would interleave.
             configure_logging("warning")
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -309,7 +310,7 @@ class Demo:
         for error in self.errors:
             self.console.print(f"[yellow]replica error (recovered or reported):[/] {error}")
         home = self.runtime.settings.data_dir
-        env = "" if "DELTASYNC_HOME" not in os.environ else f"DELTASYNC_HOME={home} "
+        env = f"DELTASYNC_HOME={home} " if set_in_environment("data_dir") else ""
         self.console.print(
             f"\ndata folder: {home} (store: {self.runtime.settings.store_url}, "
             f"logs: {self.folder / 'logs'})\ntry next:\n"

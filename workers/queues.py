@@ -10,8 +10,11 @@ import redis
 from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
-DIFF_QUEUE = "deltasync:diff"
-COMPACT_QUEUE = "deltasync:compact"
+from pipeline import config
+from pipeline.coord import keys
+
+DIFF_QUEUE = keys.DIFF_QUEUE_NAME
+COMPACT_QUEUE = keys.COMPACT_QUEUE_NAME
 
 DIFF_JOB = "workers.jobs.diff.diff_job"
 DIFF_PART_JOB = "workers.jobs.diff.diff_part_job"
@@ -19,8 +22,8 @@ COMPACT_JOB = "workers.jobs.compaction.compact_job"
 
 # Store or Redis hiccups: retried with backoff (needs a worker running its scheduler).
 JOB_RETRY = Retry(max=3, interval=[2, 10, 30])
-DIFF_TIMEOUT_S = 3600
-COMPACT_TIMEOUT_S = 6 * 3600
+DIFF_TIMEOUT_S = config.DIFF_JOB_TIMEOUT_S
+COMPACT_TIMEOUT_S = config.COMPACT_JOB_TIMEOUT_S
 
 
 def queue(connection: redis.Redis, name: str) -> Queue:
@@ -33,16 +36,6 @@ def _id_part(text: str) -> str:
     if safe != text:
         safe += "_" + hashlib.sha256(text.encode()).hexdigest()[:8]
     return safe
-
-
-def pending_steps_key(run: str) -> str:
-    """Hash of emitted steps not yet published: step -> JSON diff-job arguments."""
-    return f"deltasync:run:{run}:pending-steps"
-
-
-def compaction_pending_key(run: str) -> str:
-    """Set while a policy compaction of ``run`` is queued or running."""
-    return f"deltasync:run:{run}:compaction-pending"
 
 
 def diff_job_id(run: str, step: int) -> str:

@@ -13,7 +13,6 @@ them; options in ``vllm_engine_options``).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -27,7 +26,8 @@ import redis
 import structlog
 import torch
 
-from pipeline.config import Settings
+from pipeline.config import RolloutOptions, Settings
+from pipeline.config import vllm_options as env_vllm_options
 from pipeline.coord.connection import redact_url, redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.replicas import forget_replica
@@ -66,50 +66,31 @@ def state_path_for(data_dir: Path, run: str, node_id: str) -> Path:
 
 
 def run_rollout(
+    options: RolloutOptions,
     *,
-    run: str,
-    target: str = "torch",
-    node_id: str | None = None,
-    store_url: str | None = None,
-    redis_url: str | None = None,
-    device: str = "cpu",
-    verify: str = "touched",
-    poll_interval_s: float = 2.0,
-    until_version: int | None = None,
-    dump_path: Path | None = None,
-    model_path: Path | None = None,
-    prefetch: bool = True,
     settings: Settings | None = None,
-    vllm_options: Mapping[str, Any] | None = None,
     stop: threading.Event | None = None,
     configure_logs: bool = False,
-    early_start: bool | None = None,
 ) -> int | None:
-    """Run a rollout node until ``stop`` (or SIGINT/SIGTERM), or until ``until_version``
-    is applied. Returns the applied version. ``store_url``/``redis_url`` override the
-    settings; without a Redis URL an embedded server in the data folder is used.
-    ``early_start`` overrides ``DELTASYNC_EARLY_START``."""
-    if verify not in ("touched", "all", "none"):
-        raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
-    if poll_interval_s <= 0:
-        raise ConfigError(f"poll interval must be positive, got {poll_interval_s}")
-    target_class(target)  # an unknown name fails here, listing the known ones
-    # The CLI's settings (its --home and other root options) when it set them up.
+    """Run a rollout node until ``stop`` (or SIGINT/SIGTERM), or until
+    ``options.until_version`` is applied. Returns the applied version. ``settings``
+    default to the CLI's (its --home and other root options)."""
+    target_class(options.target)  # an unknown name fails here, listing the known ones
     settings = settings or current_runtime().settings
     if configure_logs:
         configure_logging(settings.log_level, json=settings.log_json)
-    node_id = node_id or default_node_id()
-    bind_context(run=run, node=node_id)
-    url = redis_url or settings.redis_url or ensure_redis(settings.data_dir)
+    node_id = options.node_id or default_node_id()
+    bind_context(run=options.run, node=node_id)
+    url = options.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url)
-    store = open_node_store(settings, client, run, store_url)
+    store = open_node_store(settings, client, options.run, options.store_url)
     log.info(
         "rollout node starting",
-        target=target,
+        target=options.target,
         store=store.url,
         redis=redact_url(url),
-        device=device,
-        verify=verify,
+        device=options.device,
+        verify=options.verify,
         signatures="required" if settings.verify_key_path else "not checked",
     )
     if settings.verify_key_path is None:
@@ -120,37 +101,35 @@ def run_rollout(
     stop = stop or threading.Event()
     with _signals_stop(stop):
         built = _build_target(
-            target,
+            options,
             store,
-            run,
-            device,
-            model_path,
-            vllm_options,
             stop,
             settings.patch_memory_mb,
-            _refusal_reporter(EventStream(client, run), node_id),
+            _refusal_reporter(EventStream(client, options.run), node_id),
         )
         if built is None:
             return None  # stopped while waiting for the run's first anchor
         node = make_node(
             store,
-            run,
+            options.run,
             built,
             client,
             settings,
             node_id=node_id,
-            verify=verify,
-            poll_interval_s=poll_interval_s,
-            prefetch=prefetch,
-            early_start=early_start,
+            verify=options.verify,
+            poll_interval_s=options.poll_interval_s,
+            prefetch=options.prefetch,
+            early_start=options.early_start,
         )
         try:
-            applied = node.run(until_version=until_version, stop=stop)
+            applied = node.run(until_version=options.until_version, stop=stop)
         finally:
-            if dump_path is not None and node.applied_version is not None:
-                node.dump(dump_path)
-                log.info("weights dumped", path=str(dump_path), version=node.applied_version)
-            deregister_node(client, run, node_id)
+            if options.dump_path is not None and node.applied_version is not None:
+                node.dump(options.dump_path)
+                log.info(
+                    "weights dumped", path=str(options.dump_path), version=node.applied_version
+                )
+            deregister_node(client, options.run, node_id)
             client.close()
     log.info("rollout node stopped", version=applied)
     return applied
@@ -245,21 +224,18 @@ def _refusal_reporter(events: EventStream, node_id: str) -> Refused:
 
 
 def _build_target(
-    name: str,
+    options: RolloutOptions,
     store: ObjectStore,
-    run: str,
-    device: str,
-    model_path: Path | None,
-    vllm_options: Mapping[str, Any] | None,
     stop: threading.Event,
     patch_memory_mb: int,
     refused: Refused | None = None,
 ) -> Target | None:
+    name, run, device, model_path = options.target, options.run, options.device, options.model_path
     cls = target_class(name)  # ConfigError listing the known targets
     if name == "vllm":
         if model_path is None:
             raise ConfigError("--target vllm needs --model (a model folder with config.json)")
-        llm = _start_vllm(model_path, vllm_options or {})
+        llm = _start_vllm(model_path, options.vllm_options)
         # Until the bootstrap loads it, the engine holds no checkpoint-named state:
         # it is expected to take the run's tensors (the model's loader checks names).
         specs = _anchor_specs(store, run, stop, refused)
@@ -332,7 +308,6 @@ def _anchor_specs(
     return None
 
 
-VLLM_OPTIONS_ENV = "DELTASYNC_VLLM_OPTIONS"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -355,15 +330,7 @@ def vllm_engine_options(model_path: Path, options: Mapping[str, Any]) -> dict[st
         kwargs["skip_tokenizer_init"] = True
     if _vllm_on_cpu():
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=256 << 20)
-    raw = os.environ.get(VLLM_OPTIONS_ENV)
-    if raw:
-        try:
-            extra = json.loads(raw)
-        except ValueError as exc:
-            raise ConfigError(f"{VLLM_OPTIONS_ENV} is not JSON: {exc}") from None
-        if not isinstance(extra, dict):
-            raise ConfigError(f"{VLLM_OPTIONS_ENV} must be a JSON object of LLM options")
-        kwargs.update(extra)
+    kwargs.update(env_vllm_options())
     kwargs.update(options)
     return kwargs
 

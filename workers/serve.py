@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -30,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.config import Settings
+from pipeline.config import Settings, set_vllm_cpu_plain_linear
 from pipeline.coord.connection import redact_url, redis_client
 from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.format.hashing import state_hash
@@ -38,7 +37,6 @@ from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
 from pipeline.rollout.node import RolloutNode
 from pipeline.store.base import ObjectStore
-from pipeline.targets.vllm.cpu import PLAIN_LINEAR_ENV
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.engine import ServedEngine, VersionGate
 from pipeline.targets.vllm.target import EXTENSION_CLS, VllmTarget, _engine_start_guard
@@ -206,7 +204,7 @@ def run_serve(
     log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
     # Keep CPU linear weights plain, so deltas are written in place; spawned engine
     # processes inherit the variable and install the hook with the extension.
-    os.environ[PLAIN_LINEAR_ENV] = "1"
+    set_vllm_cpu_plain_linear(True)
     install_cpu_linear_hook()
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 

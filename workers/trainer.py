@@ -21,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline import config
 from pipeline.config import Settings
+from pipeline.coord import keys
 from pipeline.coord.events import StepCompleted, check_run_name
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, ConfigError
@@ -133,7 +135,7 @@ class Emitter:
             "checkpoint": str(path),
             "owned": owned,
         }
-        marker = f"deltasync:run:{self.run}:emitted:{step}"
+        marker = keys.emitted_key(self.run, step)
         if r.exists(marker):
             # Best effort only: the diff job itself publishes each version once.
             log.warning("step already emitted, not sent again", run=self.run, step=step)
@@ -143,9 +145,9 @@ class Emitter:
             job_id = queues.enqueue_diff(r, kwargs, pipeline=pipe)
             at = len(pipe.command_stack)
             stream.publish(event, pipeline=pipe)
-            pipe.set(marker, 1, ex=7 * 24 * 3600)
+            pipe.set(marker, 1, ex=config.EMITTED_TTL_S)
             # Lets whichever diff job runs first publish the steps in order.
-            pipe.hset(queues.pending_steps_key(self.run), str(step), json.dumps(kwargs))
+            pipe.hset(keys.pending_steps_key(self.run), str(step), json.dumps(kwargs))
             results = pipe.execute()
         event_id = results[at]
         event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)

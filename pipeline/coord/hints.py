@@ -17,7 +17,8 @@ from typing import Any
 import redis
 import structlog
 
-from pipeline.coord.events import DeltaPart, check_run_name, parse_event
+from pipeline.coord.events import DeltaPart, parse_event
+from pipeline.coord.keys import part_hints_channel
 from pipeline.errors import EventError
 
 log = structlog.get_logger(__name__)
@@ -26,7 +27,7 @@ _LISTEN_S = 1.0  # longest wait between checks of the stop flag
 
 
 def channel(run: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:parts"
+    return part_hints_channel(run)
 
 
 def publish_part(client: redis.Redis, hint: DeltaPart) -> None:

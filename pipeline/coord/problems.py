@@ -16,30 +16,12 @@ from typing import Any
 
 import redis
 
+from pipeline.coord import scripts
 from pipeline.coord.connection import redis_errors
-from pipeline.coord.events import check_run_name
-from pipeline.coord.replicas import DEFAULT_TTL_S, NODE_PATTERN, check_node_name
+from pipeline.coord.keys import NODE_PATTERN, failing_index_key, failing_key
+from pipeline.coord.replicas import DEFAULT_TTL_S
 
-# The first failure of a streak sets "since"; every failure renews the rest.
-_FAILED = """
-local t = redis.call('TIME')
-local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-redis.call('HSETNX', KEYS[1], 'since', now)
-redis.call('HSET', KEYS[1], 'node', ARGV[1], 'held', ARGV[2], 'error', ARGV[3], 'last', now)
-redis.call('HINCRBY', KEYS[1], 'failures', 1)
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('SADD', KEYS[2], ARGV[1])
-return now
-"""
 MAX_ERROR_CHARS = 2000
-
-
-def failing_key(run: str, node: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:failing:{check_node_name(node)}"
-
-
-def failing_index_key(run: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:failing"
 
 
 @dataclass(frozen=True)
@@ -66,11 +48,9 @@ def report_failure(
     key = failing_key(run, node)
     held_text = "" if held is None else str(int(held))
     with redis_errors(client, f"reporting failing replica {node}"):
-        client.eval(
-            _FAILED,
-            2,
-            key,
-            failing_index_key(run),
+        scripts.REPORT_FAILURE(
+            client,
+            [key, failing_index_key(run)],
             node,
             held_text,
             error[:MAX_ERROR_CHARS],

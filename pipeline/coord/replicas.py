@@ -9,9 +9,7 @@ so ages do not depend on clocks agreeing between machines.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import re
 import secrets
 import threading
 import time
@@ -24,72 +22,15 @@ from typing import Any
 import redis
 import structlog
 
+from pipeline.config import REPLICA_TTL_S
+from pipeline.coord import scripts
 from pipeline.coord.connection import redis_errors
-from pipeline.coord.events import check_run_name
+from pipeline.coord.keys import NODE_PATTERN, lock_key, replica_key, replicas_key
 from pipeline.errors import ConfigError, DeltasyncError, LockError
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_TTL_S = 600.0
-NODE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}")
-
-
-class _Script:
-    """A Lua script sent once per server: called by its sha1 (EVALSHA), loaded on a miss."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    def __call__(self, client: redis.Redis, keys: list[str], *args: Any) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            client.script_load(self.source)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-
-
-# Stamp with the server's clock, store, expire and index in one step.
-_REPORT = _Script("""
-local t = redis.call('TIME')
-local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-redis.call('HSET', KEYS[1], 'node', ARGV[1], 'version', ARGV[2], 'state_hash', ARGV[3],
-           'time', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('SADD', KEYS[2], ARGV[1])
-return now
-""")
-# Release or extend a lock only while it still holds our token.
-_RELEASE = _Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-""")
-_EXTEND = _Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-""")
-# Take a lock over from a holder known to be dead, only if it still holds it.
-_TAKE_OVER = _Script("""
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-""")
-
-
-def check_node_name(node: str) -> str:
-    if not isinstance(node, str) or not NODE_PATTERN.fullmatch(node):
-        raise ConfigError(f"invalid node name {node!r}: use [A-Za-z0-9][A-Za-z0-9._:@-]{{0,255}}")
-    return node
-
-
-def replica_key(run: str, node: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:replica:{check_node_name(node)}"
-
-
-def replicas_key(run: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:replicas"
+DEFAULT_TTL_S = REPLICA_TTL_S
 
 
 def _ms(seconds: float) -> int:
@@ -124,7 +65,9 @@ def report(
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ConfigError(f"replica {node} of run {run}: invalid version {version!r}")
     with redis_errors(client, f"reporting replica {node}"):
-        _REPORT(client, [key, replicas_key(run)], node, version, state_hash, _ms(ttl_s))
+        scripts.REPORT_REPLICA(
+            client, [key, replicas_key(run)], node, version, state_hash, _ms(ttl_s)
+        )
 
 
 def forget_replica(client: redis.Redis, run: str, node: str) -> None:
@@ -224,10 +167,8 @@ class RunLock:
     """
 
     def __init__(self, client: redis.Redis, run: str, name: str, timeout_s: float) -> None:
-        if not NODE_PATTERN.fullmatch(name):
-            raise ConfigError(f"invalid lock name {name!r}")
         self.redis = client
-        self.key = f"deltasync:run:{check_run_name(run)}:lock:{name}"
+        self.key = lock_key(run, name)
         self.timeout_ms = _ms(timeout_s)
         me = _process_identity(os.getpid()) or f"-:-:{os.getpid()}:-"
         self.token = f"{me}:{secrets.token_hex(16)}"
@@ -252,7 +193,9 @@ class RunLock:
         holder = _text_or_none(self.redis.get(self.key))
         if holder is None or not _holder_is_dead(holder):
             return False
-        taken = bool(_TAKE_OVER(self.redis, [self.key], holder, self.token, self.timeout_ms))
+        taken = bool(
+            scripts.TAKE_OVER_LOCK(self.redis, [self.key], holder, self.token, self.timeout_ms)
+        )
         if taken:
             log.warning("lock taken over from a dead holder", lock=self.key, holder=holder)
         return taken
@@ -260,13 +203,13 @@ class RunLock:
     def release(self) -> bool:
         """Release if still ours; False if it had expired (and maybe been taken by another)."""
         with redis_errors(self.redis, f"releasing lock {self.key}"):
-            return bool(_RELEASE(self.redis, [self.key], self.token))
+            return bool(scripts.RELEASE_LOCK(self.redis, [self.key], self.token))
 
     def extend(self, timeout_s: float | None = None) -> bool:
         """Restart the expiry (for long jobs); False if the lock is no longer ours."""
         ms = self.timeout_ms if timeout_s is None else _ms(timeout_s)
         with redis_errors(self.redis, f"extending lock {self.key}"):
-            return bool(_EXTEND(self.redis, [self.key], self.token, ms))
+            return bool(scripts.EXTEND_LOCK(self.redis, [self.key], self.token, ms))
 
     def owned(self) -> bool:
         with redis_errors(self.redis, f"reading lock {self.key}"):

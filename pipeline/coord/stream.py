@@ -25,20 +25,17 @@ from pipeline.coord.events import (
     check_run_name,
     parse_event,
 )
+from pipeline.coord.keys import runs_key, stream_added_key, stream_key
 from pipeline.errors import ConfigError, EventError
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MAXLEN = 10_000
-RUNS_KEY = "deltasync:runs"
+RUNS_KEY = runs_key()
 ENTRY_FIELD = "event"
 _STREAM_ID = re.compile(r"(\d+)-(\d+)")
 # Blocking reads stop this long before the client's socket timeout would fire.
 _BLOCK_MARGIN_MS = 1000
-
-
-def stream_key(run: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:events"
 
 
 # --------------------------------------------------------------------------- stream ids
@@ -76,7 +73,7 @@ class EventStream:
         self.maxlen = maxlen
         self.key = stream_key(run)
         # Counts every entry ever added; with XLEN it tells whether trimming happened.
-        self.added_key = f"{self.key}:added"
+        self.added_key = stream_added_key(run)
 
     # -- writing
 

@@ -25,33 +25,16 @@ from safetensors import safe_open
 
 from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.format.bounded import load_json
-from pipeline.format.tensors import TensorSpec
+from pipeline.format.tensors import DTYPE_TABLE, TensorSpec
 
 log = structlog.get_logger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000  # the limit safetensors itself enforces
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    SAFETENSORS_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
-SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+# safetensors header codes (pipeline/format/tensors.py).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {d.safetensors: d.dtype for d in DTYPE_TABLE}
+SAFETENSORS_CODES: dict[torch.dtype, str] = {d.dtype: d.safetensors for d in DTYPE_TABLE}
 
 Tensors = Iterable[tuple[str, torch.Tensor]]
 

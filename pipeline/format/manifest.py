@@ -24,6 +24,7 @@ import torch
 
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.hashing import state_hash
+from pipeline.format.tensors import DTYPE_TABLE
 
 SCHEMA_VERSION = 2
 SUPPORTED_SCHEMAS = frozenset({1, 2})
@@ -46,27 +47,9 @@ MAX_TENSOR_NAME = 1024
 MAX_MANIFEST_BYTES = 256 << 20
 
 
-# Every dtype deltasync moves, by its torch name without "torch.".
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "uint16": torch.uint16,
-    "int32": torch.int32,
-    "uint32": torch.uint32,
-    "int64": torch.int64,
-    "uint64": torch.uint64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    DTYPES["float8_e8m0fnu"] = torch.float8_e8m0fnu
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# Every dtype deltasync moves, by its torch name without "torch." (pipeline/format/tensors.py).
+DTYPES: dict[str, torch.dtype] = {d.name: d.dtype for d in DTYPE_TABLE}
+_DTYPE_NAMES: dict[torch.dtype, str] = {d.dtype: d.name for d in DTYPE_TABLE}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import redis
 
 from pipeline.coord.connection import redis_errors
-from pipeline.coord.events import StepFailed, check_run_name, now_iso
+from pipeline.coord.events import StepFailed, now_iso
+from pipeline.coord.keys import dead_steps_key
 from pipeline.coord.stream import EventStream
 from pipeline.errors import (
     DeltasyncError,
@@ -47,10 +48,6 @@ class DeadStep:
     reason: str
     checkpoint: str
     time: str
-
-
-def dead_steps_key(run: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:dead-steps"
 
 
 def is_transient(exc: BaseException) -> bool:

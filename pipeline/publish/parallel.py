@@ -28,9 +28,11 @@ from typing import Any
 import redis
 import structlog
 
+from pipeline import config
 from pipeline.codec import encode_delta, read_delta
 from pipeline.coord.events import DeltaPart
 from pipeline.coord.hints import publish_part
+from pipeline.coord.keys import fanout_key, part_records_key
 from pipeline.coord.replicas import run_lock
 from pipeline.errors import (
     ChainError,
@@ -66,22 +68,14 @@ from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
 
-PART_LEASE_S = 60.0
-PART_RENEW_S = 15.0
-FANOUT_TTL_S = 24 * 3600.0
+PART_LEASE_S = config.LOCK_LEASE_S
+PART_RENEW_S = config.LOCK_RENEW_S
+FANOUT_TTL_S = config.FANOUT_TTL_S
 
 
 def part_lock(step: int, index: int) -> str:
     """The name of the run lock that claims part ``index`` of ``step``."""
     return f"part-{step}-{index}"
-
-
-def fanout_key(run: str) -> str:
-    return f"deltasync:run:{run}:fanout"
-
-
-def parts_key(run: str, step: int, parent: int) -> str:
-    return f"deltasync:run:{run}:parts:{step}:{parent}"
 
 
 @dataclass(frozen=True)
@@ -140,7 +134,7 @@ def _parse_record(text: str | bytes) -> tuple[ObjectEntry, list[TensorEntry]]:
 
 
 def recorded(client: redis.Redis, fanout: Fanout) -> dict[str, str]:
-    raw = client.hgetall(parts_key(fanout.run, fanout.step, fanout.parent))
+    raw = client.hgetall(part_records_key(fanout.run, fanout.step, fanout.parent))
     return {
         (k.decode() if isinstance(k, bytes) else str(k)): (
             v.decode() if isinstance(v, bytes) else str(v)
@@ -224,7 +218,7 @@ def work_parts(
     if first is not None:
         parts.sort(key=lambda p: p[0] != first)
     index_of = {key: i for i, (key, _) in enumerate(parent.parts())}
-    records = parts_key(fanout.run, fanout.step, fanout.parent)
+    records = part_records_key(fanout.run, fanout.step, fanout.parent)
     done = 0
     with CheckpointReader(fanout.checkpoint) as new, cache.reader() as base:
         for key, names in parts:

@@ -30,6 +30,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pipeline import metrics
+from pipeline.config import REPLICA_TTL_S
 from pipeline.coord.stream import EventStream
 from pipeline.errors import (
     ChainError,
@@ -86,7 +87,7 @@ class RolloutNode:
         public_key: Ed25519PublicKey | None = None,
         state_path: Path | None = None,
         heartbeat_interval_s: float = 5.0,
-        replica_ttl_s: float = 600.0,
+        replica_ttl_s: float = REPLICA_TTL_S,
         max_backoff_s: float = 30.0,
         progress: bool | None = None,
         early_start: bool = False,

@@ -35,6 +35,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
+from pipeline.config import S3_DEFAULT_MAX_ATTEMPTS, S3_DEFAULT_PART_SIZE, s3_tuning
 from pipeline.errors import ConfigError, ObjectNotFoundError, StoreError
 from pipeline.store.base import check_key, check_prefix, check_range, join_key
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_PART_SIZE = 64 << 20
+DEFAULT_PART_SIZE = S3_DEFAULT_PART_SIZE
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _BOTO_ERRORS: tuple[type[Exception], ...] = (BotoCoreError, ClientError, S3UploadFailedError)
 _UNREACHABLE = (
@@ -74,16 +75,6 @@ def _new_session() -> boto3.session.Session:
     return boto3.session.Session(botocore_session=core)
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-
-
 class S3Store:
     """Objects under ``prefix`` in one S3 bucket."""
 
@@ -95,7 +86,7 @@ class S3Store:
         endpoint: str | None = None,
         region: str | None = None,
         part_size: int = DEFAULT_PART_SIZE,
-        max_attempts: int = 4,
+        max_attempts: int = S3_DEFAULT_MAX_ATTEMPTS,
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
     ) -> None:
@@ -129,13 +120,13 @@ class S3Store:
             raise ConfigError(f"not an S3 store URL (s3://bucket/prefix): {url!r}")
         if parts.query or parts.fragment:
             raise ConfigError(f"S3 store URL takes no query or fragment: {url!r}")
-        endpoint = os.environ.get("DELTASYNC_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+        tuning = s3_tuning()
         return cls(
             parts.netloc,
             parts.path.strip("/"),
-            endpoint=endpoint,
-            part_size=_env_int("DELTASYNC_S3_PART_SIZE", DEFAULT_PART_SIZE),
-            max_attempts=_env_int("DELTASYNC_S3_MAX_ATTEMPTS", 4),
+            endpoint=tuning.endpoint,
+            part_size=tuning.part_size,
+            max_attempts=tuning.max_attempts,
         )
 
     def __repr__(self) -> str:

@@ -24,8 +24,7 @@ import signal
 from collections import Counter
 from pathlib import Path
 
-FAULT_ENV = "DELTASYNC_FAULT"
-FAULT_FILE_ENV = "DELTASYNC_FAULT_FILE"
+from pipeline.config import armed_fault, fault_file
 
 _passes: Counter[str] = Counter()  # per point, since the process started
 _file_passes: Counter[tuple[str, int, int]] = Counter()  # per arming of the fault file
@@ -37,7 +36,7 @@ def _split(armed: str) -> tuple[str, int]:
 
 
 def _armed_in_file(name: str) -> bool:
-    path = Path(os.environ.get(FAULT_FILE_ENV, ""))
+    path = Path(fault_file())
     try:
         armed = path.read_text()
         stat = path.stat()
@@ -58,13 +57,13 @@ def _armed_in_file(name: str) -> bool:
 
 def point(name: str) -> None:
     """Die here, abruptly, when a fault is armed for ``name`` (see the module doc)."""
-    env = os.environ.get(FAULT_ENV)
+    env = armed_fault()
     fire = False
     if env is not None:
         _passes[name] += 1
         point_name, nth = _split(env)
         fire = point_name == name and _passes[name] == nth
-    if not fire and os.environ.get(FAULT_FILE_ENV):
+    if not fire and fault_file():
         fire = _armed_in_file(name)
     if not fire:
         return

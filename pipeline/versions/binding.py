@@ -19,6 +19,7 @@ from typing import Any
 
 from pipeline.coord.connection import redis_errors
 from pipeline.coord.events import check_run_name
+from pipeline.coord.keys import binding_key
 from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError
 from pipeline.format.bounded import load_json
 from pipeline.store.base import ObjectStore, put_if_absent, read_bounded
@@ -41,10 +42,6 @@ class RunInstance:
 
 def record_key(run: str) -> str:
     return f"{check_run_name(run)}/{RECORD_NAME}"
-
-
-def binding_key(run: str) -> str:
-    return f"deltasync:run:{check_run_name(run)}:store"
 
 
 def read_instance(store: ObjectStore, run: str) -> RunInstance | None:

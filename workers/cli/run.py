@@ -118,6 +118,7 @@ def rollout(
     early_start: bool | None,
 ) -> None:
     """Follow a run and keep a target's weights at the newest published version."""
+    from pipeline.config import RolloutOptions
     from workers.rollout import default_node_id, run_rollout
 
     runtime = from_context(ctx)
@@ -137,7 +138,7 @@ def rollout(
             until_version=until_version,
         )
         return
-    run_rollout(
+    options = RolloutOptions(
         run=run,
         target=target,
         node_id=node_id,
@@ -151,6 +152,7 @@ def rollout(
         model_path=model_path,
         early_start=early_start,
     )
+    run_rollout(options, settings=runtime.settings)
 
 
 @click.command("emit")

@@ -6,7 +6,8 @@ from typing import Any
 
 from rq import get_current_job
 
-from pipeline import metrics
+from pipeline import config, metrics
+from pipeline.coord import keys
 from pipeline.coord.events import AnchorAvailable
 from pipeline.coord.replicas import min_live_version, run_lock
 from pipeline.format.manifest import manifest_key
@@ -14,16 +15,10 @@ from pipeline.logs import bind_context, get_logger
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
-from workers import queues
 from workers.jobs.diff import publish_once
 from workers.runtime import current
 
 log = get_logger(__name__)
-
-# See workers/jobs/diff.py: a short lease, renewed while the job runs.
-LOCK_LEASE_S = 60.0
-LOCK_RENEW_S = 15.0
-LOCK_WAIT_S = 6 * 3600.0
 
 
 def compact_job(run: str, version: int | None = None, reason: str = "manual") -> dict[str, Any]:
@@ -37,9 +32,9 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
         runtime.redis,
         run,
         "compact",
-        timeout_s=LOCK_LEASE_S,
-        wait_s=LOCK_WAIT_S,
-        renew_every_s=LOCK_RENEW_S,
+        timeout_s=config.LOCK_LEASE_S,
+        wait_s=config.COMPACT_LOCK_WAIT_S,
+        renew_every_s=config.LOCK_RENEW_S,
     ):
         manifest = compact(
             runtime.store,
@@ -58,11 +53,11 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
             manifest=manifest_key(run, "anchor", manifest.version),
             reason=reason,
         )
-        publish_once(runtime, f"deltasync:run:{run}:anchored:{manifest.version}", event)
+        publish_once(runtime, keys.anchored_key(run, manifest.version), event)
         faults.point("compact.before_gc")
         live = min_live_version(r, run, settings.replica_ttl_s)
         deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
-    runtime.redis.delete(queues.compaction_pending_key(run))
+    runtime.redis.delete(keys.compaction_pending_key(run))
     log.info("compaction done", anchor=manifest.version, deleted=len(deleted), oldest_live=live)
     return {
         "run": run,

@@ -10,8 +10,9 @@ from typing import Any
 import redis
 from rq import get_current_job
 
-from pipeline import metrics
+from pipeline import config, metrics
 from pipeline.config import Settings
+from pipeline.coord import keys
 from pipeline.coord.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.coord.hints import publish_part
 from pipeline.coord.replicas import claim_once, run_lock
@@ -32,15 +33,6 @@ from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
 
-# A short lease renewed while the job runs: a worker that dies stops holding the run
-# within a minute (at once on the same machine), not after the longest job.
-LOCK_LEASE_S = 60.0
-LOCK_RENEW_S = 15.0
-LOCK_WAIT_S = 3600.0
-# A policy compaction that never finishes (its worker died) stops blocking the next one.
-POLICY_PENDING_TTL_S = 3600.0
-ANNOUNCED_TTL_S = 30 * 24 * 3600
-
 
 def publish_once(runtime: Runtime, marker: str, event: Event) -> None:
     """Append ``event`` unless ``marker`` says it was; event and marker in one MULTI,
@@ -55,7 +47,7 @@ def publish_once(runtime: Runtime, marker: str, event: Event) -> None:
                     return
                 pipe.multi()
                 EventStream(r, event.run).publish(event, pipeline=pipe)
-                pipe.set(marker, 1, ex=ANNOUNCED_TTL_S)
+                pipe.set(marker, 1, ex=config.ANNOUNCED_TTL_S)
                 pipe.execute()
                 return
             except redis.WatchError:
@@ -75,7 +67,7 @@ def announce(runtime: Runtime, manifest: Manifest) -> None:
         total=sum(t.numel for t in manifest.tensors),
         manifest=manifest_key(manifest.run, manifest.kind, manifest.version),
     )
-    publish_once(runtime, _announced_key(manifest.run, manifest.version), event)
+    publish_once(runtime, keys.announced_key(manifest.run, manifest.version), event)
 
 
 def announce_parent(runtime: Runtime, manifest: Manifest) -> None:
@@ -86,19 +78,15 @@ def announce_parent(runtime: Runtime, manifest: Manifest) -> None:
     parent = manifest.parent
     if parent is None:
         return
-    emitted = f"deltasync:run:{manifest.run}:emitted:{parent}"  # set by workers.trainer
+    emitted = keys.emitted_key(manifest.run, parent)  # set by workers.trainer
     if not runtime.redis.exists(emitted) or runtime.redis.exists(
-        _announced_key(manifest.run, parent)
+        keys.announced_key(manifest.run, parent)
     ):
         return
     deltas = chain.list_versions(runtime.store, manifest.run).deltas
     kind: Kind = "delta" if parent in deltas else "anchor"
     announce(runtime, chain.load_manifest(runtime.store, manifest.run, kind, parent))
     log.warning("announced a version its worker did not", version=parent)
-
-
-def _announced_key(run: str, version: int) -> str:
-    return f"deltasync:run:{run}:announced:{version}"
 
 
 def _job_id() -> str | None:
@@ -116,7 +104,7 @@ def diff_job(
     otherwise leave the earlier step behind the head (skipped as stale).
     """
     runtime = current()
-    pending = queues.pending_steps_key(run)
+    pending = keys.pending_steps_key(run)
     for earlier, args in _earlier_pending(runtime, run, step):
         try:
             _diff_one(runtime, run, earlier, **args)
@@ -141,7 +129,7 @@ def diff_job(
 
 def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, dict[str, Any]]]:
     out: list[tuple[int, dict[str, Any]]] = []
-    for key, raw in runtime.redis.hgetall(queues.pending_steps_key(run)).items():
+    for key, raw in runtime.redis.hgetall(keys.pending_steps_key(run)).items():
         try:
             earlier = int(key)
             args = json.loads(raw)
@@ -151,10 +139,10 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, d
             name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
             if name.isdigit() and int(name) < step:
                 dead_letters.record(
-                    runtime.redis, run, int(name), "?", exc, queues.pending_steps_key(run)
+                    runtime.redis, run, int(name), "?", exc, keys.pending_steps_key(run)
                 )
             else:
-                runtime.redis.hdel(queues.pending_steps_key(run), key)
+                runtime.redis.hdel(keys.pending_steps_key(run), key)
     return sorted((e, a) for e, a in out if e < step and "checkpoint" in a)
 
 
@@ -176,8 +164,8 @@ def _diff_one(
     announced: list[int] = []
 
     def published(manifest: Manifest) -> None:
-        runtime.redis.hdel(queues.pending_steps_key(run), str(step))
-        runtime.redis.hdel(dead_letters.dead_steps_key(run), str(step))  # set aside before
+        runtime.redis.hdel(keys.pending_steps_key(run), str(step))
+        runtime.redis.hdel(keys.dead_steps_key(run), str(step))  # set aside before
         faults.point("diff.before_announce")
         announce_parent(runtime, manifest)
         announce(runtime, manifest)
@@ -195,9 +183,9 @@ def _diff_one(
             runtime.redis,
             run,
             "diff",
-            timeout_s=LOCK_LEASE_S,
-            wait_s=LOCK_WAIT_S,
-            renew_every_s=LOCK_RENEW_S,
+            timeout_s=config.LOCK_LEASE_S,
+            wait_s=config.DIFF_LOCK_WAIT_S,
+            renew_every_s=config.LOCK_RENEW_S,
         ):
             cache = StateCache(settings.cache_dir, run)
             result = publish_step(
@@ -219,7 +207,7 @@ def _diff_one(
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.
         published(result.manifest)
-    runtime.redis.hdel(queues.pending_steps_key(run), str(step))
+    runtime.redis.hdel(keys.pending_steps_key(run), str(step))
     if result.status == "published" and result.manifest is not None:
         since = metrics_http.since_step_s(runtime.redis, run, step)
         metrics.published(run, result.manifest.kind, result.bytes, since)
@@ -232,7 +220,7 @@ def _diff_one(
         # One policy compaction in flight per run: until it lands, every new step
         # would otherwise ask again.
         if reason is not None and claim_once(
-            runtime.redis, queues.compaction_pending_key(run), POLICY_PENDING_TTL_S
+            runtime.redis, keys.compaction_pending_key(run), config.POLICY_PENDING_TTL_S
         ):
             request_compaction(runtime, run, step, reason, requested_by="policy")
     if staged and result.status in ("published", "skipped") and path.exists():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from pipeline import config
+from pipeline.coord import keys
 from pipeline.coord.replicas import RunLock, _Renewer
 from pipeline.errors import DeltasyncError, LockError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
@@ -22,7 +24,6 @@ from pipeline.publish.parallel import (
     assemble,
     current_fanout,
     end_fanout,
-    parts_key,
     start_fanout,
     work_parts,
 )
@@ -34,9 +35,6 @@ from workers.runtime import Runtime
 
 log = get_logger(__name__)
 
-LOCK_LEASE_S = 60.0
-LOCK_RENEW_S = 15.0
-LOCK_WAIT_S = 3600.0
 IDLE_S = 0.1
 
 
@@ -69,29 +67,28 @@ def _help(runtime: Runtime, fanout: Fanout, first: str | None = None) -> int:
         return 0
 
 
-def _waiting_key(run: str) -> str:
-    return f"deltasync:run:{run}:diff-waiting"
-
-
 class _Line:
     """Diff jobs of a run waiting for its lease, smallest step first: a job whose
     lease key lapsed (its worker died) no longer holds up the steps after it."""
 
-    LEASE_MS = 30_000
+    LEASE_MS = round(config.DIFF_LINE_LEASE_S * 1000)
 
     def __init__(self, runtime: Runtime, run: str, step: int) -> None:
-        self.redis, self.key, self.step = runtime.redis, _waiting_key(run), step
+        self.redis, self.run, self.step = runtime.redis, run, step
+        self.key = keys.diff_waiting_key(run)
 
     def join(self) -> None:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.zadd(self.key, {str(self.step): self.step})
-            pipe.set(f"{self.key}:{self.step}", 1, px=self.LEASE_MS)
+            pipe.set(keys.diff_waiting_lease_key(self.run, self.step), 1, px=self.LEASE_MS)
             pipe.execute()
 
     def first(self) -> bool:
         for raw in self.redis.zrangebyscore(self.key, "-inf", self.step - 1):
             member = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if self.redis.exists(f"{self.key}:{member}"):
+            if member.isdigit() and self.redis.exists(
+                keys.diff_waiting_lease_key(self.run, int(member))
+            ):
                 return False
             self.redis.zrem(self.key, member)
         return True
@@ -99,7 +96,7 @@ class _Line:
     def leave(self) -> None:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.zrem(self.key, str(self.step))
-            pipe.delete(f"{self.key}:{self.step}")
+            pipe.delete(keys.diff_waiting_lease_key(self.run, self.step))
             pipe.execute()
 
 
@@ -108,9 +105,9 @@ def publish_step_parallel(
 ) -> PublishResult:
     """Take the run's diff lease once no smaller step waits for it (helping the
     in-flight fan-out meanwhile) and publish ``step``."""
-    lock = RunLock(runtime.redis, run, "diff", LOCK_LEASE_S)
+    lock = RunLock(runtime.redis, run, "diff", config.LOCK_LEASE_S)
     line = _Line(runtime, run, step)
-    deadline = time.monotonic() + LOCK_WAIT_S
+    deadline = time.monotonic() + config.DIFF_LOCK_WAIT_S
     try:
         while True:
             line.join()
@@ -122,7 +119,7 @@ def publish_step_parallel(
             if fanout is None or _help(runtime, fanout) == 0:
                 time.sleep(IDLE_S)
         try:
-            with _Renewer(lock, LOCK_RENEW_S):
+            with _Renewer(lock, config.LOCK_RENEW_S):
                 return _coordinate(runtime, run, step, checkpoint, level)
         finally:
             lock.release()
@@ -166,7 +163,7 @@ def _coordinate(
         parts = parent.parts()
         for key, _ in parts:
             queues.enqueue_diff_part(r, run, step, str(checkpoint), key, head)
-        while r.hlen(parts_key(run, step, head)) < len(parts):
+        while r.hlen(keys.part_records_key(run, step, head)) < len(parts):
             try:
                 if work_parts(r, store, cache, fanout, parent) == 0:
                     time.sleep(IDLE_S)

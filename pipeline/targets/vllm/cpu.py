@@ -31,22 +31,22 @@ Architectures).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 import torch
 
+from pipeline.config import vllm_cpu_plain_linear
+
 log = structlog.get_logger(__name__)
 
-PLAIN_LINEAR_ENV = "DELTASYNC_VLLM_CPU_PLAIN_LINEAR"
 _PLAIN_MARK = "_deltasync_plain_linear"
 _HOOK_MARK = "_deltasync_hook"
 
 
 def plain_linear_enabled() -> bool:
-    return os.environ.get(PLAIN_LINEAR_ENV, "0") == "1"
+    return vllm_cpu_plain_linear()
 
 
 def computes_from_weight(module: torch.nn.Module) -> bool:

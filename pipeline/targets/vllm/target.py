@@ -16,7 +16,6 @@ aborts the others, so no worker is left ahead.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -27,11 +26,11 @@ import torch
 from safetensors.torch import load, save
 
 from pipeline import errors
+from pipeline.config import set_vllm_cpu_plain_linear
 from pipeline.errors import DeltasyncError, MismatchError, TargetError
 from pipeline.format.manifest import Manifest, dtype_from_name, dtype_name
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import check_objects
-from pipeline.targets.vllm.cpu import PLAIN_LINEAR_ENV
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.engine import as_driver
 
@@ -84,7 +83,7 @@ def start_engine(*, cpu_plain_linear: bool = True, **llm_options: Any) -> Any:
     """
     from vllm import LLM
 
-    os.environ[PLAIN_LINEAR_ENV] = "1" if cpu_plain_linear else "0"
+    set_vllm_cpu_plain_linear(cpu_plain_linear)
     install_cpu_linear_hook()  # in-process workers; spawned ones install it on import
     llm_options.setdefault("worker_extension_cls", EXTENSION_CLS)
     with _engine_start_guard():

@@ -1,0 +1,234 @@
+"""Every Redis key, channel and queue name deltasync uses, declared once.
+
+A template names its fields in braces; the functions below build each key from
+checked parts, so a run or node name cannot reach into another run's keys. The
+strings are part of the deployed format: Redis servers of running runs hold
+these keys, so a template never changes, only new ones are added.
+``TEMPLATES`` lists them all (``docs/ARCHITECTURE.md``, "Redis keyspace").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.coord.events import RUN_NAME_PATTERN, check_run_name
+from pipeline.errors import ConfigError
+
+PREFIX = "deltasync"
+NODE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}")
+
+Kind = Literal["string", "hash", "set", "zset", "stream", "channel", "queue"]
+
+# What each field of a template may hold, for matching keys found in a server.
+_FIELDS = {
+    "run": RUN_NAME_PATTERN.pattern,
+    "node": NODE_PATTERN.pattern,
+    "name": NODE_PATTERN.pattern,
+    "step": r"\d+",
+    "version": r"\d+",
+    "parent": r"\d+",
+}
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Template:
+    """One key (or channel) shape: ``pattern`` with ``{field}`` holes."""
+
+    pattern: str
+    kind: Kind
+    doc: str
+
+    def format(self, **fields: object) -> str:
+        return self.pattern.format(**fields)
+
+    def regex(self) -> re.Pattern[str]:
+        parts = _FIELD.split(self.pattern)
+        out = []
+        for i, part in enumerate(parts):
+            out.append(f"(?:{_FIELDS[part]})" if i % 2 else re.escape(part))
+        return re.compile("".join(out))
+
+
+RUN = f"{PREFIX}:run:{{run}}"
+
+RUNS = Template(f"{PREFIX}:runs", "set", "Names of the runs that have an event stream.")
+EVENTS = Template(f"{RUN}:events", "stream", "The run's events (one JSON object per entry).")
+EVENTS_ADDED = Template(
+    f"{RUN}:events:added", "string", "Entries ever added to the stream (tells trimming apart)."
+)
+REPLICA = Template(
+    f"{RUN}:replica:{{node}}", "hash", "A node's heartbeat: the version it holds; expires."
+)
+REPLICAS = Template(f"{RUN}:replicas", "set", "Nodes that sent a heartbeat (pruned on read).")
+FAILING = Template(
+    f"{RUN}:failing:{{node}}", "hash", "A node's failing syncs: last error, since when; expires."
+)
+FAILING_INDEX = Template(f"{RUN}:failing", "set", "Nodes with a failing record.")
+LOCK = Template(
+    f"{RUN}:lock:{{name}}", "string", "A run lock (diff, compact, part claims): holder token."
+)
+STORE_BINDING = Template(f"{RUN}:store", "string", "The store instance the run is bound to.")
+PART_HINTS = Template(f"{RUN}:parts", "channel", "Pub/sub: each delta part once uploaded.")
+DEAD_STEPS = Template(f"{RUN}:dead-steps", "hash", "Steps set aside: step -> why, checkpoint.")
+FANOUT = Template(f"{RUN}:fanout", "string", "The step being diffed part by part (JSON).")
+PART_RECORDS = Template(
+    f"{RUN}:parts:{{step}}:{{parent}}", "hash", "Encoded parts of a fan-out: part -> record."
+)
+PENDING_STEPS = Template(
+    f"{RUN}:pending-steps", "hash", "Emitted steps not yet published: step -> job arguments."
+)
+EMITTED = Template(f"{RUN}:emitted:{{step}}", "string", "Marker: the trainer emitted this step.")
+ANNOUNCED = Template(
+    f"{RUN}:announced:{{version}}", "string", "Marker: delta-available was sent for it."
+)
+ANCHORED = Template(
+    f"{RUN}:anchored:{{version}}", "string", "Marker: anchor-available was sent for it."
+)
+COMPACTION_PENDING = Template(
+    f"{RUN}:compaction-pending", "string", "A policy compaction is queued or running."
+)
+DIFF_WAITING = Template(
+    f"{RUN}:diff-waiting", "zset", "Parallel diff jobs waiting for the diff lock, by step."
+)
+DIFF_WAITING_LEASE = Template(
+    f"{RUN}:diff-waiting:{{step}}", "string", "A waiting job's lease (lapses if it died)."
+)
+DIFF_QUEUE = Template(f"{PREFIX}:diff", "queue", "rq queue of diff jobs.")
+COMPACT_QUEUE = Template(f"{PREFIX}:compact", "queue", "rq queue of compaction jobs.")
+
+TEMPLATES: tuple[Template, ...] = (
+    RUNS,
+    EVENTS,
+    EVENTS_ADDED,
+    REPLICA,
+    REPLICAS,
+    FAILING,
+    FAILING_INDEX,
+    LOCK,
+    STORE_BINDING,
+    PART_HINTS,
+    DEAD_STEPS,
+    FANOUT,
+    PART_RECORDS,
+    PENDING_STEPS,
+    EMITTED,
+    ANNOUNCED,
+    ANCHORED,
+    COMPACTION_PENDING,
+    DIFF_WAITING,
+    DIFF_WAITING_LEASE,
+    DIFF_QUEUE,
+    COMPACT_QUEUE,
+)
+
+
+def check_node_name(node: str) -> str:
+    if not isinstance(node, str) or not NODE_PATTERN.fullmatch(node):
+        raise ConfigError(f"invalid node name {node!r}: use [A-Za-z0-9][A-Za-z0-9._:@-]{{0,255}}")
+    return node
+
+
+def template_of(key: str) -> Template | None:
+    """The template ``key`` was built from; None for a key deltasync does not write."""
+    for template in TEMPLATES:
+        if template.kind not in ("channel", "queue") and template.regex().fullmatch(key):
+            return template
+    return None
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _int(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"a key's number must be an integer, got {value!r}")
+    return value
+
+
+def runs_key() -> str:
+    return RUNS.format()
+
+
+def stream_key(run: str) -> str:
+    return EVENTS.format(run=check_run_name(run))
+
+
+def stream_added_key(run: str) -> str:
+    return EVENTS_ADDED.format(run=check_run_name(run))
+
+
+def replica_key(run: str, node: str) -> str:
+    return REPLICA.format(run=check_run_name(run), node=check_node_name(node))
+
+
+def replicas_key(run: str) -> str:
+    return REPLICAS.format(run=check_run_name(run))
+
+
+def failing_key(run: str, node: str) -> str:
+    return FAILING.format(run=check_run_name(run), node=check_node_name(node))
+
+
+def failing_index_key(run: str) -> str:
+    return FAILING_INDEX.format(run=check_run_name(run))
+
+
+def lock_key(run: str, name: str) -> str:
+    if not isinstance(name, str) or not NODE_PATTERN.fullmatch(name):
+        raise ConfigError(f"invalid lock name {name!r}")
+    return LOCK.format(run=check_run_name(run), name=name)
+
+
+def binding_key(run: str) -> str:
+    return STORE_BINDING.format(run=check_run_name(run))
+
+
+def part_hints_channel(run: str) -> str:
+    return PART_HINTS.format(run=check_run_name(run))
+
+
+def dead_steps_key(run: str) -> str:
+    return DEAD_STEPS.format(run=check_run_name(run))
+
+
+def fanout_key(run: str) -> str:
+    return FANOUT.format(run=check_run_name(run))
+
+
+def part_records_key(run: str, step: int, parent: int) -> str:
+    return PART_RECORDS.format(run=check_run_name(run), step=_int(step), parent=_int(parent))
+
+
+def pending_steps_key(run: str) -> str:
+    return PENDING_STEPS.format(run=check_run_name(run))
+
+
+def emitted_key(run: str, step: int) -> str:
+    return EMITTED.format(run=check_run_name(run), step=_int(step))
+
+
+def announced_key(run: str, version: int) -> str:
+    return ANNOUNCED.format(run=check_run_name(run), version=_int(version))
+
+
+def anchored_key(run: str, version: int) -> str:
+    return ANCHORED.format(run=check_run_name(run), version=_int(version))
+
+
+def compaction_pending_key(run: str) -> str:
+    return COMPACTION_PENDING.format(run=check_run_name(run))
+
+
+def diff_waiting_key(run: str) -> str:
+    return DIFF_WAITING.format(run=check_run_name(run))
+
+
+def diff_waiting_lease_key(run: str, step: int) -> str:
+    return DIFF_WAITING_LEASE.format(run=check_run_name(run), step=_int(step))
+
+
+DIFF_QUEUE_NAME = DIFF_QUEUE.format()
+COMPACT_QUEUE_NAME = COMPACT_QUEUE.format()
