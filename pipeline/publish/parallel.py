@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -63,6 +63,28 @@ def fanout_key(run: str) -> str:
 
 def parts_key(run: str, step: int, parent: int) -> str:
     return f"deltasync:run:{run}:parts:{step}:{parent}"
+
+
+def part_hosts_key(run: str, step: int) -> str:
+    return f"deltasync:run:{run}:part-hosts:{step}"
+
+
+def route_parts(client: redis.Redis, run: str, step: int, hosts: Mapping[str, str]) -> None:
+    """Route parts of ``step`` to the diff workers of trainer hosts (part key: host):
+    only a worker serving that host encodes it, the others leave it alone. Parts not
+    routed go to any worker."""
+    if not hosts:
+        return
+    with client.pipeline(transaction=True) as pipe:
+        for key, host in hosts.items():
+            pipe.hset(part_hosts_key(run, step), key, host)
+        pipe.pexpire(part_hosts_key(run, step), int(FANOUT_TTL_S * 1000))
+        pipe.execute()
+
+
+def part_hosts(client: redis.Redis, run: str, step: int) -> dict[str, str]:
+    raw = client.hgetall(part_hosts_key(run, step))
+    return {_text(k): _text(v) for k, v in raw.items()}
 
 
 def fanout_to_json(task: DeltaTask) -> str:
@@ -115,16 +137,33 @@ def _text(value: str | bytes) -> str:
 
 
 class RedisLedger:
-    """The part records of ``fanout`` in a Redis hash, parts claimed with run locks."""
+    """The part records of ``fanout`` in a Redis hash, parts claimed with run locks. A
+    worker serving trainer host ``host`` claims the parts routed to it and those not
+    routed; a worker of no host only those not routed."""
 
-    def __init__(self, client: redis.Redis, fanout: DeltaTask, *, owner: bool = False) -> None:
-        self.client, self.fanout, self.owner = client, fanout, owner
+    def __init__(
+        self,
+        client: redis.Redis,
+        fanout: DeltaTask,
+        *,
+        owner: bool = False,
+        host: str | None = None,
+    ) -> None:
+        self.client, self.fanout, self.owner, self.host = client, fanout, owner, host
         self.key = parts_key(fanout.run, fanout.step, fanout.parent)
+        self._hosts: dict[str, str] | None = None
+
+    def host_of(self, key: str) -> str | None:
+        if self._hosts is None:
+            self._hosts = part_hosts(self.client, self.fanout.run, self.fanout.step)
+        return self._hosts.get(key)
 
     def is_recorded(self, key: str) -> bool:
         return bool(self.client.hexists(self.key, key))
 
     def claim(self, index: int, key: str) -> contextlib.ExitStack | None:
+        if self.host_of(key) not in (None, self.host):
+            return None  # another host's part: its base is in that host's cache
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(
@@ -162,19 +201,23 @@ class RedisLedger:
             end_fanout(self.client, self.fanout)
 
 
+# Calls the diff workers in on a fan-out: each part key with the host it is routed to.
+CallIn = Callable[[DeltaTask, list[tuple[str, str | None]]], None]
+
+
 class FanoutSpread:
     """Spreads a coordinator's delta over the diff workers: publishes the fan-out and
-    calls ``call_in`` with it and its part keys (the worker queues a job per part)."""
+    calls ``call_in`` with it and its parts, each with its host (the worker queues a
+    job per part, on the host's queue when routed). ``host``: the coordinator's."""
 
-    def __init__(
-        self, client: redis.Redis, call_in: Callable[[DeltaTask, list[str]], None]
-    ) -> None:
-        self.client, self.call_in = client, call_in
+    def __init__(self, client: redis.Redis, call_in: CallIn, host: str | None = None) -> None:
+        self.client, self.call_in, self.host = client, call_in, host
 
     def __call__(self, task: DeltaTask, parent: Manifest) -> RedisLedger:
         start_fanout(self.client, task)
-        self.call_in(task, [key for key, _ in parent.parts()])
-        return RedisLedger(self.client, task, owner=True)
+        ledger = RedisLedger(self.client, task, owner=True, host=self.host)
+        self.call_in(task, [(key, ledger.host_of(key)) for key, _ in parent.parts()])
+        return ledger
 
 
 def work_parts(
@@ -186,6 +229,7 @@ def work_parts(
     *,
     first: str | None = None,
     on_part: Callable[[DeltaPart], None] | None = None,
+    host: str | None = None,
 ) -> int:
     """A helper's share of ``fanout``: every unrecorded, unclaimed part (``first``
     first), encoded against the shared state cache. Returns the number of parts this
@@ -201,7 +245,7 @@ def work_parts(
             parent,
             base,
             new,
-            RedisLedger(client, fanout),
+            RedisLedger(client, fanout, host=host),
             timings=PublishTimings(),
             base_proven=proven,
             on_part=on_part,
@@ -217,12 +261,15 @@ def help_fanout(
     *,
     first: str | None = None,
     on_part: Callable[[DeltaPart], None] | None = None,
+    host: str | None = None,
 ) -> int:
     """:func:`work_parts` at best effort: whatever a helper fails to do, the
     coordinator does itself."""
     try:
         parent = chain.load_manifest(store, fanout.run, fanout.parent_kind, fanout.parent)
-        return work_parts(client, store, cache, fanout, parent, first=first, on_part=on_part)
+        return work_parts(
+            client, store, cache, fanout, parent, first=first, on_part=on_part, host=host
+        )
     except (DeltasyncError, OSError) as e:
         # The fan-out ended under us (checkpoint removed or adopted, cache advanced) or
         # the cache is damaged: the coordinator sees the same and acts on it.

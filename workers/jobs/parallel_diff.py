@@ -60,19 +60,21 @@ def _help(runtime: Runtime, fanout: DeltaTask, first: str | None = None) -> int:
         fanout,
         first=first,
         on_part=lambda hint: publish_part(runtime.redis, hint),
+        host=runtime.settings.diff_host,
     )
 
 
 def spread(runtime: Runtime) -> FanoutSpread:
-    """The parallel diff's spread: a part job per part of the fan-out."""
+    """The parallel diff's spread: a part job per part of the fan-out, on the queue of
+    the host it is routed to (``DELTASYNC_DIFF_HOST`` of that host's workers)."""
 
-    def call_in(task: DeltaTask, parts: list[str]) -> None:
-        for key in parts:
+    def call_in(task: DeltaTask, parts: list[tuple[str, str | None]]) -> None:
+        for key, host in parts:
             queues.enqueue_diff_part(
-                runtime.redis, task.run, task.step, task.checkpoint, key, task.parent
+                runtime.redis, task.run, task.step, task.checkpoint, key, task.parent, host
             )
 
-    return FanoutSpread(runtime.redis, call_in)
+    return FanoutSpread(runtime.redis, call_in, runtime.settings.diff_host)
 
 
 def _waiting_key(run: str) -> str:
