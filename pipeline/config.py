@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -209,6 +210,15 @@ class Settings:
             "DELTASYNC_PARALLEL_PARTS",
             "false",
             "Diff a version's parts on every diff worker of the machine (shared cache).",
+        ),
+    )
+    diff_host: str | None = field(
+        default=None,
+        metadata=_var(
+            "DELTASYNC_DIFF_HOST",
+            "(none)",
+            "The trainer host a diff worker serves: it also takes the part jobs routed "
+            "to that host's queue, first. Unset: the shared diff queue only.",
         ),
     )
     part_bytes: int = field(
@@ -473,6 +483,16 @@ def _bool(env: str, value: object) -> bool:
     raise ConfigError(f"{env}: expected true/false (1/0, yes/no, on/off), got {value!r}")
 
 
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _host(env: str, value: object) -> str:
+    text = _text(env, value).strip()
+    if not _HOST.fullmatch(text):
+        raise ConfigError(f"{env}: expected a host name (letters, digits, '.', '_', '-')")
+    return text
+
+
 def _log_level(env: str, value: object) -> str:
     return _text(env, value).strip().lower()
 
@@ -499,6 +519,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "keep_staging": _bool,
     "checkpoint_roots": _paths,
     "parallel_parts": _bool,
+    "diff_host": _host,
     "cache_link": _bool,
     "early_start": _bool,
     "content_hash": _choice,

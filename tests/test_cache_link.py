@@ -17,10 +17,10 @@ import safetensors.torch
 from pipeline.errors import MismatchError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.manifest import manifest_key
-from pipeline.publish import version as publish
+from pipeline.publish import diff as publish
+from pipeline.publish.diff import publish_delta
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.publish.version import publish_delta
 from pipeline.store.file import FileStore
 from pipeline.versions import chain
 from tests.test_chain import SyntheticRun

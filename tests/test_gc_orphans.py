@@ -14,7 +14,8 @@ from pathlib import Path
 from pipeline.coord.connection import redis_client
 from pipeline.format.manifest import Kind, manifest_key, version_prefix
 from pipeline.publish.compaction import collect_garbage, compact
-from pipeline.publish.parallel import Fanout, assemble, start_fanout, work_parts
+from pipeline.publish.diff import DeltaTask
+from pipeline.publish.parallel import assemble, start_fanout, work_parts
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 from tests.test_chain import SyntheticRun
@@ -26,14 +27,14 @@ def _keys(store: ObjectStore, version: int) -> list[str]:
     return sorted(store.list(version_prefix(RUN, "delta", version)))
 
 
-def _parts_of_a_fanout(trainer: SyntheticRun, redis_url: str, step: int) -> Fanout:
+def _parts_of_a_fanout(trainer: SyntheticRun, redis_url: str, step: int) -> DeltaTask:
     """What the workers of a parallel diff of ``step`` upload before its manifest."""
     index = chain.list_versions(trainer.store, RUN)
     head = index.head
     assert head is not None
     kind: Kind = "anchor" if head in index.anchors else "delta"
     parent = chain.load_manifest(trainer.store, RUN, kind, head)
-    fanout = Fanout(RUN, step, str(trainer.checkpoint(step)), head, kind, 1)
+    fanout = DeltaTask(RUN, step, str(trainer.checkpoint(step)), head, kind, 1)
     r = redis_client(redis_url)
     start_fanout(r, fanout)
     assert work_parts(r, trainer.store, trainer.cache, fanout, parent) == len(parent.objects)

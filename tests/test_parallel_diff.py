@@ -21,19 +21,19 @@ import torch
 from pipeline.config import Settings
 from pipeline.coord import keys
 from pipeline.coord.connection import redis_client
-from pipeline.coord.events import DeltaAvailable, parse_event
+from pipeline.coord.events import DeltaAvailable, DeltaPart, parse_event
 from pipeline.coord.hints import channel as part_channel
+from pipeline.coord.hints import publish_part
 from pipeline.coord.replicas import RunLock
 from pipeline.coord.stream import EventStream
-from pipeline.errors import ChainError, MismatchError
+from pipeline.errors import ChainError
 from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.manifest import manifest_key, version_prefix
+from pipeline.publish.diff import DeltaTask, LocalLedger, StaleBaseError, encode_parts
 from pipeline.publish.parallel import (
-    Fanout,
     assemble,
     current_fanout,
-    encode_part,
     part_lock,
     start_fanout,
     work_parts,
@@ -151,12 +151,16 @@ def test_parts_equal_the_single_job_and_manifest_waits_for_every_part(
 
     store, cache = stores["parallel"]
     parent = chain.load_manifest(store, "run", "anchor", 0)
-    fanout = Fanout("run", 1, str(paths[1]), 0, "anchor", 1)
+    fanout = DeltaTask("run", 1, str(paths[1]), 0, "anchor", 1)
     start_fanout(r, fanout)
     hints = r.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
     hints.subscribe(part_channel("run"))
-    assert work_parts(r, store, cache, fanout, parent) == len(parent.objects) >= 3
-    assert work_parts(r, store, cache, fanout, parent) == 0, "each part encoded once"
+
+    def hint(part: DeltaPart) -> None:
+        publish_part(r, part)
+
+    assert work_parts(r, store, cache, fanout, parent, on_part=hint) == len(parent.objects) >= 3
+    assert work_parts(r, store, cache, fanout, parent, on_part=hint) == 0, "each part once"
     missing = parent.objects[1].key
     record = r.hget(keys.part_records_key("run", 1, 0), missing)
     r.hdel(keys.part_records_key("run", 1, 0), missing)
@@ -193,19 +197,22 @@ def test_a_part_against_the_wrong_base_is_refused(tmp_path: Path) -> None:
     cache = StateCache(tmp_path / "cache", "run")
     publish_step(store, "run", 0, paths[0], cache, level=1, part_bytes=PART_BYTES)
     anchor = chain.load_manifest(store, "run", "anchor", 0)
-    fanout = Fanout("run", 2, str(paths[2]), 0, "anchor", 1)
-    key, names = anchor.parts()[0]
+    fanout = DeltaTask("run", 2, str(paths[2]), 0, "anchor", 1)
     with (
         CheckpointReader(paths[1]) as base,
         CheckpointReader(paths[2]) as new,
-        pytest.raises(MismatchError, match="does not match version 0"),
+        pytest.raises(StaleBaseError, match="does not match version 0"),
     ):
-        encode_part(store, fanout, anchor, key, names, base, new)
+        encode_parts(store, fanout, anchor, base, new, LocalLedger())
     assert list(store.list("run/deltas/")) == []
+    ledger = LocalLedger()
     with CheckpointReader(paths[0]) as base, CheckpointReader(paths[2]) as new:
-        _, entries = encode_part(store, fanout, anchor, key, names, base, new)
+        assert encode_parts(store, fanout, anchor, base, new, ledger) == len(anchor.objects)
         full = content_hashes.of(anchor).full
-        assert [e.hash for e in entries] == [full(new.view(n)) for n in names]
+        entries = [e for r in ledger.records().values() for e in r.tensors]
+        assert sorted((e.name, e.hash) for e in entries) == sorted(
+            (n, full(new.view(n))) for n in new.names()
+        )
 
 
 def test_a_step_redone_against_a_newer_head_encodes_its_parts_again(
@@ -226,17 +233,17 @@ def test_a_step_redone_against_a_newer_head_encodes_its_parts_again(
     cache = StateCache(tmp_path / "cache", "redo")
     publish_step(store, "redo", 0, paths[0], cache, level=1, part_bytes=PART_BYTES)
     anchor = chain.load_manifest(store, "redo", "anchor", 0)
-    dead = Fanout("redo", 2, str(paths[2]), 0, "anchor", 1)
+    dead = DeltaTask("redo", 2, str(paths[2]), 0, "anchor", 1)
     assert work_parts(r, store, cache, dead, anchor) == len(anchor.objects)
     stale = {o.key: store.get(version_prefix("redo", "delta", 2) + o.key) for o in anchor.objects}
 
     assert publish_step(store, "redo", 1, paths[1], cache, level=1).status == "published"
-    with pytest.raises(ChainError, match="head is now 1"):
+    with pytest.raises(ChainError, match="head moved to 1"):
         assemble(r, store, dead, anchor, None)
     assert not store.exists(manifest_key("redo", "delta", 2))
 
     parent = chain.load_manifest(store, "redo", "delta", 1)
-    redo = Fanout("redo", 2, str(paths[2]), 1, "delta", 1)
+    redo = DeltaTask("redo", 2, str(paths[2]), 1, "delta", 1)
     start_fanout(r, redo)
     assert work_parts(r, store, cache, redo, parent) == len(parent.objects)
     manifest = assemble(r, store, redo, parent, None)
@@ -250,7 +257,7 @@ def test_a_step_redone_against_a_newer_head_encodes_its_parts_again(
 
 # --------------------------------------------------------------------------- crashes
 
-COORDINATOR_POINTS = ("parallel.after_upload@2", "parallel.before_manifest")
+COORDINATOR_POINTS = ("publish.after_upload@2", "publish.before_manifest")
 # A claim held by a helper on another machine: never taken over, only lapses.
 FOREIGN_HOLDER = "another-machine:0:1:0:"
 FOREIGN_LAPSE_S = 4.0
@@ -306,7 +313,7 @@ def helper_kill_scenario(tmp: Path) -> Outcome:
             for key in gates[:-1]:
                 c.redis.delete(key)
             helper = c.procs.start(
-                "helper", "worker", "diff", DELTASYNC_FAULT="parallel.after_encode"
+                "helper", "worker", "diff", DELTASYNC_FAULT="publish.after_encode"
             )
             wait_killed(helper, "the helper")
             _kill_group(helper)
@@ -346,8 +353,9 @@ def coordinator_kill_scenario(tmp: Path, fault: str, *, rq_retry: bool) -> Outco
         # killed scheduler's lock would hold retries back until it lapses).
         wait_killed(coordinator, fault)
         left = list(c.store.list(version_prefix(c.run, "delta", step)))
-        uploaded = 2 if fault.endswith("@2") else parts
-        assert len(left) == uploaded, left
+        # At the second upload the third part's may be on its way too.
+        uploaded = (2, 3) if fault.endswith("@2") else (parts, parts)
+        assert uploaded[0] <= len(left) <= uploaded[1], left
         assert c.head() == step - 1
         if rq_retry:
             assert retry_abandoned(c.redis, queues.DIFF_QUEUE) == 1

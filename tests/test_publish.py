@@ -20,12 +20,13 @@ from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import manifest_key
-from pipeline.publish import version as publish
+from pipeline.publish import diff as publish
 from pipeline.publish.compaction import compact
+from pipeline.publish.diff import publish_delta, shares_by_bytes
 from pipeline.publish.parts import plan_parts
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.publish.version import publish_anchor, publish_delta, shares_by_bytes
+from pipeline.publish.version import publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state

@@ -46,12 +46,30 @@ def diff_part_job_id(run: str, step: int, part: str) -> str:
     return f"diffpart-{_id_part(run)}-{step}-{_id_part(part)}"
 
 
+def diff_host_queue(host: str) -> str:
+    """The queue of the part jobs routed to the diff workers of trainer host ``host``."""
+    return keys.diff_host_queue(host)
+
+
+def diff_queues(host: str | None) -> list[str]:
+    """The queues a diff worker takes jobs from, its host's first."""
+    return [DIFF_QUEUE] if host is None else [diff_host_queue(host), DIFF_QUEUE]
+
+
 def enqueue_diff_part(
-    connection: redis.Redis, run: str, step: int, checkpoint: str, part: str, parent: int
+    connection: redis.Redis,
+    run: str,
+    step: int,
+    checkpoint: str,
+    part: str,
+    parent: int,
+    host: str | None = None,
 ) -> str:
-    """Queue one part of a parallel diff, ahead of waiting steps (they wait on it)."""
+    """Queue one part of a parallel diff, ahead of waiting steps (they wait on it): on
+    the queue of ``host``'s diff workers when the part is routed to a host."""
     job_id = diff_part_job_id(run, step, part)
-    queue(connection, DIFF_QUEUE).enqueue_call(
+    name = DIFF_QUEUE if host is None else diff_host_queue(host)
+    queue(connection, name).enqueue_call(
         DIFF_PART_JOB,
         kwargs={
             "run": run,

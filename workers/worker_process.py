@@ -43,8 +43,9 @@ def run_worker(
     its thread pools is unsafe, and the diff cache stays warm between jobs.
     """
     connection = runtime.redis
+    names = queues.diff_queues(runtime.settings.diff_host) if kind == "diff" else [QUEUES[kind]]
     worker = JobWorker(
-        [queues.queue(connection, QUEUES[kind])],
+        [queues.queue(connection, name) for name in names],
         name=name,
         connection=connection,
         serializer=JSONSerializer,
@@ -55,7 +56,7 @@ def run_worker(
     log.info(
         "worker starting",
         kind=kind,
-        queue=QUEUES[kind],
+        queue=", ".join(names),
         store=runtime.settings.store_url,
         redis=runtime.redis_url_redacted,
         burst=burst,

@@ -96,7 +96,13 @@ DIFF_WAITING = Template(
 DIFF_WAITING_LEASE = Template(
     f"{RUN}:diff-waiting:{{step}}", "string", "A waiting job's lease (lapses if it died)."
 )
+PART_HOSTS = Template(
+    f"{RUN}:part-hosts:{{step}}", "hash", "Parts of a step routed to trainer hosts: part -> host."
+)
 DIFF_QUEUE = Template(f"{PREFIX}:diff", "queue", "rq queue of diff jobs.")
+DIFF_HOST_QUEUE = Template(
+    f"{PREFIX}:diff:host:{{host}}", "queue", "rq queue of the part jobs routed to a trainer host."
+)
 COMPACT_QUEUE = Template(f"{PREFIX}:compact", "queue", "rq queue of compaction jobs.")
 
 TEMPLATES: tuple[Template, ...] = (
@@ -120,7 +126,9 @@ TEMPLATES: tuple[Template, ...] = (
     COMPACTION_PENDING,
     DIFF_WAITING,
     DIFF_WAITING_LEASE,
+    PART_HOSTS,
     DIFF_QUEUE,
+    DIFF_HOST_QUEUE,
     COMPACT_QUEUE,
 )
 
@@ -228,6 +236,14 @@ def diff_waiting_key(run: str) -> str:
 
 def diff_waiting_lease_key(run: str, step: int) -> str:
     return DIFF_WAITING_LEASE.format(run=check_run_name(run), step=_int(step))
+
+
+def part_hosts_key(run: str, step: int) -> str:
+    return PART_HOSTS.format(run=check_run_name(run), step=_int(step))
+
+
+def diff_host_queue(host: str) -> str:
+    return DIFF_HOST_QUEUE.format(host=check_node_name(host))
 
 
 DIFF_QUEUE_NAME = DIFF_QUEUE.format()

@@ -3,7 +3,10 @@
 ``publish_step`` reads the run's head from the store, publishes the step's
 checkpoint as the first anchor or as a delta against the worker's state cache
 (rebuilt from the store when it does not hold the head), and then brings the
-cache up to the new version. rq, locks and events stay in ``workers/jobs/diff.py``.
+cache up to the new version. It is the step routine of every diff worker: a
+single worker encodes every part itself; with ``spread`` (the parallel diff,
+:mod:`pipeline.publish.parallel`) it is the coordinator of workers sharing the
+parts. rq, leases and events stay in ``workers/jobs/diff.py``.
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ from pipeline.coord.events import DeltaPart
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.manifest_parse import check_tensor_name
+from pipeline.publish.diff import DeltaTask, Ledger, LocalLedger, StaleBaseError, publish_delta
 from pipeline.publish.parts import DEFAULT_PART_BYTES
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.state_cache import StateCache, check_against
 from pipeline.publish.uploads import PublishTimings
-from pipeline.publish.version import PrivateKey, StaleBaseError, publish_anchor, publish_delta
+from pipeline.publish.version import PrivateKey, publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store
 from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
+
+# How a delta's parts are shared out: the ledger its workers record them in (a
+# single worker's: :class:`LocalLedger`).
+Spread = Callable[[DeltaTask, Manifest], Ledger]
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ def publish_step(
     anchor_compression: str = "none",
     on_part: Callable[[DeltaPart], None] | None = None,
     content_hash: str | None = None,
+    spread: Spread | None = None,
 ) -> PublishResult:
     """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
 
@@ -111,7 +120,9 @@ def publish_step(
     gets a hint for each delta object once it is stored, before the manifest. With
     ``signing_key`` the head is verified with its public half before anything builds
     on it. ``content_hash`` names the tensor hash of a new run (its first anchor fixes
-    it; default ``content_hashes.DEFAULT``); later versions keep the run's."""
+    it; default ``content_hashes.DEFAULT``); later versions keep the run's. ``spread``
+    shares a delta's parts with other workers once the cache holds the parent (the
+    first anchor is always this worker's)."""
     store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     head = index.head
@@ -149,13 +160,16 @@ def publish_step(
         else:
             parent_kind: Kind = "anchor" if head in index.anchors else "delta"
             parent = chain.load_manifest(store, run, parent_kind, head)
+            check_against(parent, new.specs(), f"checkpoint {new.path}")
             if not cache.is_valid_for(parent):
                 log.info(
                     "state cache is stale, rebuilding", run=run, head=head, cached=cache.version
                 )
                 cache.rebuild(store, run, head)
+            task = DeltaTask(run, step, str(checkpoint_path), head, parent_kind, level)
+            ledger = spread(task, parent) if spread is not None else LocalLedger()
 
-            def delta(parent: Manifest = parent, head: int = head) -> Manifest:
+            def delta(parent: Manifest = parent) -> Manifest:
                 proven = cache.is_proven_for(parent)
                 with cache.reader() as base:
                     return publish_delta(
@@ -172,21 +186,27 @@ def publish_step(
                         base_unchanged=cache.linked_files_unchanged,
                         on_part=on_part,
                         base_proven=proven,
+                        ledger=ledger,
                     )
 
             try:
-                manifest = delta()
-            except StaleBaseError as e:
-                # The cache claimed the head's state but its bytes disagree: rebuild once.
-                rewritten = not cache.linked_files_unchanged()  # turns linking off if so
-                log.warning(
-                    "state cache is damaged, rebuilding",
-                    run=run,
-                    error=str(e),
-                    linked_checkpoint_rewritten=rewritten,
-                )
-                cache.rebuild(store, run, head)
-                manifest = delta()
+                try:
+                    manifest = delta()
+                except StaleBaseError as e:
+                    # The cache claimed the head's state but its bytes disagree: rebuild
+                    # once, and encode every part again.
+                    rewritten = not cache.linked_files_unchanged()  # turns linking off if so
+                    log.warning(
+                        "state cache is damaged, rebuilding",
+                        run=run,
+                        error=str(e),
+                        linked_checkpoint_rewritten=rewritten,
+                    )
+                    cache.rebuild(store, run, head)
+                    ledger.clear()
+                    manifest = delta()
+            finally:
+                ledger.close()
         published_s = time.perf_counter() - started
         if on_published is not None:
             on_published(manifest)

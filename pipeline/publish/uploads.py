@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from pipeline.errors import ObjectNotFoundError
+from pipeline.format.hashing import sha256_bytes
 from pipeline.logs import Throttle
 from pipeline.store.base import ObjectStore
 from pipeline.testing import faults
@@ -56,14 +58,17 @@ class Uploader:
     def __init__(self, store: ObjectStore, fault: str, timings: PublishTimings, depth: int = 1):
         self.store, self.fault, self.timings, self.depth = store, fault, timings, depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-upload")
-        self.pending: deque[Future[float]] = deque()
+        self.pending: deque[tuple[Future[float], Callable[[], None] | None]] = deque()
         self.progress = Throttle()
         self.objects = 0
         self.bytes = 0
 
-    def _put(self, key: str, data: bytes, then: Callable[[], None] | None) -> float:
+    def _put(
+        self, key: str, data: bytes, then: Callable[[], None] | None, sha256: str | None
+    ) -> float:
         started = time.perf_counter()
-        self.store.put(key, data)
+        if sha256 is None or not holds(self.store, key, len(data), sha256):
+            self.store.put(key, data)
         elapsed = time.perf_counter() - started
         self._progress(key, len(data))
         if then is not None:
@@ -89,14 +94,29 @@ class Uploader:
         )
 
     def _collect(self) -> None:
-        self.timings.upload_s += self.pending.popleft().result()
+        future, after = self.pending.popleft()
+        self.timings.upload_s += future.result()
         faults.point(f"{self.fault}.after_upload")
+        if after is not None:
+            after()
 
-    def submit(self, key: str, data: bytes, then: Callable[[], None] | None = None) -> None:
-        """Upload in the background; ``then`` runs once the object is stored."""
+    def submit(
+        self,
+        key: str,
+        data: bytes,
+        then: Callable[[], None] | None = None,
+        *,
+        after: Callable[[], None] | None = None,
+        sha256: str | None = None,
+    ) -> None:
+        """Upload in the background. ``then`` runs on the upload thread once the object is
+        stored (a hint: its errors are logged); ``after`` runs on the caller's thread once
+        the upload is collected (its errors are raised). With ``sha256`` an object that
+        already holds exactly those bytes is not uploaded again (a retried part)."""
         # The caller's log context (run, version, job) goes with the upload.
         context = contextvars.copy_context()
-        self.pending.append(self.pool.submit(context.run, self._put, key, data, then))
+        future = self.pool.submit(context.run, self._put, key, data, then, sha256)
+        self.pending.append((future, after))
         while len(self.pending) > self.depth:
             self._collect()
 
@@ -110,3 +130,13 @@ class Uploader:
 
     def __exit__(self, *exc: object) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def holds(store: ObjectStore, key: str, size: int, sha256: str) -> bool:
+    """Whether ``key`` already holds exactly the ``size`` bytes of digest ``sha256``."""
+    try:
+        if not store.exists(key) or store.size(key) != size:
+            return False
+        return sha256_bytes(store.get(key)) == sha256
+    except ObjectNotFoundError:
+        return False

@@ -1,34 +1,28 @@
-"""Publishing versions to a store: the core of the diff and compaction jobs.
+"""Publishing versions to a store: anchors, and what every version's manifest needs.
 
 Each version is stored as one object per part of the run's partition
 (:mod:`pipeline.publish.parts`): ``part-00000.safetensors`` etc. inside the version
-folder.
+folder. Deltas are written by :mod:`pipeline.publish.diff`.
 
 Every publish uploads all objects first and writes the manifest last, and is
 idempotent: an existing manifest is returned untouched. Crash points for
-fault-injection tests (see :mod:`pipeline.testing.faults`): ``publish.after_read``,
-``publish.after_encode``, ``publish.after_upload``, ``publish.before_manifest``,
-``publish.after_manifest`` for deltas, and the same names under ``anchor.``
-for anchors.
+fault-injection tests (see :mod:`pipeline.testing.faults`): ``anchor.after_read``,
+``anchor.after_encode``, ``anchor.after_upload``, ``anchor.before_manifest``,
+``anchor.after_manifest``; deltas use the same names under ``publish.``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import replace
 
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pipeline import cpus
-from pipeline.codec import CODEC_NAME, CODEC_VERSION, DeltaObject, encode_delta, read_delta
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
-from pipeline.coord.events import DeltaPart
-from pipeline.errors import ChainError, MismatchError
-from pipeline.format import content_hashes, mixsum
+from pipeline.errors import MismatchError
+from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_names import published_form
 from pipeline.format.content_hashes import HashAlgorithm
@@ -49,7 +43,6 @@ from pipeline.format.manifest import (
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.signing import sign
 from pipeline.publish.parts import DEFAULT_PART_BYTES, Layout, read_parts
-from pipeline.publish.state_cache import check_against
 from pipeline.publish.uploads import Clock, PublishTimings, Uploader
 from pipeline.store.base import ObjectStore
 from pipeline.testing import faults
@@ -66,10 +59,6 @@ ANCHOR_CODECS = {
     "none": ANCHOR_CODEC,
     "zstd": CodecInfo(name="safetensors-planes-zstd", version=1, level=ZSTD_LEVEL),
 }
-
-
-class StaleBaseError(MismatchError):
-    """The diff base does not hold the parent's state (a damaged or outdated cache)."""
 
 
 def _existing(store: ObjectStore, run: str, kind: Kind, version: int) -> Manifest | None:
@@ -101,63 +90,6 @@ def write_manifest(
     return manifest
 
 
-Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
-
-# Threads hashing base and new while the codec encodes: one per four CPUs (the
-# encoder takes one per two), so a 2-core machine keeps one.
-HASH_THREADS = max(1, min(4, cpus.available() // 4))
-
-
-def _pair_hashes(
-    pairs: Pairs, algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Content hashes of the (base, new) tensors of ``pairs``."""
-    return (
-        {n: algorithm.full(b) for n, b, _ in pairs},
-        {n: algorithm.full(t) for n, _, t in pairs},
-    )
-
-
-def shares_by_bytes(pairs: Pairs, count: int) -> list[Pairs]:
-    """``pairs`` split into at most ``count`` non-empty shares of about equal bytes
-    (largest first, each to the lightest share)."""
-    shares: list[Pairs] = [[] for _ in range(max(1, count))]
-    loads = [0] * len(shares)
-    for pair in sorted(pairs, key=lambda p: p[2].nbytes, reverse=True):
-        lightest = loads.index(min(loads))
-        shares[lightest].append(pair)
-        loads[lightest] += pair[2].nbytes
-    return [share for share in shares if share]
-
-
-def hash_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="deltasync-hash")
-
-
-def submit_hashes(
-    pool: ThreadPoolExecutor,
-    pairs: Pairs,
-    algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM,
-) -> Callable[[], tuple[dict[str, str], dict[str, str]]]:
-    """Hash ``pairs`` on ``HASH_THREADS`` of ``pool``'s threads; the returned call waits
-    for all of them."""
-    futures = [
-        pool.submit(_pair_hashes, share, algorithm)
-        for share in shares_by_bytes(pairs, HASH_THREADS)
-    ]
-
-    def result() -> tuple[dict[str, str], dict[str, str]]:
-        base: dict[str, str] = {}
-        new: dict[str, str] = {}
-        for future in futures:
-            b, n = future.result()
-            base.update(b)
-            new.update(n)
-        return base, new
-
-    return result
-
-
 def tensor_entry(
     name: str,
     tensor: torch.Tensor,
@@ -176,26 +108,6 @@ def tensor_entry(
         object=obj,
         changed=changed,
     )
-
-
-def updated_hashes(
-    delta: DeltaObject, pairs: Pairs, held: dict[str, str], algorithm: HashAlgorithm
-) -> dict[str, str]:
-    """The new content hash of each tensor of ``pairs`` from its base's (``held``) and
-    the changes ``delta`` makes to it: O(changed), the old contents read at the changed
-    positions only."""
-    out: dict[str, str] = {}
-    for name, base, _ in pairs:
-        if delta.info(name).changed == 0:
-            out[name] = held[name]
-            continue
-        patch = delta.decode(name, base)
-        flat = mixsum.int_flat(base)
-        old = flat.index_select(0, patch.positions.to(flat.device))
-        out[name] = algorithm.updated(
-            held[name], patch.positions, old, patch.values, base.element_size()
-        )
-    return out
 
 
 # ---------------------------------------------------------------- anchors
@@ -315,165 +227,5 @@ def publish_anchor(
         reason=reason,
         bytes=manifest.total_bytes,
         tensors=len(entries),
-    )
-    return manifest
-
-
-# ---------------------------------------------------------------- deltas
-
-
-def delta_manifest(
-    run: str,
-    version: int,
-    parent: Manifest,
-    level: int,
-    objects: list[ObjectEntry],
-    entries: list[TensorEntry],
-    tensor_form: str | None = None,
-) -> Manifest:
-    """The manifest of a delta whose objects are uploaded (not yet written)."""
-    return Manifest(
-        run=run,
-        version=version,
-        kind="delta",
-        parent=parent.version,
-        anchor=parent.anchor,
-        codec=CodecInfo(name=CODEC_NAME, version=CODEC_VERSION, level=level),
-        objects=tuple(objects),
-        tensors=tuple(entries),
-        state_hash=compute_state_hash(entries),
-        created=now_iso(),
-        extra={
-            "changed": sum(e.changed for e in entries),
-            "elements": sum(e.numel for e in entries),
-        },
-        parent_state_hash=parent.state_hash,
-        tensor_form=tensor_form,
-        content_hash=parent.content_hash,  # a run keeps its first anchor's
-    )
-
-
-def publish_delta(
-    store: ObjectStore,
-    run: str,
-    version: int,
-    base: CheckpointReader,
-    new: CheckpointReader,
-    parent: Manifest,
-    *,
-    level: int,
-    signing_key: PrivateKey | None = None,
-    timings: PublishTimings | None = None,
-    index: chain.VersionIndex | None = None,
-    base_unchanged: Callable[[], bool] | None = None,
-    on_part: Callable[[DeltaPart], None] | None = None,
-    base_proven: bool = False,
-) -> Manifest:
-    """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
-    as delta ``version``, part by part in the run's partition, manifest last. ``index``
-    saves a listing when the caller has just made one. ``base_unchanged`` is asked once
-    every part is encoded, before the manifest: False means the base's files were
-    modified while they were read (StaleBaseError, nothing published). ``on_part``
-    gets a hint for each part object once it is stored (before the manifest).
-
-    With an incremental content hash (the run's, see :mod:`pipeline.format.content_hashes`)
-    the new hashes come from the parent's and the changes alone; ``base_proven`` (the
-    base was proven to hold ``parent`` by a full hash, e.g. when its cache was rebuilt)
-    then saves hashing the base too: the version costs its encoding and O(changed)."""
-    found = _existing(store, run, "delta", version)
-    if found is not None:
-        log.info("delta exists, nothing to do", run=run, version=version)
-        return found
-    head = (index or chain.list_versions(store, run)).head
-    if head is not None and version <= head:
-        raise ChainError(f"run {run}: step {version} is not newer than head {head}")
-    if parent.run != run or parent.version != head:
-        raise ChainError(
-            f"run {run}: delta {version} must follow head {head}, not version {parent.version}"
-        )
-    check_against(parent, new.specs(), f"checkpoint {new.path}")
-    check_against(parent, base.specs(), f"base {base.path}")
-    timings = timings or PublishTimings()
-    clock = Clock()
-    parent_hashes = {t.name: t.hash for t in parent.tensors}
-    algorithm = content_hashes.of(parent)
-    incremental = algorithm.incremental
-    objects: list[ObjectEntry] = []
-    entries: list[TensorEntry] = []
-    # The base and new tensors are hashed on other threads while the codec encodes
-    # (both release the GIL); the base is proven before the part is uploaded. With an
-    # incremental hash the new tensors are not hashed, nor a proven base.
-    with (
-        Uploader(store, "publish", timings) as uploader,
-        hash_pool() as hasher,
-    ):
-        for key, names in parent.parts():
-            clock.lap()
-            # Read-only views of the mapped files: the codec and the hashes only read.
-            pairs = [(n, base.view(n), new.view(n)) for n in names]
-            timings.read_s += clock.lap()
-            hashed = [] if incremental and base_proven else pairs
-            if incremental:  # the base alone, its hashes only checked
-                hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in hashed]
-            hashes = submit_hashes(hasher, hashed, algorithm)
-            faults.point("publish.after_read")
-            data = encode_delta(pairs, level)
-            timings.encode_s += clock.lap()
-            base_hashes, new_hashes = hashes()
-            delta = read_delta(data, object_name=key)
-            if incremental:
-                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm)
-            timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
-            for n, digest in base_hashes.items():
-                if digest != parent_hashes[n]:
-                    raise StaleBaseError(
-                        f"base tensor {n!r} in {base.path} does not match version {parent.version}"
-                    )
-            changed = {i.name: i.changed for i in delta.tensors}
-            entries.extend(
-                tensor_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs
-            )
-            stored = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
-            objects.append(stored)
-            timings.encode_s += clock.lap()
-            del pairs, delta
-            # Unmap this part's pages: a model larger than RAM stays one part resident.
-            base.close()
-            new.close()
-            faults.point("publish.after_encode")
-            then = None
-            if on_part is not None:
-                hint = DeltaPart.now(
-                    run=run,
-                    version=version,
-                    parent=parent.version,
-                    key=key,
-                    size=stored.size,
-                    sha256=stored.sha256,
-                )
-                then = functools.partial(on_part, hint)
-            uploader.submit(version_prefix(run, "delta", version) + key, data, then)
-            del data
-        uploader.finish()
-    if base_unchanged is not None and not base_unchanged():
-        raise StaleBaseError(f"base {base.path} was modified while delta {version} was encoded")
-    # The run lock makes this the only writer; a holder that stalled past its lease
-    # could have been overtaken meanwhile, so the head is looked at again.
-    now = chain.list_versions(store, run).head
-    if now != parent.version:
-        raise ChainError(
-            f"run {run}: head moved to {now} while delta {version} was encoded against "
-            f"{parent.version}; not published"
-        )
-    manifest = delta_manifest(run, version, parent, level, objects, entries, published_form(new))
-    manifest = write_manifest(store, manifest, signing_key, "publish")
-    log.info(
-        "delta published",
-        run=run,
-        version=version,
-        parent=parent.version,
-        bytes=manifest.total_bytes,
-        changed=manifest.extra["changed"],
-        elements=manifest.extra["elements"],
     )
     return manifest

@@ -15,14 +15,14 @@ from pipeline.config import Settings
 from pipeline.coord import keys
 from pipeline.coord.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.coord.hints import publish_part
-from pipeline.coord.replicas import claim_once, run_lock
+from pipeline.coord.replicas import claim_once
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError
 from pipeline.format.manifest import Kind, Manifest, manifest_key
 from pipeline.logs import bind_context, get_logger
 from pipeline.publish import dead_letters
 from pipeline.publish.state_cache import StateCache
-from pipeline.publish.step import PublishResult, publish_step
+from pipeline.publish.step import publish_step
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
@@ -173,37 +173,25 @@ def _diff_one(
         faults.point("diff.after_announce")
 
     run_binding.bind_store(runtime.redis, run, runtime.store)  # one store per run
-    result: PublishResult
-    if settings.parallel_parts:
-        result = parallel_diff.publish_step_parallel(
-            runtime, run, step, path, level or settings.level
-        )
-    else:
-        with run_lock(
-            runtime.redis,
+    with parallel_diff.diff_lease(runtime, run, step):
+        cache = StateCache(settings.cache_dir, run)
+        result = publish_step(
+            runtime.store,
             run,
-            "diff",
-            timeout_s=config.LOCK_LEASE_S,
-            wait_s=config.DIFF_LOCK_WAIT_S,
-            renew_every_s=config.LOCK_RENEW_S,
-        ):
-            cache = StateCache(settings.cache_dir, run)
-            result = publish_step(
-                runtime.store,
-                run,
-                step,
-                path,
-                cache,
-                level=level or settings.level,
-                signing_key=settings.signing_key(),
-                part_bytes=settings.part_bytes,
-                on_published=published,
-                adopt=staged,
-                link=settings.cache_link,
-                anchor_compression=settings.anchor_compression,
-                on_part=lambda hint: publish_part(runtime.redis, hint),
-                content_hash=settings.content_hash,
-            )
+            step,
+            path,
+            cache,
+            level=level or settings.level,
+            signing_key=settings.signing_key(),
+            part_bytes=settings.part_bytes,
+            on_published=published,
+            adopt=staged,
+            link=settings.cache_link,
+            anchor_compression=settings.anchor_compression,
+            on_part=lambda hint: publish_part(runtime.redis, hint),
+            content_hash=settings.content_hash,
+            spread=parallel_diff.spread(runtime) if settings.parallel_parts else None,
+        )
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.
         published(result.manifest)

@@ -1,35 +1,29 @@
-"""The parallel diff mode (``DELTASYNC_PARALLEL_PARTS``): coordinator and helpers.
+"""The diff lease of a run and the part jobs of the parallel diff.
 
-The coordinator holds the run's diff lease from the fan-out until the manifest
-is written, so the next step never starts against an unpublished parent. A job
-waiting for that lease helps with the in-flight fan-out instead of idling, and
-part jobs (queued ahead of waiting steps) bring idle workers in.
+Every diff job takes the run's diff lease the same way: in line behind the
+smaller steps waiting for it, helping the in-flight fan-out meanwhile instead
+of idling (none in flight when ``DELTASYNC_PARALLEL_PARTS`` is off). The holder
+runs ``publish_step``, spreading its parts over the diff workers in parallel
+mode (part jobs, queued ahead of waiting steps, bring idle workers in), and
+keeps the lease until the manifest is written, so the next step never starts
+against an unpublished parent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 from pipeline import config
 from pipeline.coord import keys
+from pipeline.coord.hints import publish_part
 from pipeline.coord.replicas import RunLock, _Renewer
-from pipeline.errors import DeltasyncError, LockError, MismatchError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.manifest import Kind
-from pipeline.format.manifest_parse import check_tensor_name
+from pipeline.errors import LockError
 from pipeline.logs import get_logger
-from pipeline.publish.parallel import (
-    Fanout,
-    assemble,
-    current_fanout,
-    end_fanout,
-    start_fanout,
-    work_parts,
-)
-from pipeline.publish.state_cache import StateCache, check_against
-from pipeline.publish.step import PublishResult, publish_step
-from pipeline.versions import chain
+from pipeline.publish.diff import DeltaTask
+from pipeline.publish.parallel import FanoutSpread, current_fanout, help_fanout
+from pipeline.publish.state_cache import StateCache
 from workers import queues
 from workers.runtime import Runtime
 
@@ -54,17 +48,30 @@ def work_on_part(
     return _help(runtime, fanout, first=part)
 
 
-def _help(runtime: Runtime, fanout: Fanout, first: str | None = None) -> int:
-    """Best effort: whatever a helper fails to do, the coordinator does itself."""
-    try:
-        manifest = chain.load_manifest(runtime.store, fanout.run, fanout.parent_kind, fanout.parent)
-        cache = StateCache(runtime.settings.cache_dir, fanout.run)
-        return work_parts(runtime.redis, runtime.store, cache, fanout, manifest, first=first)
-    except (DeltasyncError, OSError) as e:
-        # The fan-out ended under us (checkpoint removed, cache advanced) or the cache
-        # is damaged: the coordinator sees the same and acts on it.
-        log.info("cannot help with the fan-out", version=fanout.step, error=str(e))
-        return 0
+def _help(runtime: Runtime, fanout: DeltaTask, first: str | None = None) -> int:
+    cache = StateCache(runtime.settings.cache_dir, fanout.run)
+    return help_fanout(
+        runtime.redis,
+        runtime.store,
+        cache,
+        fanout,
+        first=first,
+        on_part=lambda hint: publish_part(runtime.redis, hint),
+        host=runtime.settings.diff_host,
+    )
+
+
+def spread(runtime: Runtime) -> FanoutSpread:
+    """The parallel diff's spread: a part job per part of the fan-out, on the queue of
+    the host it is routed to (``DELTASYNC_DIFF_HOST`` of that host's workers)."""
+
+    def call_in(task: DeltaTask, parts: list[tuple[str, str | None]]) -> None:
+        for key, host in parts:
+            queues.enqueue_diff_part(
+                runtime.redis, task.run, task.step, task.checkpoint, key, task.parent, host
+            )
+
+    return FanoutSpread(runtime.redis, call_in, runtime.settings.diff_host)
 
 
 class _Line:
@@ -100,11 +107,10 @@ class _Line:
             pipe.execute()
 
 
-def publish_step_parallel(
-    runtime: Runtime, run: str, step: int, checkpoint: Path, level: int
-) -> PublishResult:
-    """Take the run's diff lease once no smaller step waits for it (helping the
-    in-flight fan-out meanwhile) and publish ``step``."""
+@contextlib.contextmanager
+def diff_lease(runtime: Runtime, run: str, step: int) -> Iterator[None]:
+    """Hold the run's diff lease for the block, taken once no smaller step waits for
+    it (helping the in-flight fan-out meanwhile); LockError after ``config.DIFF_LOCK_WAIT_S``."""
     lock = RunLock(runtime.redis, run, "diff", config.LOCK_LEASE_S)
     line = _Line(runtime, run, step)
     deadline = time.monotonic() + config.DIFF_LOCK_WAIT_S
@@ -120,60 +126,8 @@ def publish_step_parallel(
                 time.sleep(IDLE_S)
         try:
             with _Renewer(lock, config.LOCK_RENEW_S):
-                return _coordinate(runtime, run, step, checkpoint, level)
+                yield
         finally:
             lock.release()
     finally:
         line.leave()
-
-
-def _coordinate(
-    runtime: Runtime, run: str, step: int, checkpoint: Path, level: int
-) -> PublishResult:
-    settings, store, r = runtime.settings, runtime.store, runtime.redis
-    cache = StateCache(settings.cache_dir, run)
-    index = chain.list_versions(store, run)
-    head = index.head
-    if head is None or step <= head:
-        # The first anchor, or a step already published or stale: the single-job path.
-        return publish_step(
-            store,
-            run,
-            step,
-            checkpoint,
-            cache,
-            level=level,
-            signing_key=settings.signing_key(),
-            part_bytes=settings.part_bytes,
-            anchor_compression=settings.anchor_compression,
-            content_hash=settings.content_hash,
-        )
-    started = time.perf_counter()
-    parent_kind: Kind = "anchor" if head in index.anchors else "delta"
-    parent = chain.load_manifest(store, run, parent_kind, head)
-    with CheckpointReader(checkpoint) as new:
-        for name in new.names():
-            check_tensor_name(name, f"checkpoint {new.path}")
-        check_against(parent, new.specs(), f"checkpoint {new.path}")
-        if not cache.is_valid_for(parent):
-            log.info("state cache is stale, rebuilding", run=run, head=head, cached=cache.version)
-            cache.rebuild(store, run, head)
-        fanout = Fanout(run, step, str(checkpoint), head, parent_kind, level)
-        start_fanout(r, fanout)
-        parts = parent.parts()
-        for key, _ in parts:
-            queues.enqueue_diff_part(r, run, step, str(checkpoint), key, head)
-        while r.hlen(keys.part_records_key(run, step, head)) < len(parts):
-            try:
-                if work_parts(r, store, cache, fanout, parent) == 0:
-                    time.sleep(IDLE_S)
-            except MismatchError as e:
-                # The cache claimed the head's state but its bytes disagree: rebuild.
-                log.warning("state cache is damaged, rebuilding", run=run, error=str(e))
-                cache.rebuild(store, run, head)
-        manifest = assemble(r, store, fanout, parent, settings.signing_key())
-        end_fanout(r, fanout)
-        cache.advance(new, manifest)
-    return PublishResult.published(
-        manifest, head, {"total_s": round(time.perf_counter() - started, 4)}
-    )

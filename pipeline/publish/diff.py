@@ -1,0 +1,488 @@
+"""The one diff path: a delta encoded part by part, recorded in a ledger, manifest last.
+
+A version's delta is the run's partition of parts (:mod:`pipeline.publish.parts`),
+each encoded against the parent's state and uploaded as one object. Which worker
+encodes which part is the ledger's business: a single worker keeps the records in
+memory (:class:`LocalLedger`) and claims every part; workers sharing a version keep
+them in Redis (:mod:`pipeline.publish.parallel`) and claim parts with leases. Both
+run :func:`encode_parts`, and :func:`assemble_delta` writes the manifest from the
+records once every part is recorded: the same bytes for one worker or N.
+
+Crash points (see :mod:`pipeline.testing.faults`): ``publish.after_read``,
+``publish.after_encode``, ``publish.after_upload``, ``publish.before_manifest``,
+``publish.after_manifest``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+import torch
+
+from pipeline import cpus
+from pipeline.codec import CODEC_NAME, CODEC_VERSION, DeltaObject, encode_delta, read_delta
+from pipeline.coord.events import DeltaPart
+from pipeline.errors import ChainError, MismatchError
+from pipeline.format import content_hashes, mixsum
+from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoint_names import published_form
+from pipeline.format.content_hashes import HashAlgorithm
+from pipeline.format.hashing import sha256_bytes
+from pipeline.format.manifest import (
+    CodecInfo,
+    Kind,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    compute_state_hash,
+    manifest_key,
+    now_iso,
+    version_prefix,
+)
+from pipeline.publish.state_cache import check_against
+from pipeline.publish.uploads import Clock, PublishTimings, Uploader
+from pipeline.publish.version import PrivateKey, tensor_entry, write_manifest
+from pipeline.store.base import ObjectStore
+from pipeline.testing import faults
+from pipeline.versions import chain
+
+log = structlog.get_logger(__name__)
+
+
+class StaleBaseError(MismatchError):
+    """The diff base does not hold the parent's state (a damaged or outdated cache)."""
+
+
+@dataclass(frozen=True)
+class DeltaTask:
+    """Delta ``step`` of ``run``: ``checkpoint`` encoded against version ``parent``."""
+
+    run: str
+    step: int
+    checkpoint: str
+    parent: int
+    parent_kind: Kind
+    level: int
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One encoded, stored part: its object and the tensor entries it holds."""
+
+    object: ObjectEntry
+    tensors: tuple[TensorEntry, ...]
+
+
+class Ledger(Protocol):
+    """Where a delta's part records live, and who encodes which part."""
+
+    def is_recorded(self, key: str) -> bool: ...
+
+    def claim(self, index: int, key: str) -> contextlib.ExitStack | None:
+        """Part ``index`` (``key``) is this worker's until the stack is closed; None:
+        another worker holds it."""
+
+    def record(self, key: str, record: PartRecord) -> None: ...
+
+    def records(self) -> dict[str, PartRecord]: ...
+
+    def wait(self) -> None:
+        """Pause while parts held by other workers are not yet recorded."""
+
+    def clear(self) -> None:
+        """Forget every record (they were encoded against a base found damaged)."""
+
+    def close(self) -> None:
+        """The manifest is written (or the attempt given up): nobody starts a part."""
+
+
+class LocalLedger:
+    """A single worker's ledger: every part is its own, records in memory."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, PartRecord] = {}
+
+    def is_recorded(self, key: str) -> bool:
+        return key in self._records
+
+    def claim(self, index: int, key: str) -> contextlib.ExitStack | None:
+        return contextlib.ExitStack()
+
+    def record(self, key: str, record: PartRecord) -> None:
+        self._records.setdefault(key, record)
+
+    def records(self) -> dict[str, PartRecord]:
+        return dict(self._records)
+
+    def wait(self) -> None:
+        raise ChainError("a local ledger has no other worker to wait for")
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    def close(self) -> None:
+        pass
+
+
+Pairs = list[tuple[str, torch.Tensor, torch.Tensor]]
+
+# Threads hashing base and new while the codec encodes: one per four CPUs (the
+# encoder takes one per two), so a 2-core machine keeps one.
+HASH_THREADS = max(1, min(4, cpus.available() // 4))
+
+
+def _pair_hashes(
+    pairs: Pairs, algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Content hashes of the (base, new) tensors of ``pairs``."""
+    return (
+        {n: algorithm.full(b) for n, b, _ in pairs},
+        {n: algorithm.full(t) for n, _, t in pairs},
+    )
+
+
+def shares_by_bytes(pairs: Pairs, count: int) -> list[Pairs]:
+    """``pairs`` split into at most ``count`` non-empty shares of about equal bytes
+    (largest first, each to the lightest share)."""
+    shares: list[Pairs] = [[] for _ in range(max(1, count))]
+    loads = [0] * len(shares)
+    for pair in sorted(pairs, key=lambda p: p[2].nbytes, reverse=True):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(pair)
+        loads[lightest] += pair[2].nbytes
+    return [share for share in shares if share]
+
+
+def hash_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="deltasync-hash")
+
+
+def submit_hashes(
+    pool: ThreadPoolExecutor,
+    pairs: Pairs,
+    algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM,
+) -> Callable[[], tuple[dict[str, str], dict[str, str]]]:
+    """Hash ``pairs`` on ``HASH_THREADS`` of ``pool``'s threads; the returned call waits
+    for all of them."""
+    futures = [
+        pool.submit(_pair_hashes, share, algorithm)
+        for share in shares_by_bytes(pairs, HASH_THREADS)
+    ]
+
+    def result() -> tuple[dict[str, str], dict[str, str]]:
+        base: dict[str, str] = {}
+        new: dict[str, str] = {}
+        for future in futures:
+            b, n = future.result()
+            base.update(b)
+            new.update(n)
+        return base, new
+
+    return result
+
+
+def updated_hashes(
+    delta: DeltaObject, pairs: Pairs, held: dict[str, str], algorithm: HashAlgorithm
+) -> dict[str, str]:
+    """The new content hash of each tensor of ``pairs`` from its base's (``held``) and
+    the changes ``delta`` makes to it: O(changed), the old contents read at the changed
+    positions only."""
+    out: dict[str, str] = {}
+    for name, base, _ in pairs:
+        if delta.info(name).changed == 0:
+            out[name] = held[name]
+            continue
+        patch = delta.decode(name, base)
+        flat = mixsum.int_flat(base)
+        old = flat.index_select(0, patch.positions.to(flat.device))
+        out[name] = algorithm.updated(
+            held[name], patch.positions, old, patch.values, base.element_size()
+        )
+    return out
+
+
+def encode_parts(
+    store: ObjectStore,
+    task: DeltaTask,
+    parent: Manifest,
+    base: CheckpointReader,
+    new: CheckpointReader,
+    ledger: Ledger,
+    *,
+    timings: PublishTimings | None = None,
+    base_proven: bool = False,
+    on_part: Callable[[DeltaPart], None] | None = None,
+    first: str | None = None,
+) -> int:
+    """Encode and store every part of ``task`` that is neither recorded nor claimed by
+    another worker (``first`` first), and record each once its object is stored.
+    Returns the number of parts this call recorded.
+
+    ``base`` must hold ``parent``'s state: each part's base tensors are hashed while the
+    codec encodes (both release the GIL) and proven before the part is uploaded
+    (StaleBaseError otherwise). With an incremental content hash the new hashes come
+    from the parent's and the changes alone, and ``base_proven`` (the base was proven
+    by a full hash, e.g. when its cache was rebuilt) saves hashing the base too.
+    ``on_part`` gets a hint for each part once its object is stored."""
+    timings = timings or PublishTimings()
+    clock = Clock()
+    parent_hashes = {t.name: t.hash for t in parent.tensors}
+    algorithm = content_hashes.of(parent)
+    incremental = algorithm.incremental
+    parts = parent.parts()
+    index_of = {key: i for i, (key, _) in enumerate(parts)}
+    if first is not None:
+        parts.sort(key=lambda p: p[0] != first)
+    prefix = version_prefix(task.run, "delta", task.step)
+    done = 0
+
+    def recorded(key: str, record: PartRecord, claim: contextlib.ExitStack, t0: float) -> None:
+        nonlocal done
+        with claim:  # released once recorded (or when recording fails)
+            ledger.record(key, record)
+        done += 1
+        log.info(
+            "part encoded",
+            run=task.run,
+            version=task.step,
+            part=key,
+            bytes=record.object.size,
+            seconds=round(time.perf_counter() - t0, 4),
+        )
+
+    # Claims whose part is encoded but not yet recorded (its upload in flight).
+    held = contextlib.ExitStack()
+    with held, Uploader(store, "publish", timings) as uploader, hash_pool() as hasher:
+        for key, names in parts:
+            if ledger.is_recorded(key):
+                continue
+            claim = ledger.claim(index_of[key], key)
+            if claim is None:
+                continue  # another worker holds this part
+            held.push(claim)
+            if ledger.is_recorded(key):  # recorded between the look and the claim
+                claim.close()
+                continue
+            started = time.perf_counter()
+            clock.lap()
+            # Read-only views of the mapped files: the codec and the hashes only read.
+            pairs = [(n, base.view(n), new.view(n)) for n in names]
+            timings.read_s += clock.lap()
+            hashed = [] if incremental and base_proven else pairs
+            if incremental:  # the base alone, its hashes only checked
+                hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in hashed]
+            hashes = submit_hashes(hasher, hashed, algorithm)
+            faults.point("publish.after_read")
+            data = encode_delta(pairs, task.level)
+            timings.encode_s += clock.lap()
+            base_hashes, new_hashes = hashes()
+            delta = read_delta(data, object_name=key)
+            if incremental:
+                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm)
+            timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
+            for n, digest in base_hashes.items():
+                if digest != parent_hashes[n]:
+                    raise StaleBaseError(
+                        f"base tensor {n!r} in {base.path} does not match version {parent.version}"
+                    )
+            changed = {i.name: i.changed for i in delta.tensors}
+            stored = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
+            record = PartRecord(
+                stored,
+                tuple(
+                    tensor_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs
+                ),
+            )
+            timings.encode_s += clock.lap()
+            del pairs, delta
+            # Unmap this part's pages: a model larger than RAM stays one part resident.
+            base.close()
+            new.close()
+            faults.point("publish.after_encode")
+            hint = None
+            if on_part is not None:
+                part = DeltaPart.now(
+                    run=task.run,
+                    version=task.step,
+                    parent=parent.version,
+                    key=key,
+                    size=stored.size,
+                    sha256=stored.sha256,
+                )
+                hint = functools.partial(on_part, part)
+            # A retry that finds this very part stored does not upload it again; an
+            # object left by an encoding against another parent is replaced.
+            uploader.submit(
+                prefix + key,
+                data,
+                hint,
+                after=functools.partial(recorded, key, record, claim, started),
+                sha256=stored.sha256,
+            )
+            del data
+        uploader.finish()
+    return done
+
+
+def is_complete(ledger: Ledger, parent: Manifest) -> bool:
+    records = ledger.records()
+    return all(key in records for key, _ in parent.parts())
+
+
+def assemble_delta(
+    store: ObjectStore,
+    task: DeltaTask,
+    parent: Manifest,
+    records: dict[str, PartRecord],
+    *,
+    signing_key: PrivateKey | None = None,
+    base_unchanged: Callable[[], bool] | None = None,
+    tensor_form: str | None = None,
+    base_path: object = None,
+) -> Manifest:
+    """Write delta ``task.step``'s manifest (last) from its part ``records``, only while
+    ``parent`` is still the head: a worker whose lease lapsed while it encoded must not
+    publish behind a newer version. ``base_unchanged`` is asked first: False means the
+    base's files were modified while they were read (StaleBaseError, nothing
+    published)."""
+    objects: list[ObjectEntry] = []
+    entries: list[TensorEntry] = []
+    for key, names in parent.parts():
+        record = records.get(key)
+        if record is None:
+            raise ChainError(f"run {task.run}: part {key} of delta {task.step} is not recorded")
+        if [t.name for t in record.tensors] != names:
+            raise MismatchError(
+                f"run {task.run}: part {key} of delta {task.step} holds other tensors"
+            )
+        objects.append(record.object)
+        entries.extend(record.tensors)
+    if base_unchanged is not None and not base_unchanged():
+        raise StaleBaseError(f"base {base_path} was modified while delta {task.step} was encoded")
+    # The run's diff lease makes this the only writer; a holder that stalled past its
+    # lease could have been overtaken meanwhile, so the head is looked at again.
+    head = chain.list_versions(store, task.run).head
+    if head != parent.version:
+        raise ChainError(
+            f"run {task.run}: head moved to {head} while delta {task.step} was encoded "
+            f"against {parent.version}; not published"
+        )
+    manifest = delta_manifest(
+        task.run, task.step, parent, task.level, objects, entries, tensor_form
+    )
+    manifest = write_manifest(store, manifest, signing_key, "publish")
+    log.info(
+        "delta published",
+        run=task.run,
+        version=task.step,
+        parent=parent.version,
+        parts=len(objects),
+        bytes=manifest.total_bytes,
+        changed=manifest.extra["changed"],
+        elements=manifest.extra["elements"],
+    )
+    return manifest
+
+
+def delta_manifest(
+    run: str,
+    version: int,
+    parent: Manifest,
+    level: int,
+    objects: list[ObjectEntry],
+    entries: list[TensorEntry],
+    tensor_form: str | None = None,
+) -> Manifest:
+    """The manifest of a delta whose objects are uploaded (not yet written)."""
+    return Manifest(
+        run=run,
+        version=version,
+        kind="delta",
+        parent=parent.version,
+        anchor=parent.anchor,
+        codec=CodecInfo(name=CODEC_NAME, version=CODEC_VERSION, level=level),
+        objects=tuple(objects),
+        tensors=tuple(entries),
+        state_hash=compute_state_hash(entries),
+        created=now_iso(),
+        extra={
+            "changed": sum(e.changed for e in entries),
+            "elements": sum(e.numel for e in entries),
+        },
+        parent_state_hash=parent.state_hash,
+        tensor_form=tensor_form,
+        content_hash=parent.content_hash,  # a run keeps its first anchor's
+    )
+
+
+def publish_delta(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    base: CheckpointReader,
+    new: CheckpointReader,
+    parent: Manifest,
+    *,
+    level: int,
+    signing_key: PrivateKey | None = None,
+    timings: PublishTimings | None = None,
+    index: chain.VersionIndex | None = None,
+    base_unchanged: Callable[[], bool] | None = None,
+    on_part: Callable[[DeltaPart], None] | None = None,
+    base_proven: bool = False,
+    ledger: Ledger | None = None,
+) -> Manifest:
+    """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
+    as delta ``version``, part by part in the run's partition, manifest last. ``index``
+    saves a listing when the caller has just made one. ``ledger`` shares the parts with
+    other workers (default: this worker encodes them all); this call encodes what is
+    left to it and waits for the rest. See :func:`encode_parts` and
+    :func:`assemble_delta` for ``on_part``, ``base_proven`` and ``base_unchanged``."""
+    key = manifest_key(run, "delta", version)
+    if store.exists(key):
+        log.info("delta exists, nothing to do", run=run, version=version)
+        return chain.load_manifest(store, run, "delta", version)
+    head = (index or chain.list_versions(store, run)).head
+    if head is not None and version <= head:
+        raise ChainError(f"run {run}: step {version} is not newer than head {head}")
+    if parent.run != run or parent.version != head:
+        raise ChainError(
+            f"run {run}: delta {version} must follow head {head}, not version {parent.version}"
+        )
+    check_against(parent, new.specs(), f"checkpoint {new.path}")
+    check_against(parent, base.specs(), f"base {base.path}")
+    parent_kind: Kind = parent.kind
+    task = DeltaTask(run, version, str(new.path), parent.version, parent_kind, level)
+    ledger = ledger or LocalLedger()
+    while True:
+        encode_parts(
+            store,
+            task,
+            parent,
+            base,
+            new,
+            ledger,
+            timings=timings,
+            base_proven=base_proven,
+            on_part=on_part,
+        )
+        if is_complete(ledger, parent):
+            break
+        ledger.wait()  # parts held by other workers
+    return assemble_delta(
+        store,
+        task,
+        parent,
+        ledger.records(),
+        signing_key=signing_key,
+        base_unchanged=base_unchanged,
+        tensor_form=published_form(new),
+        base_path=base.path,
+    )
