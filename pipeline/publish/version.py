@@ -48,8 +48,8 @@ from pipeline.format.manifest import (
 )
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.signing import sign
+from pipeline.format.tensors import check_tensors
 from pipeline.publish.parts import DEFAULT_PART_BYTES, Layout, read_parts
-from pipeline.publish.state_cache import check_against
 from pipeline.publish.uploads import Clock, PublishTimings, Uploader
 from pipeline.store.base import ObjectStore
 from pipeline.testing import faults
@@ -391,8 +391,8 @@ def publish_delta(
         raise ChainError(
             f"run {run}: delta {version} must follow head {head}, not version {parent.version}"
         )
-    check_against(parent, new.specs(), f"checkpoint {new.path}")
-    check_against(parent, base.specs(), f"base {base.path}")
+    check_tensors(parent, new.specs(), holder=f"checkpoint {new.path}", complete=True)
+    check_tensors(parent, base.specs(), holder=f"base {base.path}", complete=True)
     timings = timings or PublishTimings()
     clock = Clock()
     parent_hashes = {t.name: t.hash for t in parent.tensors}

@@ -27,6 +27,7 @@ from pipeline.format import content_hashes
 from pipeline.format.content_hashes import HashAlgorithm
 from pipeline.format.hashing import state_hash
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.tensors import check_tensors
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import (
     apply_verified,
@@ -451,16 +452,17 @@ class TorchTarget:
     def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:
         """Every manifest tensor is held with its dtype and shape and every held tensor is
         named; returns the entry per held tensor (tied names must carry the same hash)."""
+        check_tensors(manifest, self.specs(), holder="the torch target")
         entries: dict[str, TensorEntry] = {}
         for entry in manifest.tensors:
-            canonical = self._resolve(entry.name, where)
-            self._check_spec(entry.name, dtype_from_name(entry.dtype), tuple(entry.shape), where)
+            canonical = self._canonical[entry.name]
             other = entries.setdefault(canonical, entry)
             if other.hash != entry.hash:
                 raise MismatchError(
                     f"{where}: tied tensors {other.name!r} and {entry.name!r} have different "
                     "hashes in the manifest"
                 )
+        # Tied names share one tensor: naming either of them is enough.
         missing = [c for c in self._tensors if c not in entries]
         if missing:
             raise MismatchError(

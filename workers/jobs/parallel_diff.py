@@ -16,6 +16,7 @@ from pipeline.errors import DeltasyncError, LockError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind
 from pipeline.format.manifest_parse import check_tensor_name
+from pipeline.format.tensors import check_tensors
 from pipeline.logs import get_logger
 from pipeline.publish.parallel import (
     Fanout,
@@ -26,7 +27,7 @@ from pipeline.publish.parallel import (
     start_fanout,
     work_parts,
 )
-from pipeline.publish.state_cache import StateCache, check_against
+from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import PublishResult, publish_step
 from pipeline.versions import chain
 from workers import queues
@@ -157,7 +158,7 @@ def _coordinate(
     with CheckpointReader(checkpoint) as new:
         for name in new.names():
             check_tensor_name(name, f"checkpoint {new.path}")
-        check_against(parent, new.specs(), f"checkpoint {new.path}")
+        check_tensors(parent, new.specs(), holder=f"checkpoint {new.path}", complete=True)
         if not cache.is_valid_for(parent):
             log.info("state cache is stale, rebuilding", run=run, head=head, cached=cache.version)
             cache.rebuild(store, run, head)

@@ -22,6 +22,7 @@ from pipeline.format import content_hashes
 from pipeline.format.content_hashes import HashAlgorithm
 from pipeline.format.hashing import state_hash
 from pipeline.format.manifest import TensorEntry, dtype_name
+from pipeline.format.tensors import difference, spec_of
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.patching import AppliedPatches
@@ -136,9 +137,9 @@ def check_base(
             continue
         if entry.name not in state.shadow:
             continue  # decode_entries reports it
-        spec_ok = dtype_name(state.shadow[entry.name].dtype) == entry.dtype
-        if not spec_ok:
-            continue
+        held = state.shadow[entry.name]
+        if difference(spec_of(entry), TensorSpec(held.dtype, tuple(held.shape))) is not None:
+            continue  # decode_entries reports it
         if verify == "all":
             state.hashes.pop(entry.name, None)
         if state.hash_of(entry.name) != entry.hash:
