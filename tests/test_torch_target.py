@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from pipeline.codec import encode_delta
@@ -20,8 +23,17 @@ from pipeline.format.manifest import (
     dtype_name,
     now_iso,
 )
-from pipeline.targets import TARGETS, patching, target_class
+from pipeline.store.file import FileStore
+from pipeline.targets import (
+    TARGETS,
+    build_target,
+    known_targets,
+    patching,
+    register_target,
+    target_class,
+)
 from pipeline.targets.patching import int_view
+from pipeline.targets.setup import TargetSetup
 from pipeline.targets.torch import TorchTarget
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -137,6 +149,40 @@ def test_registry_resolves_torch_and_lists_known_names_for_unknown() -> None:
     assert set(TARGETS) >= {"torch", "vllm"}
     with pytest.raises(ConfigError, match=r"unknown target 'tpu'.*torch.*vllm"):
         target_class("tpu")
+
+
+def test_registry_builds_a_torch_target_for_a_node_from_a_checkpoint(tmp_path: Path) -> None:
+    held = state("cpu")
+    path = tmp_path / "model.safetensors"
+    save_file({n: t.contiguous() for n, t in held.items()}, str(path))
+    setup = TargetSetup(
+        store=FileStore(tmp_path / "store"),
+        run="r",
+        stop=threading.Event(),
+        model_path=path,
+        patch_memory_bytes=1 << 20,
+    )
+    built = build_target("torch", setup)
+    assert isinstance(built, TorchTarget) and built.patch_memory_bytes == 1 << 20
+    assert_bitwise_equal(dict(built.export()), held)
+    with pytest.raises(ConfigError, match=r"^unknown target 'tpu'; known targets: torch, vllm$"):
+        build_target("tpu", setup)
+
+
+def test_registered_targets_are_imported_on_first_use_only() -> None:
+    register_target("later", "deltasync_no_such_module:Target")  # nothing imported here
+    try:
+        assert "later" in known_targets()
+        with pytest.raises(ConfigError, match="deltasync_no_such_module"):
+            target_class("later")
+        register_target("plain", "pipeline.format.tensors:TensorSpec")
+        with pytest.raises(ConfigError, match=r"has no for_node"):
+            target_class("plain")
+        with pytest.raises(ConfigError, match="must look like"):
+            register_target("bad", "no-colon")
+    finally:
+        TARGETS.pop("later", None)
+        TARGETS.pop("plain", None)
 
 
 # -- state dicts -----------------------------------------------------------------------

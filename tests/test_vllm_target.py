@@ -506,9 +506,7 @@ def test_json_requests_as_the_server_endpoint_sends_them(
         "version": manifest.version,
         "verify": "touched",
         "parent_state_hash": manifest.parent_state_hash,
-        "entries": [
-            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
-        ],
+        "entries": _entries(manifest),
         "objects": {o.key: str(tmp_path / o.key) for o in manifest.objects},
         "sha256": {o.key: o.sha256 for o in manifest.objects},
     }
@@ -523,14 +521,27 @@ def test_json_requests_as_the_server_endpoint_sends_them(
     assert target.hashes() == _hashes(chain.versions[2].weights)
 
 
+def _entries(manifest: Manifest) -> list[dict[str, Any]]:
+    """The manifest's tensor entries as a prepare request carries them (named fields)."""
+    return [
+        {
+            "name": e.name,
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "hash": e.hash,
+            "object": e.object,
+            "changed": e.changed,
+        }
+        for e in manifest.tensors
+    ]
+
+
 def _request(manifest: Manifest, objects: dict[str, bytes]) -> dict[str, Any]:
     return {
         "version": manifest.version,
         "verify": "touched",
         "parent_state_hash": manifest.parent_state_hash,
-        "entries": [
-            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
-        ],
+        "entries": _entries(manifest),
         "objects": objects,
         "sha256": {o.key: o.sha256 for o in manifest.objects},
     }

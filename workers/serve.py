@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from pipeline.config import Settings, set_vllm_cpu_plain_linear
+from pipeline.config import Settings
 from pipeline.coord.connection import redact_url, redis_client
 from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.format.hashing import state_hash
@@ -37,14 +37,18 @@ from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
 from pipeline.rollout.node import RolloutNode
 from pipeline.store.base import ObjectStore
-from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
+from pipeline.targets import build_target
+from pipeline.targets.setup import TargetSetup
 from pipeline.targets.vllm.engine import ServedEngine, VersionGate
-from pipeline.targets.vllm.target import EXTENSION_CLS, VllmTarget, _engine_start_guard
+from pipeline.targets.vllm.startup import (
+    EXTENSION_CLS,
+    engine_start_guard,
+    on_cpu,
+    prepare_engine_process,
+)
 from pipeline.versions import chain
 from workers.redis_launcher import ensure_redis
 from workers.rollout import (
-    _anchor_specs,
-    _vllm_on_cpu,
     default_node_id,
     deregister_node,
     make_node,
@@ -80,7 +84,7 @@ def server_argv(model_path: Path, host: str, port: int, extra: Sequence[str]) ->
     argv += ["--worker-extension-cls", EXTENSION_CLS]
     if not any(folder.glob("*.safetensors")):
         argv += ["--load-format", "dummy"]
-    if _vllm_on_cpu():
+    if on_cpu():
         argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20)]
     return argv + list(extra)
 
@@ -203,9 +207,8 @@ def run_serve(
     store = open_node_store(settings, client, run)
     log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
     # Keep CPU linear weights plain, so deltas are written in place; spawned engine
-    # processes inherit the variable and install the hook with the extension.
-    set_vllm_cpu_plain_linear(True)
-    install_cpu_linear_hook()
+    # processes inherit the setting and install the hook with the extension.
+    prepare_engine_process(cpu_plain_linear=True)
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()  # type: ignore[no-untyped-call]
@@ -257,7 +260,7 @@ class _Serving:
 
         signal.signal(signal.SIGTERM, interrupt)
         async with contextlib.AsyncExitStack() as stack:
-            with _engine_start_guard():
+            with engine_start_guard():
                 engine = await stack.enter_async_context(build_async_engine_client(self.args))
             # vLLM's start-up reconfigures logging, and the root logger's level is
             # raised later on: route ours (and uvicorn's) again, at our own level.
@@ -283,10 +286,11 @@ class _Serving:
         self.gate = VersionGate()
         driver = ServedEngine(engine, loop, self.run, self.gate, on_label=fingerprints)
         self.driver = driver
-        specs = await asyncio.to_thread(_anchor_specs, self.store, self.run, self.stop)
-        if specs is None:
+        setup = TargetSetup(store=self.store, run=self.run, stop=self.stop, engine=driver)
+        # Waits for the run's first anchor (None: stopped meanwhile).
+        target = await asyncio.to_thread(build_target, "vllm", setup)
+        if target is None:
             return None
-        target = VllmTarget(driver, expected_specs=specs)
 
         def applied(manifest: Manifest) -> None:
             driver.publish(manifest.version)

@@ -42,7 +42,8 @@ from pipeline.store import open_store
 from pipeline.targets.base import VerifyMode
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.extension import DeltasyncWorkerExtension
-from pipeline.targets.vllm.target import _raise, delta_request
+from pipeline.targets.vllm.protocol import PrepareRequest
+from pipeline.targets.vllm.target import _raise
 from pipeline.targets.vllm.worker_state import Envelope
 from pipeline.versions import chain
 
@@ -186,7 +187,7 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
             verify = "all" if info.verify == "all" else "none"
         for manifest in path:
             fetched = fetch_delta(store, manifest, False)
-            request = delta_request(manifest, fetched.objects, verify, {})
+            request = PrepareRequest.for_delta(manifest, fetched.objects, verify).wire()
             _unwrap(self.host.deltasync_prepare(request))
             _unwrap(self.host.deltasync_commit())
             self.version = manifest.version

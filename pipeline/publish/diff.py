@@ -46,7 +46,7 @@ from pipeline.format.manifest import (
     now_iso,
     version_prefix,
 )
-from pipeline.publish.state_cache import check_against
+from pipeline.format.matching import check_tensors
 from pipeline.publish.uploads import Clock, PublishTimings, Uploader
 from pipeline.publish.version import PrivateKey, tensor_entry, write_manifest
 from pipeline.store.base import ObjectStore
@@ -456,8 +456,8 @@ def publish_delta(
         raise ChainError(
             f"run {run}: delta {version} must follow head {head}, not version {parent.version}"
         )
-    check_against(parent, new.specs(), f"checkpoint {new.path}")
-    check_against(parent, base.specs(), f"base {base.path}")
+    check_tensors(parent, new.specs(), holder=f"checkpoint {new.path}", complete=True)
+    check_tensors(parent, base.specs(), holder=f"base {base.path}", complete=True)
     parent_kind: Kind = parent.kind
     task = DeltaTask(run, version, str(new.path), parent.version, parent_kind, level)
     ledger = ledger or LocalLedger()

@@ -30,7 +30,6 @@ from pipeline.codec import (
     read_delta,
 )
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.format.hashing import content_hash, sha256_bytes, state_hash
@@ -46,6 +45,7 @@ from pipeline.format.manifest import (
     to_json,
 )
 from pipeline.format.manifest_parse import parse_manifest
+from pipeline.format.matching import check_tensors
 from pipeline.publish.parts import DEFAULT_PART_BYTES, plan_parts
 
 log = structlog.get_logger(__name__)
@@ -217,20 +217,8 @@ def apply_delta(
         objects.raw(entry)  # every object intact before any work starts
     entries = {t.name: t for t in manifest.tensors}
     expected_base = _base_hashes(manifest)
-    algorithm = content_hashes.of(manifest)
     with CheckpointReader(base_path) as base:
-        for name in base.names():
-            if name not in entries:
-                raise MismatchError(f"tensor {name!r} of base {base.path} is not in delta {folder}")
-        for t in manifest.tensors:
-            if t.name not in base:
-                raise MismatchError(f"tensor {t.name!r} of delta {folder} is missing from base")
-            spec = base.spec(t.name)
-            if dtype_name(spec.dtype) != t.dtype or tuple(spec.shape) != t.shape:
-                raise MismatchError(
-                    f"tensor {t.name!r} is {dtype_name(spec.dtype)}{list(spec.shape)} in base "
-                    f"{base.path} but {t.dtype}{list(t.shape)} in delta {folder}"
-                )
+        algorithm = check_tensors(manifest, base.specs(), holder=f"base {base.path}", complete=True)
         seen: dict[str, str] = {}
 
         def patched(names: list[str], last: bool) -> Iterator[tuple[str, torch.Tensor]]:

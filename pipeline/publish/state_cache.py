@@ -26,30 +26,12 @@ from pipeline.errors import ChainError, ConfigError, CorruptObjectError, Mismatc
 from pipeline.format import content_hashes
 from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.format.checkpoint_write import write_sharded
-from pipeline.format.manifest import Manifest, check_run, dtype_name
+from pipeline.format.manifest import Manifest, check_run
+from pipeline.format.matching import check_tensors
 from pipeline.store.base import ObjectStore
-from pipeline.targets.base import TensorSpec
 from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
-
-
-def check_against(manifest: Manifest, specs: dict[str, TensorSpec], what: str) -> None:
-    """MismatchError naming the first tensor whose name, dtype or shape differs."""
-    version = f"{manifest.kind} {manifest.version} of run {manifest.run}"
-    known = {t.name for t in manifest.tensors}
-    for t in manifest.tensors:
-        spec = specs.get(t.name)
-        if spec is None:
-            raise MismatchError(f"tensor {t.name!r} of {version} is missing from {what}")
-        if dtype_name(spec.dtype) != t.dtype or tuple(spec.shape) != t.shape:
-            raise MismatchError(
-                f"tensor {t.name!r} is {dtype_name(spec.dtype)}{list(spec.shape)} in {what} "
-                f"but {t.dtype}{list(t.shape)} in {version}"
-            )
-    for name in specs:
-        if name not in known:
-            raise MismatchError(f"tensor {name!r} of {what} is not in {version}")
 
 
 def _remove_in_background(folders: list[Path]) -> None:
@@ -131,7 +113,9 @@ class StateCache:
             return False
         try:
             with self.reader() as reader:
-                check_against(manifest, reader.specs(), f"state cache {self.root}")
+                check_tensors(
+                    manifest, reader.specs(), holder=f"state cache {self.root}", complete=True
+                )
         except (ChainError, MismatchError, CorruptObjectError):
             return False
         return True

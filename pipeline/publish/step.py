@@ -25,9 +25,10 @@ from pipeline.coord.events import DeltaPart
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.manifest_parse import check_tensor_name
+from pipeline.format.matching import check_tensors
 from pipeline.publish.diff import DeltaTask, Ledger, LocalLedger, StaleBaseError, publish_delta
 from pipeline.publish.parts import DEFAULT_PART_BYTES
-from pipeline.publish.state_cache import StateCache, check_against
+from pipeline.publish.state_cache import StateCache
 from pipeline.publish.uploads import PublishTimings
 from pipeline.publish.version import PrivateKey, publish_anchor
 from pipeline.store.base import ObjectStore
@@ -160,7 +161,7 @@ def publish_step(
         else:
             parent_kind: Kind = "anchor" if head in index.anchors else "delta"
             parent = chain.load_manifest(store, run, parent_kind, head)
-            check_against(parent, new.specs(), f"checkpoint {new.path}")
+            check_tensors(parent, new.specs(), holder=f"checkpoint {new.path}", complete=True)
             if not cache.is_valid_for(parent):
                 log.info(
                     "state cache is stale, rebuilding", run=run, head=head, cached=cache.version

@@ -40,7 +40,8 @@ from pipeline.errors import (
     SignatureError,
 )
 from pipeline.format.checkpoint_write import write_checkpoint
-from pipeline.format.manifest import Kind, Manifest, dtype_name
+from pipeline.format.manifest import Kind, Manifest
+from pipeline.format.matching import check_tensors
 from pipeline.rollout.early import EarlyParts
 from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor
 from pipeline.rollout.report import Reporter
@@ -408,17 +409,7 @@ class RolloutNode:
     def _check_specs(self, manifest: Manifest) -> None:
         """Every tensor of the anchor is held with its dtype and shape (checked before
         anything is written; the target checks that nothing it holds is left out)."""
-        specs = self.target.specs()
-        for entry in manifest.tensors:
-            spec = specs.get(entry.name)
-            where = f"anchor {self.run_name} v{manifest.version}"
-            if spec is None:
-                raise MismatchError(f"tensor {entry.name!r} of {where} is not in the target")
-            if entry.dtype != dtype_name(spec.dtype) or tuple(entry.shape) != spec.shape:
-                raise MismatchError(
-                    f"tensor {entry.name!r} of {where}: {entry.dtype}{list(entry.shape)}, "
-                    f"target holds {dtype_name(spec.dtype)}{list(spec.shape)}"
-                )
+        check_tensors(manifest, self.target.specs(), holder="the target")
 
     def _apply_chain(self, path: list[Manifest]) -> None:
         """Apply deltas in order; downloads run ahead of the applies."""

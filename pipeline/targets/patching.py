@@ -35,20 +35,14 @@ from pipeline import cpus
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.format.hashing import content_hash, patched_tensor_hash, sha256_bytes
-from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
+from pipeline.format.matching import check_entry
 from pipeline.targets.base import TensorSpec
 from pipeline.testing import faults
 
 _T = TypeVar("_T")
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _entry_dtype(entry: TensorEntry) -> torch.dtype:
-    try:
-        return dtype_from_name(entry.dtype)
-    except MismatchError:
-        raise MismatchError(f"tensor {entry.name}: unknown dtype {entry.dtype!r}") from None
 
 
 def int_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,23 +69,6 @@ def check_objects(manifest: Manifest, objects: Mapping[str, bytes]) -> None:
             raise CorruptObjectError(
                 f"object {entry.key} of {manifest.run} v{manifest.version}: sha256 mismatch"
             )
-
-
-def check_entry_spec(entry: TensorEntry, specs: Mapping[str, TensorSpec]) -> None:
-    """The manifest's dtype and shape of a tensor equal what the target holds."""
-    spec = specs.get(entry.name)
-    if spec is None:
-        raise MismatchError(f"tensor {entry.name} is not held by the target")
-    if _entry_dtype(entry) != spec.dtype:
-        raise MismatchError(
-            f"tensor {entry.name}: manifest dtype {entry.dtype}, "
-            f"target holds {dtype_name(spec.dtype)}"
-        )
-    if tuple(entry.shape) != spec.shape:
-        raise MismatchError(
-            f"tensor {entry.name}: manifest shape {list(entry.shape)}, "
-            f"target holds {list(spec.shape)}"
-        )
 
 
 def parse_objects(objects: Mapping[str, bytes], keys: Iterable[str]) -> dict[str, DeltaObject]:
@@ -162,7 +139,7 @@ def changed_entries(
     if len(set(names)) != len(names):
         raise MismatchError("manifest lists a tensor twice")
     for entry in entries:
-        check_entry_spec(entry, specs)
+        check_entry(entry, specs, of="the delta", holder="the target")
     changed = [entry for entry in entries if entry.changed > 0]
     parsed = parse_objects(objects, (entry.object for entry in changed))
     listed = {entry.name for entry in changed}

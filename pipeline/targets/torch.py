@@ -24,9 +24,11 @@ from torch import nn
 from pipeline.codec import TensorPatch
 from pipeline.errors import MismatchError, TargetError
 from pipeline.format import content_hashes
+from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.content_hashes import HashAlgorithm
 from pipeline.format.hashing import state_hash
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.matching import check_tensors
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import (
     apply_verified,
@@ -46,6 +48,7 @@ from pipeline.targets.proving import (
     prove_object,
     prove_object_incremental,
 )
+from pipeline.targets.setup import TargetSetup, anchor_specs
 from pipeline.targets.walking import Walk, apply_walks
 from pipeline.testing import faults
 
@@ -128,6 +131,29 @@ class TorchTarget:
         self._writes = 0
         self.patch_memory_bytes = patch_memory_bytes
         self._early_bytes = 0  # patches kept by early proofs since the last write
+
+    @classmethod
+    def for_node(cls, setup: TargetSetup) -> TorchTarget | None:
+        """A rollout node's torch target on ``setup.device``: the checkpoint at
+        ``setup.model_path`` (a safetensors file or sharded folder: a node restarted
+        with its own ``--dump`` resumes without a bootstrap), else empty tensors shaped
+        like the newest anchor, which the bootstrap fills (waiting for the run's first
+        anchor; None when stopped meanwhile)."""
+        if setup.model_path is not None:
+            with CheckpointReader(setup.model_path) as reader:
+                tensors = {name: reader.get(name).to(setup.device) for name in reader.names()}
+        else:
+            specs = anchor_specs(setup.store, setup.run, setup.stop, setup.refused)
+            if specs is None:
+                return None
+            tensors = {
+                name: torch.empty(spec.shape, dtype=spec.dtype, device=setup.device)
+                for name, spec in specs.items()
+            }
+        budget = setup.patch_memory_bytes
+        return cls(
+            tensors, patch_memory_bytes=DEFAULT_PATCH_MEMORY_BYTES if budget is None else budget
+        )
 
     # -- introspection -------------------------------------------------------------
 
@@ -451,16 +477,17 @@ class TorchTarget:
     def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:
         """Every manifest tensor is held with its dtype and shape and every held tensor is
         named; returns the entry per held tensor (tied names must carry the same hash)."""
+        check_tensors(manifest, self.specs(), holder="the torch target")
         entries: dict[str, TensorEntry] = {}
         for entry in manifest.tensors:
-            canonical = self._resolve(entry.name, where)
-            self._check_spec(entry.name, dtype_from_name(entry.dtype), tuple(entry.shape), where)
+            canonical = self._canonical[entry.name]
             other = entries.setdefault(canonical, entry)
             if other.hash != entry.hash:
                 raise MismatchError(
                     f"{where}: tied tensors {other.name!r} and {entry.name!r} have different "
                     "hashes in the manifest"
                 )
+        # Tied names share one tensor: naming either of them is enough.
         missing = [c for c in self._tensors if c not in entries]
         if missing:
             raise MismatchError(

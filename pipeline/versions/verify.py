@@ -16,6 +16,8 @@ import torch
 from pipeline.errors import CorruptObjectError, StoreError
 from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.matching import difference
+from pipeline.format.tensors import TensorSpec
 from pipeline.store.base import ObjectStore
 from pipeline.versions.chain import fetch_object, reconstruct_tensors, resolve
 
@@ -103,10 +105,10 @@ def verify(
             if name not in reader:
                 continue
             theirs = reader.get(name)
-            if theirs.dtype != tensor.dtype:
-                report.differences.append(TensorDifference(name, "dtype"))
-            elif tuple(theirs.shape) != tuple(tensor.shape):
-                report.differences.append(TensorDifference(name, "shape"))
+            ours = TensorSpec(tensor.dtype, tuple(tensor.shape))
+            differs = difference(ours, TensorSpec(theirs.dtype, tuple(theirs.shape)))
+            if differs is not None:
+                report.differences.append(TensorDifference(name, differs))
             else:
                 n = count_differing(tensor, theirs)
                 if n:

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import click
 
+from pipeline.targets import known_targets
 from workers.runtime import from_context
 
 RUN = click.option("--run", required=True, help="Run name: [A-Za-z0-9][A-Za-z0-9._-]{0,127}.")
+# Not a registered target: a node of its own that drives a remote vLLM server.
+HTTP_TARGET = "vllm-http"
 
 
 # Options every rollout node takes (rollout, serve), declared once.
@@ -56,7 +59,7 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
 @RUN
 @click.option(
     "--target",
-    type=click.Choice(["torch", "vllm", "vllm-http"]),
+    type=click.Choice([*known_targets(), HTTP_TARGET]),
     default="torch",
     show_default=True,
     help="vllm-http: drive a stock `vllm serve` at --url that runs the deltasync "
@@ -122,7 +125,7 @@ def rollout(
     from workers.rollout import default_node_id, run_rollout
 
     runtime = from_context(ctx)
-    if target == "vllm-http":
+    if target == HTTP_TARGET:
         from pipeline.errors import ConfigError
         from workers.rollout_http import run_http_rollout
 

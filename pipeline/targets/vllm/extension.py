@@ -3,8 +3,11 @@
 Start vLLM with ``worker_extension_cls="pipeline.targets.vllm.extension.DeltasyncWorkerExtension"``
 and drive it with ``collective_rpc("deltasync_<method>", args=(...))``; the node side
 is ``pipeline.targets.vllm.target.VllmTarget``. Only plain data crosses the process
-boundary (bytes, str, int, float, lists, dicts), and every method answers with an
-envelope (``vllm_worker_state``) so that errors survive the trip.
+boundary (bytes, str, int, float, lists, dicts): structured requests travel in the
+shapes of ``pipeline.targets.vllm.protocol`` and are parsed there on arrival, and
+every method answers with an envelope (``worker_state``) so that errors survive the
+trip. Importing this module changes nothing: the CPU hooks are installed as each
+worker is built (``DeltasyncWorkerExtension.__new__``).
 
 Each worker keeps a shadow: the full checkpoint-named (HF) weights on CPU, exactly
 as the trainer published them. Deltas are decoded against the shadow (the codec
@@ -18,9 +21,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import structlog
 import torch
@@ -28,7 +31,6 @@ from safetensors.torch import load, save
 
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.format.hashing import sha256_bytes
-from pipeline.format.manifest import dtype_from_name
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
 from pipeline.targets.proving import early_results, prove_entries, prove_incremental
 from pipeline.targets.vllm.cpu import computes_from_weight
@@ -44,27 +46,39 @@ from pipeline.targets.vllm.mapping import (
     scatter_rows,
     source_box,
 )
+from pipeline.targets.vllm.protocol import (
+    PrepareRequest,
+    PrepareSummary,
+    PrepareWire,
+    SummaryWire,
+    WireSpec,
+    specs_from_wire,
+    specs_to_wire,
+)
 from pipeline.targets.vllm.worker_state import (
     Envelope,
     Pending,
     WorkerState,
     check_base,
-    entry_from_list,
     enveloped,
     failed,
     ok,
-    specs_plain,
 )
 
 log = structlog.get_logger(__name__)
 
-# vLLM imports this module in each worker before loading the model: the hook must be
-# in place by then to keep CPU linear weights plain (enabled by environment).
-install_cpu_linear_hook()
-
 
 class DeltasyncWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # vLLM appends this class to its worker class's bases and never runs our
+        # __init__ (its WorkerBase.__init__ does not chain up), but this runs as each
+        # worker is built, before it loads the model: the CPU hooks must be in place
+        # by then to keep linear weights plain (enabled by the environment). Nothing
+        # is installed when the module is merely imported.
+        install_cpu_linear_hook()
+        return super().__new__(cls)
 
     # --- helpers (underscore names: never called over RPC) -----------------------
 
@@ -230,13 +244,13 @@ class DeltasyncWorkerExtension:
         """Adopt the staged tensors as the shadow; with ``push``, reload them all into
         the model (the model then holds exactly the shadow)."""
 
-        def run() -> dict[str, list[Any]]:
+        def run() -> dict[str, WireSpec]:
             state = self._ds()
             if state.staging is None:
                 raise TargetError("vLLM worker: load_commit without load_begin")
             staged, state.staging = state.staging, None
             self._ds_adopt(staged, push)
-            return specs_plain(state.specs())
+            return specs_to_wire(state.specs())
 
         return enveloped(run)
 
@@ -246,7 +260,7 @@ class DeltasyncWorkerExtension:
         With ``push`` the tensors are also reloaded into the model. JSON-safe
         arguments, so it also works through the server's ``/collective_rpc``."""
 
-        def run() -> dict[str, list[Any]]:
+        def run() -> dict[str, WireSpec]:
             if paths is None:
                 sources = [Path(self.model_config.model)]  # type: ignore[attr-defined]
             else:
@@ -260,27 +274,27 @@ class DeltasyncWorkerExtension:
             for file in files:
                 tensors.update(load(file.read_bytes()))
             self._ds_adopt(tensors, push)
-            return specs_plain(self._ds().specs())
+            return specs_to_wire(self._ds().specs())
 
         return enveloped(run)
 
     def deltasync_specs(self) -> Envelope:
         """Specs of the shadow; None while the worker holds no deltasync state."""
 
-        def run() -> dict[str, list[Any]] | None:
+        def run() -> dict[str, WireSpec] | None:
             state = self._ds()
-            return specs_plain(state.specs()) if state.loaded else None
+            return specs_to_wire(state.specs()) if state.loaded else None
 
         return enveloped(run)
 
-    def deltasync_check_names(self, specs: dict[str, list[Any]]) -> Envelope:
+    def deltasync_check_names(self, specs: dict[str, WireSpec]) -> Envelope:
         """Check that the model's loader accepts every named tensor (dtype, shape);
         writes nothing. TargetError names the first it rejects."""
 
         def run() -> int:
             shapes = {
-                name: (dtype_from_name(str(dtype)), tuple(int(s) for s in shape))
-                for name, (dtype, shape) in specs.items()
+                name: (spec.dtype, spec.shape)
+                for name, spec in specs_from_wire(specs, "check_names request").items()
             }
             model = self._ds_model()
             load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
@@ -290,41 +304,40 @@ class DeltasyncWorkerExtension:
 
         return enveloped(run)
 
-    def deltasync_prepare(self, request: dict[str, Any]) -> Envelope:
+    def deltasync_prepare(self, request: PrepareWire) -> Envelope:
         """Decode, check and write a delta into the shadow; the model is not touched.
 
-        ``request``: version, verify ("touched" | "all" | "none"), parent_state_hash
-        (or None), entries (lists: name, dtype, shape, hash, object, changed),
-        objects (key -> bytes), optionally sha256 (key -> hex digest, checked here)
-        and early (key -> sha256 of the objects whose early proofs, started with
-        ``deltasync_prove_start``, may stand in for their decode and hash). Any
-        failure leaves the shadow as it was.
+        ``request``: a ``PrepareRequest`` on the wire (``protocol.PrepareWire``): the
+        version, verify mode, parent state hash and content hash, the manifest's
+        entries, the objects (key -> bytes), optionally sha256 (key -> hex digest,
+        checked here) and early (key -> sha256 of the objects whose early proofs,
+        started with ``deltasync_prove_start``, may stand in for their decode and
+        hash). Answers a ``PrepareSummary``. Any failure leaves the shadow as it was.
         """
 
-        def run() -> dict[str, Any]:
+        def run() -> SummaryWire:
             state = self._ds_loaded()
             if state.pending is not None:
                 raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
-            entries = [entry_from_list(item) for item in request["entries"]]
-            verify = str(request["verify"])
-            objects: Mapping[str, bytes] = request["objects"]
-            for key, digest in (request.get("sha256") or {}).items():
+            parsed = PrepareRequest.parse(request)
+            entries = list(parsed.entries)
+            verify = parsed.verify
+            objects = parsed.objects
+            for key, digest in parsed.sha256.items():
                 if key not in objects or sha256_bytes(objects[key]) != digest:
                     raise CorruptObjectError(f"delta object {key}: missing or sha256 mismatch")
             specs = state.specs()
             # Early proofs are checked like fresh ones; the generation says the
             # shadow was not written since they were made.
-            vouched = request.get("early") or {}
-            if not isinstance(vouched, dict):
-                raise TargetError("vLLM worker: bad prepare request: early is not a mapping")
+            vouched = dict(parsed.early)
             taken = state.early.take()  # none still hashes with the old algorithm
-            algorithm = state.use(request.get("content_hash"))
+            algorithm = state.use(parsed.content_hash)
             ready = early_results(entries, vouched, taken, state.early.generation, algorithm.name)
             incremental = algorithm.incremental and verify != "none"
             if verify == "all":
                 state.hashes = {}  # every held hash is recomputed in full
             if verify != "none":
-                check_base(state, entries, request.get("parent_state_hash"), verify)
+                check_base(state, entries, parsed.parent_state_hash, verify)
             shadow = state.shadow.__getitem__
             if verify == "none":
                 patches, hashes = decode_entries(entries, objects, shadow, specs), {}
@@ -354,12 +367,12 @@ class DeltasyncWorkerExtension:
             for name in touched:
                 state.hashes.pop(name, None)
             state.hashes.update(hashes)
-            state.pending = Pending(int(request["version"]), applied, touched)
-            return {
-                "tensors": len(patches),
-                "changed": sum(int(p.positions.numel()) for p in patches),
-                "early_tensors": len(ready) if verify != "none" else 0,
-            }
+            state.pending = Pending(parsed.version, applied, touched)
+            return PrepareSummary(
+                tensors=len(patches),
+                changed=sum(int(p.positions.numel()) for p in patches),
+                early_tensors=len(ready) if verify != "none" else 0,
+            ).wire()
 
         return enveloped(run)
 
@@ -379,7 +392,7 @@ class DeltasyncWorkerExtension:
 
         return enveloped(run)
 
-    def deltasync_prepare_start(self, request: dict[str, Any]) -> Envelope:
+    def deltasync_prepare_start(self, request: PrepareWire) -> Envelope:
         """``deltasync_prepare`` on a thread of its own; answers at once, so the engine
         keeps serving while the delta is decoded and verified (the model is not
         touched). Collect the outcome with ``deltasync_prepare_result``."""
@@ -421,7 +434,8 @@ class DeltasyncWorkerExtension:
             request["objects"] = {key: Path(path).read_bytes() for key, path in paths.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return failed(TargetError(f"vLLM worker: bad prepare request: {exc}"))
-        return self.deltasync_prepare(request)
+        wire: PrepareWire = request
+        return self.deltasync_prepare(wire)
 
     def deltasync_commit(self) -> Envelope:
         """Push the prepared delta into the model. On failure the shadow is rolled back

@@ -3,8 +3,10 @@
 ``VllmTarget(llm)`` wraps an in-process ``vllm.LLM`` started with
 ``worker_extension_cls="pipeline.targets.vllm.extension.DeltasyncWorkerExtension"``. Every
 operation is a ``collective_rpc`` to the extension's ``deltasync_*`` methods with
-plain data only, so the same code drives single-process, multi-process and
-tensor-parallel engines. vllm itself is never imported here.
+plain data only (requests and answers typed in ``pipeline.targets.vllm.protocol``),
+so the same code drives single-process, multi-process and tensor-parallel engines.
+A rollout node builds it through ``for_node`` (``pipeline.targets.build_target``).
+vllm itself is never imported here.
 
 Applying a delta is two-phase across workers: ``prepare`` decodes and verifies the
 delta against each worker's checkpoint-named shadow and writes the shadow (the
@@ -15,8 +17,6 @@ aborts the others, so no worker is left ahead.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -26,68 +26,23 @@ import torch
 from safetensors.torch import load, save
 
 from pipeline import errors
-from pipeline.config import set_vllm_cpu_plain_linear
-from pipeline.errors import DeltasyncError, MismatchError, TargetError
-from pipeline.format.manifest import Manifest, dtype_from_name, dtype_name
+from pipeline.errors import ConfigError, DeltasyncError, MismatchError, TargetError
+from pipeline.format.manifest import Manifest
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
-from pipeline.targets.patching import check_objects
-from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
+from pipeline.targets.setup import TargetSetup, anchor_specs
 from pipeline.targets.vllm.engine import as_driver
+from pipeline.targets.vllm.protocol import (
+    PrepareRequest,
+    PrepareSummary,
+    PrepareWire,
+    specs_from_wire,
+    specs_to_wire,
+)
+from pipeline.targets.vllm.startup import EXTENSION_CLS, start_engine, start_node_engine
 
 log = structlog.get_logger(__name__)
 
-EXTENSION_CLS = "pipeline.targets.vllm.extension.DeltasyncWorkerExtension"
 DEFAULT_CHUNK_BYTES = 256 << 20
-
-
-@contextlib.contextmanager
-def _engine_start_guard() -> Iterator[None]:
-    """Work around vLLM 0.32's CPU start-up scan of every module namespace.
-
-    At engine start the CPU platform walks ``sys.modules`` and calls
-    ``vars(value).get(...)`` on every value that has a ``__dict__``. Objects that
-    answer any attribute (llvmlite's ``binding.ffi.lib``, loaded with numba, which
-    the codec uses for its kernels) return a non-mapping there and the engine fails
-    to start. Such values are taken out of their modules while the engine starts
-    and put back afterwards.
-    """
-    hidden: list[tuple[dict[str, Any], str, object]] = []
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for attr, value in list(namespace.items()):
-            try:
-                odd = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
-            except Exception:  # vars() itself refusing is harmless to vLLM's scan
-                odd = False
-            if odd:
-                hidden.append((namespace, attr, value))
-                del namespace[attr]
-    try:
-        yield
-    finally:
-        for namespace, attr, value in hidden:
-            namespace[attr] = value
-
-
-def start_engine(*, cpu_plain_linear: bool = True, **llm_options: Any) -> Any:
-    """``vllm.LLM(**llm_options)`` with the deltasync worker extension (unless given)
-    and the start-up workaround above. Use it instead of ``LLM(...)`` in processes
-    that may already have used the codec.
-
-    ``cpu_plain_linear`` (CPU build only): keep linear weights as plain tensors
-    instead of prepacked kernel copies, so a delta is written in place rather than
-    reloading whole layers (``pipeline.targets.vllm.cpu``). It is passed to worker
-    processes through the environment, so it holds for the rest of this process.
-    """
-    from vllm import LLM
-
-    set_vllm_cpu_plain_linear(cpu_plain_linear)
-    install_cpu_linear_hook()  # in-process workers; spawned ones install it on import
-    llm_options.setdefault("worker_extension_cls", EXTENSION_CLS)
-    with _engine_start_guard():
-        return LLM(**llm_options)
 
 
 def _raise(envelope: dict[str, Any]) -> None:
@@ -124,6 +79,25 @@ class VllmTarget:
         self.last_timings: dict[str, float] = {}
         self._early: dict[str, str] = {}  # key -> sha256 of objects the workers prove early
 
+    @classmethod
+    def for_node(cls, setup: TargetSetup) -> VllmTarget | None:
+        """A rollout node's vLLM target: over ``setup.engine`` (an engine the caller
+        started and serves), else over an in-process engine started from the model
+        folder ``setup.model_path`` (``startup.start_node_engine``, with
+        ``setup.engine_options``). Until the bootstrap loads it, the engine holds no
+        checkpoint-named state: it is to take the newest anchor's tensors (the
+        model's loader checks the names), so this waits for the run's first anchor
+        (None when stopped meanwhile)."""
+        engine = setup.engine
+        if engine is None:
+            if setup.model_path is None:
+                raise ConfigError("--target vllm needs --model (a model folder with config.json)")
+            engine = start_node_engine(setup.model_path, setup.engine_options)
+        specs = anchor_specs(setup.store, setup.run, setup.stop, setup.refused)
+        if specs is None:
+            return None
+        return cls(engine, expected_specs=specs)
+
     # --- RPC plumbing ---------------------------------------------------------------
 
     def _envelopes(self, method: str, *args: object) -> list[dict[str, Any]]:
@@ -145,11 +119,8 @@ class VllmTarget:
                 _raise(answer)
         return answers[0]["value"]
 
-    def _set_specs(self, plain: dict[str, list[Any]]) -> dict[str, TensorSpec]:
-        self._specs = {
-            name: TensorSpec(dtype_from_name(dtype), tuple(int(s) for s in shape))
-            for name, (dtype, shape) in plain.items()
-        }
+    def _set_specs(self, wire: object) -> dict[str, TensorSpec]:
+        self._specs = specs_from_wire(wire, "specs answer")
         return self._specs
 
     def _reset_prefix_cache(self) -> None:
@@ -164,7 +135,7 @@ class VllmTarget:
             if held is not None:
                 self._set_specs(held)
             elif self.expected_specs is not None:
-                self._call("deltasync_check_names", _specs_plain(self.expected_specs))
+                self._call("deltasync_check_names", specs_to_wire(self.expected_specs))
                 return dict(self.expected_specs)
             else:
                 raise TargetError("vLLM engine holds no deltasync state: call load_state first")
@@ -223,7 +194,7 @@ class VllmTarget:
                 f"delta {manifest.run} v{manifest.version} has parent {manifest.parent}, "
                 f"vLLM target holds v{self.version}"
             )
-        request = delta_request(manifest, objects, verify, self._early)
+        request = PrepareRequest.for_delta(manifest, objects, verify, self._early).wire()
         self._early = {}  # the workers drop every early proof at this prepare
         started = time.perf_counter()
         prepared = self._prepare(request)
@@ -246,22 +217,22 @@ class VllmTarget:
             "commit_s": committed - decoded,
             "reset_s": finished - committed,
         }
-        summary = prepared[0]["value"]
+        summary = PrepareSummary.parse(prepared[0]["value"])
         self.version = manifest.version
         log.info(
             "vllm target applied delta",
             run=manifest.run,
             version=manifest.version,
-            tensors=summary["tensors"],
-            changed=summary["changed"],
+            tensors=summary.tensors,
+            changed=summary.changed,
             pause_s=round(pause, 6),
         )
         return ApplyReport(
             manifest.version,
-            int(summary["tensors"]),
-            int(summary["changed"]),
+            summary.tensors,
+            summary.changed,
             pause,
-            early_tensors=int(summary.get("early_tensors", 0)),
+            early_tensors=summary.early_tensors,
         )
 
     def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
@@ -277,7 +248,7 @@ class VllmTarget:
             self._early[key] = sha256
         return started
 
-    def _prepare(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+    def _prepare(self, request: PrepareWire) -> list[dict[str, Any]]:
         """Every worker's prepare envelope: in one blocking RPC, or started on a
         worker thread and polled, so the engine serves in between."""
         if not self.background_prepare:
@@ -332,33 +303,13 @@ class VllmTarget:
         return None if blob is None else load(blob)[name]
 
 
-def delta_request(
-    manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode, early: Mapping[str, str]
-) -> dict[str, Any]:
-    """The workers' ``deltasync_prepare`` request for a delta whose objects were
-    downloaded (checked here: present, sizes and sha256). ``early``: key -> sha256
-    of the objects the workers proved early."""
-    check_objects(manifest, objects)
-    return {
-        "version": manifest.version,
-        "verify": verify,
-        "parent_state_hash": manifest.parent_state_hash,
-        "content_hash": manifest.content_hash,
-        "entries": [
-            [e.name, e.dtype, list(e.shape), e.hash, e.object, e.changed] for e in manifest.tensors
-        ],
-        "objects": {o.key: objects[o.key] for o in manifest.objects},
-        "sha256": {},  # checked here already; workers check it on the JSON path
-        "early": {o.key: o.sha256 for o in manifest.objects if early.get(o.key) == o.sha256},
-    }
-
-
-def _specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
-    return {name: [dtype_name(s.dtype), list(s.shape)] for name, s in specs.items()}
-
-
 def _numel(shape: tuple[int, ...]) -> int:
     count = 1
     for size in shape:
         count *= size
     return count
+
+
+# start_engine and EXTENSION_CLS live in startup; they are named here too, where the
+# target's users have always found them.
+__all__ = ["EXTENSION_CLS", "VllmTarget", "start_engine"]

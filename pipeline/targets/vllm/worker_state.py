@@ -1,4 +1,5 @@
-"""The vLLM worker side's state and plain-data protocol (see ``vllm_extension``).
+"""The vLLM worker side's state and answers (see ``pipeline.targets.vllm.extension``;
+the requests it takes are typed in ``pipeline.targets.vllm.protocol``).
 
 Every RPC answers with an envelope, ``{"ok": True, "value": ...}`` or ``{"ok": False,
 "error": class name, "message": ...}``, so errors survive the trip whatever the
@@ -10,7 +11,7 @@ proofs of the next delta's parts, and a delta prepared but not yet committed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,8 @@ from pipeline.errors import DeltasyncError, MismatchError, TargetError
 from pipeline.format import content_hashes
 from pipeline.format.content_hashes import HashAlgorithm
 from pipeline.format.hashing import state_hash
-from pipeline.format.manifest import TensorEntry, dtype_name
+from pipeline.format.manifest import TensorEntry
+from pipeline.format.matching import difference, spec_of
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.patching import AppliedPatches
@@ -115,19 +117,8 @@ class WorkerState:
         return digest
 
 
-def specs_plain(specs: Mapping[str, TensorSpec]) -> dict[str, list[Any]]:
-    return {n: [dtype_name(s.dtype), list(s.shape)] for n, s in specs.items()}
-
-
-def entry_from_list(item: list[Any]) -> TensorEntry:
-    name, dtype, shape, digest, key, changed = item
-    return TensorEntry(
-        str(name), str(dtype), tuple(int(s) for s in shape), str(digest), str(key), int(changed)
-    )
-
-
 def check_base(
-    state: WorkerState, entries: list[TensorEntry], parent_state_hash: object, verify: str
+    state: WorkerState, entries: list[TensorEntry], parent_state_hash: str | None, verify: str
 ) -> None:
     """Catch a delta for another base before decoding: the unchanged tensors must
     already hold their manifest hashes ("all": recomputed; "touched": cached)."""
@@ -136,9 +127,9 @@ def check_base(
             continue
         if entry.name not in state.shadow:
             continue  # decode_entries reports it
-        spec_ok = dtype_name(state.shadow[entry.name].dtype) == entry.dtype
-        if not spec_ok:
-            continue
+        tensor = state.shadow[entry.name]
+        if difference(spec_of(entry), TensorSpec(tensor.dtype, tuple(tensor.shape))) is not None:
+            continue  # decode_entries reports it
         if verify == "all":
             state.hashes.pop(entry.name, None)
         if state.hash_of(entry.name) != entry.hash:
@@ -146,7 +137,7 @@ def check_base(
                 f"tensor {entry.name}: held content hash differs from the manifest's "
                 "unchanged tensor (delta for another base version?)"
             )
-    if isinstance(parent_state_hash, str) and parent_state_hash:
+    if parent_state_hash:
         held = state_hash((n, state.hash_of(n)) for n in state.shadow)
         if held != parent_state_hash:
             raise MismatchError(

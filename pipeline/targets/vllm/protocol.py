@@ -1,0 +1,272 @@
+"""What crosses the vLLM RPC boundary between ``VllmTarget`` and the worker extension.
+
+``collective_rpc`` carries plain data only: an in-process worker gets the objects
+as they are, spawned workers get them pickled, the engine-core process of a served
+``AsyncLLM`` gets them msgpack-encoded by msgspec (a dataclass arrives there as a
+plain dict), and the server's ``POST /collective_rpc`` carries JSON. So requests
+travel as the TypedDicts below, and each end works with frozen dataclasses: the
+sender builds one and sends ``.wire()``, the receiver ``parse``s what arrived, with a
+one-line TargetError naming the field that is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypedDict, TypeVar
+
+from pipeline.errors import TargetError
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
+from pipeline.format.matching import spec_of
+from pipeline.format.tensors import TensorSpec
+from pipeline.targets.base import VerifyMode
+from pipeline.targets.patching import check_objects
+
+_T = TypeVar("_T")
+_VERIFY_MODES: tuple[VerifyMode, ...] = ("touched", "all", "none")
+
+
+class WireSpec(TypedDict):
+    dtype: str  # torch dtype name without "torch.", as in manifests
+    shape: list[int]
+
+
+class WireEntry(TypedDict):
+    """A manifest tensor entry (``TensorEntry``), field by field."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    hash: str
+    object: str
+    changed: int
+
+
+class PrepareWire(TypedDict, total=False):
+    version: int
+    verify: str
+    parent_state_hash: str | None
+    content_hash: str | None
+    entries: list[WireEntry]
+    objects: dict[str, Any]  # key -> bytes (a file path on the JSON route)
+    sha256: dict[str, str]
+    early: dict[str, str]
+
+
+class SummaryWire(TypedDict):
+    tensors: int
+    changed: int
+    early_tensors: int
+
+
+def _bad(what: str, problem: str) -> TargetError:
+    return TargetError(f"vLLM RPC: bad {what}: {problem}")
+
+
+def _get(doc: Mapping[str, Any], key: str, kind: type[_T], what: str) -> _T:
+    if key not in doc:
+        raise _bad(what, f"no {key}")
+    value = doc[key]
+    # bool is an int to Python, never a count or a version here.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _bad(what, f"{key} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _optional_str(doc: Mapping[str, Any], key: str, what: str) -> str | None:
+    value = doc.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _bad(what, f"{key} is {type(value).__name__}, not str or null")
+    return value
+
+
+def _mapping(value: object, key: str, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _bad(what, f"{key} is {type(value).__name__}, not a mapping")
+    return value
+
+
+def _str_map(doc: Mapping[str, Any], key: str, what: str) -> dict[str, str]:
+    found = _mapping(doc.get(key) or {}, key, what)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+        raise _bad(what, f"{key} must map str to str")
+    return dict(found)
+
+
+def _shape(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in value
+    ):
+        raise _bad(what, f"shape {value!r} is not a list of ints")
+    return tuple(value)
+
+
+# -- specs ------------------------------------------------------------------------------
+
+
+def specs_to_wire(specs: Mapping[str, TensorSpec]) -> dict[str, WireSpec]:
+    return {n: {"dtype": dtype_name(s.dtype), "shape": list(s.shape)} for n, s in specs.items()}
+
+
+def specs_from_wire(doc: object, what: str = "specs") -> dict[str, TensorSpec]:
+    specs: dict[str, TensorSpec] = {}
+    for name, item in _mapping(doc, what, what).items():
+        spec = _mapping(item, f"spec of {name!r}", what)
+        entry = TensorEntry(
+            str(name), _get(spec, "dtype", str, what), _shape(spec.get("shape"), what), "", ""
+        )
+        specs[entry.name] = _checked_spec(entry, what)
+    return specs
+
+
+def _checked_spec(entry: TensorEntry, what: str) -> TensorSpec:
+    try:
+        return spec_of(entry)
+    except Exception as exc:  # MismatchError for an unknown dtype
+        raise _bad(what, str(exc)) from None
+
+
+# -- entries ----------------------------------------------------------------------------
+
+
+def entry_to_wire(entry: TensorEntry) -> WireEntry:
+    return {
+        "name": entry.name,
+        "dtype": entry.dtype,
+        "shape": list(entry.shape),
+        "hash": entry.hash,
+        "object": entry.object,
+        "changed": entry.changed,
+    }
+
+
+def entry_from_wire(doc: object, what: str = "prepare request") -> TensorEntry:
+    item = _mapping(doc, "entry", what)
+    entry = TensorEntry(
+        _get(item, "name", str, what),
+        _get(item, "dtype", str, what),
+        _shape(item.get("shape"), what),
+        _get(item, "hash", str, what),
+        _get(item, "object", str, what),
+        _get(item, "changed", int, what),
+    )
+    _checked_spec(entry, what)
+    return entry
+
+
+# -- prepare ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrepareRequest:
+    """A delta for the workers' ``deltasync_prepare``: its entries and objects, how to
+    verify it, and which objects' early proofs may stand in for their decode."""
+
+    version: int
+    verify: VerifyMode
+    entries: tuple[TensorEntry, ...]
+    objects: Mapping[str, bytes]
+    parent_state_hash: str | None = None
+    content_hash: str | None = None  # None: keep the algorithm in use
+    sha256: Mapping[str, str] = field(default_factory=dict)  # key -> digest, checked there
+    early: Mapping[str, str] = field(default_factory=dict)  # key -> sha256 proved early
+
+    @classmethod
+    def for_delta(
+        cls,
+        manifest: Manifest,
+        objects: Mapping[str, bytes],
+        verify: VerifyMode,
+        early: Mapping[str, str] | None = None,
+    ) -> PrepareRequest:
+        """The request for a delta whose objects were downloaded (checked here:
+        present, sizes and sha256). ``early``: key -> sha256 of the objects the
+        workers proved early."""
+        check_objects(manifest, objects)
+        early = early or {}
+        return cls(
+            version=manifest.version,
+            verify=verify,
+            entries=tuple(manifest.tensors),
+            objects={o.key: objects[o.key] for o in manifest.objects},
+            parent_state_hash=manifest.parent_state_hash,
+            content_hash=manifest.content_hash,
+            early={o.key: o.sha256 for o in manifest.objects if early.get(o.key) == o.sha256},
+        )
+
+    def wire(self) -> PrepareWire:
+        return {
+            "version": self.version,
+            "verify": self.verify,
+            "parent_state_hash": self.parent_state_hash,
+            "content_hash": self.content_hash,
+            "entries": [entry_to_wire(e) for e in self.entries],
+            "objects": dict(self.objects),
+            "sha256": dict(self.sha256),
+            "early": dict(self.early),
+        }
+
+    @classmethod
+    def parse(cls, doc: object) -> PrepareRequest:
+        what = "prepare request"
+        request = _mapping(doc, "request", what)
+        verify = _get(request, "verify", str, what)
+        mode = next((m for m in _VERIFY_MODES if m == verify), None)
+        if mode is None:
+            raise _bad(what, f"verify {verify!r} is not one of {', '.join(_VERIFY_MODES)}")
+        entries = _get(request, "entries", list, what)
+        objects = _mapping(request.get("objects"), "objects", what)
+        for key, data in objects.items():
+            if not isinstance(data, bytes | bytearray | memoryview):
+                raise _bad(what, f"object {key!r} is {type(data).__name__}, not bytes")
+        return cls(
+            version=_get(request, "version", int, what),
+            verify=mode,
+            entries=tuple(entry_from_wire(item, what) for item in entries),
+            objects={str(k): bytes(v) for k, v in objects.items()},
+            parent_state_hash=_optional_str(request, "parent_state_hash", what),
+            content_hash=_optional_str(request, "content_hash", what),
+            sha256=_str_map(request, "sha256", what),
+            early=_str_map(request, "early", what),
+        )
+
+
+@dataclass(frozen=True)
+class PrepareSummary:
+    """A worker's answer to a prepare: tensors patched, elements written, tensors
+    whose early proofs were used."""
+
+    tensors: int
+    changed: int
+    early_tensors: int = 0
+
+    def wire(self) -> SummaryWire:
+        return {
+            "tensors": self.tensors,
+            "changed": self.changed,
+            "early_tensors": self.early_tensors,
+        }
+
+    @classmethod
+    def parse(cls, doc: object) -> PrepareSummary:
+        what = "prepare answer"
+        summary = _mapping(doc, "answer", what)
+        return cls(
+            _get(summary, "tensors", int, what),
+            _get(summary, "changed", int, what),
+            _get(summary, "early_tensors", int, what),
+        )
+
+
+__all__ = [
+    "PrepareRequest",
+    "PrepareSummary",
+    "PrepareWire",
+    "SummaryWire",
+    "WireEntry",
+    "WireSpec",
+    "entry_from_wire",
+    "entry_to_wire",
+    "specs_from_wire",
+    "specs_to_wire",
+]
