@@ -639,6 +639,12 @@ def set_vllm_cpu_plain_linear(on: bool) -> None:
     os.environ[VLLM_CPU_PLAIN_LINEAR_ENV] = "1" if on else "0"
 
 
+def prefer_vllm_in_process() -> None:
+    """vLLM's engine core in this process unless ``VLLM_ENABLE_V1_MULTIPROCESSING``
+    says otherwise (vLLM's own variable; set before an engine starts)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 def armed_fault() -> str | None:
     """``DELTASYNC_FAULT``, read at each crash point (tests arm it at run time)."""
     return os.environ.get(FAULT_ENV)

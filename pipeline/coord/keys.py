@@ -26,6 +26,7 @@ _FIELDS = {
     "run": RUN_NAME_PATTERN.pattern,
     "node": NODE_PATTERN.pattern,
     "name": NODE_PATTERN.pattern,
+    "host": NODE_PATTERN.pattern,
     "step": r"\d+",
     "version": r"\d+",
     "parent": r"\d+",

@@ -17,20 +17,17 @@ the functions that need it.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import set_vllm_cpu_plain_linear
+from pipeline.config import prefer_vllm_in_process, set_vllm_cpu_plain_linear
 from pipeline.errors import ConfigError
 from pipeline.targets.vllm import cpu
 
 EXTENSION_CLS = "pipeline.targets.vllm.extension.DeltasyncWorkerExtension"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-# vLLM's switch between an in-process engine core and one in a process of its own.
-_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def prepare_engine_process(*, cpu_plain_linear: bool = True) -> None:
@@ -130,7 +127,7 @@ def start_node_engine(model_path: Path, options: Mapping[str, Any]) -> Any:
     One process for engine and worker unless the environment says otherwise: a
     rollout node has no use for vLLM's engine-core process, and in-process start is
     several times faster."""
-    os.environ.setdefault(_MULTIPROCESSING_ENV, "0")
+    prefer_vllm_in_process()
     return start_engine(**node_engine_options(model_path, options))
 
 
