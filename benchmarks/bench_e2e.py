@@ -1,6 +1,6 @@
 """End-to-end sync latency: step-completed to every replica applied, real processes.
 
-    python benchmarks/bench_e2e.py [--params 0.6e9] [--versions 4] [--replicas 2]
+    python benchmarks/bench_e2e.py [--params 0.63e9] [--versions 4] [--replicas 2]
                                    [--density 0.02] [--reps 3] [--work DIR]
                                    [--store file|s3] [--target torch|vllm]
                                    [--device cpu|cuda] [--threads 2]
@@ -131,7 +131,7 @@ def llama_config(state: dict[str, torch.Tensor], head_dim: int = 64) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=float, default=0.6e9)
+    parser.add_argument("--params", type=float, default=0.63e9)
     parser.add_argument("--versions", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--density", type=float, default=0.02)
@@ -346,8 +346,8 @@ def summarise(
         ("step-completed -> delta-available (diff job)", "to_available_s"),
         ("  diff job until the manifest is written", "diff_published_s"),
         ("  - read base + new (mapped)", "diff_read_s"),
-        ("  - wait for the base and new hashes (second thread)", "diff_verify_s"),
-        ("  - diff + encode + new tensors' hashes", "diff_encode_s"),
+        ("  - hashes: parent's + changes (or waiting for full ones)", "diff_verify_s"),
+        ("  - diff + encode", "diff_encode_s"),
         ("  - upload (overlaps encode)", "diff_upload_s"),
         ("  after the announcement: state cache update", "diff_cache_s"),
         ("delta-available -> replica applied", "node_s"),

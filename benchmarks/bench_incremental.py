@@ -6,23 +6,23 @@
 For each size a Qwen-shaped bf16 state (benchmarks/emulator.py shapes; the 36M one
 with a 16k vocabulary and hidden 512) gets ``--changes`` changed elements spread
 over every tensor in proportion to its size (+-1 or +-2 in the integer view), one
-delta object through the real codec, and a manifest hashed with each content hash.
-A torch target holding the base applies it with ``verify="touched"`` (decode +
-proof + write + read back), after the held hashes are known (the bootstrap's full
-proof, untimed): xxh3-128 re-reads every touched tensor, mixsum-128 reads the
-changed positions only. The reference is a warm copy of the state's bytes (into
-buffers copied to before). Best of
-``--reps`` per figure (the machine may be shared).
+delta object through the real codec, and a manifest hashed with each content hash;
+and the delta back. A torch target holding the base applies them in turn with
+``verify="touched"`` (decode + proof + write + read back), after the held hashes
+are known (the bootstrap's full proof, untimed): xxh3-128 re-reads every touched
+tensor, mixsum-128 reads the changed positions only. The state is held once (a
+2.4B one is 4.8 GB), plus a second copy while the reference, a warm copy of the
+state's bytes into buffers copied to before, is measured. Best of ``2 * --reps``
+applies and ``--reps`` copies per figure (the machine may be shared).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,35 +52,54 @@ def shapes_for(params: float) -> list[tuple[str, tuple[int, ...]]]:
     return list(qwen_like_shapes(params))
 
 
-def changed_copy(base: dict[str, torch.Tensor], changes: int, seed: int) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(seed)
+def changed_pairs(
+    base: dict[str, torch.Tensor],
+    changes: int,
+    seed: int,
+    hashes: dict[str, dict[str, str]] | None = None,
+    *,
+    backwards: bool = False,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, base, new) with ``changes`` changed elements spread over every tensor in
+    proportion to its size (+-1 or +-2 in the integer view), one new tensor at a time
+    (a model of several GB is held once; each tensor's changes come from its own
+    seed, so a second call gives the same ones). ``backwards``: (name, new, base), the
+    delta back. ``hashes[algorithm][name]`` gets each new tensor's content hash."""
     total = sum(t.numel() for t in base.values())
-    new: dict[str, torch.Tensor] = {}
-    for name, t in base.items():
+    for index, (name, t) in enumerate(base.items()):
+        rng = np.random.default_rng([seed, index])
         flat = t.reshape(-1).view(torch.int16).clone()
         count = max(1, round(changes * t.numel() / total))  # every tensor touched
         where = torch.from_numpy(rng.choice(t.numel(), min(count, t.numel()), replace=False))
         steps = torch.from_numpy(rng.choice(np.array([-2, -1, 1, 2], np.int16), where.numel()))
         flat[where] += steps
-        new[name] = flat.view(torch.bfloat16).view(t.shape)
-    return new
+        new = flat.view(torch.bfloat16).view(t.shape)
+        for algorithm, out in (hashes or {}).items():
+            out[name] = content_hashes.get(algorithm).full(new)
+        yield (name, new, t) if backwards else (name, t, new)
 
 
 def manifest_for(
-    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], data: bytes, algorithm: str
+    data: bytes,
+    parent: dict[str, str],
+    child: dict[str, str],
+    specs: dict[str, torch.Tensor],
+    algorithm: str,
+    version: int,
 ) -> Manifest:
-    full = content_hashes.get(algorithm).full
+    """A delta manifest for one object ``data`` from the state hashed ``parent`` to the
+    one hashed ``child`` (tensor name -> content hash by ``algorithm``)."""
     changed = {i.name: i.changed for i in read_delta(data, object_name="part-00000").tensors}
     entries = [
-        TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), full(t), "part-00000", changed[n])
-        for n, t in new.items()
+        TensorEntry(n, dtype_name(t.dtype), tuple(t.shape), child[n], "part-00000", changed[n])
+        for n, t in specs.items()
     ]
-    parents = [TensorEntry(n, "", (), full(t), "") for n, t in base.items()]
+    parents = [TensorEntry(n, "", (), parent[n], "") for n in specs]
     return Manifest(
         run="bench",
-        version=1,
+        version=version,
         kind="delta",
-        parent=0,
+        parent=version - 1,
         anchor=0,
         codec=CodecInfo(CODEC_NAME, CODEC_VERSION, 1),
         objects=(ObjectEntry("part-00000", len(data), sha256_bytes(data)),),
@@ -114,17 +133,12 @@ def main() -> None:
 
 
 def measure(params: float, args: argparse.Namespace) -> str:
-    """One table row: a state of about ``params`` parameters."""
-    base = make_state(shapes_for(params), seed=0)
-    size = sum(t.numel() for t in base.values())
-    new = changed_copy(base, int(args.changes), seed=1)
-    data = encode_delta([(n, base[n], new[n]) for n in base], 1)
-    names = (content_hashes.XXH3, content_hashes.MIXSUM)
-    manifests = {a: manifest_for(base, new, data, a) for a in names}
-    del new
-    objects = {"part-00000": data}
-    held = {n: t.to(args.device, copy=True) for n, t in base.items()}
-
+    """One table row: a state of about ``params`` parameters, held once (plus a copy
+    for the reference while that is measured, and one new tensor at a time)."""
+    held = make_state(shapes_for(params), seed=0)
+    if args.device != "cpu":
+        held = {n: t.to(args.device) for n, t in held.items()}
+    size = sum(t.numel() for t in held.values())
     spare = {n: torch.empty_like(t) for n, t in held.items()}
 
     def copy() -> float:  # into memory already touched: a warm copy
@@ -135,17 +149,34 @@ def measure(params: float, args: argparse.Namespace) -> str:
             torch.cuda.synchronize()
         return time.perf_counter() - started
 
-    def apply(manifest: Manifest) -> float:
-        for n, t in base.items():  # back to the base (untimed)
-            held[n].copy_(t)
-        target = TorchTarget(held)
-        target.hashes(algorithm=manifest.content_hash)  # the bootstrap's full proof
-        started = time.perf_counter()
-        target.apply_delta(manifest, objects, "touched")
-        return time.perf_counter() - started
-
-    applies = {a: best(args.reps, functools.partial(apply, m)) for a, m in manifests.items()}
     reference = best(args.reps + 1, copy)  # the first one warms the buffers
+    spare.clear()
+    names = (content_hashes.XXH3, content_hashes.MIXSUM)
+    host = {n: t.cpu() for n, t in held.items()}  # (the same tensors on a CPU run)
+    base_hashes = {a: {n: content_hashes.get(a).full(t) for n, t in host.items()} for a in names}
+    new_hashes: dict[str, dict[str, str]] = {a: {} for a in names}
+    # The delta there and the one back: each apply of one undoes the other's, so one
+    # held copy serves every repetition.
+    there = encode_delta(changed_pairs(host, int(args.changes), 1, new_hashes), 1)
+    again = encode_delta(changed_pairs(host, int(args.changes), 1, backwards=True), 1)
+    manifests = {
+        a: (
+            manifest_for(there, base_hashes[a], new_hashes[a], host, a, 1),
+            manifest_for(again, new_hashes[a], base_hashes[a], host, a, 2),
+        )
+        for a in names
+    }
+    applies: dict[str, float] = {}
+    for algorithm, (forward, backward) in manifests.items():
+        target = TorchTarget(held)
+        target.hashes(algorithm=algorithm)  # the bootstrap's full proof (untimed)
+        times = []
+        for _ in range(args.reps):
+            for manifest, data in ((forward, there), (backward, again)):
+                started = time.perf_counter()
+                target.apply_delta(manifest, {"part-00000": data}, "touched")
+                times.append(time.perf_counter() - started)
+        applies[algorithm] = min(times)
     mix = applies[content_hashes.MIXSUM]
     return (
         f"| {size / 1e6:.0f}M | {int(args.changes):,} | {reference:.3f} "

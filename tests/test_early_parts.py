@@ -71,10 +71,10 @@ def objects_of(store: FileStore, manifest: Manifest) -> dict[str, bytes]:
 
 def count_decodes(monkeypatch: pytest.MonkeyPatch, trainer: Trainer) -> list[str]:
     """Names of the tensors the proof decodes from here on, each once (the one-pass
-    proof of xxh3-128; the compiled walk of the incremental one, or its plain decode
-    where the walk does not apply)."""
+    proof of xxh3-128; the incremental one's positions and differences from the
+    streams, or its plain decode where those depend on the base)."""
     calls: list[str] = []
-    methods = ["decode_hashed"] if trainer.content_hash == XXH3 else ["decode_changes", "decode"]
+    methods = ["decode_hashed"] if trainer.content_hash == XXH3 else ["differences", "decode"]
     for method in methods:
         real = getattr(api.DeltaObject, method)
 

@@ -190,6 +190,40 @@ def test_scrubber_catches_a_corrupted_untouched_element_and_the_node_repairs_it(
     node.close()
 
 
+def test_an_apply_reads_only_changed_elements_and_the_scrubber_repairs_the_rest(
+    trainer: Trainer, store: FileStore, events: EventStream
+) -> None:
+    """An element of a TOUCHED tensor that the delta does not change is corrupted
+    before the apply: the O(changed) proof never reads it, so the version applies
+    (the corruption is still there, unseen); the scrubber's full pass then finds it,
+    the node reports it and recovers from the store."""
+    trainer.publish()
+    trainer.publish()
+    target, held = empty_target(trainer.states[0])
+    pace = ScrubPace(period_s=0.0, cpu_fraction=1.0)
+    node = RolloutNode(store, RUN, target, events=events, node_id="scrubbed", scrub=pace)
+    assert node.scrubber is not None
+    node.scrubber.stop()  # passes are run here, one at a time
+    assert node.step_once() == 1  # bootstrap, and every held hash proven in full
+    v = trainer.publish()
+    manifest = chain.load_manifest(store, RUN, "delta", v)
+    name = max((e for e in manifest.tensors if e.changed), key=lambda e: e.changed).name
+    before = patching.int_view(trainer.states[v - 1][name]).view(-1)
+    after = patching.int_view(trainer.states[v][name]).view(-1)
+    kept = int(torch.nonzero(before == after)[0])  # an element this delta leaves alone
+    patching.int_view(held[name]).view(-1)[kept] ^= 1  # memory changed behind our back
+    assert node.step_once() == v
+    flat = patching.int_view(held[name]).view(-1)
+    assert int(flat[kept]) != int(after[kept]), "the apply read (and repaired) it"
+    assert node.scrubber.run_pass() == [name]
+    assert node.step_once() == v  # reported, then recovered from the store
+    errors = [e for _, e in events.read("0-0", count=1000) if isinstance(e, ReplicaError)]
+    assert errors and "scrub" in errors[-1].error and name in errors[-1].error
+    assert_holds(held, trainer.states[v])
+    assert node.scrubber.run_pass() == []
+    node.close()
+
+
 def test_a_scrubber_thread_at_its_pace_finds_a_change(trainer: Trainer) -> None:
     """The background thread: a pass at a bounded pace reports the changed tensor."""
     import threading

@@ -140,3 +140,81 @@ def test_digest_round_trip_and_bad_digest() -> None:
     assert mixsum.add(mixsum.digest(lanes), (1, -1)) == mixsum.digest((0, 0))
     with pytest.raises(ValueError):
         mixsum.lanes_of("abc")
+
+
+def _changed(base: torch.Tensor, density: float, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """A copy of ``base`` with ``density`` of its elements changed, the edge patterns
+    at the front among them (each replaced by the next edge); (new, positions)."""
+    g = np.random.default_rng(seed)
+    flat = mixsum.int_flat(base)
+    count = max(16, round(density * flat.numel()))
+    where = np.union1d(np.arange(9), g.choice(flat.numel(), min(count, flat.numel()), False))
+    after = flat.clone()
+    other = mixsum.int_flat(_tensor(base.dtype, flat.numel(), seed + 1))
+    after[torch.from_numpy(where)] = other[torch.from_numpy(where)]
+    after[:9] = torch.roll(flat[:9], 1)  # edges into other edges
+    moved = np.flatnonzero((after != flat).numpy()).astype(np.int64)
+    new = after.bool() if base.dtype == torch.bool else after.view(base.dtype)
+    return new, moved
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_gathered_update_from_a_delta_equals_the_full_hash(dtype: torch.dtype) -> None:
+    """What a replica and the diff worker do: positions and differences from a delta's
+    streams (every encoding: sparse, bitmap, dense), the old contents gathered at
+    those positions, the hash updated; on compiled, torch-ops and CUDA paths."""
+    from pipeline.codec import encode_delta, read_delta
+    from pipeline.codec.dtypes import info_for
+    from pipeline.errors import CodecError
+
+    try:
+        info_for(dtype, "t")
+    except CodecError:
+        pytest.skip(f"the codec does not carry {dtype}")
+    encodings = set()
+    for density in (0.005, 0.05, 0.4, 1.0, None):
+        base = _tensor(dtype, 6000, 11)
+        if density is None:  # every other element of a run: a bitmap of positions
+            bits = mixsum.int_flat(base).clone()
+            bits[1000:3000:2] ^= 1
+            new = bits.bool() if dtype == torch.bool else bits.view(dtype)
+            moved = np.arange(1000, 3000, 2, dtype=np.int64)
+        else:
+            new, moved = _changed(base, density, 12)
+        held = mixsum.full(base)
+        want = mixsum.full(new)
+        delta = read_delta(encode_delta([("t", base, new)], 1))
+        encodings.add(delta.info("t").encoding)
+        found = delta.differences("t", base)
+        assert found is not None
+        assert np.array_equal(found[0], moved)
+        for device in DEVICES:
+            for compiled in (True, False):
+                mixsum.COMPILED = compiled
+                try:
+                    flat = mixsum.int_flat(base.to(device))
+                    digest, where, old, after = mixsum.gathered_update(held, flat, *found)
+                finally:
+                    mixsum.COMPILED = True
+                assert digest == want, (density, device, compiled)
+                assert torch.equal(where.cpu(), torch.from_numpy(moved))
+                assert torch.equal(old.cpu(), mixsum.int_flat(base)[where.cpu()])
+                assert torch.equal(after.cpu(), mixsum.int_flat(new)[where.cpu()])
+    if dtype != torch.bool:  # (bool's contents are too small for dense to win)
+        assert encodings == {"sparse", "bitmap", "dense"}, encodings
+
+
+def test_gathered_update_refuses_a_position_out_of_range() -> None:
+    from pipeline.errors import CorruptObjectError
+
+    base = _tensor(torch.bfloat16, 100, 13)
+    held = mixsum.full(base)
+    for bad in (np.array([3, 100], np.int64), np.array([-1], np.int64)):
+        diffs = np.ones(bad.size, np.uint16)
+        for compiled in (True, False):
+            mixsum.COMPILED = compiled
+            try:
+                with pytest.raises(CorruptObjectError, match="out of range"):
+                    mixsum.gathered_update(held, mixsum.int_flat(base), bad, diffs)
+            finally:
+                mixsum.COMPILED = True

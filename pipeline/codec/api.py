@@ -24,6 +24,7 @@ from pipeline.codec.records import TensorRecord, parse_record
 from pipeline.codec.tensorcodec import (
     DamagedStreamError,
     Encoded,
+    decode_differences,
     decode_tensor,
     encode_tensor,
     walk_applies,
@@ -168,32 +169,31 @@ class DeltaObject:
         )
         return HashedPatch(patch, torch.from_numpy(old.view(signed)), digest)
 
-    def decode_changes(
+    def differences(
         self, name: str, base: torch.Tensor
-    ) -> tuple[TensorPatch, torch.Tensor] | None:
-        """:meth:`decode` and the old contents at its positions, reading ``base`` at
-        the changed positions only: one compiled walk of the streams for positions
-        and differences, then a gather. Patch and old contents live on ``base``'s
-        device. None where only :meth:`decode` applies (see :meth:`decode_hashed`)."""
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.unsignedinteger[Any]]] | None:
+        """(positions, new - old modulo the element width, as unsigned integers) of
+        ``name``'s changed elements, from the streams alone: ``base`` (any device)
+        gives the size and is not read. What a content hash updated from the changes
+        needs, with the old contents gathered once. None where the positions depend
+        on the base's contents (level 2's ``classed``)."""
         found = self._differences(name, base)
-        if found is None:
-            return None
-        positions, diffs = found
-        info = self._records[name].info
-        signed = _numpy_dtype(info.view)
-        flat = int_view_flat(base, info)
-        if base.device.type == "cpu":
-            old_np = flat.numpy().view(info.unsigned)[positions]
-            new_np = old_np + diffs  # modulo the element width
-            old = torch.from_numpy(old_np.view(signed))
-            new = torch.from_numpy(new_np.view(signed))
-            where = torch.from_numpy(positions)
-        else:
-            where = torch.from_numpy(positions).to(base.device)
-            old = flat.index_select(0, where)
-            new = old + torch.from_numpy(diffs.view(signed)).to(base.device)  # wraps
-        patch = TensorPatch(name, info.dtype, self._records[name].shape, where, new)
-        return patch, old
+        if found is not None:
+            return found
+        record = self._record(name, base)
+        try:
+            return decode_differences(
+                record.encoding,
+                record.changed,
+                record.split(self._entries.get(name, np.zeros(0, np.uint8))),
+                record.params,
+                base.numel(),
+                record.info,
+            )
+        except DamagedStreamError as exc:
+            raise CorruptObjectError(
+                f"delta object {self.object_name}: tensor {name!r}: {exc}"
+            ) from None
 
     def _differences(
         self, name: str, base: torch.Tensor

@@ -131,10 +131,22 @@ def scatter(target: Any, positions: Any, values: Any) -> int:
     return 0
 
 
+@jit  # type: ignore[untyped-decorator,misc]
+def first_difference(target: Any, positions: Any, values: Any) -> int:
+    """The first ``i`` whose ``target[positions[i]]`` is not ``values[i]`` (or whose
+    position is out of range), -1 when all hold: a read-back of written positions."""
+    for i in range(positions.size):
+        p = positions[i]
+        if p < 0 or p >= target.size or target[p] != values[i]:
+            return i
+    return -1
+
+
 KERNELS = SimpleNamespace(
     rice_costs=rice_costs,
     rice_decode=rice_decode,
     gather_add=gather_add,
     signmag_values=signmag_values,
     scatter=scatter,
+    first_difference=first_difference,
 )

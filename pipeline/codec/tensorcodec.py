@@ -327,6 +327,42 @@ def decode_tensor(
     return where, base_vals + diff
 
 
+def decode_differences(
+    encoding: str,
+    changed: int,
+    streams: dict[str, U8],
+    params: dict[str, Any],
+    numel: int,
+    info: DtypeInfo,
+) -> tuple[I64, AnyUInt] | None:
+    """(positions, new - base modulo the element width, unsigned) of the changed
+    elements, from the streams alone: the base is not read. None for ``classed``,
+    whose positions depend on the base's contents."""
+    unsigned = info.unsigned
+    try:
+        if encoding == "same":
+            return np.zeros(0, np.int64), np.zeros(0, unsigned)
+        if encoding == "dense":
+            diff = contents.unzigzag(contents.decode_planes(streams["values"], numel, unsigned))
+            where = np.flatnonzero(diff).astype(np.int64)
+            if where.size != changed:
+                raise DamagedStreamError(
+                    f"contents change {where.size} elements, record says {changed}"
+                )
+            return where, diff[where]
+        if encoding == "sparse":
+            where = positions.decode_sparse(streams, params, changed, numel)
+        elif encoding == "bitmap":
+            where = positions.decode_bitmap(streams, changed, numel)
+        else:
+            return None
+        if where.size and (int(where[0]) < 0 or int(where[-1]) >= numel):
+            raise DamagedStreamError(f"a position is out of range for {numel} elements")
+        return where, contents.decode_contents(streams, params, changed, unsigned)
+    except (positions.PositionsError, contents.ContentsError) as exc:
+        raise DamagedStreamError(str(exc)) from None
+
+
 def walk_applies(encoding: str, params: dict[str, Any], info: DtypeInfo) -> bool:
     """Whether ``walk_sparse`` handles a record (the common case)."""
     return encoding == "sparse" and params.get("contents") == "signmag" and info.width <= 4

@@ -46,6 +46,19 @@ class HashAlgorithm:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
         return mixsum.updated(held, positions, old, new, width)
 
+    def gathered(
+        self, held: str, flat: torch.Tensor, positions: npt.NDArray[np.int64], diffs: Values
+    ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(digest after, positions, old, new) of the change ``diffs`` (new - old in
+        the integer view, as a delta's streams give it) at ``positions`` of ``flat``
+        (a held tensor's flat integer view, only read): the old contents are read at
+        the changed positions once, on the tensor's device (see
+        :func:`pipeline.format.mixsum.gathered_update`)."""
+        if not self.incremental:
+            raise ConfigError(f"content hash {self.name} cannot be updated from changes")
+        steps = diffs.cpu().numpy() if isinstance(diffs, torch.Tensor) else diffs
+        return mixsum.gathered_update(held, flat, positions, steps)
+
 
 ALGORITHMS: dict[str, HashAlgorithm] = {
     XXH3: HashAlgorithm(XXH3, content_hash, incremental=False),

@@ -37,6 +37,7 @@ import numpy.typing as npt
 import torch
 
 from pipeline import cpus
+from pipeline.errors import CorruptObjectError
 
 NAME = "mixsum-128"
 # k0 (positions), k1 (lane A), k2 (lane B), k3 (odd multiplier of the bits, lane B).
@@ -252,3 +253,43 @@ def updated(
     """The digest after the elements at ``positions`` change from ``old`` to ``new``,
     from the digest ``held`` before."""
     return add(held, change_lanes(positions, old, new, width))
+
+
+def gathered_update(
+    held: str,
+    flat: torch.Tensor,
+    positions: npt.NDArray[np.int64],
+    diffs: npt.NDArray[Any],
+) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(digest after, positions, old contents, new contents) of a change given as
+    ``positions`` and ``diffs`` (new - old modulo the width, as from a delta's
+    streams) to ``flat`` (:func:`int_flat` of the held tensor, not written), from
+    the digest ``held`` before. The held contents are read at the changed positions
+    only, once: a compiled pass on CPU, torch ops on the tensor's own device
+    otherwise (positions, old and new then live there). CorruptObjectError for a
+    position out of range."""
+    width = flat.element_size()
+    signed = _SIGNED_NP[width]
+    jit = compiled()
+    if flat.device.type == "cpu" and jit is not None:
+        data = _unsigned(flat.numpy(), width)
+        where = np.ascontiguousarray(positions, np.int64)
+        old = np.empty(where.size, data.dtype)
+        new = np.empty_like(old)
+        out = np.empty(2, np.uint64)
+        if jit.gathered_update(where, data, diffs.view(data.dtype), old, new, out) < 0:
+            raise CorruptObjectError(f"a changed position is out of range for {data.size} elements")
+        lanes = (int(out[0]), int(out[1]))
+        return (
+            add(held, lanes),
+            torch.from_numpy(where),
+            torch.from_numpy(old.view(signed)),
+            torch.from_numpy(new.view(signed)),
+        )
+    moved = torch.from_numpy(np.ascontiguousarray(positions, np.int64)).to(flat.device)
+    if moved.numel() and (int(moved.min()) < 0 or int(moved.max()) >= flat.numel()):
+        raise CorruptObjectError(f"a changed position is out of range for {flat.numel()} elements")
+    old_t = flat.index_select(0, moved)
+    step = torch.from_numpy(np.ascontiguousarray(diffs).view(signed)).to(flat.device)
+    new_t = old_t + step  # wraps in the width
+    return add(held, torch_change(moved, old_t, new_t, width)), moved, old_t, new_t

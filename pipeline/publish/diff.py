@@ -199,8 +199,12 @@ def updated_hashes(
         if delta.info(name).changed == 0:
             out[name] = held[name]
             continue
-        patch = delta.decode(name, base)
         flat = mixsum.int_flat(base)
+        found = delta.differences(name, base)  # from the streams, the base not read
+        if found is not None:  # the base read at the changed positions, once
+            out[name] = algorithm.gathered(held[name], flat, *found)[0]
+            continue
+        patch = delta.decode(name, base)  # level 2's classed positions need the base
         old = flat.index_select(0, patch.positions.to(flat.device))
         out[name] = algorithm.updated(
             held[name], patch.positions, old, patch.values, base.element_size()

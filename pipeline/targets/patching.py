@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pipeline import cpus
-from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
+from pipeline.codec import DeltaObject, TensorPatch, apply_patch, kernels, read_delta
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.format.hashing import content_hash, patched_tensor_hash, sha256_bytes
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
@@ -369,7 +369,13 @@ def check_written(patches: Sequence[TensorPatch], tensor: Callable[[str], torch.
     (MismatchError naming the first tensor that does not). O(changed)."""
     for patch in patches:
         flat = int_view(tensor(patch.name)).view(-1)
-        if flat.device.type == "cpu" and patch.positions.device.type == "cpu":
+        compiled = kernels.get()
+        if flat.device.type == "cpu" and patch.positions.device.type == "cpu" and compiled:
+            # one compiled pass, nothing allocated (numpy's gather and compare took
+            # 3-4x longer at 2M positions in a 1.2 GB state)
+            where, values = patch.positions.numpy(), patch.values.view(flat.dtype).numpy()
+            same = compiled.first_difference(flat.numpy(), where, values) < 0
+        elif flat.device.type == "cpu" and patch.positions.device.type == "cpu":
             # numpy's gather and compare: several times faster than torch's here
             got_np = flat.numpy()[patch.positions.numpy()]
             same = bool(np.array_equal(got_np, patch.values.view(flat.dtype).numpy()))

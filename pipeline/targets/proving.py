@@ -246,17 +246,23 @@ def _incremental_one(
     """One tensor's patch (on its device), old contents at its positions and hash
     after it: the held hash plus the changes."""
     flat = int_view(held.detach()).reshape(-1)
-    walked = guarded(delta.decode_changes, entry, held)
-    if walked is not None:  # one compiled walk, a gather at the changed positions
-        patch, old = walked
-        positions, new = patch.positions, patch.values
-    else:
-        patch = decode_entry(delta, entry, held)
-        positions = patch.positions.to(flat.device)
-        if positions.numel() and (int(positions[0]) < 0 or int(positions[-1]) >= flat.numel()):
-            raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
-        old = flat.index_select(0, positions)
-        new = patch.values.to(flat.device)
+    found = guarded(delta.differences, entry, held)
+    if found is not None:
+        # Positions and differences from the streams alone, then one pass over the
+        # changed positions: old contents gathered, new ones formed, hash updated.
+        try:
+            digest, where, old, new = algorithm.gathered(held_hash(entry.name), flat, *found)
+        except CorruptObjectError as exc:
+            raise CorruptObjectError(f"tensor {entry.name}: {exc}") from None
+        patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), where, new)
+        return HashedPatch(patch, old, digest)
+    # Level 2's classed positions depend on the base: decoded against it.
+    patch = decode_entry(delta, entry, held)
+    positions = patch.positions.to(flat.device)
+    if positions.numel() and (int(positions[0]) < 0 or int(positions[-1]) >= flat.numel()):
+        raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
+    old = flat.index_select(0, positions)
+    new = patch.values.to(flat.device)
     digest = algorithm.updated(held_hash(entry.name), positions, old, new, held.element_size())
     moved = replace(patch, positions=positions, values=new)
     return HashedPatch(moved, old, digest)
