@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from pipeline import cpus
-from pipeline.codec import fused, kernels
+from pipeline.codec import chunked, chunked_torch, fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.records import TensorRecord, parse_record
@@ -35,7 +35,7 @@ from pipeline.format.hashing import patched_tensor_hash
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
-LEVELS = (1, 2)
+LEVELS = (1, 2, 3)
 DEFAULT_LEVEL = 1
 # The scan for changes is bound by memory bandwidth: a second thread on a two-CPU
 # machine measured slower than one (hand-offs, a busy neighbour core).
@@ -114,6 +114,9 @@ class DeltaObject:
         where = f"delta object {self.object_name}: tensor {name!r}"
         base_flat = int_view_flat(base, record.info)
         blob = self._entries.get(name, np.zeros(0, np.uint8))
+        if record.encoding == "chunked":
+            positions_t, values_t = self._decode_chunked(record, base_flat)
+            return TensorPatch(name, record.info.dtype, record.shape, positions_t, values_t)
         try:
             positions, values = decode_tensor(
                 record.encoding,
@@ -134,6 +137,33 @@ class DeltaObject:
             positions=torch.from_numpy(positions).to(device),
             values=torch.from_numpy(signed).to(device),
         )
+
+    def _decode_chunked(
+        self, record: TensorRecord, base_flat: torch.Tensor, *, write: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, new contents) of a ``chunked`` record on ``base_flat``'s device:
+        the compiled walk on CPU tensors (with ``write``, decoding into them; then the
+        old contents are returned instead), torch operations elsewhere."""
+        info = record.info
+        assert record.layout is not None  # parse_record sets it
+        streams = record.split(self._entries[record.name])
+        walker = chunked.compiled() if base_flat.device.type == "cpu" else None
+        try:
+            if walker is None:
+                if write:
+                    raise TargetError(f"tensor {record.name!r}: no in-place decode here")
+                return chunked_torch.decode(streams, record.layout, record.changed, base_flat, info)
+            target = base_flat.numpy().view(info.unsigned)
+            where, new, old = chunked.decode(
+                walker, streams, record.layout, record.changed, target, info, write=write
+            )
+        except chunked.ChunkedError as exc:
+            raise CorruptObjectError(
+                f"delta object {self.object_name}: tensor {record.name!r}: {exc}"
+            ) from None
+        signed = _numpy_dtype(info.view)
+        values = old if write else new
+        return torch.from_numpy(where), torch.from_numpy(values.view(signed))
 
     def decode_hashed(self, name: str, base: torch.Tensor) -> HashedPatch | None:
         """:meth:`decode` plus what a target checks before writing, in one pass over
@@ -233,6 +263,13 @@ class DeltaObject:
                 return None
             nothing = torch.zeros(0, dtype=torch.int64, device=tensor.device)
             return TensorPatch(name, info.dtype, record.shape, nothing, nothing.to(info.view))
+        if record.encoding == "chunked" and tensor.device.type == "cpu" and chunked.compiled():
+            if not tensor.is_contiguous():
+                raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
+            where_t, old_t = self._decode_chunked(
+                record, tensor.detach().view(info.view).view(-1), write=True
+            )
+            return TensorPatch(name, info.dtype, record.shape, where_t, old_t) if undo else None
         walker = fused.get() if tensor.device.type == "cpu" else None
         if walker is None or not walk_applies(record.encoding, record.params, info):
             patch = self.decode(name, tensor)
