@@ -37,6 +37,7 @@ import numpy.typing as npt
 from pipeline import cpus
 from pipeline.codec import contents, kernels
 from pipeline.codec.dtypes import DtypeInfo
+from pipeline.errors import CodecError
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -47,8 +48,12 @@ CHUNK_LOG2 = 20  # 1M elements: a few kilobytes of bits per chunk at about 2% ch
 MIN_CHUNK_LOG2, MAX_CHUNK_LOG2 = 6, 30
 MAX_GROUPS = 4
 MAX_PARAM = 40
-# Table bits a bucket costs per chunk (count and parameter), weighed against what it saves.
+# What buckets cost, in bits weighed against the bits they save: table bits per
+# bucket and chunk (count and parameter); and decode time, as bits per element of
+# the tensor: once for walking the base at all, and per bucket it keeps apart.
 GROUP_PENALTY_BITS = 24.0
+WALK_BITS_PER_ELEMENT = 0.02
+GROUP_BITS_PER_ELEMENT = 0.01
 SAMPLE_RUNS, SAMPLE_RUN = 64, 256  # elements whose classes estimate the bucket sizes
 # Threads one tensor decodes on: a thread takes at least this many changes.
 MIN_CHANGES_PER_THREAD = 1 << 15
@@ -68,10 +73,21 @@ class ChunkedError(Exception):
 
 
 def compiled() -> Any | None:
-    """The chunked kernels, or None without compiled kernels."""
+    """The chunked kernels for decoding, or None without compiled kernels (the
+    torch-ops decoder serves then)."""
     if kernels.get() is None:
         return None
     return _build()
+
+
+def encoder() -> Any:
+    """The chunked kernels for encoding. Level 3 is only written by them, whether or
+    not the compiled paths are switched off, so that its bytes never depend on the
+    path taken; without numba, level 3 cannot be written."""
+    found = _build()
+    if found is None:
+        raise CodecError("codec level 3 needs the compiled kernels (numba is not installed)")
+    return found
 
 
 @functools.cache
@@ -157,8 +173,9 @@ def choose_bounds(walker: Any, base: AnyUInt, where: I64, info: DtypeInfo, nchun
     sampled = float(sample.sum())
     members = sample[present] * (base.size / max(sampled, 1.0))
     cuts = np.zeros(MAX_GROUPS, np.int64)
-    penalty = GROUP_PENALTY_BITS * nchunks
-    groups = walker.choose_groups(members, hit[present], MAX_GROUPS, penalty, cuts)
+    penalty = GROUP_PENALTY_BITS * nchunks + GROUP_BITS_PER_ELEMENT * base.size
+    walk = WALK_BITS_PER_ELEMENT * base.size
+    groups = walker.choose_groups(members, hit[present], MAX_GROUPS, penalty, walk, cuts)
     classes = present[cuts[: groups - 1]]
     out: I64 = classes.astype(np.int64) << shift
     return out
@@ -305,6 +322,16 @@ def layout(
 # ----------------------------------------------------------------------------- decode
 
 
+def large_magnitudes(streams: dict[str, U8], nbig: int, info: DtypeInfo) -> AnyUInt:
+    """The large magnitudes - 2 of a record (one placeholder when there are none)."""
+    if not nbig:
+        return np.zeros(1, info.unsigned)
+    try:
+        return contents.decode_planes(streams["mags"], nbig, info.unsigned)
+    except contents.ContentsError as exc:
+        raise ChunkedError(str(exc)) from None
+
+
 _pool_lock = threading.Lock()
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 
@@ -349,9 +376,7 @@ def decode(
     Chunks are shared out over ``threads`` (default: as many as pay)."""
     unsigned = info.unsigned
     nbig = int(lay.big_at[-1] + lay.table[-1, -2]) if lay.table.size else 0
-    mags = (
-        contents.decode_planes(streams["mags"], nbig, unsigned) if nbig else np.zeros(1, unsigned)
-    )
+    mags = large_magnitudes(streams, nbig, info)
     out_pos = np.empty(changed, np.int64)
     out_new = np.empty(changed, unsigned)
     out_old = np.empty(changed, unsigned)

@@ -158,10 +158,13 @@ def _log2_binomial(n: float, k: float) -> float:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def choose_groups(members: Any, hits: Any, max_groups: int, penalty: float, cuts: Any) -> int:
+def choose_groups(
+    members: Any, hits: Any, max_groups: int, penalty: float, walk: float, cuts: Any
+) -> int:
     """Split the classes (in order) into at most ``max_groups`` contiguous groups
-    that minimise the positions' information bits plus ``penalty`` per group.
-    Writes the first class of groups 1.. into ``cuts``; returns the group count."""
+    that minimise the positions' information bits plus ``penalty`` per group and
+    ``walk`` once for more than one group. Writes the first class of groups 1..
+    into ``cuts``; returns the group count."""
     c = members.size
     cm = np.zeros(c + 1)
     ch = np.zeros(c + 1)
@@ -185,7 +188,7 @@ def choose_groups(members: Any, hits: Any, max_groups: int, penalty: float, cuts
                     back[g, j] = i
     best = 1
     for g in range(2, max_groups + 1):
-        if cost[g, c] < cost[best, c]:
+        if cost[g, c] + walk < cost[best, c] + (walk if best > 1 else 0.0):
             best = g
     j = c
     for g in range(best, 1, -1):
@@ -444,6 +447,8 @@ def _take(mask: Any, rem: int, gi: int, gend: int, gaps: Any, chosen: Any) -> An
     The first change is taken without a branch (whether a bucket has a change in a
     block is a coin toss); further ones in the same block loop."""
     pc = np.int64(popcount(mask))
+    if rem >= LANES:  # a sparse bucket mostly skips whole blocks: a branch it predicts
+        return rem - pc, gi, chosen
     hit = np.int64(rem < pc)
     at = select_bit(mask, min(rem, 63))
     chosen |= np.uint64(hit) << at
@@ -511,15 +516,16 @@ def decode_chunks(
                 if u >= end:
                     return c - first, BAD_UNARY
                 word = peek(bits, u)
-                z = np.int64(leading_zeros(word)) if word else 64
-                if u + z >= end:
-                    return c - first, BAD_UNARY
-                if z < 64:
+                if word:
+                    z = np.int64(leading_zeros(word))
+                    if u + z >= end:
+                        return c - first, BAD_UNARY
                     q += z
                     u += z + 1
                     break
-                q += 64
-                u += 64
+                # All zeros: peek guarantees only 57 stream bits.
+                q += 56
+                u += 56
                 if q > limit:
                     return c - first, BAD_UNARY
             if q > limit:

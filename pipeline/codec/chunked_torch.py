@@ -17,8 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.codec import contents
-from pipeline.codec.chunked import ChunkedError, Layout, magnitude_mask
+from pipeline.codec.chunked import ChunkedError, Layout, large_magnitudes, magnitude_mask
 from pipeline.codec.dtypes import DtypeInfo
 
 U8 = np.ndarray  # type: ignore[type-arg]
@@ -149,7 +148,7 @@ def decode(
         big_index = ranks[is_big]
         if bool((big_index >= changes[big_chunk]).any()):
             raise ChunkedError("a chunk's large magnitudes do not match their indices")
-        planes = contents.decode_planes(streams["mags"], nbig, info.unsigned)
+        planes = large_magnitudes(streams, nbig, info)
         wide = planes.astype(np.int64) if info.width < 8 else planes.view(np.int64)
         mags = torch.from_numpy(wide)
         mags = (mags.to(device) + 2) & top

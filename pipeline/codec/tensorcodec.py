@@ -152,9 +152,7 @@ def encode_tensor(
     if numel == 0:
         return Encoded("same", 0)
     if level >= 3:
-        walker = chunked.compiled()
-        if walker is not None:
-            return _encode_chunked(walker, base_flat, new_flat, info)
+        return _encode_chunked(chunked.encoder(), base_flat, new_flat, info)
     compiled = fused.get()
     if (
         compiled is not None
