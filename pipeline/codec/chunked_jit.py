@@ -151,10 +151,12 @@ def class_counts(
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _log2_binomial(n: float, k: float) -> float:
+def _entropy_bits(n: float, k: float) -> float:
+    """n * H(k / n) bits: about log2 C(n, k), the cost of k changes among n."""
     if k <= 0.0 or k >= n:
         return 0.0
-    return (math.lgamma(n + 1.0) - math.lgamma(k + 1.0) - math.lgamma(n - k + 1.0)) / math.log(2.0)
+    p = k / n
+    return -(k * math.log2(p) + (n - k) * math.log2(1.0 - p))
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -171,6 +173,12 @@ def choose_groups(
     for i in range(c):
         cm[i + 1] = cm[i] + members[i]
         ch[i + 1] = ch[i] + hits[i]
+    # Bits of every run of classes i .. j - 1 as one group, computed once.
+    span = np.zeros((c + 1, c + 1))
+    for i in range(c):
+        for j in range(i + 1, c + 1):
+            k = ch[j] - ch[i]
+            span[i, j] = _entropy_bits(max(cm[j] - cm[i], k), k)
     inf = 1e300
     cost = np.full((max_groups + 1, c + 1), inf)
     back = np.zeros((max_groups + 1, c + 1), np.int64)
@@ -180,9 +188,7 @@ def choose_groups(
             for i in range(g - 1, j):
                 if cost[g - 1, i] >= inf:
                     continue
-                k = ch[j] - ch[i]
-                m = max(cm[j] - cm[i], k)
-                value = cost[g - 1, i] + _log2_binomial(m, k) + penalty
+                value = cost[g - 1, i] + span[i, j] + penalty
                 if value < cost[g, j]:
                     cost[g, j] = value
                     back[g, j] = i
@@ -235,7 +241,7 @@ def _tail_masks(base: Any, i: int, hi: int, bounds: Any, magnitude: Any) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _rank(m: Any, bit: Any, seen: int) -> int:
+def _rank(m: Any, bit: Any, seen: Any) -> Any:
     return seen + np.int64(popcount(m & ((np.uint64(1) << bit) - np.uint64(1))))
 
 
@@ -290,7 +296,7 @@ def encode_chunks(
                 gaps[j] = where[j] - lo
                 group[j] = 0
         else:
-            s0 = s1 = s2 = s3 = 0
+            s0 = s1 = s2 = s3 = np.int64(0)
             j = a
             i = lo
             while i < hi:
@@ -441,7 +447,7 @@ BIG_RANK = 1 << 62
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _take(mask: Any, rem: int, gi: int, gend: int, gaps: Any, chosen: Any) -> Any:
+def _take(mask: Any, rem: Any, gi: Any, gend: int, gaps: Any, chosen: Any) -> Any:
     """Select the changes of one bucket that fall in this block: ``rem`` is how many
     of the bucket's elements lie before its next change, from this block's start.
     The first change is taken without a branch (whether a bucket has a change in a
@@ -511,7 +517,7 @@ def decode_chunks(
             while t >= gend[k]:
                 k += 1
             limit = (chunk if k < groups else changed) >> table[c, 2 + 2 * k]
-            q = 0
+            q = np.int64(0)
             while True:
                 if u >= end:
                     return c - first, BAD_UNARY
