@@ -28,6 +28,7 @@ import statistics
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -36,6 +37,7 @@ import torch
 from benchmarks.bench_apply import sync
 from pipeline.codec import apply_patch, chunked, encode_delta, kernels, read_delta
 from pipeline.codec.dtypes import BY_DTYPE
+from pipeline.codec.tensorcodec import roles
 from pipeline.targets.walking import Walk, apply_walks
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
@@ -92,12 +94,21 @@ def split_sizes(data: bytes) -> tuple[int, int]:
     position_roles = {"unary", "fixed", "mask", "table", "bits"}
     pos = cont = 0
     for record in json.loads(meta["tensors"]):
-        for role, size in record["streams"].items():
+        for role, size in record_streams(record).items():
             if role in position_roles:
                 pos += size
             else:
                 cont += size
     return pos, cont
+
+
+def record_streams(record: dict[str, Any] | list[Any]) -> dict[str, int]:
+    """Role -> size of a record, in the object form (levels 1, 2) or the compact
+    array form (level 3)."""
+    if isinstance(record, dict):
+        return dict(record["streams"])
+    names = roles(record[3], record[6]) or ()
+    return dict(zip(names, record[5], strict=True))
 
 
 def container_sizes(data: bytes) -> tuple[int, int, int]:
@@ -106,7 +117,7 @@ def container_sizes(data: bytes) -> tuple[int, int, int]:
     (header_len,) = struct.unpack("<Q", data[:8])
     meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
     records = json.loads(meta["tensors"])
-    return 8 + header_len, len(meta["tensors"]), sum(1 for r in records if r["streams"])
+    return 8 + header_len, len(meta["tensors"]), sum(1 for r in records if record_streams(r))
 
 
 def interleaved_times(

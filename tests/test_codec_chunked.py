@@ -25,7 +25,7 @@ needs_compiled = pytest.mark.skipif(
 pytestmark = needs_compiled
 
 # sha256 of the level-3 object written for pinned_pairs() when the format was fixed.
-PINNED_LEVEL_3 = "d4cd111a91dcc61ccb29976674eb561b5d299400a66ed679cab6a6b2c8270914"
+PINNED_LEVEL_3 = "102c20d60ab4a8a9d66f01249935dc48e7814c46a2a2361374d5a73658577ea8"
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_level_3_is_pinned() -> None:
     check_object(data, pairs)
     assert hashlib.sha256(data).hexdigest() == PINNED_LEVEL_3
     records = json.loads(read_container(data, "pinned").metadata["tensors"])
-    assert "chunked" in {r["encoding"] for r in records}
+    assert "chunked" in {r[3] for r in records}  # compact records: arrays
 
 
 def test_large_tensor_is_pinned_with_buckets_and_chunks() -> None:
@@ -105,7 +105,7 @@ def test_large_tensor_is_pinned_with_buckets_and_chunks() -> None:
     assert hashlib.sha256(data).hexdigest() == PINNED_LARGE
 
 
-PINNED_LARGE = "68781f853c499d8c8ebf477448b0d5f2bf69d53c435f9e791d65e2432b2a7a02"
+PINNED_LARGE = "4ed06791074da56477a755c45c378450ad3f946b47d82dd3878935b0e996f1ef"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -225,7 +225,7 @@ def test_hostile_bytes_in_every_stream() -> None:
     data, base = _fuzz_object()
     entries = read_container(data, "x").streams
     record = read_delta(data)._records["w"]
-    size = int(entries["w"].size)
+    size = int(entries["streams"].size)  # the one entry of a compact object
     assert size == record.nbytes
     gen = np.random.default_rng(1)
     for trial in range(400):
@@ -236,14 +236,14 @@ def test_hostile_bytes_in_every_stream() -> None:
         def edit(
             found: dict[str, np.ndarray], s: np.ndarray = spots, v: np.ndarray = values
         ) -> None:  # type: ignore[type-arg]
-            found["w"][s] = v
+            found["streams"][s] = v
 
         _try_all(rebuild(data, edit_entries=edit), base)
         if trial % 50 == 0:  # truncated and extended entries
             cut = int(gen.integers(0, size))
 
             def shorten(found: dict[str, np.ndarray], c: int = cut) -> None:  # type: ignore[type-arg]
-                found["w"] = found["w"][:c]
+                found["streams"] = found["streams"][:c]
 
             _try_all(rebuild(data, edit_entries=shorten), base)
 
@@ -271,12 +271,40 @@ def test_hostile_bytes_in_every_stream() -> None:
 def test_hostile_params(edit: dict[str, object]) -> None:
     data, base = _fuzz_object()
 
-    def change(meta: dict[str, str], records: list[dict[str, object]]) -> None:
-        params = records[0]["params"]
+    def change(meta: dict[str, str], records: list[list[object]]) -> None:
+        params = records[0][6]
         assert isinstance(params, dict)
         params.update(edit)
 
     _try_all(rebuild(data, edit_meta=change), base)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [],
+        ["w"],
+        ["w", "bfloat16", [12388], "chunked", 5, [1, 2], {}],
+        ["w", "bfloat16", [12388], "nope", 5, [1, 2, 3], {}],
+        [7, "bfloat16", [12388], "chunked", 5, [1, 2, 3], {}],
+        ["w", "bfloat16", [12388], "chunked", 5, [1, -2, 3], {}],
+        ["w", "bfloat16", [12388], "chunked", 5, [1, 2, 3], []],
+        ["w", "bfloat16", [12388], "chunked", 5, [10**12, 2, 3], {}],
+        {"name": "w"},
+    ],
+)
+def test_hostile_compact_records(row: object) -> None:
+    data, base = _fuzz_object()
+
+    def change(meta: dict[str, str], records: list[object]) -> None:
+        records[0] = row
+
+    _try_all(rebuild(data, edit_meta=change), base)
+
+    def extra(meta: dict[str, str], records: list[object]) -> None:
+        records.append(row)
+
+    _try_all(rebuild(data, edit_meta=extra), base)
 
 
 def test_hostile_stream_sizes() -> None:
@@ -286,12 +314,12 @@ def test_hostile_stream_sizes() -> None:
 
             def change(
                 meta: dict[str, str],
-                records: list[dict[str, object]],
-                r: str = role,
+                records: list[list[object]],
+                r: int = chunked.ROLES.index(role),
                 d: int = delta,
             ) -> None:
-                streams = records[0]["streams"]
-                assert isinstance(streams, dict)
-                streams[r] = max(0, int(streams[r]) + d)
+                sizes = records[0][5]
+                assert isinstance(sizes, list)
+                sizes[r] = max(0, int(sizes[r]) + d)
 
             _try_all(rebuild(data, edit_meta=change), base)

@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from pipeline import cpus
-from pipeline.codec import chunked, chunked_torch, fused, kernels
+from pipeline.codec import chunked, chunked_torch, compact, fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.records import TensorRecord, parse_record
@@ -359,6 +359,7 @@ def encode_delta(
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
     entries: dict[str, npt.NDArray[np.uint8]] = {}
     records: list[dict[str, object]] = []
+    written: list[TensorRecord] = []
     seen: set[str] = set()
     # Futures when a pool encodes, finished encodings otherwise (a Future per
     # tensor costs more than some tensors' whole encoding).
@@ -376,6 +377,7 @@ def encode_delta(
             name, info, shape, encoded.encoding, encoded.changed, sizes, encoded.params
         )
         records.append(record.to_json())
+        written.append(record)
 
     # Tensors are encoded on a few threads (the compiled loops and zstd release the
     # GIL); at most ENCODE_THREADS + 1 pairs are held at once.
@@ -412,7 +414,10 @@ def encode_delta(
         for future in futures:
             if not future.cancelled():
                 future.exception()  # wait: the caller may free the tensors next
-    tensors_json = json.dumps(records, separators=(",", ":"))
+    if level in compact.COMPACT_LEVELS:
+        tensors_json, entries = compact.pack(written, entries)
+    else:
+        tensors_json = json.dumps(records, separators=(",", ":"))
     metadata = {
         "codec": CODEC_NAME,
         "codec_version": str(CODEC_VERSION),
@@ -477,18 +482,19 @@ def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
     )
     if not isinstance(raw_records, list):
         raise CorruptObjectError(f"delta object {object_name}: tensor list is not a list")
-    records = [
-        parse_record(raw, container.streams, object_name, i) for i, raw in enumerate(raw_records)
-    ]
+    entries = container.streams
+    if int(level_text) in compact.COMPACT_LEVELS:
+        raw_records, entries = compact.unpack(raw_records, container.streams, object_name)
+    records = [parse_record(raw, entries, object_name, i) for i, raw in enumerate(raw_records)]
     names = [r.name for r in records]
     if len(set(names)) != len(names):
         raise CorruptObjectError(f"delta object {object_name}: a tensor name appears twice")
-    stray = set(container.streams) - set(names)
+    stray = set(entries) - set(names)
     if stray:
         raise CorruptObjectError(
             f"delta object {object_name}: entry {sorted(stray)[0]!r} belongs to no tensor record"
         )
-    return DeltaObject(object_name, int(level_text), records, container.streams)
+    return DeltaObject(object_name, int(level_text), records, entries)
 
 
 def apply_patch(tensor: torch.Tensor, patch: TensorPatch) -> None:

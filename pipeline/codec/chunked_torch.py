@@ -149,7 +149,7 @@ def decode(
         if bool((big_index >= changes[big_chunk]).any()):
             raise ChunkedError("a chunk's large magnitudes do not match their indices")
         planes = large_magnitudes(streams, nbig, info)
-        wide = planes.astype(np.int64) if info.width < 8 else planes.view(np.int64)
+        wide = planes.astype(np.int64) if info.width < 8 else planes.view(np.int64).copy()
         mags = torch.from_numpy(wide)
         mags = (mags.to(device) + 2) & top
         if bool(((mags >= 0) & (mags <= 1)).any()):
