@@ -5,13 +5,16 @@
 
 Takes ``--steps`` optimizer steps and measures the delta of the last one, so
 the optimizer is past its first, unusually dense step. Prints bytes per changed
-element for both codec levels and reference formats, ratios to the
-information bound, and timings against ``torch.clone`` of the same weights
+element for every codec level and reference formats, ratios to the
+information bound, the container's own bytes, and timings against
+``torch.clone`` of the same weights
 (both its median, mostly paying page faults for fresh memory, and its fastest,
 warm run). ``apply_to`` decodes straight into the weights; ``decode+apply_patch``
 materialises the patch first. ``--device cuda`` puts base, new and the weights
 written into on the GPU (the clone reference too) and synchronises the device
-before each time is taken; the two-thread walk is CPU-only and left out there.
+before each time is taken; the two-thread walk is CPU-only and left out there,
+as are level 3's timings of the largest tensor with its chunks decoded on 1, 2
+and 4 threads.
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ import statistics
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import safetensors.torch
 import torch
 
 from benchmarks.bench_apply import sync
-from pipeline.codec import apply_patch, encode_delta, kernels, read_delta
+from pipeline.codec import apply_patch, chunked, encode_delta, kernels, read_delta
 from pipeline.codec.dtypes import BY_DTYPE
+from pipeline.codec.tensorcodec import roles
 from pipeline.targets.walking import Walk, apply_walks
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
@@ -82,18 +87,37 @@ def bound_and_references(base: State, new: State) -> dict[str, float]:
 
 
 def split_sizes(data: bytes) -> tuple[int, int]:
-    """(position bytes, contents bytes) of a delta object, from its metadata."""
+    """(position bytes, contents bytes) of a delta object, from its metadata; a
+    ``chunked`` record's streams (positions and signs interleave) count as positions."""
     (header_len,) = struct.unpack("<Q", data[:8])
     meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
-    position_roles = {"unary", "fixed", "mask"}
+    position_roles = {"unary", "fixed", "mask", "table", "bits"}
     pos = cont = 0
     for record in json.loads(meta["tensors"]):
-        for role, size in record["streams"].items():
+        for role, size in record_streams(record).items():
             if role in position_roles:
                 pos += size
             else:
                 cont += size
     return pos, cont
+
+
+def record_streams(record: dict[str, Any] | list[Any]) -> dict[str, int]:
+    """Role -> size of a record, in the object form (levels 1, 2) or the compact
+    array form (level 3)."""
+    if isinstance(record, dict):
+        return dict(record["streams"])
+    names = roles(record[3], record[6]) or ()
+    return dict(zip(names, record[5], strict=True))
+
+
+def container_sizes(data: bytes) -> tuple[int, int, int]:
+    """(whole header, the records' JSON, tensors with an entry) of a delta object: what
+    the container costs beyond the streams."""
+    (header_len,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + header_len])["__metadata__"]
+    records = json.loads(meta["tensors"])
+    return 8 + header_len, len(meta["tensors"]), sum(1 for r in records if record_streams(r))
 
 
 def interleaved_times(
@@ -136,7 +160,7 @@ def main() -> None:
     base = {k: v.to(args.device) for k, v in base.items()}
     new = {k: v.to(args.device) for k, v in new.items()}
     pairs = [(name, base[name], new[name]) for name in new]
-    objects = {level: encode_delta(pairs, level=level) for level in (1, 2)}
+    objects = {level: encode_delta(pairs, level=level) for level in (1, 2, 3)}
 
     def decode_apply(data: bytes, targets: State) -> None:
         obj = read_delta(data, object_name="bench")
@@ -164,7 +188,7 @@ def main() -> None:
             assert all(torch.equal(int_bits(targets[k]), int_bits(new[k])) for k in new)
 
     reps = args.reps
-    spare = [{k: v.clone() for k, v in base.items()} for _ in range(7 * reps)]
+    spare = [{k: v.clone() for k, v in base.items()} for _ in range(8 * reps)]
 
     def decode_task(data: bytes) -> Callable[[], object]:
         return lambda: decode_apply(data, spare.pop())
@@ -205,6 +229,30 @@ def main() -> None:
         tasks[f"decode+apply_patch, level 1, {path}"] = switched(decode_task(objects[1]))
     tasks["diff+encode, level 2"] = encode_task(2)
     tasks["decode+apply, level 2"] = decode_task(objects[2])
+    tasks["diff+encode, level 3"] = encode_task(3)
+    tasks["apply_to, level 3"] = apply_to_task(objects[3])
+    tasks["decode+apply_patch, level 3"] = decode_task(objects[3])
+    # The largest tensor alone, its chunks decoded on 1, 2 and 4 threads.
+    # The largest tensor with the most changes (the embedding and the head tie in size).
+    changes = {k: int((int_bits(base[k]) != int_bits(new[k])).sum()) for k in new}
+    largest = max(new, key=lambda k: (new[k].numel(), changes[k]))
+    level3 = read_delta(objects[3], object_name="bench")
+    largest_spare = [base[largest].clone() for _ in range(3 * reps)]
+
+    def largest_on(threads: int) -> Callable[[], object]:
+        def run() -> object:
+            saved = chunked.DECODE_THREADS
+            chunked.DECODE_THREADS = threads
+            try:
+                return level3.apply_to(largest, largest_spare.pop())
+            finally:
+                chunked.DECODE_THREADS = saved
+
+        return run
+
+    if on_cpu:
+        for threads in (1, 2, 4):
+            tasks[f"largest tensor, level 3, {threads} thread(s)"] = largest_on(threads)
     load = os.getloadavg()
     times = interleaved_times(tasks, reps, args.device)
     t_clone = statistics.median(times["torch clone of all weights"])
@@ -231,6 +279,9 @@ def main() -> None:
         ("level 2 (exponent classes)", float(len(objects[2]))),
         ("  of which positions", float(split_sizes(objects[2])[0])),
         ("  of which contents", float(split_sizes(objects[2])[1])),
+        ("level 3 (chunked, buckets)", float(len(objects[3]))),
+        ("  of which chunked streams", float(split_sizes(objects[3])[0])),
+        ("  of which magnitudes", float(split_sizes(objects[3])[1])),
         ("int32 index + bf16, safetensors", refs["raw_int32_bf16"]),
         ("uint16/uint32 gaps + bf16", refs["gaps_u16_bf16"]),
         ("full bf16", refs["full_bf16"]),
@@ -240,6 +291,13 @@ def main() -> None:
     ]
     for label, size in rows:
         print(f"{label:<34}{size:>12.0f}{size / changed:>11.3f}{size / bound:>9.3f}")
+    print(f"largest tensor: {largest}, {new[largest].numel()} elements, {changes[largest]} changed")
+    for level, data in objects.items():
+        header, records, entries = container_sizes(data)
+        print(
+            f"container, level {level}: header {header} bytes (records JSON {records}) "
+            f"for {len(new)} tensors, {entries} with an entry"
+        )
     print()
     print(f"load average before timing: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     header = f"{'timing, ' + str(reps) + ' runs':<36}{'median s':>10}{'min s':>10}"

@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from pipeline import cpus
-from pipeline.codec import fused, kernels
+from pipeline.codec import chunked, chunked_torch, compact, fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.records import TensorRecord, parse_record
@@ -36,7 +36,7 @@ from pipeline.format.hashing import patched_tensor_hash
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
-LEVELS = (1, 2)
+LEVELS = (1, 2, 3)
 DEFAULT_LEVEL = 1
 # The scan for changes is bound by memory bandwidth: a second thread on a two-CPU
 # machine measured slower than one (hand-offs, a busy neighbour core).
@@ -115,6 +115,9 @@ class DeltaObject:
         where = f"delta object {self.object_name}: tensor {name!r}"
         base_flat = int_view_flat(base, record.info)
         blob = self._entries.get(name, np.zeros(0, np.uint8))
+        if record.encoding == "chunked":
+            positions_t, values_t = self._decode_chunked(record, base_flat)
+            return TensorPatch(name, record.info.dtype, record.shape, positions_t, values_t)
         try:
             positions, values = decode_tensor(
                 record.encoding,
@@ -135,6 +138,33 @@ class DeltaObject:
             positions=torch.from_numpy(positions).to(device),
             values=torch.from_numpy(signed).to(device),
         )
+
+    def _decode_chunked(
+        self, record: TensorRecord, base_flat: torch.Tensor, *, write: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, new contents) of a ``chunked`` record on ``base_flat``'s device:
+        the compiled walk on CPU tensors (with ``write``, decoding into them; then the
+        old contents are returned instead), torch operations elsewhere."""
+        info = record.info
+        assert record.layout is not None  # parse_record sets it
+        streams = record.split(self._entries[record.name])
+        walker = chunked.compiled() if base_flat.device.type == "cpu" else None
+        try:
+            if walker is None:
+                if write:
+                    raise TargetError(f"tensor {record.name!r}: no in-place decode here")
+                return chunked_torch.decode(streams, record.layout, record.changed, base_flat, info)
+            target = base_flat.numpy().view(info.unsigned)
+            where, new, old = chunked.decode(
+                walker, streams, record.layout, record.changed, target, info, write=write
+            )
+        except chunked.ChunkedError as exc:
+            raise CorruptObjectError(
+                f"delta object {self.object_name}: tensor {record.name!r}: {exc}"
+            ) from None
+        signed = _numpy_dtype(info.view)
+        values = old if write else new
+        return torch.from_numpy(where), torch.from_numpy(values.view(signed))
 
     def decode_hashed(self, name: str, base: torch.Tensor) -> HashedPatch | None:
         """:meth:`decode` plus what a target checks before writing, in one pass over
@@ -233,6 +263,13 @@ class DeltaObject:
                 return None
             nothing = torch.zeros(0, dtype=torch.int64, device=tensor.device)
             return TensorPatch(name, info.dtype, record.shape, nothing, nothing.to(info.view))
+        if record.encoding == "chunked" and tensor.device.type == "cpu" and chunked.compiled():
+            if not tensor.is_contiguous():
+                raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
+            where_t, old_t = self._decode_chunked(
+                record, tensor.detach().view(info.view).view(-1), write=True
+            )
+            return TensorPatch(name, info.dtype, record.shape, where_t, old_t) if undo else None
         walker = fused.get() if tensor.device.type == "cpu" else None
         if walker is None or not walk_applies(record.encoding, record.params, info):
             patch = self.decode(name, tensor)
@@ -322,6 +359,7 @@ def encode_delta(
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
     entries: dict[str, npt.NDArray[np.uint8]] = {}
     records: list[dict[str, object]] = []
+    written: list[TensorRecord] = []
     seen: set[str] = set()
     # Futures when a pool encodes, finished encodings otherwise (a Future per
     # tensor costs more than some tensors' whole encoding).
@@ -339,6 +377,7 @@ def encode_delta(
             name, info, shape, encoded.encoding, encoded.changed, sizes, encoded.params
         )
         records.append(record.to_json())
+        written.append(record)
 
     # Tensors are encoded on a few threads (the compiled loops and zstd release the
     # GIL); at most ENCODE_THREADS + 1 pairs are held at once.
@@ -375,7 +414,10 @@ def encode_delta(
         for future in futures:
             if not future.cancelled():
                 future.exception()  # wait: the caller may free the tensors next
-    tensors_json = json.dumps(records, separators=(",", ":"))
+    if level in compact.COMPACT_LEVELS:
+        tensors_json, entries = compact.pack(written, entries)
+    else:
+        tensors_json = json.dumps(records, separators=(",", ":"))
     metadata = {
         "codec": CODEC_NAME,
         "codec_version": str(CODEC_VERSION),
@@ -440,18 +482,19 @@ def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
     )
     if not isinstance(raw_records, list):
         raise CorruptObjectError(f"delta object {object_name}: tensor list is not a list")
-    records = [
-        parse_record(raw, container.streams, object_name, i) for i, raw in enumerate(raw_records)
-    ]
+    entries = container.streams
+    if int(level_text) in compact.COMPACT_LEVELS:
+        raw_records, entries = compact.unpack(raw_records, container.streams, object_name)
+    records = [parse_record(raw, entries, object_name, i) for i, raw in enumerate(raw_records)]
     names = [r.name for r in records]
     if len(set(names)) != len(names):
         raise CorruptObjectError(f"delta object {object_name}: a tensor name appears twice")
-    stray = set(container.streams) - set(names)
+    stray = set(entries) - set(names)
     if stray:
         raise CorruptObjectError(
             f"delta object {object_name}: entry {sorted(stray)[0]!r} belongs to no tensor record"
         )
-    return DeltaObject(object_name, int(level_text), records, container.streams)
+    return DeltaObject(object_name, int(level_text), records, entries)
 
 
 def apply_patch(tensor: torch.Tensor, patch: TensorPatch) -> None:

@@ -7,13 +7,13 @@ bytes it names before any decoding allocates memory from its numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.codec import contents, positions
+from pipeline.codec import chunked, contents, positions
 from pipeline.codec.dtypes import BY_NAME, DtypeInfo
 from pipeline.codec.tensorcodec import ENCODINGS, roles
 from pipeline.errors import CorruptObjectError
@@ -35,6 +35,8 @@ class TensorRecord:
     changed: int
     streams: dict[str, int]  # role -> size in bytes, in stored order
     params: dict[str, Any]
+    # The validated chunk layout of a ``chunked`` record (not part of its JSON).
+    layout: chunked.Layout | None = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -121,7 +123,15 @@ def parse_record(
         raise bad(f"stream sizes add up to {total}, its container entry does not match")
     record = TensorRecord(name, info, tuple(shape), encoding, changed, dict(sizes), params)
     if blob is not None:
-        reason = _check_streams(record, record.split(blob))
+        streams = record.split(blob)
+        if encoding == "chunked":
+            found = chunked.layout(streams, params, changed, numel, info)
+            if isinstance(found, str):
+                raise bad(found)
+            return TensorRecord(
+                name, info, tuple(shape), encoding, changed, dict(sizes), params, found
+            )
+        reason = _check_streams(record, streams)
         if reason:
             raise bad(reason)
     return record

@@ -6,6 +6,8 @@ Encodings (the smallest wins per tensor):
 - ``classed`` (level 2): positions coded per exponent class of the base value.
 - ``bitmap``: zstd of the packed change mask, then contents.
 - ``dense``: zigzagged difference of every element as zstd byte planes.
+- ``chunked`` (level 3): independent chunks, positions per magnitude bucket of
+  the base (chunked.py).
 Contents are bit-pattern differences new - base in the integer view
 (contents.py); decoding adds them to the receiver's base.
 """
@@ -20,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pipeline.codec import contents, fused, kernels, positions, rice
+from pipeline.codec import chunked, contents, fused, kernels, positions, rice
 from pipeline.codec.dtypes import DtypeInfo
 from pipeline.codec.positions import ClassIndex, to_numpy
 
@@ -28,7 +30,7 @@ I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 AnyUInt = npt.NDArray[np.unsignedinteger]
 
-ENCODINGS = ("same", "sparse", "classed", "bitmap", "dense")
+ENCODINGS = ("same", "sparse", "classed", "bitmap", "dense", "chunked")
 BITMAP_MIN_DENSITY = 1 / 32
 DENSE_MIN_DENSITY = 1 / 4
 
@@ -56,6 +58,8 @@ def roles(encoding: str, params: dict[str, Any]) -> tuple[str, ...] | None:
         return ()
     if encoding == "dense":
         return contents.ROLES["planes"]
+    if encoding == "chunked":
+        return chunked.ROLES
     method = params.get("contents")
     if encoding not in positions.ROLES or method not in contents.ROLES:
         return None
@@ -147,6 +151,8 @@ def encode_tensor(
     numel = base_flat.numel()
     if numel == 0:
         return Encoded("same", 0)
+    if level >= 3:
+        return _encode_chunked(chunked.encoder(), base_flat, new_flat, info)
     compiled = fused.get()
     if (
         compiled is not None
@@ -195,6 +201,26 @@ def encode_tensor(
         if best is None or dense.nbytes < best.nbytes:
             best = dense
     assert best is not None
+    return best
+
+
+def _encode_chunked(
+    walker: Any, base_flat: torch.Tensor, new_flat: torch.Tensor, info: DtypeInfo
+) -> Encoded:
+    """Level 3: the ``chunked`` encoding, or a level-1 one where that is smaller
+    (many changes, or differences mostly above one unit)."""
+    numel = base_flat.numel()
+    where, diff = _changes(base_flat, new_flat, info)
+    changed = where.size
+    if changed == 0:
+        return Encoded("same", 0)
+    base_np = to_numpy(base_flat).view(info.unsigned)
+    found = chunked.encode(walker, base_np, where, diff, info)
+    best = Encoded("chunked", changed, found.streams, found.params)
+    if changed >= numel * BITMAP_MIN_DENSITY or 3 * int(found.params["big"]) > changed:
+        other = encode_tensor(base_flat, new_flat, info, 1)
+        if other.nbytes < best.nbytes:
+            best = other
     return best
 
 

@@ -1,0 +1,425 @@
+"""Level 3: chunked, base-conditioned positions (the ``chunked`` encoding).
+
+A tensor is cut into chunks of ``2 ** chunk`` elements that decode independently,
+so one large tensor decodes on several threads (or on a GPU, chunked_torch.py).
+Within a chunk, elements fall into up to four magnitude buckets of their base
+value (``bounds``: thresholds on the bits below the sign, i.e. on the exponent):
+the chance that an element changes depends strongly on its exponent, and the
+receiver holds the base. Each bucket codes the gaps between the ranks of its
+changed elements among its own elements (Rice, one parameter per chunk and
+bucket); one vector compare per bound and 64 elements gives the buckets on both
+sides. Contents, in position order: one sign bit per change, the indices of
+magnitudes above one (Rice-coded gaps in the chunk's change order), those
+magnitudes - 2 as one zstd frame of byte planes for the whole tensor.
+
+Streams: ``table`` (LEB128 varints, per chunk: its bytes in ``bits``, then count
+and Rice parameter of each bucket, then of the large magnitudes), ``bits`` (the
+chunks' bit streams back to back, each from a byte boundary; their starting
+offsets are the running sum of the table's byte counts, the starting element of
+chunk c is c * 2 ** chunk), ``mags``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pipeline import cpus
+from pipeline.codec import contents, kernels
+from pipeline.codec.dtypes import DtypeInfo
+from pipeline.errors import CodecError
+
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+AnyUInt = npt.NDArray[np.unsignedinteger]
+
+ROLES = ("table", "bits", "mags")
+CHUNK_LOG2 = 20  # 1M elements: a few kilobytes of bits per chunk at about 2% changed
+MIN_CHUNK_LOG2, MAX_CHUNK_LOG2 = 6, 30
+MAX_GROUPS = 4
+MAX_PARAM = 40
+# What buckets cost, in bits weighed against the bits they save: table bits per
+# bucket and chunk (count and parameter); and decode time, as bits per element of
+# the tensor: once for walking the base at all, and per bucket it keeps apart.
+GROUP_PENALTY_BITS = 24.0
+WALK_BITS_PER_ELEMENT = 0.02
+GROUP_BITS_PER_ELEMENT = 0.01
+SAMPLE_RUNS, SAMPLE_RUN = 64, 256  # elements whose classes estimate the bucket sizes
+# Threads one tensor decodes on: a thread takes at least this many changes.
+MIN_CHANGES_PER_THREAD = 1 << 15
+DECODE_THREADS = max(1, min(8, cpus.available()))
+
+DONE, BAD_UNARY, BAD_FIXED, BAD_POSITION, BAD_CONTENTS = 0, 1, 2, 3, 4
+_REASONS = {
+    BAD_UNARY: "a chunk's unary codes run past its bytes",
+    BAD_FIXED: "a chunk's bits do not match its recorded counts",
+    BAD_POSITION: "a chunk's positions do not fall within its elements",
+    BAD_CONTENTS: "a chunk's large magnitudes do not match their indices",
+}
+
+
+class ChunkedError(Exception):
+    """Chunked streams do not decode to what the record promises."""
+
+
+def compiled() -> Any | None:
+    """The chunked kernels for decoding, or None without compiled kernels (the
+    torch-ops decoder serves then)."""
+    if kernels.get() is None:
+        return None
+    return _build()
+
+
+def encoder() -> Any:
+    """The chunked kernels for encoding. Level 3 is only written by them, whether or
+    not the compiled paths are switched off, so that its bytes never depend on the
+    path taken; without numba, level 3 cannot be written."""
+    found = _build()
+    if found is None:
+        raise CodecError("codec level 3 needs the compiled kernels (numba is not installed)")
+    return found
+
+
+@functools.cache
+def _build() -> Any | None:
+    if importlib.util.find_spec("numba") is None:
+        return None
+    return importlib.import_module("pipeline.codec.chunked_jit").CHUNKED
+
+
+def magnitude_mask(info: DtypeInfo) -> int:
+    """The bits below the sign bit, which order a float's magnitude."""
+    return (1 << (8 * info.width - 1)) - 1
+
+
+def padded_bounds(bounds: I64, info: DtypeInfo) -> npt.NDArray[np.uint64]:
+    """Three thresholds for the kernels: ``bounds`` then values above every magnitude
+    (their buckets stay empty)."""
+    out = np.full(MAX_GROUPS - 1, magnitude_mask(info) + 1, np.uint64)
+    out[: bounds.size] = bounds
+    return out
+
+
+# ----------------------------------------------------------------------------- varints
+
+
+def write_varints(values: I64) -> U8:
+    """Non-negative integers as LEB128 (7 bits a byte, low first, high bit: more)."""
+    v = values.astype(np.uint64)
+    nbytes = np.ones(v.size, np.int64)
+    rest = v >> np.uint64(7)
+    while rest.any():
+        nbytes += rest > 0
+        rest >>= np.uint64(7)
+    total = int(nbytes.sum())
+    starts = np.cumsum(nbytes) - nbytes
+    index = np.arange(total, dtype=np.int64) - np.repeat(starts, nbytes)
+    spread = np.repeat(v, nbytes)
+    more = (index < np.repeat(nbytes, nbytes) - 1).astype(np.uint64) << np.uint64(7)
+    out: U8 = (((spread >> (7 * index).astype(np.uint64)) & np.uint64(127)) | more).astype(np.uint8)
+    return out
+
+
+def read_varints(data: U8, count: int) -> I64 | None:
+    """Exactly ``count`` canonical LEB128 integers below 2**49 filling ``data``, or None."""
+    if count == 0:
+        return np.zeros(0, np.int64) if data.size == 0 else None
+    ends = np.flatnonzero(data < 128)
+    if ends.size != count or int(ends[-1]) != data.size - 1:
+        return None
+    starts = np.concatenate([np.zeros(1, np.int64), ends[:-1] + 1])
+    lengths = ends - starts + 1
+    if int(lengths.max()) > 7 or bool(((data[ends] == 0) & (lengths > 1)).any()):
+        return None
+    index = np.arange(data.size, dtype=np.int64) - np.repeat(starts, lengths)
+    parts = (data & 127).astype(np.int64) << (7 * index)
+    out: I64 = np.add.reduceat(parts, starts)
+    return out
+
+
+# ----------------------------------------------------------------------------- encode
+
+
+@dataclass(frozen=True)
+class EncodedChunks:
+    streams: dict[str, U8]
+    params: dict[str, Any]
+
+
+def choose_bounds(walker: Any, base: AnyUInt, where: I64, info: DtypeInfo, nchunks: int) -> I64:
+    """Magnitude thresholds that split the elements into the buckets whose changes
+    cost the fewest bits, from the classes of the changed elements and of a fixed
+    sample of all elements (deterministic)."""
+    if info.exponent is None or where.size < 64:
+        return np.zeros(0, np.int64)
+    shift, top = info.exponent
+    runs = min(SAMPLE_RUNS, max(1, base.size // SAMPLE_RUN))
+    sample = np.zeros(top + 1, np.float64)
+    hit = np.zeros(top + 1, np.float64)
+    walker.class_counts(base, where, shift, top, runs, SAMPLE_RUN, sample, hit)
+    present = np.flatnonzero((sample > 0) | (hit > 0))
+    if present.size < 2:
+        return np.zeros(0, np.int64)
+    sampled = float(sample.sum())
+    members = sample[present] * (base.size / max(sampled, 1.0))
+    cuts = np.zeros(MAX_GROUPS, np.int64)
+    penalty = GROUP_PENALTY_BITS * nchunks + GROUP_BITS_PER_ELEMENT * base.size
+    walk = WALK_BITS_PER_ELEMENT * base.size
+    groups = walker.choose_groups(members, hit[present], MAX_GROUPS, penalty, walk, cuts)
+    classes = present[cuts[: groups - 1]]
+    out: I64 = classes.astype(np.int64) << shift
+    return out
+
+
+_scratch = threading.local()
+
+
+def _buffer(key: str, size: int, dtype: Any) -> npt.NDArray[Any]:
+    """A per-thread buffer of at least ``size`` elements, reused between tensors."""
+    held: dict[str, npt.NDArray[Any]] | None = getattr(_scratch, "held", None)
+    if held is None:
+        held = _scratch.held = {}
+    buf = held.get(key)
+    if buf is None or buf.size < size or buf.dtype != np.dtype(dtype):
+        buf = held[key] = np.empty(max(size, 1 << 16), dtype)
+    return buf[:size]
+
+
+def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInfo) -> EncodedChunks:
+    """The chunked streams of a tensor's changes (positions ascending, differences
+    new - base as unsigned integers)."""
+    numel = base.size
+    chunk = 1 << CHUNK_LOG2
+    nchunks = -(-numel // chunk)
+    bounds = choose_bounds(walker, base, where, info, nchunks)
+    groups = bounds.size + 1
+    table = np.zeros((nchunks, 2 * groups + 3), np.int64)
+    changed = where.size
+    capacity = (2 * numel + (2 * MAX_PARAM + 8) * changed) // 8 + nchunks + 64
+    out = _buffer("bits", capacity, np.uint8)
+    mags = _buffer("mags", changed, base.dtype)
+    gaps = _buffer("gaps", changed, np.int64)
+    group = _buffer("group", changed, np.int8)
+    order = _buffer("order", changed, np.int64)
+    used, nbig = walker.encode_chunks(
+        base,
+        where,
+        diff,
+        chunk,
+        padded_bounds(bounds, info),
+        groups,
+        np.uint64(magnitude_mask(info)),
+        table,
+        out,
+        mags,
+        gaps,
+        group,
+        order,
+    )
+    streams = {
+        "table": write_varints(table.reshape(-1)),
+        "bits": out[:used].copy(),
+        "mags": contents.encode_planes(mags[:nbig]) if nbig else np.zeros(0, np.uint8),
+    }
+    params = {"chunk": CHUNK_LOG2, "bounds": [int(b) for b in bounds], "big": int(nbig)}
+    return EncodedChunks(streams, params)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated chunked record: per-chunk numbers and where each chunk's bits,
+    large magnitudes and outputs start."""
+
+    chunk: int  # elements per chunk
+    bounds: I64
+    table: I64  # (chunks, 2 * groups + 3)
+    starts: I64  # byte offset of each chunk in ``bits``
+    changes: I64  # changed elements per chunk
+    out_at: I64  # index of each chunk's first change in the tensor's change order
+    big_at: I64  # index of each chunk's first large magnitude
+
+    @property
+    def groups(self) -> int:
+        return int(self.bounds.size) + 1
+
+
+def layout(
+    streams: dict[str, U8], params: dict[str, Any], changed: int, numel: int, info: DtypeInfo
+) -> Layout | str:
+    """The record's layout, or the reason it is inconsistent (checked before any
+    decoding allocates from its numbers)."""
+    log2 = params.get("chunk")
+    if type(log2) is not int or not MIN_CHUNK_LOG2 <= log2 <= MAX_CHUNK_LOG2:
+        return f"chunk size exponent {log2!r} out of range"
+    raw_bounds = params.get("bounds")
+    if not isinstance(raw_bounds, list) or len(raw_bounds) > MAX_GROUPS - 1:
+        return "bucket bounds are not a short list"
+    if not all(type(b) is int for b in raw_bounds):
+        return "bucket bounds are not integers"
+    if raw_bounds and info.exponent is None:
+        return "bucket bounds on a dtype without an exponent"
+    top = magnitude_mask(info)
+    if any(not 0 < b <= top for b in raw_bounds) or any(
+        a >= b for a, b in itertools.pairwise(raw_bounds)
+    ):
+        return "bucket bounds are not increasing magnitudes"
+    big = params.get("big")
+    if type(big) is not int or not 0 <= big <= changed:
+        return f"count of large differences {big!r} not within 0..{changed}"
+    chunk = 1 << log2
+    nchunks = -(-numel // chunk)
+    groups = len(raw_bounds) + 1
+    columns = 2 * groups + 3
+    if streams["table"].size > 8 * nchunks * columns:
+        return "chunk table is too long"
+    numbers = read_varints(streams["table"], nchunks * columns)
+    if numbers is None:
+        return "chunk table does not hold its numbers"
+    table = numbers.reshape(nchunks, columns)
+    counts = table[:, 1::2]
+    param_cols = table[:, 2::2]
+    if int(param_cols.max(initial=0)) > MAX_PARAM:
+        return "a Rice parameter is out of range"
+    changes = counts[:, :groups].sum(axis=1)
+    sizes = np.full(nchunks, chunk, np.int64)
+    if nchunks:
+        sizes[-1] = numel - (nchunks - 1) * chunk
+    if bool((changes > sizes).any()) or bool((counts[:, groups] > changes).any()):
+        return "a chunk's counts exceed its elements"
+    if int(changes.sum()) != changed or int(counts[:, groups].sum()) != big:
+        return "chunk counts do not add up to the record's"
+    nbytes = table[:, 0]
+    if int(nbytes.sum()) != streams["bits"].size:
+        return "chunk byte counts do not add up to the bit stream"
+    least = counts.sum(axis=1) + (counts * param_cols).sum(axis=1) + changes
+    if bool((8 * nbytes < least).any()):
+        return "a chunk has fewer bits than its codes need"
+    width = info.width
+    mags = streams["mags"]
+    if (mags.size > 0) != (big > 0) or (big and contents.frame_content_size(mags) != big * width):
+        return "magnitude frame does not match the count of large differences"
+    starts = np.cumsum(nbytes) - nbytes
+    out_at = np.cumsum(changes) - changes
+    big_counts = counts[:, groups]
+    big_at = np.cumsum(big_counts) - big_counts
+    bounds = np.asarray(raw_bounds, np.int64)
+    return Layout(chunk, bounds, table, starts, changes, out_at, big_at)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def large_magnitudes(streams: dict[str, U8], nbig: int, info: DtypeInfo) -> AnyUInt:
+    """The large magnitudes - 2 of a record (one placeholder when there are none)."""
+    if not nbig:
+        return np.zeros(1, info.unsigned)
+    try:
+        return contents.decode_planes(streams["mags"], nbig, info.unsigned)
+    except contents.ContentsError as exc:
+        raise ChunkedError(str(exc)) from None
+
+
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _decode_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():  # threads do not survive fork
+            workers = max(1, min(8, cpus.available()))
+            _pool = (os.getpid(), ThreadPoolExecutor(workers, "deltasync-decode"))
+        return _pool[1]
+
+
+def _ranges(lay: Layout, threads: int) -> list[tuple[int, int]]:
+    """Contiguous chunk ranges with about equal numbers of changes."""
+    nchunks = lay.table.shape[0]
+    if threads <= 1 or nchunks <= 1:
+        return [(0, nchunks)]
+    total = int(lay.changes.sum())
+    ends = np.cumsum(lay.changes)
+    cuts = [
+        int(np.searchsorted(ends, total * t / threads, side="left")) + 1 for t in range(1, threads)
+    ]
+    edges = sorted({0, nchunks, *[min(max(c, 1), nchunks - 1) for c in cuts]})
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def decode(
+    walker: Any,
+    streams: dict[str, U8],
+    lay: Layout,
+    changed: int,
+    target: AnyUInt,
+    info: DtypeInfo,
+    *,
+    write: bool,
+    threads: int | None = None,
+) -> tuple[I64, AnyUInt, AnyUInt]:
+    """(positions, new contents, old contents) of the changed elements of ``target``
+    (the base, flat, unsigned view). With ``write`` the new contents are written
+    into ``target``; a damaged stream raises ChunkedError with ``target`` as it was.
+    Chunks are shared out over ``threads`` (default: as many as pay)."""
+    unsigned = info.unsigned
+    nbig = int(lay.big_at[-1] + lay.table[-1, -2]) if lay.table.size else 0
+    mags = large_magnitudes(streams, nbig, info)
+    out_pos = np.empty(changed, np.int64)
+    out_new = np.empty(changed, unsigned)
+    out_old = np.empty(changed, unsigned)
+    wanted = DECODE_THREADS if threads is None else threads
+    wanted = max(1, min(wanted, changed // MIN_CHANGES_PER_THREAD if threads is None else wanted))
+    ranges = _ranges(lay, wanted)
+    bounds = padded_bounds(lay.bounds, info)
+    magnitude = np.uint64(magnitude_mask(info))
+    codes_max = int((lay.table[:, 1::2]).sum(axis=1).max(initial=0))
+
+    def run(span: tuple[int, int]) -> tuple[int, int]:
+        gaps = _buffer("decode_gaps", max(codes_max, 1), np.int64)
+        first, stop = span
+        done, status = walker.decode_chunks(
+            streams["bits"],
+            lay.table,
+            lay.starts,
+            first,
+            stop,
+            target,
+            lay.chunk,
+            bounds,
+            lay.groups,
+            magnitude,
+            mags,
+            lay.big_at,
+            lay.out_at,
+            out_pos,
+            out_new,
+            out_old,
+            gaps,
+            write,
+        )
+        return int(done), int(status)
+
+    results = [run(ranges[0])] if len(ranges) == 1 else list(_decode_pool().map(run, ranges))
+    failed = [status for _, status in results if status != DONE]
+    if failed:
+        if write:
+            for (first, _), (done, _) in zip(ranges, results, strict=True):
+                if done:
+                    a = int(lay.out_at[first])
+                    b = int(lay.out_at[first + done - 1] + lay.changes[first + done - 1])
+                    walker.restore(target, out_pos, out_old, a, b)
+        raise ChunkedError(_REASONS.get(failed[0], "a chunk is damaged"))
+    return out_pos, out_new, out_old

@@ -1,0 +1,651 @@
+"""The compiled code of chunked.py (level 3), imported only where numba is installed.
+
+Module-level functions only, so that numba's disk cache serves them to the next
+process. Layout of a chunk's bit stream (MSB first, see chunked.py): the unary
+codes of every group (the magnitude buckets in order, then the large-magnitude
+indices), then their fixed-width low bits in the same order, then one sign bit
+per changed element, zero padding to a byte.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import numba  # type: ignore[import-untyped]
+import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped]
+from numba.core import types  # type: ignore[import-untyped]
+from numba.extending import intrinsic  # type: ignore[import-untyped]
+
+from pipeline.codec.fused_jit import load_be64, prefetch_write, put_bits, put_tail, trailing_zeros
+
+jit = numba.njit(cache=True, nogil=True)
+
+LANES = 64
+MAX_PARAM = 40
+# Outcomes of decode_chunks (chunked.py names them).
+DONE = 0
+BAD_UNARY = 1
+BAD_FIXED = 2
+BAD_POSITION = 3
+BAD_CONTENTS = 4
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def below_mask(typingctx: Any, a: Any, start: Any, bound: Any, magnitude: Any) -> Any:
+    """Bit j set where (a[start + j] & magnitude) < bound, j < 64 (one vector compare)."""
+    signature = types.uint64(a, start, types.uint64, types.uint64)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        element = context.get_data_type(sig.args[0].dtype)
+        vector = ir.VectorType(element, LANES)
+        array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        pointer = builder.bitcast(builder.gep(array.data, [args[1]]), vector.as_pointer())
+        loaded = builder.load(pointer, align=1)
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+
+        def splat(value: Any) -> Any:
+            scalar = builder.trunc(value, element) if element.width < 64 else value
+            one = builder.insert_element(
+                ir.Constant(vector, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0)
+            )
+            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
+
+        masked = builder.and_(loaded, splat(args[3]))
+        below = builder.icmp_unsigned("<", masked, splat(args[2]))
+        return builder.bitcast(below, ir.IntType(64))
+
+    return signature, codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def popcount(typingctx: Any, x: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.ctpop(args[0])
+
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def leading_zeros(typingctx: Any, x: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return types.uint64(types.uint64), codegen
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def peek(stream: Any, bit: int) -> Any:
+    """64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end."""
+    index = bit >> 3
+    if index + 8 <= stream.size:
+        word = load_be64(stream, index)
+    else:
+        word = np.uint64(0)
+        for j in range(8):
+            word <<= np.uint64(8)
+            if index + j < stream.size:
+                word |= np.uint64(stream[index + j])
+    return word << np.uint64(bit & 7)
+
+
+def _select_in_byte() -> Any:
+    table = np.zeros(256 * 8, np.uint8)
+    for byte in range(256):
+        ones = [j for j in range(8) if byte >> j & 1]
+        for rank, j in enumerate(ones):
+            table[byte * 8 + rank] = j
+    return table
+
+
+# Bit index of the set bit of rank r in byte b, at b * 8 + r (0 where there is none).
+SELECT_IN_BYTE = _select_in_byte()
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def select_bit(mask: Any, rank: int) -> Any:
+    """Index of the set bit of ``mask`` with ``rank`` set bits below it, without
+    branches (which bucket holds the next change is a coin toss); some index
+    below 64 when there is no such bit."""
+    r = np.uint64(rank)
+    m = mask
+    pos = np.uint64(0)
+    for half in (32, 16, 8):
+        c = popcount(m & np.uint64((1 << half) - 1))
+        step = np.uint64(r >= c)
+        r -= c * step
+        shift = np.uint64(half) * step
+        m >>= shift
+        pos += shift
+    byte = (m & np.uint64(0xFF)) << np.uint64(3)
+    return pos + np.uint64(SELECT_IN_BYTE[byte | (r & np.uint64(7))])
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def bucket_of(value: Any, bounds: Any, magnitude: Any) -> int:
+    m = np.uint64(value) & magnitude
+    k = 0
+    while k < bounds.size and m >= bounds[k]:
+        k += 1
+    return k
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def class_counts(
+    base: Any, where: Any, shift: int, top: int, runs: int, run_len: int, sample: Any, hit: Any
+) -> None:
+    """Exponent-class histograms: of ``runs`` evenly spaced runs of ``run_len``
+    elements (``sample``) and of the changed elements (``hit``)."""
+    n = base.size
+    s = np.uint64(shift)
+    t = np.uint64(top)
+    step = n // runs
+    for r in range(runs):
+        lo = r * step
+        for i in range(lo, min(n, lo + run_len)):
+            sample[(np.uint64(base[i]) >> s) & t] += 1
+    for j in range(where.size):
+        hit[(np.uint64(base[where[j]]) >> s) & t] += 1
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _entropy_bits(n: float, k: float) -> float:
+    """n * H(k / n) bits: about log2 C(n, k), the cost of k changes among n."""
+    if k <= 0.0 or k >= n:
+        return 0.0
+    p = k / n
+    return -(k * math.log2(p) + (n - k) * math.log2(1.0 - p))
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def choose_groups(
+    members: Any, hits: Any, max_groups: int, penalty: float, walk: float, cuts: Any
+) -> int:
+    """Split the classes (in order) into at most ``max_groups`` contiguous groups
+    that minimise the positions' information bits plus ``penalty`` per group and
+    ``walk`` once for more than one group. Writes the first class of groups 1..
+    into ``cuts``; returns the group count."""
+    c = members.size
+    cm = np.zeros(c + 1)
+    ch = np.zeros(c + 1)
+    for i in range(c):
+        cm[i + 1] = cm[i] + members[i]
+        ch[i + 1] = ch[i] + hits[i]
+    # Bits of every run of classes i .. j - 1 as one group, computed once.
+    span = np.zeros((c + 1, c + 1))
+    for i in range(c):
+        for j in range(i + 1, c + 1):
+            k = ch[j] - ch[i]
+            span[i, j] = _entropy_bits(max(cm[j] - cm[i], k), k)
+    inf = 1e300
+    cost = np.full((max_groups + 1, c + 1), inf)
+    back = np.zeros((max_groups + 1, c + 1), np.int64)
+    cost[0, 0] = 0.0
+    for g in range(1, max_groups + 1):
+        for j in range(1, c + 1):
+            for i in range(g - 1, j):
+                if cost[g - 1, i] >= inf:
+                    continue
+                value = cost[g - 1, i] + span[i, j] + penalty
+                if value < cost[g, j]:
+                    cost[g, j] = value
+                    back[g, j] = i
+    best = 1
+    for g in range(2, max_groups + 1):
+        if cost[g, c] + walk < cost[best, c] + (walk if best > 1 else 0.0):
+            best = g
+    j = c
+    for g in range(best, 1, -1):
+        j = back[g, j]
+        cuts[g - 2] = j
+    return best
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _guess_param(count: int, total: int) -> int:
+    if count == 0:
+        return 0
+    mean = total / count
+    return max(0, min(MAX_PARAM, int(np.log2(mean * 0.69 + 1.0))))
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _four_masks(base: Any, i: int, bounds: Any, magnitude: Any) -> Any:
+    """The lanes of base[i : i + 64] in each of the four magnitude buckets (``bounds``
+    padded with a value above every magnitude, so unused buckets are empty)."""
+    l0 = below_mask(base, i, bounds[0], magnitude)
+    l1 = below_mask(base, i, bounds[1], magnitude)
+    l2 = below_mask(base, i, bounds[2], magnitude)
+    return l0, l1 & ~l0, l2 & ~l1, ~l2
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _tail_masks(base: Any, i: int, hi: int, bounds: Any, magnitude: Any) -> Any:
+    """_four_masks for the last, partial block base[i:hi], one element at a time."""
+    m0 = m1 = m2 = m3 = np.uint64(0)
+    one = np.uint64(1)
+    for p in range(i, hi):
+        bit = one << np.uint64(p - i)
+        k = bucket_of(base[p], bounds, magnitude)
+        if k == 0:
+            m0 |= bit
+        elif k == 1:
+            m1 |= bit
+        elif k == 2:
+            m2 |= bit
+        else:
+            m3 |= bit
+    return m0, m1, m2, m3
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _rank(m: Any, bit: Any, seen: Any) -> Any:
+    return seen + np.int64(popcount(m & ((np.uint64(1) << bit) - np.uint64(1))))
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def encode_chunks(
+    base: Any,
+    where: Any,
+    diff: Any,
+    chunk: int,
+    bounds: Any,
+    groups: int,
+    magnitude: Any,
+    table: Any,
+    out: Any,
+    mags: Any,
+    gaps: Any,
+    group: Any,
+    order: Any,
+) -> Any:
+    """Every chunk's bit stream into ``out`` and its numbers into ``table`` (one row
+    per chunk: bytes, then count and Rice parameter of each of ``groups`` buckets and
+    of the large magnitudes); large magnitudes - 2 into ``mags``. ``bounds``: three
+    thresholds, padded past the magnitudes. Returns (bytes, count of large
+    magnitudes)."""
+    n = base.size
+    width = base.itemsize
+    top = np.uint64((1 << (8 * width)) - 1) if width < 8 else ~np.uint64(0)
+    half = (top >> np.uint64(1)) + np.uint64(1)
+    one = np.uint64(1)
+    two = np.uint64(2)
+    nchunks = table.shape[0]
+    last = np.zeros(4, np.int64)
+    counts = np.zeros(5, np.int64)
+    totals = np.zeros(5, np.int64)
+    params = np.zeros(5, np.int64)
+    firsts = np.zeros(4, np.int64)
+    costs = np.zeros(12, np.int64)
+    fill = np.zeros(4, np.int64)
+    ptr = 0
+    index = 0
+    nbig = 0
+    for c in range(nchunks):
+        lo = c * chunk
+        hi = min(n, lo + chunk)
+        a = ptr
+        while ptr < where.size and where[ptr] < hi:
+            ptr += 1
+        b = ptr
+        # Ranks within each bucket (chunk-local) into gaps[], buckets into group[].
+        if groups == 1:
+            for j in range(a, b):
+                gaps[j] = where[j] - lo
+                group[j] = 0
+        else:
+            s0 = s1 = s2 = s3 = np.int64(0)
+            j = a
+            i = lo
+            while i < hi:
+                if i + LANES <= hi:
+                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude)
+                else:
+                    m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
+                while j < b and where[j] < i + LANES:
+                    bit = np.uint64(where[j] - i)
+                    if (m0 >> bit) & one:
+                        gaps[j] = _rank(m0, bit, s0)
+                        group[j] = 0
+                    elif (m1 >> bit) & one:
+                        gaps[j] = _rank(m1, bit, s1)
+                        group[j] = 1
+                    elif (m2 >> bit) & one:
+                        gaps[j] = _rank(m2, bit, s2)
+                        group[j] = 2
+                    else:
+                        gaps[j] = _rank(m3, bit, s3)
+                        group[j] = 3
+                    j += 1
+                s0 += np.int64(popcount(m0))
+                s1 += np.int64(popcount(m1))
+                s2 += np.int64(popcount(m2))
+                s3 += np.int64(popcount(m3))
+                i += LANES
+        # Ranks -> gaps per bucket; Rice parameters from exact costs near the estimate.
+        last[:] = -1
+        counts[:] = 0
+        totals[:] = 0
+        for j in range(a, b):
+            k = group[j]
+            rank = gaps[j]
+            gaps[j] = rank - last[k] - 1
+            last[k] = rank
+            counts[k] += 1
+            totals[k] += gaps[j]
+        for k in range(groups):
+            firsts[k] = max(0, _guess_param(counts[k], totals[k]) - 1)
+        costs[:] = 0
+        for j in range(a, b):
+            k = group[j]
+            g = gaps[j]
+            f = firsts[k]
+            costs[3 * k] += g >> f
+            costs[3 * k + 1] += g >> min(f + 1, MAX_PARAM)
+            costs[3 * k + 2] += g >> min(f + 2, MAX_PARAM)
+        for k in range(groups):
+            best = 0
+            best_cost = -1
+            for t in range(3):
+                p = min(firsts[k] + t, MAX_PARAM)
+                cost = costs[3 * k + t] + counts[k] * (1 + p)
+                if best_cost < 0 or cost < best_cost:
+                    best_cost = cost
+                    best = p
+            params[k] = best if counts[k] else 0
+        # Changes in bucket order (a counting sort), for writing bucket by bucket.
+        run = a
+        for k in range(groups):
+            fill[k] = run
+            run += counts[k]
+        for j in range(a, b):
+            k = group[j]
+            order[fill[k]] = j
+            fill[k] += 1
+        # Large magnitudes: their indices in change order, magnitudes - 2.
+        big_first = nbig
+        prev = -1
+        for j in range(a, b):
+            d = np.uint64(diff[j])
+            m = (top + one - d) & top if d >= half else d
+            if m > one:
+                mags[nbig] = m - two
+                nbig += 1
+                totals[4] += (j - a) - prev - 1
+                prev = j - a
+        bc = nbig - big_first
+        counts[4] = bc
+        bp = _guess_param(bc, totals[4])
+        totals[4] = 0
+        bpu = np.uint64(bp)
+        start = index
+        acc = np.uint64(0)
+        held = 0
+        # Unary codes, bucket by bucket, then those of the large magnitudes.
+        for t in range(a, b):
+            j = order[t]
+            q = np.uint64(gaps[j]) >> np.uint64(params[group[j]])
+            while q >= np.uint64(32):
+                acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
+                q -= np.uint64(32)
+            acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
+        prev = -1
+        for j in range(a, b):
+            d = np.uint64(diff[j])
+            m = (top + one - d) & top if d >= half else d
+            if m > one:
+                q = np.uint64((j - a) - prev - 1) >> bpu
+                prev = j - a
+                while q >= np.uint64(32):
+                    acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
+                    q -= np.uint64(32)
+                acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
+        # Their fixed-width low bits, in the same order.
+        for t in range(a, b):
+            j = order[t]
+            p = params[group[j]]
+            if p:
+                low = (one << np.uint64(p)) - one
+                acc, held, index = put_bits(out, acc, held, index, np.uint64(gaps[j]) & low, p)
+        if bp:
+            low = (one << bpu) - one
+            prev = -1
+            for j in range(a, b):
+                d = np.uint64(diff[j])
+                m = (top + one - d) & top if d >= half else d
+                if m > one:
+                    g = np.uint64((j - a) - prev - 1)
+                    prev = j - a
+                    acc, held, index = put_bits(out, acc, held, index, g & low, bp)
+        # Signs, 32 at a time.
+        word = np.uint64(0)
+        filled = 0
+        for j in range(a, b):
+            word = (word << one) | np.uint64(diff[j] >= half)
+            filled += 1
+            if filled == 32:
+                acc, held, index = put_bits(out, acc, held, index, word, 32)
+                word = np.uint64(0)
+                filled = 0
+        if filled:
+            acc, held, index = put_bits(out, acc, held, index, word, filled)
+        put_tail(out, index, acc, held)
+        index += (held + 7) >> 3
+        row = table[c]
+        row[0] = index - start
+        for k in range(groups):
+            row[1 + 2 * k] = counts[k]
+            row[2 + 2 * k] = params[k]
+        row[1 + 2 * groups] = bc
+        row[2 + 2 * groups] = bp
+    return index, nbig
+
+
+BIG_RANK = 1 << 62
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _take(mask: Any, rem: Any, gi: Any, gend: int, gaps: Any, chosen: Any) -> Any:
+    """Select the changes of one bucket that fall in this block: ``rem`` is how many
+    of the bucket's elements lie before its next change, from this block's start.
+    The first change is taken without a branch (whether a bucket has a change in a
+    block is a coin toss); further ones in the same block loop."""
+    pc = np.int64(popcount(mask))
+    if rem >= LANES:  # a sparse bucket mostly skips whole blocks: a branch it predicts
+        return rem - pc, gi, chosen
+    hit = np.int64(rem < pc)
+    at = select_bit(mask, min(rem, 63))
+    chosen |= np.uint64(hit) << at
+    gi += hit
+    following = gaps[gi] + 1 if gi < gend else BIG_RANK
+    rem += hit * following
+    while rem < pc:
+        chosen |= np.uint64(1) << select_bit(mask, rem)
+        gi += 1
+        rem = rem + gaps[gi] + 1 if gi < gend else BIG_RANK
+    return rem - pc, gi, chosen
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def decode_chunks(
+    bits: Any,
+    table: Any,
+    starts: Any,
+    first: int,
+    stop: int,
+    base: Any,
+    chunk: int,
+    bounds: Any,
+    groups: int,
+    magnitude: Any,
+    mags: Any,
+    big_at: Any,
+    out_at: Any,
+    out_pos: Any,
+    out_new: Any,
+    out_old: Any,
+    gaps: Any,
+    write: bool,
+) -> Any:
+    """Decode chunks ``first`` .. ``stop - 1``: positions, new and old contents of
+    each chunk's changes at its ``out_at`` offset. With ``write`` each chunk's new
+    contents are written into ``base`` once the chunk decoded whole. Returns
+    (chunks done, DONE | BAD_*); a damaged chunk writes nothing."""
+    n = base.size
+    width = base.itemsize
+    top = np.uint64((1 << (8 * width)) - 1) if width < 8 else ~np.uint64(0)
+    one = np.uint64(1)
+    gend = np.zeros(5, np.int64)
+    for c in range(first, stop):
+        lo = c * chunk
+        hi = min(n, lo + chunk)
+        bit0 = starts[c] * 8
+        end = bit0 + table[c, 0] * 8
+        total = 0
+        changed = 0
+        for k in range(groups + 1):
+            total += table[c, 1 + 2 * k]
+            if k < groups:
+                changed += table[c, 1 + 2 * k]
+            gend[k] = total
+        # Unary codes of every group; a quotient past what the chunk can hold is damage.
+        u = bit0
+        k = 0
+        for t in range(total):
+            while t >= gend[k]:
+                k += 1
+            limit = (chunk if k < groups else changed) >> table[c, 2 + 2 * k]
+            q = np.int64(0)
+            while True:
+                if u >= end:
+                    return c - first, BAD_UNARY
+                word = peek(bits, u)
+                if word:
+                    z = np.int64(leading_zeros(word))
+                    if u + z >= end:
+                        return c - first, BAD_UNARY
+                    q += z
+                    u += z + 1
+                    break
+                # All zeros: peek guarantees only 57 stream bits.
+                q += 56
+                u += 56
+                if q > limit:
+                    return c - first, BAD_UNARY
+            if q > limit:
+                return c - first, BAD_UNARY
+            gaps[t] = q
+        # Fixed-width low bits, group by group.
+        f = u
+        t = 0
+        for k in range(groups + 1):
+            p = table[c, 2 + 2 * k]
+            stop_t = gend[k]
+            if p:
+                if f + p * (stop_t - t) > end:
+                    return c - first, BAD_FIXED
+                shift = np.uint64(64 - p)
+                while t < stop_t:
+                    gaps[t] = (gaps[t] << p) | np.int64(peek(bits, f) >> shift)
+                    f += p
+                    t += 1
+            t = stop_t
+        sign0 = f
+        if sign0 + changed > end or end - (sign0 + changed) >= 8:
+            return c - first, BAD_FIXED
+        pad = end - (sign0 + changed)
+        if pad and (np.uint64(bits[(end >> 3) - 1]) & ((one << np.uint64(pad)) - one)):
+            return c - first, BAD_FIXED
+        o_first = out_at[c]
+        o = o_first
+        if groups == 1:
+            pos = lo - 1
+            for t in range(gend[0]):
+                pos += gaps[t] + 1
+                if pos >= hi:
+                    return c - first, BAD_POSITION
+                out_pos[o] = pos
+                o += 1
+        else:
+            e0 = gend[0]
+            e1 = gend[min(1, groups - 1)]
+            e2 = gend[min(2, groups - 1)]
+            e3 = gend[groups - 1]
+            i0, i1, i2, i3 = 0, e0, e1, e2
+            r0 = gaps[i0] if i0 < e0 else BIG_RANK
+            r1 = gaps[i1] if i1 < e1 else BIG_RANK
+            r2 = gaps[i2] if i2 < e2 else BIG_RANK
+            r3 = gaps[i3] if i3 < e3 else BIG_RANK
+            pending = changed
+            i = lo
+            while i < hi and pending:
+                if i + LANES <= hi:
+                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude)
+                else:
+                    m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
+                chosen = np.uint64(0)
+                r0, i0, chosen = _take(m0, r0, i0, e0, gaps, chosen)
+                r1, i1, chosen = _take(m1, r1, i1, e1, gaps, chosen)
+                r2, i2, chosen = _take(m2, r2, i2, e2, gaps, chosen)
+                r3, i3, chosen = _take(m3, r3, i3, e3, gaps, chosen)
+                while chosen:
+                    out_pos[o] = i + np.int64(trailing_zeros(chosen))
+                    o += 1
+                    pending -= 1
+                    chosen &= chosen - one
+                i += LANES
+            if pending:
+                return c - first, BAD_POSITION
+        # Contents, in position order; large magnitudes' indices follow the buckets' codes.
+        bt = gend[groups - 1]
+        bstop = gend[groups]
+        bi = bt
+        next_big = gaps[bt] if bt < bstop else changed
+        mi = big_at[c]
+        ahead = 16
+        for j in range(changed):
+            if j + ahead < changed:
+                prefetch_write(base, out_pos[o_first + j + ahead])
+            pos = out_pos[o_first + j]
+            s = sign0 + j
+            negative = (bits[s >> 3] >> (7 - (s & 7))) & 1
+            m = one
+            if j == next_big:
+                m = (np.uint64(mags[mi]) + np.uint64(2)) & top
+                if m <= one:
+                    return c - first, BAD_CONTENTS
+                mi += 1
+                bi += 1
+                if bi < bstop:
+                    next_big += gaps[bi] + 1
+                    if next_big >= changed:
+                        return c - first, BAD_CONTENTS
+                else:
+                    next_big = changed
+            d = (top + one - m) & top if negative else m
+            old = base[pos]
+            out_old[o_first + j] = old
+            out_new[o_first + j] = (np.uint64(old) + d) & top
+        if bi != bstop:
+            return c - first, BAD_CONTENTS
+        if write:
+            for j in range(o_first, o_first + changed):
+                base[out_pos[j]] = out_new[j]
+    return stop - first, DONE
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def restore(target: Any, out_pos: Any, out_old: Any, a: int, b: int) -> None:
+    for j in range(a, b):
+        target[out_pos[j]] = out_old[j]
+
+
+CHUNKED = SimpleNamespace(
+    class_counts=class_counts,
+    choose_groups=choose_groups,
+    encode_chunks=encode_chunks,
+    decode_chunks=decode_chunks,
+    restore=restore,
+)

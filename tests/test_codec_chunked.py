@@ -1,0 +1,325 @@
+"""Level 3 (``chunked``): pinned bytes, bit-exact round trips of every dtype on the
+compiled walk, its threads and the torch-ops decoder, and hostile streams."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.codec import chunked, encode_delta, read_delta
+from pipeline.codec.container import read_container
+from pipeline.errors import DeltasyncError
+from tests.test_codec_errors import rebuild
+from tests.test_codec_fused import pinned_pairs
+from tests.test_codec_roundtrip import DTYPES, bits, compiled_kernels, realistic_update
+
+needs_compiled = pytest.mark.skipif(
+    chunked.compiled() is None, reason="level 3 encodes with the compiled kernels (numba)"
+)
+pytestmark = needs_compiled
+
+# sha256 of the level-3 object written for pinned_pairs() when the format was fixed.
+PINNED_LEVEL_3 = "102c20d60ab4a8a9d66f01249935dc48e7814c46a2a2361374d5a73658577ea8"
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Chunks of 4096 elements, so small tensors span many chunks."""
+    monkeypatch.setattr(chunked, "CHUNK_LOG2", 12)
+    yield
+
+
+def weights(numel: int, gen: np.random.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """Weights whose magnitudes spread over many exponents (normal values)."""
+    if dtype.is_floating_point:
+        values = torch.from_numpy(gen.standard_normal(numel) * 0.05).to(torch.float32)
+        return values.to(dtype)
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(gen.integers(0, 256, size=numel * width).astype(np.uint8))
+    return raw.view(dtype) if dtype != torch.bool else (raw & 1).view(torch.bool)
+
+
+def conditioned_update(base: torch.Tensor, gen: np.random.Generator) -> torch.Tensor:
+    """Small values change far more often than large ones, as under a small learning
+    rate; a few differences are large."""
+    flat = bits(base).reshape(-1)
+    magnitude = base.float().abs().reshape(-1).numpy()
+    chance = np.where(magnitude < 0.01, 0.3, np.where(magnitude < 0.05, 0.03, 0.002))
+    where = torch.from_numpy(gen.random(flat.numel()) < chance)
+    step = torch.from_numpy(gen.choice([-1, 1, -1, 1, -1, 1, 2, -3, 400], size=flat.numel()))
+    new = torch.where(where, flat + step.to(flat.dtype), flat)
+    return new.view(base.dtype).reshape(base.shape)
+
+
+def check_object(data: bytes, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """Every decoder reproduces ``new`` bit for bit: the compiled walk (decode, apply
+    on 1, 2 and 4 threads, with undo) and the torch operations."""
+    obj = read_delta(data, object_name="t")
+    for name, base, new in pairs:
+        expected = torch.nonzero(bits(base).reshape(-1) != bits(new).reshape(-1)).view(-1)
+        patch = obj.decode(name, base)
+        assert torch.equal(patch.positions, expected)
+        assert torch.equal(patch.values, bits(new).reshape(-1)[expected])
+        with compiled_kernels(False):
+            patch = obj.decode(name, base)
+            assert torch.equal(patch.positions, expected)
+            assert torch.equal(patch.values, bits(new).reshape(-1)[expected])
+        for threads in (1, 2, 4):
+            saved = chunked.DECODE_THREADS
+            chunked.DECODE_THREADS = threads
+            try:
+                target = base.clone()
+                undo = obj.apply_to(name, target, undo=True)
+            finally:
+                chunked.DECODE_THREADS = saved
+            assert torch.equal(bits(target), bits(new))
+            assert undo is not None
+            assert torch.equal(undo.values, bits(base).reshape(-1)[undo.positions])
+
+
+def test_level_3_is_pinned() -> None:
+    pairs = pinned_pairs()
+    data = encode_delta(pairs, level=3)
+    check_object(data, pairs)
+    assert hashlib.sha256(data).hexdigest() == PINNED_LEVEL_3
+    records = json.loads(read_container(data, "pinned").metadata["tensors"])
+    assert "chunked" in {r[3] for r in records}  # compact records: arrays
+
+
+def test_large_tensor_is_pinned_with_buckets_and_chunks() -> None:
+    gen = np.random.default_rng(5)
+    base = weights(3 << 20 | 77, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    data = encode_delta([("big", base, new)], level=3)
+    obj = read_delta(data)
+    record = obj._records["big"]
+    assert record.encoding == "chunked" and record.layout is not None
+    assert record.layout.groups > 1 and record.layout.table.shape[0] == 4
+    check_object(data, [("big", base, new)])
+    assert hashlib.sha256(data).hexdigest() == PINNED_LARGE
+
+
+PINNED_LARGE = "4ed06791074da56477a755c45c378450ad3f946b47d82dd3878935b0e996f1ef"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["one", "realistic", "conditioned", "dense"])
+def test_every_dtype_round_trips(small_chunks: None, dtype: torch.dtype, kind: str) -> None:
+    gen = np.random.default_rng(DTYPES.index(dtype) * 7 + len(kind))
+    base = weights(20_011, gen, dtype)
+    if kind == "one":
+        new = realistic_update(base, -1.0, gen)
+    elif kind == "realistic":
+        new = realistic_update(base, 0.02, gen)
+    elif kind == "dense":
+        new = realistic_update(base, 0.5, gen)
+    else:
+        new = conditioned_update(base, gen) if dtype.is_floating_point else base
+    pairs = [("w", base, new), ("empty", base[:0], new[:0]), ("tail", base[:70], new[:70])]
+    check_object(encode_delta(pairs, level=3), pairs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_long_unary_codes(dtype: torch.dtype) -> None:
+    """A run of changes then one far away: Rice parameter 0 and a quotient of
+    about a million zero bits, longer than any word the walk reads at once."""
+    gen = np.random.default_rng(2)
+    base = weights((1 << 20) + 1000, gen, dtype)
+    flat = bits(base).reshape(-1).clone()
+    where = torch.tensor([*range(0, 300), 1_000_000, (1 << 20) + 999])
+    flat[where] += 1
+    new = flat.view(dtype).reshape(base.shape)
+    check_object(encode_delta([("w", base, new)], level=3), [("w", base, new)])
+
+
+def test_chunking_costs_little() -> None:
+    """Chunks of 4096 elements against one chunk for the whole tensor: the table and
+    the per-chunk byte padding stay within 1% at the default chunk size's scale."""
+    gen = np.random.default_rng(9)
+    base = weights(1 << 20, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    sizes = {}
+    for log2 in (20, 16):
+        saved = chunked.CHUNK_LOG2
+        chunked.CHUNK_LOG2 = log2
+        try:
+            sizes[log2] = len(encode_delta([("w", base, new)], level=3))
+        finally:
+            chunked.CHUNK_LOG2 = saved
+    # 16 chunks of 64K elements cost at most 1% over one chunk of 1M.
+    assert sizes[16] <= sizes[20] * 1.01
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
+def test_device_decode_matches_the_host() -> None:
+    gen = np.random.default_rng(3)
+    base = weights(2 << 20, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    data = encode_delta([("w", base, new)], level=3)
+    obj = read_delta(data)
+    device = torch.device("cuda")
+    on_device = base.to(device)
+    patch = obj.decode("w", on_device)
+    assert patch.positions.device.type == "cuda"
+    host = obj.decode("w", base)
+    assert torch.equal(patch.positions.cpu(), host.positions)
+    assert torch.equal(patch.values.cpu(), host.values)
+    target = on_device.clone()
+    obj.apply_to("w", target)
+    assert torch.equal(bits(target.cpu()), bits(new))
+    assert encode_delta([("w", on_device, new.to(device))], level=3) == data
+
+
+# ----------------------------------------------------------------------------- hostile
+
+
+def _fuzz_object() -> tuple[bytes, torch.Tensor]:
+    gen = np.random.default_rng(17)
+    base = weights(3 * 4096 + 100, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    saved = chunked.CHUNK_LOG2
+    chunked.CHUNK_LOG2 = 12
+    try:
+        return encode_delta([("w", base, new)], level=3), base
+    finally:
+        chunked.CHUNK_LOG2 = saved
+
+
+def _guarded(base: torch.Tensor, guard: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """``base`` copied into the middle of a larger buffer filled with a pattern, so
+    a write outside the tensor shows."""
+    buffer = torch.full((base.numel() + 2 * guard,), 0x5A5A, dtype=torch.int16)
+    inner = buffer[guard : guard + base.numel()]
+    inner.copy_(bits(base).reshape(-1))
+    return buffer, inner.view(base.dtype)
+
+
+def _try_all(data: bytes, base: torch.Tensor) -> None:
+    """Read, decode (both decoders) and apply: only DeltasyncError may escape; an
+    apply that fails leaves the tensor as it was; nothing outside it is written."""
+    try:
+        obj = read_delta(data, object_name="fuzz")
+    except DeltasyncError:
+        return
+    for enabled in (True, False):
+        with compiled_kernels(enabled), contextlib.suppress(DeltasyncError):
+            obj.decode("w", base)
+    buffer, target = _guarded(base)
+    before = buffer.clone()
+    guard = 4096
+    try:
+        obj.apply_to("w", target)
+    except DeltasyncError:
+        assert torch.equal(buffer, before)
+    assert torch.equal(buffer[:guard], before[:guard])
+    assert torch.equal(buffer[-guard:], before[-guard:])
+
+
+def test_hostile_bytes_in_every_stream() -> None:
+    data, base = _fuzz_object()
+    entries = read_container(data, "x").streams
+    record = read_delta(data)._records["w"]
+    size = int(entries["streams"].size)  # the one entry of a compact object
+    assert size == record.nbytes
+    gen = np.random.default_rng(1)
+    for trial in range(400):
+        edits = gen.integers(1, 4)
+        spots = gen.integers(0, size, size=edits)
+        values = gen.integers(0, 256, size=edits).astype(np.uint8)
+
+        def edit(
+            found: dict[str, np.ndarray], s: np.ndarray = spots, v: np.ndarray = values
+        ) -> None:  # type: ignore[type-arg]
+            found["streams"][s] = v
+
+        _try_all(rebuild(data, edit_entries=edit), base)
+        if trial % 50 == 0:  # truncated and extended entries
+            cut = int(gen.integers(0, size))
+
+            def shorten(found: dict[str, np.ndarray], c: int = cut) -> None:  # type: ignore[type-arg]
+                found["streams"] = found["streams"][:c]
+
+            _try_all(rebuild(data, edit_entries=shorten), base)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"chunk": 5},
+        {"chunk": 31},
+        {"chunk": 13},
+        {"chunk": 11},
+        {"chunk": "12"},
+        {"bounds": [0]},
+        {"bounds": [5000, 4000]},
+        {"bounds": [1, 2, 3, 4]},
+        {"bounds": [1 << 20]},
+        {"bounds": []},
+        {"bounds": [14000]},
+        {"bounds": None},
+        {"big": -1},
+        {"big": 0},
+        {"big": 10**9},
+    ],
+)
+def test_hostile_params(edit: dict[str, object]) -> None:
+    data, base = _fuzz_object()
+
+    def change(meta: dict[str, str], records: list[list[object]]) -> None:
+        params = records[0][6]
+        assert isinstance(params, dict)
+        params.update(edit)
+
+    _try_all(rebuild(data, edit_meta=change), base)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [],
+        ["w"],
+        ["w", "bfloat16", [12388], "chunked", 5, [1, 2], {}],
+        ["w", "bfloat16", [12388], "nope", 5, [1, 2, 3], {}],
+        [7, "bfloat16", [12388], "chunked", 5, [1, 2, 3], {}],
+        ["w", "bfloat16", [12388], "chunked", 5, [1, -2, 3], {}],
+        ["w", "bfloat16", [12388], "chunked", 5, [1, 2, 3], []],
+        ["w", "bfloat16", [12388], "chunked", 5, [10**12, 2, 3], {}],
+        {"name": "w"},
+    ],
+)
+def test_hostile_compact_records(row: object) -> None:
+    data, base = _fuzz_object()
+
+    def change(meta: dict[str, str], records: list[object]) -> None:
+        records[0] = row
+
+    _try_all(rebuild(data, edit_meta=change), base)
+
+    def extra(meta: dict[str, str], records: list[object]) -> None:
+        records.append(row)
+
+    _try_all(rebuild(data, edit_meta=extra), base)
+
+
+def test_hostile_stream_sizes() -> None:
+    data, base = _fuzz_object()
+    for role in chunked.ROLES:
+        for delta in (-1, 1):
+
+            def change(
+                meta: dict[str, str],
+                records: list[list[object]],
+                r: int = chunked.ROLES.index(role),
+                d: int = delta,
+            ) -> None:
+                sizes = records[0][5]
+                assert isinstance(sizes, list)
+                sizes[r] = max(0, int(sizes[r]) + d)
+
+            _try_all(rebuild(data, edit_meta=change), base)
