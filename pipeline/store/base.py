@@ -7,8 +7,11 @@ writes outside its root.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
-from collections.abc import Iterator
+import secrets
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -58,6 +61,71 @@ class ObjectStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Delete an object; deleting a missing key is not an error."""
+
+
+def is_valid_key(key: str) -> bool:
+    """Whether ``key`` is one deltasync could have written: listings skip the others
+    (foreign objects such as ``a//b``, temporary files)."""
+    try:
+        check_key(key)
+    except ConfigError:
+        return False
+    return True
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's text ("" when it has none): messages stay one line."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def temp_sibling(target: Path) -> Path:
+    """A hidden temporary name next to ``target``; ``~`` is in no valid key, so a
+    listing never reports it."""
+    return target.with_name(f".{target.name}.~{secrets.token_hex(6)}.tmp")
+
+
+@contextlib.contextmanager
+def download_to(target: Path) -> Iterator[Path]:
+    """A temporary path next to ``target`` to download into; renamed over ``target``
+    when the block succeeds, removed in any case, so ``target`` is never partial."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = temp_sibling(target)
+    try:
+        yield temp
+        if not temp.exists():  # an empty object: a file still results
+            temp.touch()
+        os.replace(temp, target)
+    finally:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+
+
+class BucketKeys:
+    """The keys of a store that lives under a folder ``prefix`` of a bucket (S3, Hub
+    buckets): each key joined to the prefix, and listings turned back into keys."""
+
+    prefix: str
+
+    def _key(self, key: str) -> str:
+        return join_key(self.prefix, key)
+
+    def _search(self, prefix: str) -> str:
+        """The bucket-side prefix that lists the folder ``prefix`` ("" for all)."""
+        folder = check_prefix(prefix)
+        full = join_key(self.prefix, folder) if folder else self.prefix
+        return f"{full}/" if full else ""
+
+    def _relative(self, names: Iterable[str], search: str) -> Iterator[str]:
+        """The keys of the bucket-side ``names`` under ``search``, sorted; other
+        names (a prefix match on ``a/b`` must not leak ``a/bc``, foreign objects) are
+        skipped."""
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys = [
+            name[strip:] for name in names if name.startswith(search) and is_valid_key(name[strip:])
+        ]
+        keys.sort()
+        return iter(keys)
 
 
 def check_prefix(prefix: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import stat
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError, StoreError
-from pipeline.store.base import check_key, check_prefix, check_range
+from pipeline.store.base import check_key, check_prefix, check_range, is_valid_key, temp_sibling
 
 _COPY_CHUNK = 8 << 20
 
@@ -38,14 +37,10 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _temp_sibling(target: Path) -> Path:
-    return target.with_name(f".{target.name}.~{secrets.token_hex(6)}.tmp")
-
-
 def _write_atomically(target: Path, fill: BinaryIO | bytes) -> None:
     """Write ``fill`` (bytes or a readable binary stream) to ``target`` atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = _temp_sibling(target)
+    temp = temp_sibling(target)
     try:
         with open(temp, "xb") as out:
             if isinstance(fill, bytes):
@@ -125,7 +120,7 @@ class FileStore:
         """
         target = self._path(key)
         for attempt in range(3):
-            temp = _temp_sibling(target)
+            temp = temp_sibling(target)
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with open(temp, "xb") as out:
@@ -238,10 +233,10 @@ class FileStore:
             return iter(())
         keys: list[str] = []
         for dirpath, dirnames, filenames in os.walk(folder):
-            dirnames[:] = [name for name in dirnames if _is_key_part(name)]
+            dirnames[:] = [name for name in dirnames if is_valid_key(name)]
             relative = Path(dirpath).relative_to(self.root).as_posix()
             base = "" if relative == "." else relative + "/"
-            keys.extend(base + name for name in filenames if _is_key_part(name))
+            keys.extend(base + name for name in filenames if is_valid_key(name))
         keys.sort()
         return iter(keys)
 
@@ -265,11 +260,3 @@ class FileStore:
             except OSError:
                 return
             folder = folder.parent
-
-
-def _is_key_part(name: str) -> bool:
-    try:
-        check_key(name)
-    except ConfigError:
-        return False
-    return True

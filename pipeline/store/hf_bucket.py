@@ -13,9 +13,7 @@ the token comes only from ``HF_TOKEN`` or the usual Hugging Face config.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +32,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils._headers import build_hf_headers
 
 from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError, StoreError
-from pipeline.store.base import check_key, check_prefix, check_range, join_key
+from pipeline.store.base import BucketKeys, check_prefix, check_range, download_to, first_line
 
 if TYPE_CHECKING:
     from huggingface_hub._buckets import BucketFile
@@ -44,7 +42,7 @@ log = structlog.get_logger(__name__)
 _URL_HEAD = "hf://buckets/"
 
 
-class HfBucketStore:
+class HfBucketStore(BucketKeys):
     """Objects under ``prefix`` in one Hub bucket."""
 
     def __init__(
@@ -83,9 +81,6 @@ class HfBucketStore:
     def __repr__(self) -> str:
         return f"HfBucketStore({self.url!r}, endpoint={self.endpoint!r})"
 
-    def _key(self, key: str) -> str:
-        return join_key(self.prefix, key)
-
     def _error(self, action: str, key: str, error: Exception) -> StoreError:
         """One line naming the key, the bucket and the endpoint; never the token."""
         where = f"{self.url} at {self.endpoint}"
@@ -99,10 +94,11 @@ class HfBucketStore:
             return StoreError(f"cannot reach the Hub at {self.endpoint}: {type(error).__name__}")
         if isinstance(error, HfHubHTTPError):
             status = error.response.status_code if error.response is not None else "?"
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            return StoreError(f"cannot {action} {key!r} in {where}: HTTP {status} {first}")
-        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return StoreError(f"cannot {action} {key!r} in {where}: {type(error).__name__} {text}")
+            line = first_line(error)
+            return StoreError(f"cannot {action} {key!r} in {where}: HTTP {status} {line}")
+        return StoreError(
+            f"cannot {action} {key!r} in {where}: {type(error).__name__} {first_line(error)}"
+        )
 
     # -- writes ----------------------------------------------------------------------
 
@@ -214,16 +210,11 @@ class HfBucketStore:
 
     def get_file(self, key: str, path: Path) -> None:
         name = self._key(key)
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temp = target.with_name(f".{target.name}.~{secrets.token_hex(6)}.tmp")
         try:
-            self.api.download_bucket_files(
-                self.bucket_id, [(name, temp)], raise_on_missing_files=True
-            )
-            if not temp.exists():  # an empty object: make sure a file results
-                temp.touch()
-            os.replace(temp, target)
+            with download_to(Path(path)) as temp:
+                self.api.download_bucket_files(
+                    self.bucket_id, [(name, temp)], raise_on_missing_files=True
+                )
         except EntryNotFoundError as error:
             raise ObjectNotFoundError(
                 f"object {key!r} not found in {self.url} at {self.endpoint}"
@@ -234,31 +225,17 @@ class HfBucketStore:
             ) from error
         except Exception as error:
             raise self._error("read", key, error) from error
-        finally:
-            with contextlib.suppress(OSError):
-                temp.unlink()
 
     def list(self, prefix: str) -> Iterator[str]:
-        folder = check_prefix(prefix)
-        full = join_key(self.prefix, folder) if folder else self.prefix
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        keys: list[str] = []
+        search = self._search(prefix)
         try:
             entries = self.api.list_bucket_tree(
-                self.bucket_id, prefix=f"{full}/" if full else None, recursive=True
+                self.bucket_id, prefix=search or None, recursive=True
             )
-            for entry in entries:
-                if entry.type != "file":
-                    continue
-                if full and not entry.path.startswith(f"{full}/"):
-                    continue  # a prefix match on "a/b" must not leak "a/bc"
-                relative = entry.path[strip:]
-                if _is_valid_key(relative):
-                    keys.append(relative)
+            names = [entry.path for entry in entries if entry.type == "file"]
         except Exception as error:
             raise self._error("list", prefix or "/", error) from error
-        keys.sort()
-        return iter(keys)
+        return self._relative(names, search)
 
     # -- Xet plumbing ------------------------------------------------------------------
 
@@ -276,11 +253,3 @@ class HfBucketStore:
                 self._xet_session = hf_xet.XetSession()
                 self._xet_pid = os.getpid()
             return self._xet_session
-
-
-def _is_valid_key(key: str) -> bool:
-    try:
-        check_key(key)
-    except ConfigError:
-        return False
-    return True

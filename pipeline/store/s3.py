@@ -10,10 +10,8 @@ multipart uploads, which also become visible only once complete.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +35,7 @@ from botocore.exceptions import (
 
 from pipeline.config import S3_DEFAULT_MAX_ATTEMPTS, S3_DEFAULT_PART_SIZE, s3_tuning
 from pipeline.errors import ConfigError, ObjectNotFoundError, StoreError
-from pipeline.store.base import check_key, check_prefix, check_range, join_key
+from pipeline.store.base import BucketKeys, check_prefix, check_range, download_to
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -75,7 +73,7 @@ def _new_session() -> boto3.session.Session:
     return boto3.session.Session(botocore_session=core)
 
 
-class S3Store:
+class S3Store(BucketKeys):
     """Objects under ``prefix`` in one S3 bucket."""
 
     def __init__(
@@ -151,9 +149,6 @@ class S3Store:
     @property
     def _where(self) -> str:
         return self.endpoint or "AWS"
-
-    def _key(self, key: str) -> str:
-        return join_key(self.prefix, key)
 
     def _error(self, action: str, key: str, error: Exception) -> StoreError:
         """Translate a botocore error into one line naming the key and the endpoint."""
@@ -260,17 +255,11 @@ class S3Store:
 
     def get_file(self, key: str, path: Path) -> None:
         name = self._key(key)
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temp = target.with_name(f".{target.name}.~{secrets.token_hex(6)}.tmp")
         try:
-            self._client.download_file(self.bucket, name, str(temp), Config=self._transfer)
-            os.replace(temp, target)
+            with download_to(Path(path)) as temp:
+                self._client.download_file(self.bucket, name, str(temp), Config=self._transfer)
         except self._botocore_errors() as error:
             raise self._error("read", key, error) from error
-        finally:
-            with contextlib.suppress(OSError):
-                temp.unlink()
 
     def exists(self, key: str) -> bool:
         try:
@@ -288,24 +277,17 @@ class S3Store:
         return int(response["ContentLength"])
 
     def list(self, prefix: str) -> Iterator[str]:
-        folder = check_prefix(prefix)
-        full = join_key(self.prefix, folder) if folder else self.prefix
-        search = f"{full}/" if full else ""
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        keys: list[str] = []
+        search = self._search(prefix)
+        names: list[str] = []
         try:
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=search
             )
             for page in pages:
-                for item in page.get("Contents", []):
-                    relative = item["Key"][strip:]
-                    if _is_valid_key(relative):  # skip foreign objects such as "a//b"
-                        keys.append(relative)
+                names.extend(item["Key"] for item in page.get("Contents", []))
         except self._botocore_errors() as error:
             raise self._error("list", prefix or "/", error) from error
-        keys.sort()
-        return iter(keys)
+        return self._relative(names, search)
 
     def delete(self, key: str) -> None:
         name = self._key(key)
@@ -338,11 +320,3 @@ def _is_invalid_range(error: Exception) -> bool:
     code = str(error.response.get("Error", {}).get("Code", ""))
     status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return code == "InvalidRange" or status == 416
-
-
-def _is_valid_key(key: str) -> bool:
-    try:
-        check_key(key)
-    except ConfigError:
-        return False
-    return True
