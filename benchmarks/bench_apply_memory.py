@@ -37,7 +37,7 @@ from benchmarks.emulator import (  # noqa: E402
     qwen_like_shapes,
 )
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta  # noqa: E402
-from pipeline.format.hashing import content_hash, sha256_bytes  # noqa: E402
+from pipeline.format.hashes.hashing import content_hash, sha256_bytes  # noqa: E402
 from pipeline.format.manifest import (  # noqa: E402
     CodecInfo,
     Manifest,

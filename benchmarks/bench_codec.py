@@ -35,8 +35,10 @@ import safetensors.torch
 import torch
 
 from benchmarks.bench_apply import sync
-from pipeline.codec import apply_patch, chunked, encode_delta, kernels, read_delta
+from pipeline.codec import apply_patch, encode_delta, read_delta
+from pipeline.codec.compiled import kernels
 from pipeline.codec.dtypes import BY_DTYPE
+from pipeline.codec.level3 import chunked
 from pipeline.codec.tensorcodec import roles
 from pipeline.targets.walking import Walk, apply_walks
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from emulator import make_state, qwen_like_shapes
 
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
-from pipeline.format import content_hashes
-from pipeline.format.hashing import sha256_bytes
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
     CodecInfo,
     Manifest,

@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta
-from pipeline.format.hashing import content_hash, sha256_bytes
+from pipeline.format.hashes.hashing import content_hash, sha256_bytes
 from pipeline.format.manifest import (
     CodecInfo,
     Manifest,

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from pipeline.codec.anchor import ANCHOR_COMPRESSIONS
 from pipeline.codec.api import LEVELS
 from pipeline.errors import ConfigError
-from pipeline.format import content_hashes
+from pipeline.format.hashes import content_hashes
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 REDIS_SCHEMES = ("redis", "rediss", "unix")

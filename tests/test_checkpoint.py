@@ -22,7 +22,7 @@ from pipeline.format.checkpoint import (
     tensors_from_bytes,
 )
 from pipeline.format.checkpoint_write import safetensors_bytes, write_checkpoint
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

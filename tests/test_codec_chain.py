@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.codec import DEFAULT_LEVEL, apply_patch, encode_delta, read_delta
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import chunked, encode_delta, read_delta
+from pipeline.codec import encode_delta, read_delta
 from pipeline.codec.container import read_container
+from pipeline.codec.level3 import chunked
 from pipeline.errors import DeltasyncError
 from tests.test_codec_errors import rebuild
 from tests.test_codec_fused import pinned_pairs

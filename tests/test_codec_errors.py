@@ -12,16 +12,9 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from pipeline.codec import (
-    CODEC_NAME,
-    TensorPatch,
-    apply_patch,
-    contents,
-    encode_delta,
-    kernels,
-    read_delta,
-)
+from pipeline.codec import CODEC_NAME, TensorPatch, apply_patch, contents, encode_delta, read_delta
 from pipeline.codec.api import _checksum
+from pipeline.codec.compiled import kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.errors import (
     CodecError,

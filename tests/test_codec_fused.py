@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import apply_patch, encode_delta, fused, kernels, read_delta, rice
+from pipeline.codec import apply_patch, encode_delta, read_delta, rice
+from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container
 from pipeline.errors import CorruptObjectError, MismatchError
 from tests.pipeline_helpers import REPO
@@ -315,9 +316,8 @@ def test_compiled_kernels_refuse_constants_they_were_not_written_for() -> None:
     """numba's disk cache freezes fused_constants.py's values into kernels keyed on
     fused_jit.py alone, so fused_jit.py names their values and will not load
     beside other ones (editing it invalidates the cache)."""
-    code = (
-        "import pipeline.codec.fused_constants as f; f.BATCH = 128; import pipeline.codec.fused_jit"
-    )
+    package = "pipeline.codec.compiled"
+    code = f"import {package}.fused_constants as f; f.BATCH = 128; import {package}.fused_jit"
     done = subprocess.run(
         [sys.executable, "-c", code],
         check=False,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.codec import chunked
+from pipeline.codec.level3 import chunked
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.publish.offline import apply_delta, create_delta
 from tests.test_checkpoint import same_bits

@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from pipeline.codec import LEVELS, apply_patch, encode_delta, kernels, read_delta
+from pipeline.codec import LEVELS, apply_patch, encode_delta, read_delta
+from pipeline.codec.compiled import kernels
 from pipeline.codec.dtypes import BY_DTYPE
 
 DTYPES = [

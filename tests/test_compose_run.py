@@ -400,8 +400,8 @@ def test_the_vllm_profile_serves_a_run_and_follows_it_to_the_head_bit_exactly(
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"docker: the vllm profile's run needs {module} on the host (test extra)")
     from pipeline.config import Settings
-    from pipeline.format import content_hashes
-    from pipeline.format.hashing import state_hash
+    from pipeline.format.hashes import content_hashes
+    from pipeline.format.hashes.hashing import state_hash
 
     started = time.monotonic()
     base = _local("vllm-base", engine)

@@ -26,7 +26,7 @@ from pipeline.coord.hints import channel, publish_part
 from pipeline.coord.stream import EventStream
 from pipeline.errors import MismatchError
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.content_hashes import MIXSUM, XXH3
+from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import RolloutNode

@@ -9,11 +9,11 @@ import torch
 
 from pipeline.codec import TensorPatch, apply_patch, encode_delta, read_delta
 from pipeline.errors import MismatchError
-from pipeline.format import hashing
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
-from pipeline.format.content_hashes import XXH3
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes import hashing
+from pipeline.format.hashes.content_hashes import XXH3
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.content_hashes import XXH3
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.content_hashes import XXH3
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore

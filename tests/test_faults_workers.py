@@ -34,7 +34,7 @@ from pipeline.coord import replicas
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import AnchorAvailable, DeltaAvailable
 from pipeline.coord.stream import EventStream
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store import open_store

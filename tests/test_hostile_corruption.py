@@ -16,7 +16,7 @@ import torch
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.stream import EventStream
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import manifest_key, object_key
 from pipeline.publish.compaction import compact
 from pipeline.rollout.node import RolloutNode

@@ -17,8 +17,8 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, CodecError, CorruptObjectError, MismatchError
-from pipeline.format import mixsum
-from pipeline.format.content_hashes import MIXSUM, XXH3
+from pipeline.format.hashes import mixsum
+from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
 from pipeline.format.manifest import manifest_key, to_json
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.publish.step import publish_step

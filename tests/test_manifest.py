@@ -13,7 +13,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.errors import CodecError, ConfigError, CorruptObjectError, SignatureError
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import (
     CodecInfo,
     Manifest,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.format import mixsum
+from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import DTYPES
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

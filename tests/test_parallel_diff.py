@@ -27,8 +27,8 @@ from pipeline.coord.hints import publish_part
 from pipeline.coord.replicas import RunLock
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import manifest_key, version_prefix
 from pipeline.publish.diff import DeltaTask, LocalLedger, StaleBaseError, encode_parts
 from pipeline.publish.parallel import (

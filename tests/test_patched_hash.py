@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.format import hashing
-from pipeline.format.hashing import content_hash, patched_content_hash, patched_device_hash
+from pipeline.format.hashes import hashing
+from pipeline.format.hashes.hashing import content_hash, patched_content_hash, patched_device_hash
 from pipeline.targets.patching import int_view
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -16,9 +16,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import manifest_key
 from pipeline.publish import diff as publish
 from pipeline.publish.compaction import compact

@@ -21,7 +21,7 @@ from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream
 from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.hashing import content_hash, sha256_bytes
+from pipeline.format.hashes.hashing import content_hash, sha256_bytes
 from pipeline.format.manifest import (
     ObjectEntry,
     TensorEntry,

@@ -17,13 +17,13 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.replicas import list_replicas
 from pipeline.errors import ConfigError
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
 from pipeline.targets.patching import int_view
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
-from workers.rollout import run_rollout
+from workers.nodes.rollout import run_rollout
 
 RUN = "proc"
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.events import DeltaApplied, ReplicaError
 from pipeline.coord.stream import EventStream
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.store import open_store
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 from pipeline.versions import chain

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeline.codec import encode_delta
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.format.hashing import content_hash, sha256_bytes, state_hash
+from pipeline.format.hashes.hashing import content_hash, sha256_bytes, state_hash
 from pipeline.format.manifest import (
     CodecInfo,
     Manifest,

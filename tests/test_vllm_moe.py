@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from pipeline.errors import TargetError
-from pipeline.format import content_hashes
-from pipeline.format.content_hashes import XXH3
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.content_hashes import XXH3
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import dtype_name
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step

@@ -26,7 +26,7 @@ from pipeline.config import Settings
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.stream import EventStream
-from pipeline.format import content_hashes
+from pipeline.format.hashes import content_hashes
 from pipeline.store.file import FileStore
 from pipeline.targets.vllm.target import EXTENSION_CLS
 from pipeline.versions import chain
@@ -67,7 +67,7 @@ def plugin_site(folder: Path) -> Path:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deltasync-vllm-plugin\n"
                                    "Version: 0.0\n")  # fmt: skip
     (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\ndeltasync = workers.vllm_plugin:register\n"
+        "[vllm.general_plugins]\ndeltasync = workers.nodes.vllm_plugin:register\n"
     )
     return folder
 

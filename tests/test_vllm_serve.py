@@ -27,8 +27,8 @@ import torch
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import DeltaApplied, ReplicaError
 from pipeline.coord.stream import EventStream
-from pipeline.format import content_hashes
-from pipeline.format.hashing import state_hash
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.hashing import state_hash
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore

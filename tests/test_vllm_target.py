@@ -22,7 +22,7 @@ import torch
 
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
-from pipeline.format.hashing import content_hash, sha256_bytes
+from pipeline.format.hashes.hashing import content_hash, sha256_bytes
 from pipeline.format.manifest import (
     CodecInfo,
     Manifest,

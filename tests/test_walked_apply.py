@@ -13,7 +13,7 @@ import torch
 
 from pipeline.codec import DeltaObject, HashedPatch, encode_delta, read_delta
 from pipeline.errors import MismatchError, TargetError
-from pipeline.format.hashing import content_hash
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.targets.patching import split_for_two_writers
 from pipeline.targets.proving import ProvenDigest, decode_and_prove
 from pipeline.targets.torch import TorchTarget

@@ -27,9 +27,9 @@ from pipeline.coord.events import (
 )
 from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.hashing import state_hash
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.hashing import state_hash
 from pipeline.logs import configure_logging, get_logger
 from pipeline.testing import synthetic
 from pipeline.versions import verify

@@ -33,7 +33,7 @@ value, level 2), ``bitmap`` (zstd of the change mask), ``dense`` (zstd byte
 planes of every difference), ``chunked`` (level 3: chunks of 2**20 elements
 that decode independently, each with its positions coded per magnitude bucket
 of the base value and its contents; streams ``table``, ``bits``, ``mags``, see
-``pipeline.codec.chunked``); contents ``signmag`` or ``planes``. Encoding is
+``pipeline.codec.level3.chunked``); contents ``signmag`` or ``planes``. Encoding is
 deterministic: the same inputs give the same bytes. Level 3 is written only by
 the compiled kernels and read by them on CPU tensors (a tensor's chunks on
 several threads) or by torch operations on the tensor's device.

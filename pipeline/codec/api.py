@@ -17,9 +17,11 @@ import torch
 import xxhash
 
 from pipeline import cpus
-from pipeline.codec import chunked, chunked_torch, compact, fused, kernels
+from pipeline.codec import compact
+from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
+from pipeline.codec.level3 import chunked, chunked_torch
 from pipeline.codec.records import TensorRecord, parse_record
 from pipeline.codec.tensorcodec import (
     DamagedStreamError,
@@ -32,7 +34,7 @@ from pipeline.codec.tensorcodec import (
 )
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
 from pipeline.format.bounded import load_json
-from pipeline.format.hashing import patched_tensor_hash
+from pipeline.format.hashes.hashing import patched_tensor_hash
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1

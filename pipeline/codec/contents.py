@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from pipeline.codec import fused, rice
+from pipeline.codec import rice
+from pipeline.codec.compiled import fused
 
 ZSTD_LEVEL = 3
 METHODS = ("planes", "signmag")

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.codec import chunked, contents, positions
+from pipeline.codec import contents, positions
 from pipeline.codec.dtypes import BY_NAME, DtypeInfo
+from pipeline.codec.level3 import chunked
 from pipeline.codec.tensorcodec import ENCODINGS, roles
 from pipeline.errors import CorruptObjectError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from pipeline.codec import fused, kernels
+from pipeline.codec.compiled import fused, kernels
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]

@@ -22,8 +22,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from pipeline.codec import chunked, contents, fused, kernels, positions, rice
+from pipeline.codec import contents, positions, rice
+from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.dtypes import DtypeInfo
+from pipeline.codec.level3 import chunked
 from pipeline.codec.positions import ClassIndex, to_numpy
 
 I64 = npt.NDArray[np.int64]

@@ -22,7 +22,7 @@ import torch
 
 from pipeline.errors import ConfigError, MismatchError
 from pipeline.format.checkpoint import INDEX_NAME, SAFETENSORS_CODES, HeaderEntry, Tensors
-from pipeline.format.hashing import tensor_bytes
+from pipeline.format.hashes.hashing import tensor_bytes
 
 
 def _header_bytes(entries: list[HeaderEntry], metadata: dict[str, str] | None) -> bytes:

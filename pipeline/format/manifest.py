@@ -23,12 +23,12 @@ from typing import Any, Literal
 import torch
 
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.format.hashing import state_hash
+from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.tensors import DTYPE_TABLE
 
 SCHEMA_VERSION = 2
 SUPPORTED_SCHEMAS = frozenset({1, 2})
-# Schema 1 names no content hash: its tensors carry xxh3-128 (pipeline.format.content_hashes).
+# Schema 1 names no content hash: its tensors carry xxh3-128 (see hashes.content_hashes).
 SCHEMA1_CONTENT_HASH = "xxh3-128"
 MANIFEST_NAME = "manifest.json"
 
@@ -109,7 +109,7 @@ class Manifest:
     codec: CodecInfo
     objects: tuple[ObjectEntry, ...]
     tensors: tuple[TensorEntry, ...]
-    state_hash: str  # pipeline.format.hashing.state_hash over (name, hash) of all tensors
+    state_hash: str  # pipeline.format.hashes.hashing.state_hash over (name, hash) of all tensors
     created: str  # ISO 8601 UTC
     schema: int = SCHEMA_VERSION
     signature: dict[str, str] | None = None

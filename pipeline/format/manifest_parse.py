@@ -13,8 +13,8 @@ import re
 from typing import Any, cast
 
 from pipeline.errors import CodecError, CorruptObjectError
-from pipeline.format import content_hashes
 from pipeline.format.bounded import load_json
+from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import (
     DTYPES,
     KINDS,

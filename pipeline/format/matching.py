@@ -9,8 +9,8 @@ from typing import Literal
 import torch
 
 from pipeline.errors import MismatchError
-from pipeline.format import content_hashes
-from pipeline.format.content_hashes import HashAlgorithm
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.manifest import DTYPES, Manifest, TensorEntry, dtype_name
 from pipeline.format.tensors import TensorSpec
 

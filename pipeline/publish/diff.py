@@ -30,11 +30,11 @@ from pipeline import cpus
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, DeltaObject, encode_delta, read_delta
 from pipeline.coord.events import DeltaPart
 from pipeline.errors import ChainError, MismatchError
-from pipeline.format import content_hashes, mixsum
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_names import published_form
-from pipeline.format.content_hashes import HashAlgorithm
-from pipeline.format.hashing import sha256_bytes
+from pipeline.format.hashes import content_hashes, mixsum
+from pipeline.format.hashes.content_hashes import HashAlgorithm
+from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
     CodecInfo,
     Kind,

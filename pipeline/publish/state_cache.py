@@ -23,9 +23,9 @@ import structlog
 import torch
 
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.format.checkpoint_write import write_sharded
+from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import Manifest, check_run
 from pipeline.format.matching import check_tensors
 from pipeline.store.base import ObjectStore

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import structlog
 
 from pipeline.errors import ObjectNotFoundError
-from pipeline.format.hashing import sha256_bytes
+from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.logs import Throttle
 from pipeline.store.base import ObjectStore
 from pipeline.testing import faults

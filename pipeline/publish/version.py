@@ -22,11 +22,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
 from pipeline.errors import MismatchError
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_names import published_form
-from pipeline.format.content_hashes import HashAlgorithm
-from pipeline.format.hashing import sha256_bytes
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.content_hashes import HashAlgorithm
+from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
     CodecInfo,
     Kind,

@@ -30,7 +30,7 @@ import structlog
 from pipeline.coord.events import DeltaPart
 from pipeline.coord.hints import PartListener
 from pipeline.errors import CorruptObjectError, DeltasyncError
-from pipeline.format.hashing import sha256_bytes
+from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.store.base import ObjectStore
 from pipeline.targets.base import EarlyProofStarter, EarlyProver

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import CorruptObjectError
-from pipeline.format import content_hashes
+from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import Manifest
 from pipeline.logs import Throttle
 from pipeline.store.base import ObjectStore

@@ -8,7 +8,7 @@ delays it. Whatever fails, the target keeps the last version that applied and
 verified; the node reports the error and recovers from the store.
 
 An inference server embeds a :class:`RolloutNode` (``run`` in a thread);
-``workers/rollout.py`` is the process entry that wraps it. Downloads live in
+``workers/nodes/rollout.py`` is the process entry that wraps it. Downloads live in
 ``rollout_fetch.py``, event-stream following in ``rollout_stream.py``, events and
 heartbeats in ``rollout_report.py`` and the state file in ``rollout_state.py``.
 """

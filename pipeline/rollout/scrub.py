@@ -1,7 +1,7 @@
 """Background scrub: held tensors re-hashed in full at a bounded pace, off the pause.
 
 A version's apply proves only what it changes (the held hashes plus the changes,
-see :mod:`pipeline.format.mixsum`); memory that changes behind the node's back (a bad
+see :mod:`pipeline.format.hashes.mixsum`); memory that changes behind the node's back (a bad
 DIMM, a stray write, a bug elsewhere in the process) is caught here instead. A
 pass re-hashes every held tensor against the hash it is known by; it runs on a
 thread of its own, one tensor at a time, sleeping between tensors so that it uses
@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import structlog
 
 from pipeline.errors import ConfigError
-from pipeline.format import mixsum
+from pipeline.format.hashes import mixsum
 
 log = structlog.get_logger(__name__)
 

@@ -54,7 +54,7 @@ class Target(Protocol):
         self, names: Sequence[str] | None = None, algorithm: str | None = None
     ) -> dict[str, str]:
         """Content hashes of held tensors, by ``algorithm`` (a manifest's
-        ``content_hash``, see pipeline.format.content_hashes; default: the one in use)."""
+        ``content_hash``, see pipeline.format.hashes.content_hashes; default: the one in use)."""
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """CPU copies of every tensor in checkpoint names (for dumps and checks)."""

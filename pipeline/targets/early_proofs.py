@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import structlog
 import torch
 
-from pipeline.format.content_hashes import XXH3_ALGORITHM, HashAlgorithm
+from pipeline.format.hashes.content_hashes import XXH3_ALGORITHM, HashAlgorithm
 from pipeline.targets.proving import EarlyProof, prove_object, prove_object_incremental
 
 log = structlog.get_logger(__name__)

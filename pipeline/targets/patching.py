@@ -32,9 +32,10 @@ import numpy as np
 import torch
 
 from pipeline import cpus
-from pipeline.codec import DeltaObject, TensorPatch, apply_patch, kernels, read_delta
+from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
+from pipeline.codec.compiled import kernels
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
-from pipeline.format.hashing import content_hash, patched_tensor_hash, sha256_bytes
+from pipeline.format.hashes.hashing import content_hash, patched_tensor_hash, sha256_bytes
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.format.matching import check_entry
 from pipeline.targets.base import TensorSpec

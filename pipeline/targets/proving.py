@@ -19,7 +19,7 @@ import torch
 from pipeline import cpus
 from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
 from pipeline.errors import CorruptObjectError, MismatchError
-from pipeline.format.content_hashes import XXH3, HashAlgorithm
+from pipeline.format.hashes.content_hashes import XXH3, HashAlgorithm
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import (

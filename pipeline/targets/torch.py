@@ -23,10 +23,10 @@ from torch import nn
 
 from pipeline.codec import TensorPatch
 from pipeline.errors import MismatchError, TargetError
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.content_hashes import HashAlgorithm
-from pipeline.format.hashing import state_hash
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.content_hashes import HashAlgorithm
+from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.format.matching import check_tensors
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode

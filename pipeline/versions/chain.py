@@ -26,9 +26,9 @@ from pipeline.errors import (
     CorruptObjectError,
     ObjectNotFoundError,
 )
-from pipeline.format import content_hashes
 from pipeline.format.checkpoint_write import write_checkpoint, write_sharded
-from pipeline.format.hashing import sha256_bytes
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
     KIND_FOLDERS,
     MAX_MANIFEST_BYTES,

@@ -122,12 +122,12 @@ def rollout(
 ) -> None:
     """Follow a run and keep a target's weights at the newest published version."""
     from pipeline.config import RolloutOptions
-    from workers.rollout import default_node_id, run_rollout
+    from workers.nodes.rollout import default_node_id, run_rollout
 
     runtime = from_context(ctx)
     if target == HTTP_TARGET:
         from pipeline.errors import ConfigError
-        from workers.rollout_http import run_http_rollout
+        from workers.nodes.rollout_http import run_http_rollout
 
         if url is None:
             raise ConfigError("--target vllm-http needs --url http://HOST:PORT")
@@ -302,7 +302,7 @@ def serve(
     and lag. Options not listed here go to vLLM's server (e.g. --max-model-len 512,
     --served-model-name policy).
     """
-    from workers.serve import run_serve
+    from workers.nodes.serve import run_serve
 
     runtime = from_context(ctx)
     run_serve(

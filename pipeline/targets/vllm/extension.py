@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load, save
 
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
-from pipeline.format.hashing import sha256_bytes
+from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
 from pipeline.targets.proving import early_results, prove_entries, prove_incremental
 from pipeline.targets.vllm.cpu import computes_from_weight
@@ -85,7 +85,7 @@ class DeltasyncWorkerExtension:
     def _ds(self) -> WorkerState:
         state: WorkerState | None = getattr(self, "_deltasync_state", None)
         if state is None:
-            # With the deltasync weight-transfer backend too (workers/vllm_plugin.py),
+            # With the deltasync weight-transfer backend too (workers/nodes/vllm_plugin.py),
             # this worker's methods read and write the state that backend keeps.
             host = getattr(getattr(self, "weight_transfer_engine", None), "host", None)
             if isinstance(host, DeltasyncWorkerExtension) and host is not self:

@@ -19,9 +19,9 @@ import structlog
 import torch
 
 from pipeline.errors import DeltasyncError, MismatchError, TargetError
-from pipeline.format import content_hashes
-from pipeline.format.content_hashes import HashAlgorithm
-from pipeline.format.hashing import state_hash
+from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes.content_hashes import HashAlgorithm
+from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import TensorEntry
 from pipeline.format.matching import difference, spec_of
 from pipeline.targets.base import TensorSpec

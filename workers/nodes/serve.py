@@ -32,7 +32,7 @@ import structlog
 from pipeline.config import Settings
 from pipeline.coord.connection import redact_url, redis_client
 from pipeline.errors import ConfigError, DeltasyncError
-from pipeline.format.hashing import state_hash
+from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
 from pipeline.rollout.node import RolloutNode
@@ -47,13 +47,13 @@ from pipeline.targets.vllm.startup import (
     prepare_engine_process,
 )
 from pipeline.versions import chain
-from workers.redis_launcher import ensure_redis
-from workers.rollout import (
+from workers.nodes.rollout import (
     default_node_id,
     deregister_node,
     make_node,
     open_node_store,
 )
+from workers.redis_launcher import ensure_redis
 from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)

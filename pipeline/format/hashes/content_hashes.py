@@ -4,7 +4,7 @@ publishing, verification, compaction, the state cache and every target use.
 A run's first anchor fixes its algorithm; every later version of the run carries the
 same one. Schema 1 manifests name none: they are ``xxh3-128``, a hash of the bytes
 that must be recomputed in full after any change. Schema 2 manifests name theirs;
-new runs use ``mixsum-128`` (:mod:`pipeline.format.mixsum`), which is updated from the
+new runs use ``mixsum-128`` (:mod:`pipeline.format.hashes.mixsum`), which is updated from the
 changed elements alone.
 """
 
@@ -19,8 +19,8 @@ import numpy.typing as npt
 import torch
 
 from pipeline.errors import ConfigError, CorruptObjectError
-from pipeline.format import mixsum
-from pipeline.format.hashing import CONTENT_HASH, content_hash
+from pipeline.format.hashes import mixsum
+from pipeline.format.hashes.hashing import CONTENT_HASH, content_hash
 
 if TYPE_CHECKING:
     from pipeline.format.manifest import Manifest
@@ -53,7 +53,7 @@ class HashAlgorithm:
         the integer view, as a delta's streams give it) at ``positions`` of ``flat``
         (a held tensor's flat integer view, only read): the old contents are read at
         the changed positions once, on the tensor's device (see
-        :func:`pipeline.format.mixsum.gathered_update`)."""
+        :func:`pipeline.format.hashes.mixsum.gathered_update`)."""
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
         steps = diffs.cpu().numpy() if isinstance(diffs, torch.Tensor) else diffs

@@ -19,7 +19,13 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
-from pipeline.codec.fused_jit import load_be64, prefetch_write, put_bits, put_tail, trailing_zeros
+from pipeline.codec.compiled.fused_jit import (
+    load_be64,
+    prefetch_write,
+    put_bits,
+    put_tail,
+    trailing_zeros,
+)
 
 jit = numba.njit(cache=True, nogil=True)
 

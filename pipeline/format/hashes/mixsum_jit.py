@@ -12,7 +12,7 @@ from typing import Any
 import numba  # type: ignore[import-untyped]
 import numpy as np
 
-from pipeline.format.mixsum import KEYS
+from pipeline.format.hashes.mixsum import KEYS
 
 jit = numba.njit(cache=True, nogil=True)
 

@@ -24,8 +24,8 @@ import importlib
 import importlib.util
 from typing import Any
 
-from pipeline.codec import kernels
-from pipeline.codec.fused_constants import (
+from pipeline.codec.compiled import kernels
+from pipeline.codec.compiled.fused_constants import (
     APPLY,
     BAD_CONTENTS,
     BAD_POSITION,
@@ -70,4 +70,4 @@ def _build() -> Any | None:
     # next process (functions made inside a function are compiled anew each time).
     if importlib.util.find_spec("numba") is None:
         return None  # the numpy paths serve
-    return importlib.import_module("pipeline.codec.fused_jit").FUSED
+    return importlib.import_module("pipeline.codec.compiled.fused_jit").FUSED

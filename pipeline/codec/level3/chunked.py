@@ -35,7 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pipeline import cpus
-from pipeline.codec import contents, kernels
+from pipeline.codec import contents
+from pipeline.codec.compiled import kernels
 from pipeline.codec.dtypes import DtypeInfo
 from pipeline.errors import CodecError
 
@@ -94,7 +95,7 @@ def encoder() -> Any:
 def _build() -> Any | None:
     if importlib.util.find_spec("numba") is None:
         return None
-    return importlib.import_module("pipeline.codec.chunked_jit").CHUNKED
+    return importlib.import_module("pipeline.codec.level3.chunked_jit").CHUNKED
 
 
 def magnitude_mask(info: DtypeInfo) -> int:

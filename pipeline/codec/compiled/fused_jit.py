@@ -15,7 +15,7 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils, types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
-from pipeline.codec.fused_constants import (
+from pipeline.codec.compiled.fused_constants import (
     BAD_CONTENTS,
     BAD_POSITION,
     BAD_UNARY,

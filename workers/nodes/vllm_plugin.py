@@ -59,7 +59,7 @@ def register() -> None:
     install_cpu_linear_hook()
     with contextlib.suppress(ValueError):  # registered already in this process
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "workers.vllm_plugin", "DeltasyncTransferEngine"
+            BACKEND, "workers.nodes.vllm_plugin", "DeltasyncTransferEngine"
         )
 
 

@@ -1,6 +1,6 @@
 """``deltasync rollout --target vllm-http --url URL``: follow a run by driving a stock
 ``vllm serve`` that runs the ``deltasync`` weight-transfer backend
-(``workers/vllm_plugin.py``, dev mode on).
+(``workers/nodes/vllm_plugin.py``, dev mode on).
 
 For each new version, in order: ``POST /pause?mode=wait`` (in-flight requests finish,
 new ones wait; vLLM clears its prefix cache), ``/start_weight_update``,
@@ -31,8 +31,8 @@ from pipeline.format.signing import load_public_key
 from pipeline.rollout.report import Reporter
 from pipeline.rollout.stream import StreamFollower
 from pipeline.versions import chain
+from workers.nodes.rollout import open_node_store
 from workers.redis_launcher import ensure_redis
-from workers.rollout import open_node_store
 
 log = structlog.get_logger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.codec.chunked import ChunkedError, Layout, large_magnitudes, magnitude_mask
 from pipeline.codec.dtypes import DtypeInfo
+from pipeline.codec.level3.chunked import ChunkedError, Layout, large_magnitudes, magnitude_mask
 
 U8 = np.ndarray  # type: ignore[type-arg]
 

@@ -28,4 +28,4 @@ def _build() -> Any | None:
     # next process (functions made inside a function are compiled anew each time).
     if importlib.util.find_spec("numba") is None:
         return None  # the numpy paths serve
-    return importlib.import_module("pipeline.codec.kernels_jit").KERNELS
+    return importlib.import_module("pipeline.codec.compiled.kernels_jit").KERNELS

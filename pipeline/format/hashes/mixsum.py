@@ -59,7 +59,7 @@ COMPILED = True
 def _jit() -> Any | None:
     if importlib.util.find_spec("numba") is None:
         return None
-    return importlib.import_module("pipeline.format.mixsum_jit")
+    return importlib.import_module("pipeline.format.hashes.mixsum_jit")
 
 
 def compiled() -> Any | None:
