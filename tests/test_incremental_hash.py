@@ -25,7 +25,7 @@ from pipeline.publish.step import publish_step
 from pipeline.rollout.node import RolloutNode
 from pipeline.rollout.scrub import ScrubPace
 from pipeline.store.file import FileStore
-from pipeline.targets import patching
+from pipeline.targets import confirmed, patching
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.versions import chain
@@ -145,6 +145,7 @@ def test_a_patch_written_to_a_wrong_position_is_caught_and_rolled_back(
     assert node.step_once() == 0
     v = trainer.publish()
     real = apply_patch
+    monkeypatch.setattr(confirmed, "ENABLED", False)  # the separate write and read-back
 
     def misplaced(tensor: torch.Tensor, patch: Any) -> None:
         shifted = patch.positions.clone()
