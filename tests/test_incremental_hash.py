@@ -12,20 +12,21 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.codec import apply_patch
+from pipeline.codec import apply_patch, encode_delta, read_delta
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, CodecError, CorruptObjectError, MismatchError
-from pipeline.format.hashes import mixsum
+from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
 from pipeline.format.manifest import manifest_key, to_json
 from pipeline.format.manifest_parse import parse_manifest
+from pipeline.publish.diff import scan_hasher, updated_hashes
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import RolloutNode
 from pipeline.rollout.scrub import ScrubPace
 from pipeline.store.file import FileStore
-from pipeline.targets import patching
+from pipeline.targets import confirmed, patching
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.versions import chain
@@ -145,6 +146,7 @@ def test_a_patch_written_to_a_wrong_position_is_caught_and_rolled_back(
     assert node.step_once() == 0
     v = trainer.publish()
     real = apply_patch
+    monkeypatch.setattr(confirmed, "ENABLED", False)  # the separate write and read-back
 
     def misplaced(tensor: torch.Tensor, patch: Any) -> None:
         shifted = patch.positions.clone()
@@ -316,3 +318,31 @@ def test_a_chain_mixing_hashes_is_refused(trainer: Trainer, store: FileStore) ->
     store.put(key, json.dumps(doc).encode())
     with pytest.raises(ChainError, match="hashes tensors with"):
         list(chain.reconstruct_tensors(store, RUN, v))
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.bool]
+)
+def test_the_diff_workers_hashes_from_the_encoders_scan_are_the_full_hashes(
+    level: int, dtype: torch.dtype
+) -> None:
+    """The encode's own scan (``on_changes``) gives each changed tensor's new hash from
+    its base's; sparse, dense (every element changed) and untouched tensors alike."""
+    gen = torch.Generator().manual_seed(level)
+    pairs = []
+    for name, numel, share in (("sparse", 50_000, 0.02), ("dense", 3000, 1.0), ("same", 500, 0.0)):
+        width = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=gen)
+        base = (raw % 2).bool() if dtype == torch.bool else raw.view(dtype)
+        flat = patching.int_view(base.clone()).view(-1)
+        hit = torch.rand(numel, generator=gen) < share
+        flat[hit] ^= 1  # the lowest bit: 0/1 stays a bool
+        pairs.append((name, base, flat.view(dtype)))
+    held = {name: mixsum.full(base) for name, base, _ in pairs}
+    hook, scanned = scan_hasher(pairs, held, content_hashes.get(MIXSUM))
+    data = encode_delta(pairs, level, on_changes=hook)
+    assert set(scanned) == {"sparse", "dense"}
+    delta = read_delta(data, object_name="p")
+    got = updated_hashes(delta, pairs, held, content_hashes.get(MIXSUM), scanned)
+    assert got == {name: mixsum.full(new) for name, _, new in pairs}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -354,9 +355,15 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:
 
 
 def encode_delta(
-    pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], level: int = DEFAULT_LEVEL
+    pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
+    level: int = DEFAULT_LEVEL,
+    *,
+    on_changes: Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any]], None] | None = None,
 ) -> bytes:
-    """One delta object for (name, base, new) pairs of equal dtype and shape."""
+    """One delta object for (name, base, new) pairs of equal dtype and shape.
+    ``on_changes(name, positions, new - base)`` is called for each changed tensor with
+    what the encoder's scan found (on an encoding thread; the arrays are valid during
+    the call only), so that a caller needs no second pass over the changes."""
     if level not in LEVELS:
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
     entries: dict[str, npt.NDArray[np.uint8]] = {}
@@ -400,10 +407,11 @@ def encode_delta(
             base_flat = int_view_flat(base, info)
             new_flat = int_view_flat(new.to(base.device), info)
             job: Encoded | Future[Encoded]
+            hook = None if on_changes is None else functools.partial(on_changes, name)
             if pool is None:
-                job = encode_tensor(base_flat, new_flat, info, level)
+                job = encode_tensor(base_flat, new_flat, info, level, hook)
             else:
-                job = pool.submit(encode_tensor, base_flat, new_flat, info, level)
+                job = pool.submit(encode_tensor, base_flat, new_flat, info, level, hook)
             pending.append((name, info, tuple(base.shape), job))
             if len(pending) > ENCODE_THREADS:
                 finish_oldest()

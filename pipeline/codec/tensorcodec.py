@@ -15,6 +15,7 @@ Contents are bit-pattern differences new - base in the integer view
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,15 +147,26 @@ def _changes(
     return to_numpy(where_t), to_numpy(new_flat[where_t]).view(unsigned) - base_vals
 
 
+# Called with (positions, new - base modulo the width, unsigned) of a tensor's changed
+# elements as the encoder's own scan found them, on the encoding thread, before the
+# next tensor is scanned (the arrays may be scratch reused after it returns).
+OnChanges = Callable[[I64, AnyUInt], None]
+
+
 def encode_tensor(
-    base_flat: torch.Tensor, new_flat: torch.Tensor, info: DtypeInfo, level: int
+    base_flat: torch.Tensor,
+    new_flat: torch.Tensor,
+    info: DtypeInfo,
+    level: int,
+    on_changes: OnChanges | None = None,
 ) -> Encoded:
-    """The smallest encoding of the change from base to new (flat integer views)."""
+    """The smallest encoding of the change from base to new (flat integer views).
+    ``on_changes`` gets the changes the scan found, when there are any."""
     numel = base_flat.numel()
     if numel == 0:
         return Encoded("same", 0)
     if level >= 3:
-        return _encode_chunked(chunked.encoder(), base_flat, new_flat, info)
+        return _encode_chunked(chunked.encoder(), base_flat, new_flat, info, on_changes)
     compiled = fused.get()
     if (
         compiled is not None
@@ -166,6 +178,8 @@ def encode_tensor(
         new_np = new_flat.numpy().view(info.unsigned)
         encoded, scanned = _encode_sparse_compiled(compiled, base_np, new_np)
         if encoded is not None:
+            if on_changes is not None:  # done: the scan ran to the end
+                on_changes(scanned[0][: scanned[2]], scanned[1][: scanned[2]])
             return encoded
         where, diff = _scan_compiled(compiled, base_np, new_np, scanned)
     else:
@@ -173,6 +187,8 @@ def encode_tensor(
     changed = where.size
     if changed == 0:
         return Encoded("same", 0)
+    if on_changes is not None:
+        on_changes(where, diff)
     content_streams, content_params = contents.encode_contents(diff)
 
     candidates: list[Encoded] = []
@@ -207,7 +223,11 @@ def encode_tensor(
 
 
 def _encode_chunked(
-    walker: Any, base_flat: torch.Tensor, new_flat: torch.Tensor, info: DtypeInfo
+    walker: Any,
+    base_flat: torch.Tensor,
+    new_flat: torch.Tensor,
+    info: DtypeInfo,
+    on_changes: OnChanges | None = None,
 ) -> Encoded:
     """Level 3: the ``chunked`` encoding, or a level-1 one where that is smaller
     (many changes, or differences mostly above one unit)."""
@@ -216,6 +236,8 @@ def _encode_chunked(
     changed = where.size
     if changed == 0:
         return Encoded("same", 0)
+    if on_changes is not None:
+        on_changes(where, diff)
     base_np = to_numpy(base_flat).view(info.unsigned)
     found = chunked.encode(walker, base_np, where, diff, info)
     best = Encoded("chunked", changed, found.streams, found.params)

@@ -21,8 +21,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 import torch
 
@@ -188,16 +190,42 @@ def submit_hashes(
     return result
 
 
+def scan_hasher(
+    pairs: Pairs, held: dict[str, str], algorithm: HashAlgorithm
+) -> tuple[Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any]], None], dict[str, str]]:
+    """(the encoder's ``on_changes`` hook, the new hashes it fills): each changed
+    tensor's new content hash from its base's (``held``) and the changes the encode's
+    own scan found, on the encoding thread while the tensor is still in cache: no
+    second decode of the object, no second pass over its changes. The hash comes from
+    the true base and new (not from the object's decoding), so a replica that
+    decodes the object into anything else refuses it."""
+    bases = {name: base for name, base, _ in pairs}
+    out: dict[str, str] = {}
+
+    def hook(name: str, positions: npt.NDArray[np.int64], diffs: npt.NDArray[Any]) -> None:
+        flat = mixsum.int_flat(bases[name])
+        out[name] = algorithm.gathered(held[name], flat, positions, diffs)[0]
+
+    return hook, out
+
+
 def updated_hashes(
-    delta: DeltaObject, pairs: Pairs, held: dict[str, str], algorithm: HashAlgorithm
+    delta: DeltaObject,
+    pairs: Pairs,
+    held: dict[str, str],
+    algorithm: HashAlgorithm,
+    scanned: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The new content hash of each tensor of ``pairs`` from its base's (``held``) and
     the changes ``delta`` makes to it: O(changed), the old contents read at the changed
-    positions only."""
+    positions only. ``scanned`` hashes (from :func:`scan_hasher`) are taken as they are."""
     out: dict[str, str] = {}
     for name, base, _ in pairs:
         if delta.info(name).changed == 0:
             out[name] = held[name]
+            continue
+        if scanned is not None and name in scanned:
+            out[name] = scanned[name]
             continue
         flat = mixsum.int_flat(base)
         found = delta.differences(name, base)  # from the streams, the base not read
@@ -284,12 +312,13 @@ def encode_parts(
                 hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in hashed]
             hashes = submit_hashes(hasher, hashed, algorithm)
             faults.point("publish.after_read")
-            data = encode_delta(pairs, task.level)
+            hook, scanned = scan_hasher(pairs, parent_hashes, algorithm)
+            data = encode_delta(pairs, task.level, on_changes=hook if incremental else None)
             timings.encode_s += clock.lap()
             base_hashes, new_hashes = hashes()
             delta = read_delta(data, object_name=key)
             if incremental:
-                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm)
+                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm, scanned)
             timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
             for n, digest in base_hashes.items():
                 if digest != parent_hashes[n]:

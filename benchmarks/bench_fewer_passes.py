@@ -1,0 +1,103 @@
+"""The two passes removed from the per-version path, each against what it replaced,
+alternating in one process (so both see the same load).
+
+    python benchmarks/bench_fewer_passes.py [--params 0.6e9] [--changes 2e6]
+                                            [--diff-changes 12e6] [--reps 5]
+
+- write: a replica's write and read-back of ``--changes`` positions spread over a
+  Qwen-shaped bf16 state, as the compiled scatter then a separate compiled
+  read-back, against one confirmed pass (pipeline/targets/confirmed.py);
+- diff: one part's encode (level 1) plus its new mixsum-128 hashes with
+  ``--diff-changes`` changes, as a second decode of the object and a gather, against
+  the hashes taken in the encode's own scan (``on_changes``). The hashes of the two
+  variants are checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_incremental import changed_pairs, shapes_for
+from emulator import make_state
+
+from pipeline.codec import encode_delta, read_delta
+from pipeline.codec.compiled import kernels
+from pipeline.format.hashes import content_hashes
+from pipeline.publish.diff import scan_hasher, updated_hashes
+from pipeline.targets import confirmed_jit
+
+
+def row(name: str, times: list[float]) -> str:
+    rest = times[1:] or times  # the first of each warms its code and buffers
+    return f"| {name} | {min(rest):.3f} | {statistics.median(rest):.3f} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=0.6e9)
+    parser.add_argument("--changes", type=float, default=2e6)
+    parser.add_argument("--diff-changes", type=float, default=12e6)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    held = make_state(shapes_for(args.params), seed=0)
+    total = sum(t.numel() for t in held.values())
+    rng = np.random.default_rng(0)
+    spots = []
+    for t in held.values():
+        flat = t.view(torch.int16).view(-1).numpy().view(np.uint16)
+        count = min(flat.size, max(1, round(args.changes * flat.size / total)))
+        where = np.sort(rng.choice(flat.size, count, replace=False)).astype(np.int64)
+        spots.append((flat, where, flat[where].copy()))  # writes the held contents again
+    compiled = kernels.get()
+    assert compiled is not None, "numba is needed"
+    print(f"load {os.getloadavg()}, {len(held)} tensors, {total / 1e6:.0f}M elements")
+    print("| write + read-back | best s | median s |\n| --- | --- | --- |")
+    separate: list[float] = []
+    fused: list[float] = []
+    for _ in range(args.reps + 1):
+        started = time.perf_counter()
+        for flat, where, values in spots:
+            compiled.scatter(flat, where, values)
+        for flat, where, values in spots:
+            assert compiled.first_difference(flat, where, values) < 0
+        separate.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for flat, where, values in spots:
+            assert confirmed_jit.write_confirmed(flat, where, values) == -1
+        fused.append(time.perf_counter() - started)
+    print(row("scatter, then a separate read-back", separate))
+    print(row("one confirmed pass", fused), flush=True)
+
+    algorithm = content_hashes.get(content_hashes.MIXSUM)
+    parent = {n: algorithm.full(t) for n, t in held.items()}
+    pairs = list(changed_pairs(held, int(args.diff_changes), 1))
+    print("| encode + new hashes | best s | median s |\n| --- | --- | --- |")
+    again: list[float] = []
+    scan: list[float] = []
+    for _ in range(args.reps + 1):
+        started = time.perf_counter()
+        data = encode_delta(pairs, 1)
+        want = updated_hashes(read_delta(data, object_name="p"), pairs, parent, algorithm)
+        again.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        hook, scanned = scan_hasher(pairs, parent, algorithm)
+        data = encode_delta(pairs, 1, on_changes=hook)
+        got = updated_hashes(read_delta(data, object_name="p"), pairs, parent, algorithm, scanned)
+        scan.append(time.perf_counter() - started)
+        assert got == want
+    print(row("encode, then decode again + gather + hash", again))
+    print(row("hashes in the encode's scan", scan))
+    print(f"load {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
