@@ -195,6 +195,15 @@ def _buffer(key: str, size: int, dtype: Any) -> npt.NDArray[Any]:
     return buf[:size]
 
 
+def _zeroed_ranks(words: int) -> npt.NDArray[np.uint64]:
+    """The decoder's per-thread rank bitmaps, one row per bucket, zero (the kernel
+    leaves them zero), at least ``words`` a row."""
+    held: npt.NDArray[np.uint64] | None = getattr(_scratch, "ranks", None)
+    if held is None or held.shape[1] < words:
+        held = _scratch.ranks = np.zeros((MAX_GROUPS, max(words, 1 << 10)), np.uint64)
+    return held
+
+
 def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInfo) -> EncodedChunks:
     """The chunked streams of a tensor's changes (positions ascending, differences
     new - base as unsigned integers)."""
@@ -387,8 +396,11 @@ def decode(
     magnitude = np.uint64(magnitude_mask(info))
     codes_max = int((lay.table[:, 1::2]).sum(axis=1).max(initial=0))
 
+    rank_words = (min(lay.chunk, target.size) >> 6) + 2 if lay.groups > 1 else 1
+
     def run(span: tuple[int, int]) -> tuple[int, int]:
         gaps = _buffer("decode_gaps", max(codes_max, 1), np.int64)
+        ranks = _zeroed_ranks(rank_words)
         first, stop = span
         done, status = walker.decode_chunks(
             streams["bits"],
@@ -408,6 +420,7 @@ def decode(
             out_new,
             out_old,
             gaps,
+            ranks,
             write,
         )
         return int(done), int(status)

@@ -15,8 +15,9 @@ from typing import Any
 
 import numba  # type: ignore[import-untyped]
 import numpy as np
+from llvmlite import binding as llvm  # type: ignore[import-untyped]
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba.core import types  # type: ignore[import-untyped]
+from numba.core import cgutils, types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.fused_jit import load_be64, prefetch_write, put_bits, put_tail, trailing_zeros
@@ -76,6 +77,37 @@ def leading_zeros(typingctx: Any, x: Any) -> Any:
     return types.uint64(types.uint64), codegen
 
 
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def _pdep(typingctx: Any, x: Any, mask: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        word = ir.IntType(64)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(word, [word, word]), "llvm.x86.bmi.pdep.64"
+        )
+        return builder.call(function, args)
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _soft_pdep(x: Any, mask: Any) -> Any:
+    out = np.uint64(0)
+    bit = np.uint64(1)
+    m = mask
+    while m:
+        lowest = m & (~m + np.uint64(1))
+        if x & bit:
+            out |= lowest
+        m ^= lowest
+        bit <<= np.uint64(1)
+    return out
+
+
+# The low bits of x onto the set bits of mask, lowest first: one instruction where
+# the CPU has BMI2 (numba's disk cache is keyed on the CPU's features), else a loop.
+deposit = _pdep if "+bmi2" in llvm.get_host_cpu_features().flatten() else _soft_pdep
+
+
 @jit  # type: ignore[untyped-decorator,misc]
 def peek(stream: Any, bit: int) -> Any:
     """64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end."""
@@ -89,38 +121,6 @@ def peek(stream: Any, bit: int) -> Any:
             if index + j < stream.size:
                 word |= np.uint64(stream[index + j])
     return word << np.uint64(bit & 7)
-
-
-def _select_in_byte() -> Any:
-    table = np.zeros(256 * 8, np.uint8)
-    for byte in range(256):
-        ones = [j for j in range(8) if byte >> j & 1]
-        for rank, j in enumerate(ones):
-            table[byte * 8 + rank] = j
-    return table
-
-
-# Bit index of the set bit of rank r in byte b, at b * 8 + r (0 where there is none).
-SELECT_IN_BYTE = _select_in_byte()
-
-
-@jit  # type: ignore[untyped-decorator,misc]
-def select_bit(mask: Any, rank: int) -> Any:
-    """Index of the set bit of ``mask`` with ``rank`` set bits below it, without
-    branches (which bucket holds the next change is a coin toss); some index
-    below 64 when there is no such bit."""
-    r = np.uint64(rank)
-    m = mask
-    pos = np.uint64(0)
-    for half in (32, 16, 8):
-        c = popcount(m & np.uint64((1 << half) - 1))
-        step = np.uint64(r >= c)
-        r -= c * step
-        shift = np.uint64(half) * step
-        m >>= shift
-        pos += shift
-    byte = (m & np.uint64(0xFF)) << np.uint64(3)
-    return pos + np.uint64(SELECT_IN_BYTE[byte | (r & np.uint64(7))])
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -212,11 +212,18 @@ def _guess_param(count: int, total: int) -> int:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _four_masks(base: Any, i: int, bounds: Any, magnitude: Any) -> Any:
+def _four_masks(base: Any, i: int, bounds: Any, magnitude: Any, groups: int) -> Any:
     """The lanes of base[i : i + 64] in each of the four magnitude buckets (``bounds``
-    padded with a value above every magnitude, so unused buckets are empty)."""
+    padded with a value above every magnitude, so unused buckets are empty). Only
+    ``groups - 1`` thresholds are compared: the others would give all lanes (a
+    branch per block that is always taken the same way)."""
+    zero = np.uint64(0)
     l0 = below_mask(base, i, bounds[0], magnitude)
+    if groups == 2:
+        return l0, ~l0, zero, zero
     l1 = below_mask(base, i, bounds[1], magnitude)
+    if groups == 3:
+        return l0, l1 & ~l0, ~l1, zero
     l2 = below_mask(base, i, bounds[2], magnitude)
     return l0, l1 & ~l0, l2 & ~l1, ~l2
 
@@ -301,7 +308,7 @@ def encode_chunks(
             i = lo
             while i < hi:
                 if i + LANES <= hi:
-                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude)
+                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
                 else:
                     m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
                 while j < b and where[j] < i + LANES:
@@ -443,29 +450,96 @@ def encode_chunks(
     return index, nbig
 
 
-BIG_RANK = 1 << 62
+@jit  # type: ignore[untyped-decorator,misc]
+def _bits_at(words: Any, at: int) -> Any:
+    """The 64 bits of a bitmap from bit ``at`` on (bit r at words[r >> 6], bit r & 63)."""
+    w = at >> 6
+    shift = np.uint64(at & 63)
+    # (x << 1) << (63 - shift): no shift by 64 when ``at`` is word-aligned.
+    high = (words[w + 1] << np.uint64(1)) << (np.uint64(63) - shift)
+    return (words[w] >> shift) | high
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _take(mask: Any, rem: Any, gi: Any, gend: int, gaps: Any, chosen: Any) -> Any:
-    """Select the changes of one bucket that fall in this block: ``rem`` is how many
-    of the bucket's elements lie before its next change, from this block's start.
-    The first change is taken without a branch (whether a bucket has a change in a
-    block is a coin toss); further ones in the same block loop."""
-    pc = np.int64(popcount(mask))
-    if rem >= LANES:  # a sparse bucket mostly skips whole blocks: a branch it predicts
-        return rem - pc, gi, chosen
-    hit = np.int64(rem < pc)
-    at = select_bit(mask, min(rem, 63))
-    chosen |= np.uint64(hit) << at
-    gi += hit
-    following = gaps[gi] + 1 if gi < gend else BIG_RANK
-    rem += hit * following
-    while rem < pc:
-        chosen |= np.uint64(1) << select_bit(mask, rem)
-        gi += 1
-        rem = rem + gaps[gi] + 1 if gi < gend else BIG_RANK
-    return rem - pc, gi, chosen
+def _walk_buckets(
+    base: Any,
+    lo: int,
+    hi: int,
+    bounds: Any,
+    groups: int,
+    magnitude: Any,
+    gaps: Any,
+    gend: Any,
+    ranks: Any,
+    out_pos: Any,
+    o_first: int,
+) -> bool:
+    """Positions of a chunk's changes, coded as gaps between ranks within their
+    buckets (``gaps[gend[k - 1]:gend[k]]`` for bucket k), into ``out_pos`` from
+    ``o_first`` on; False when a rank falls past its bucket's elements.
+
+    Without a branch per change: each bucket's ranks become bits of a bitmap
+    (``ranks[k]``, zero on entry and left zero); then each block of 64 elements
+    takes, per bucket, as many bits of that bitmap as the block has elements of
+    the bucket and deposits them onto those elements' lanes (pdep)."""
+    size = hi - lo
+    changed = gend[groups - 1]
+    one = np.uint64(1)
+    start = 0
+    for k in range(groups):
+        row = ranks[k]
+        rank = -1
+        for t in range(start, gend[k]):
+            rank += gaps[t] + 1
+            if rank >= size:
+                _clear(ranks, groups, size)
+                return False
+            row[rank >> 6] |= one << np.uint64(rank & 63)
+        start = gend[k]
+    s0 = s1 = s2 = s3 = 0
+    o = o_first
+    o_end = o_first + changed
+    last_lane = np.uint64(LANES - 1)
+    i = lo
+    while i < hi and o < o_end:
+        if i + LANES <= hi:
+            m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
+        else:
+            m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
+        chosen = deposit(_bits_at(ranks[0], s0), m0) | deposit(_bits_at(ranks[1], s1), m1)
+        s0 += np.int64(popcount(m0))
+        s1 += np.int64(popcount(m1))
+        if groups > 2:
+            chosen |= deposit(_bits_at(ranks[2], s2), m2)
+            s2 += np.int64(popcount(m2))
+            chosen |= deposit(_bits_at(ranks[3], s3), m3)
+            s3 += np.int64(popcount(m3))
+        # A block holds 0, 1 or 2 changes about equally often: the first three go
+        # out without a branch on the count (a slot past the last change is
+        # overwritten by the next one, and stays within the chunk's outputs).
+        if o + 3 <= o_end:
+            for _ in range(3):
+                out_pos[o] = i + np.int64(min(trailing_zeros(chosen), last_lane))
+                o += np.int64(chosen != 0)
+                chosen &= chosen - one
+        while chosen:
+            if o >= o_end:  # only a damaged record sets more bits than it has changes
+                _clear(ranks, groups, size)
+                return False
+            out_pos[o] = i + np.int64(trailing_zeros(chosen))
+            o += 1
+            chosen &= chosen - one
+        i += LANES
+    _clear(ranks, groups, size)
+    return o == o_end
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _clear(ranks: Any, groups: int, size: int) -> None:
+    """Zero what a chunk of ``size`` elements may have set or read of the bitmaps."""
+    words = min(ranks.shape[1], (size >> 6) + 2)
+    for k in range(groups):
+        ranks[k, :words] = 0
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -487,6 +561,7 @@ def decode_chunks(
     out_new: Any,
     out_old: Any,
     gaps: Any,
+    ranks: Any,
     write: bool,
 ) -> Any:
     """Decode chunks ``first`` .. ``stop - 1``: positions, new and old contents of
@@ -568,36 +643,10 @@ def decode_chunks(
                     return c - first, BAD_POSITION
                 out_pos[o] = pos
                 o += 1
-        else:
-            e0 = gend[0]
-            e1 = gend[min(1, groups - 1)]
-            e2 = gend[min(2, groups - 1)]
-            e3 = gend[groups - 1]
-            i0, i1, i2, i3 = 0, e0, e1, e2
-            r0 = gaps[i0] if i0 < e0 else BIG_RANK
-            r1 = gaps[i1] if i1 < e1 else BIG_RANK
-            r2 = gaps[i2] if i2 < e2 else BIG_RANK
-            r3 = gaps[i3] if i3 < e3 else BIG_RANK
-            pending = changed
-            i = lo
-            while i < hi and pending:
-                if i + LANES <= hi:
-                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude)
-                else:
-                    m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
-                chosen = np.uint64(0)
-                r0, i0, chosen = _take(m0, r0, i0, e0, gaps, chosen)
-                r1, i1, chosen = _take(m1, r1, i1, e1, gaps, chosen)
-                r2, i2, chosen = _take(m2, r2, i2, e2, gaps, chosen)
-                r3, i3, chosen = _take(m3, r3, i3, e3, gaps, chosen)
-                while chosen:
-                    out_pos[o] = i + np.int64(trailing_zeros(chosen))
-                    o += 1
-                    pending -= 1
-                    chosen &= chosen - one
-                i += LANES
-            if pending:
-                return c - first, BAD_POSITION
+        elif not _walk_buckets(
+            base, lo, hi, bounds, groups, magnitude, gaps, gend, ranks, out_pos, o
+        ):
+            return c - first, BAD_POSITION
         # Contents, in position order; large magnitudes' indices follow the buckets' codes.
         bt = gend[groups - 1]
         bstop = gend[groups]
