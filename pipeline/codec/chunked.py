@@ -220,6 +220,8 @@ def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInf
     gaps = _buffer("gaps", changed, np.int64)
     group = _buffer("group", changed, np.int8)
     order = _buffer("order", changed, np.int64)
+    block_rows = (min(chunk, numel) + 63) >> 6
+    blocks = _buffer("blocks", 8 * block_rows, np.uint64).reshape(block_rows, 8)
     used, nbig = walker.encode_chunks(
         base,
         where,
@@ -234,6 +236,7 @@ def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInf
         gaps,
         group,
         order,
+        blocks,
     )
     streams = {
         "table": write_varints(table.reshape(-1)),

@@ -248,8 +248,57 @@ def _tail_masks(base: Any, i: int, hi: int, bounds: Any, magnitude: Any) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _rank(m: Any, bit: Any, seen: Any) -> Any:
-    return seen + np.int64(popcount(m & ((np.uint64(1) << bit) - np.uint64(1))))
+def _bucket_ranks(
+    base: Any,
+    where: Any,
+    a: int,
+    b: int,
+    lo: int,
+    hi: int,
+    bounds: Any,
+    groups: int,
+    magnitude: Any,
+    gaps: Any,
+    group: Any,
+    blocks: Any,
+) -> None:
+    """Bucket (into ``group``) and rank within it (into ``gaps``) of the chunk's
+    changes ``where[a:b]``, elements ``lo .. hi - 1``. Two passes without a branch
+    on the data: every block's bucket masks and the counts of each bucket before
+    it (``blocks``, one row of eight per block), then per change a look-up."""
+    one = np.uint64(1)
+    s0 = s1 = s2 = s3 = np.uint64(0)
+    for i in range(lo, hi, LANES):
+        if i + LANES <= hi:
+            m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
+        else:
+            m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
+        line = blocks[(i - lo) >> 6]
+        line[0] = m0
+        line[1] = m1
+        line[2] = m2
+        line[3] = m3
+        line[4] = s0
+        line[5] = s1
+        line[6] = s2
+        line[7] = s3
+        s0 += popcount(m0)
+        s1 += popcount(m1)
+        s2 += popcount(m2)
+        s3 += popcount(m3)
+    for j in range(a, b):
+        offset = where[j] - lo
+        line = blocks[offset >> 6]
+        bit = np.uint64(offset & 63)
+        # Exactly one bucket holds the element: its index without branches.
+        k = (
+            np.int64((line[1] >> bit) & one)
+            + 2 * np.int64((line[2] >> bit) & one)
+            + 3 * np.int64((line[3] >> bit) & one)
+        )
+        below = line[k] & ((one << bit) - one)
+        gaps[j] = np.int64(line[4 + k] + popcount(below))
+        group[j] = k
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -267,6 +316,7 @@ def encode_chunks(
     gaps: Any,
     group: Any,
     order: Any,
+    blocks: Any,
 ) -> Any:
     """Every chunk's bit stream into ``out`` and its numbers into ``table`` (one row
     per chunk: bytes, then count and Rice parameter of each of ``groups`` buckets and
@@ -303,34 +353,7 @@ def encode_chunks(
                 gaps[j] = where[j] - lo
                 group[j] = 0
         else:
-            s0 = s1 = s2 = s3 = np.int64(0)
-            j = a
-            i = lo
-            while i < hi:
-                if i + LANES <= hi:
-                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
-                else:
-                    m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
-                while j < b and where[j] < i + LANES:
-                    bit = np.uint64(where[j] - i)
-                    if (m0 >> bit) & one:
-                        gaps[j] = _rank(m0, bit, s0)
-                        group[j] = 0
-                    elif (m1 >> bit) & one:
-                        gaps[j] = _rank(m1, bit, s1)
-                        group[j] = 1
-                    elif (m2 >> bit) & one:
-                        gaps[j] = _rank(m2, bit, s2)
-                        group[j] = 2
-                    else:
-                        gaps[j] = _rank(m3, bit, s3)
-                        group[j] = 3
-                    j += 1
-                s0 += np.int64(popcount(m0))
-                s1 += np.int64(popcount(m1))
-                s2 += np.int64(popcount(m2))
-                s3 += np.int64(popcount(m3))
-                i += LANES
+            _bucket_ranks(base, where, a, b, lo, hi, bounds, groups, magnitude, gaps, group, blocks)
         # Ranks -> gaps per bucket; Rice parameters from exact costs near the estimate.
         last[:] = -1
         counts[:] = 0
