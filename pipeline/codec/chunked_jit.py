@@ -248,7 +248,7 @@ def _tail_masks(base: Any, i: int, hi: int, bounds: Any, magnitude: Any) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _bucket_ranks(
+def _bucket_gaps(
     base: Any,
     where: Any,
     a: int,
@@ -261,9 +261,13 @@ def _bucket_ranks(
     gaps: Any,
     group: Any,
     blocks: Any,
+    last: Any,
+    counts: Any,
 ) -> None:
-    """Bucket (into ``group``) and rank within it (into ``gaps``) of the chunk's
-    changes ``where[a:b]``, elements ``lo .. hi - 1``. Two passes without a branch
+    """Bucket (into ``group``) and gap from the bucket's previous change, in ranks
+    within the bucket (into ``gaps``), of the chunk's changes ``where[a:b]``,
+    elements ``lo .. hi - 1`` (``last``: -1 per bucket on entry, ``counts``: 0; they
+    end as each bucket's last rank and count of changes). Two passes without a branch
     on the data: every block's bucket masks and the counts of each bucket before
     it (``blocks``, one row of eight per block), then per change a look-up."""
     one = np.uint64(1)
@@ -297,8 +301,11 @@ def _bucket_ranks(
             + 3 * np.int64((line[3] >> bit) & one)
         )
         below = line[k] & ((one << bit) - one)
-        gaps[j] = np.int64(line[4 + k] + popcount(below))
+        rank = np.int64(line[4 + k] + popcount(below))
+        gaps[j] = rank - last[k] - 1
+        last[k] = rank
         group[j] = k
+        counts[k] += 1
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -347,24 +354,38 @@ def encode_chunks(
         while ptr < where.size and where[ptr] < hi:
             ptr += 1
         b = ptr
-        # Ranks within each bucket (chunk-local) into gaps[], buckets into group[].
-        if groups == 1:
-            for j in range(a, b):
-                gaps[j] = where[j] - lo
-                group[j] = 0
-        else:
-            _bucket_ranks(base, where, a, b, lo, hi, bounds, groups, magnitude, gaps, group, blocks)
-        # Ranks -> gaps per bucket; Rice parameters from exact costs near the estimate.
+        # Gaps between ranks within each bucket (chunk-local) into gaps[], buckets
+        # into group[], with each bucket's count and sum of gaps.
         last[:] = -1
         counts[:] = 0
         totals[:] = 0
-        for j in range(a, b):
-            k = group[j]
-            rank = gaps[j]
-            gaps[j] = rank - last[k] - 1
-            last[k] = rank
-            counts[k] += 1
-            totals[k] += gaps[j]
+        if groups == 1:
+            for j in range(a, b):
+                gaps[j] = where[j] - lo - last[0] - 1
+                last[0] = where[j] - lo
+                group[j] = 0
+            counts[0] = b - a
+            totals[0] = last[0] + 1 - (b - a)
+        else:
+            _bucket_gaps(
+                base,
+                where,
+                a,
+                b,
+                lo,
+                hi,
+                bounds,
+                groups,
+                magnitude,
+                gaps,
+                group,
+                blocks,
+                last,
+                counts,
+            )
+            for k in range(groups):
+                # Each bucket's gaps sum to its last rank + 1 - its count.
+                totals[k] = last[k] + 1 - counts[k]
         for k in range(groups):
             firsts[k] = max(0, _guess_param(counts[k], totals[k]) - 1)
         costs[:] = 0
