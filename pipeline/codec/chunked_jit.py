@@ -540,8 +540,8 @@ def _walk_buckets(
                 return False
             row[rank >> 6] |= one << np.uint64(rank & 63)
         start = gend[k]
-    s0 = s1 = s2 = s3 = 0
-    o = o_first
+    s0 = s1 = s2 = s3 = np.int64(0)
+    o = np.int64(o_first)
     o_end = o_first + changed
     last_lane = np.uint64(LANES - 1)
     i = lo
@@ -575,7 +575,7 @@ def _walk_buckets(
             chosen &= chosen - one
         i += LANES
     _clear(ranks, groups, size)
-    return o == o_end
+    return bool(o == o_end)
 
 
 @jit  # type: ignore[untyped-decorator,misc]
