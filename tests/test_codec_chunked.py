@@ -324,3 +324,41 @@ def test_hostile_stream_sizes() -> None:
                 sizes[r] = max(0, int(sizes[r]) + d)
 
             _try_all(rebuild(data, edit_meta=change), base)
+
+
+def test_a_clean_decode_follows_damaged_ones() -> None:
+    """The decoder's reused scratch (rank bitmaps) is left clean by a damaged chunk."""
+    data, base = _fuzz_object()
+    obj = read_delta(data, object_name="clean")
+    expected = obj.decode("w", base)
+    size = int(read_container(data, "x").streams["streams"].size)
+    gen = np.random.default_rng(2)
+    for _ in range(60):
+        spots = gen.integers(0, size, size=2)
+        values = gen.integers(0, 256, size=2).astype(np.uint8)
+
+        def edit(
+            found: dict[str, np.ndarray], s: np.ndarray = spots, v: np.ndarray = values
+        ) -> None:  # type: ignore[type-arg]
+            found["streams"][s] = v
+
+        with contextlib.suppress(DeltasyncError):
+            read_delta(rebuild(data, edit_entries=edit), object_name="fuzz").decode("w", base)
+        again = obj.decode("w", base)
+        assert torch.equal(again.positions, expected.positions)
+        assert torch.equal(again.values, expected.values)
+
+
+def test_software_deposit_matches_the_definition() -> None:
+    """The fallback of pdep for CPUs without BMI2 (this one may have it)."""
+    jit = pytest.importorskip("pipeline.codec.chunked_jit")
+    gen = np.random.default_rng(3)
+    for _ in range(200):
+        x, mask = (int(v) for v in gen.integers(0, 1 << 63, size=2, dtype=np.int64))
+        x |= int(gen.integers(0, 2)) << 63
+        want, taken = 0, 0
+        for bit in range(64):
+            if mask >> bit & 1:
+                want |= (x >> taken & 1) << bit
+                taken += 1
+        assert int(jit._soft_pdep(np.uint64(x), np.uint64(mask))) == want

@@ -196,6 +196,15 @@ def _buffer(key: str, size: int, dtype: Any) -> npt.NDArray[Any]:
     return buf[:size]
 
 
+def _zeroed_ranks(words: int) -> npt.NDArray[np.uint64]:
+    """The decoder's per-thread rank bitmaps, one row per bucket, zero (the kernel
+    leaves them zero), at least ``words`` a row."""
+    held: npt.NDArray[np.uint64] | None = getattr(_scratch, "ranks", None)
+    if held is None or held.shape[1] < words:
+        held = _scratch.ranks = np.zeros((MAX_GROUPS, max(words, 1 << 10)), np.uint64)
+    return held
+
+
 def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInfo) -> EncodedChunks:
     """The chunked streams of a tensor's changes (positions ascending, differences
     new - base as unsigned integers)."""
@@ -212,6 +221,8 @@ def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInf
     gaps = _buffer("gaps", changed, np.int64)
     group = _buffer("group", changed, np.int8)
     order = _buffer("order", changed, np.int64)
+    block_rows = (min(chunk, numel) + 63) >> 6
+    blocks = _buffer("blocks", 8 * block_rows, np.uint64).reshape(block_rows, 8)
     used, nbig = walker.encode_chunks(
         base,
         where,
@@ -226,6 +237,7 @@ def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInf
         gaps,
         group,
         order,
+        blocks,
     )
     streams = {
         "table": write_varints(table.reshape(-1)),
@@ -388,8 +400,11 @@ def decode(
     magnitude = np.uint64(magnitude_mask(info))
     codes_max = int((lay.table[:, 1::2]).sum(axis=1).max(initial=0))
 
+    rank_words = (min(lay.chunk, target.size) >> 6) + 2 if lay.groups > 1 else 1
+
     def run(span: tuple[int, int]) -> tuple[int, int]:
         gaps = _buffer("decode_gaps", max(codes_max, 1), np.int64)
+        ranks = _zeroed_ranks(rank_words)
         first, stop = span
         done, status = walker.decode_chunks(
             streams["bits"],
@@ -409,6 +424,7 @@ def decode(
             out_new,
             out_old,
             gaps,
+            ranks,
             write,
         )
         return int(done), int(status)

@@ -15,8 +15,9 @@ from typing import Any
 
 import numba  # type: ignore[import-untyped]
 import numpy as np
+from llvmlite import binding as llvm  # type: ignore[import-untyped]
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba.core import types  # type: ignore[import-untyped]
+from numba.core import cgutils, types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_jit import (
@@ -82,6 +83,37 @@ def leading_zeros(typingctx: Any, x: Any) -> Any:
     return types.uint64(types.uint64), codegen
 
 
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def _pdep(typingctx: Any, x: Any, mask: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        word = ir.IntType(64)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(word, [word, word]), "llvm.x86.bmi.pdep.64"
+        )
+        return builder.call(function, args)
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _soft_pdep(x: Any, mask: Any) -> Any:
+    out = np.uint64(0)
+    bit = np.uint64(1)
+    m = mask
+    while m:
+        lowest = m & (~m + np.uint64(1))
+        if x & bit:
+            out |= lowest
+        m ^= lowest
+        bit <<= np.uint64(1)
+    return out
+
+
+# The low bits of x onto the set bits of mask, lowest first: one instruction where
+# the CPU has BMI2 (numba's disk cache is keyed on the CPU's features), else a loop.
+deposit = _pdep if "+bmi2" in llvm.get_host_cpu_features().flatten() else _soft_pdep
+
+
 @jit  # type: ignore[untyped-decorator,misc]
 def peek(stream: Any, bit: int) -> Any:
     """64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end."""
@@ -95,38 +127,6 @@ def peek(stream: Any, bit: int) -> Any:
             if index + j < stream.size:
                 word |= np.uint64(stream[index + j])
     return word << np.uint64(bit & 7)
-
-
-def _select_in_byte() -> Any:
-    table = np.zeros(256 * 8, np.uint8)
-    for byte in range(256):
-        ones = [j for j in range(8) if byte >> j & 1]
-        for rank, j in enumerate(ones):
-            table[byte * 8 + rank] = j
-    return table
-
-
-# Bit index of the set bit of rank r in byte b, at b * 8 + r (0 where there is none).
-SELECT_IN_BYTE = _select_in_byte()
-
-
-@jit  # type: ignore[untyped-decorator,misc]
-def select_bit(mask: Any, rank: int) -> Any:
-    """Index of the set bit of ``mask`` with ``rank`` set bits below it, without
-    branches (which bucket holds the next change is a coin toss); some index
-    below 64 when there is no such bit."""
-    r = np.uint64(rank)
-    m = mask
-    pos = np.uint64(0)
-    for half in (32, 16, 8):
-        c = popcount(m & np.uint64((1 << half) - 1))
-        step = np.uint64(r >= c)
-        r -= c * step
-        shift = np.uint64(half) * step
-        m >>= shift
-        pos += shift
-    byte = (m & np.uint64(0xFF)) << np.uint64(3)
-    return pos + np.uint64(SELECT_IN_BYTE[byte | (r & np.uint64(7))])
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -218,11 +218,18 @@ def _guess_param(count: int, total: int) -> int:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _four_masks(base: Any, i: int, bounds: Any, magnitude: Any) -> Any:
+def _four_masks(base: Any, i: int, bounds: Any, magnitude: Any, groups: int) -> Any:
     """The lanes of base[i : i + 64] in each of the four magnitude buckets (``bounds``
-    padded with a value above every magnitude, so unused buckets are empty)."""
+    padded with a value above every magnitude, so unused buckets are empty). Only
+    ``groups - 1`` thresholds are compared: the others would give all lanes (a
+    branch per block that is always taken the same way)."""
+    zero = np.uint64(0)
     l0 = below_mask(base, i, bounds[0], magnitude)
+    if groups == 2:
+        return l0, ~l0, zero, zero
     l1 = below_mask(base, i, bounds[1], magnitude)
+    if groups == 3:
+        return l0, l1 & ~l0, ~l1, zero
     l2 = below_mask(base, i, bounds[2], magnitude)
     return l0, l1 & ~l0, l2 & ~l1, ~l2
 
@@ -247,8 +254,64 @@ def _tail_masks(base: Any, i: int, hi: int, bounds: Any, magnitude: Any) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _rank(m: Any, bit: Any, seen: Any) -> Any:
-    return seen + np.int64(popcount(m & ((np.uint64(1) << bit) - np.uint64(1))))
+def _bucket_gaps(
+    base: Any,
+    where: Any,
+    a: int,
+    b: int,
+    lo: int,
+    hi: int,
+    bounds: Any,
+    groups: int,
+    magnitude: Any,
+    gaps: Any,
+    group: Any,
+    blocks: Any,
+    last: Any,
+    counts: Any,
+) -> None:
+    """Bucket (into ``group``) and gap from the bucket's previous change, in ranks
+    within the bucket (into ``gaps``), of the chunk's changes ``where[a:b]``,
+    elements ``lo .. hi - 1`` (``last``: -1 per bucket on entry, ``counts``: 0; they
+    end as each bucket's last rank and count of changes). Two passes without a branch
+    on the data: every block's bucket masks and the counts of each bucket before
+    it (``blocks``, one row of eight per block), then per change a look-up."""
+    one = np.uint64(1)
+    s0 = s1 = s2 = s3 = np.uint64(0)
+    for i in range(lo, hi, LANES):
+        if i + LANES <= hi:
+            m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
+        else:
+            m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
+        line = blocks[(i - lo) >> 6]
+        line[0] = m0
+        line[1] = m1
+        line[2] = m2
+        line[3] = m3
+        line[4] = s0
+        line[5] = s1
+        line[6] = s2
+        line[7] = s3
+        s0 += popcount(m0)
+        s1 += popcount(m1)
+        s2 += popcount(m2)
+        s3 += popcount(m3)
+    for j in range(a, b):
+        offset = where[j] - lo
+        line = blocks[offset >> 6]
+        bit = np.uint64(offset & 63)
+        # Exactly one bucket holds the element: its index without branches.
+        k = (
+            np.int64((line[1] >> bit) & one)
+            + 2 * np.int64((line[2] >> bit) & one)
+            + 3 * np.int64((line[3] >> bit) & one)
+        )
+        below = line[k] & ((one << bit) - one)
+        rank = np.int64(line[4 + k] + popcount(below))
+        gaps[j] = rank - last[k] - 1
+        last[k] = rank
+        group[j] = k
+        counts[k] += 1
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -266,6 +329,7 @@ def encode_chunks(
     gaps: Any,
     group: Any,
     order: Any,
+    blocks: Any,
 ) -> Any:
     """Every chunk's bit stream into ``out`` and its numbers into ``table`` (one row
     per chunk: bytes, then count and Rice parameter of each of ``groups`` buckets and
@@ -296,51 +360,38 @@ def encode_chunks(
         while ptr < where.size and where[ptr] < hi:
             ptr += 1
         b = ptr
-        # Ranks within each bucket (chunk-local) into gaps[], buckets into group[].
-        if groups == 1:
-            for j in range(a, b):
-                gaps[j] = where[j] - lo
-                group[j] = 0
-        else:
-            s0 = s1 = s2 = s3 = np.int64(0)
-            j = a
-            i = lo
-            while i < hi:
-                if i + LANES <= hi:
-                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude)
-                else:
-                    m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
-                while j < b and where[j] < i + LANES:
-                    bit = np.uint64(where[j] - i)
-                    if (m0 >> bit) & one:
-                        gaps[j] = _rank(m0, bit, s0)
-                        group[j] = 0
-                    elif (m1 >> bit) & one:
-                        gaps[j] = _rank(m1, bit, s1)
-                        group[j] = 1
-                    elif (m2 >> bit) & one:
-                        gaps[j] = _rank(m2, bit, s2)
-                        group[j] = 2
-                    else:
-                        gaps[j] = _rank(m3, bit, s3)
-                        group[j] = 3
-                    j += 1
-                s0 += np.int64(popcount(m0))
-                s1 += np.int64(popcount(m1))
-                s2 += np.int64(popcount(m2))
-                s3 += np.int64(popcount(m3))
-                i += LANES
-        # Ranks -> gaps per bucket; Rice parameters from exact costs near the estimate.
+        # Gaps between ranks within each bucket (chunk-local) into gaps[], buckets
+        # into group[], with each bucket's count and sum of gaps.
         last[:] = -1
         counts[:] = 0
         totals[:] = 0
-        for j in range(a, b):
-            k = group[j]
-            rank = gaps[j]
-            gaps[j] = rank - last[k] - 1
-            last[k] = rank
-            counts[k] += 1
-            totals[k] += gaps[j]
+        if groups == 1:
+            for j in range(a, b):
+                gaps[j] = where[j] - lo - last[0] - 1
+                last[0] = where[j] - lo
+                group[j] = 0
+            counts[0] = b - a
+            totals[0] = last[0] + 1 - (b - a)
+        else:
+            _bucket_gaps(
+                base,
+                where,
+                a,
+                b,
+                lo,
+                hi,
+                bounds,
+                groups,
+                magnitude,
+                gaps,
+                group,
+                blocks,
+                last,
+                counts,
+            )
+            for k in range(groups):
+                # Each bucket's gaps sum to its last rank + 1 - its count.
+                totals[k] = last[k] + 1 - counts[k]
         for k in range(groups):
             firsts[k] = max(0, _guess_param(counts[k], totals[k]) - 1)
         costs[:] = 0
@@ -449,29 +500,96 @@ def encode_chunks(
     return index, nbig
 
 
-BIG_RANK = 1 << 62
+@jit  # type: ignore[untyped-decorator,misc]
+def _bits_at(words: Any, at: int) -> Any:
+    """The 64 bits of a bitmap from bit ``at`` on (bit r at words[r >> 6], bit r & 63)."""
+    w = at >> 6
+    shift = np.uint64(at & 63)
+    # (x << 1) << (63 - shift): no shift by 64 when ``at`` is word-aligned.
+    high = (words[w + 1] << np.uint64(1)) << (np.uint64(63) - shift)
+    return (words[w] >> shift) | high
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _take(mask: Any, rem: Any, gi: Any, gend: int, gaps: Any, chosen: Any) -> Any:
-    """Select the changes of one bucket that fall in this block: ``rem`` is how many
-    of the bucket's elements lie before its next change, from this block's start.
-    The first change is taken without a branch (whether a bucket has a change in a
-    block is a coin toss); further ones in the same block loop."""
-    pc = np.int64(popcount(mask))
-    if rem >= LANES:  # a sparse bucket mostly skips whole blocks: a branch it predicts
-        return rem - pc, gi, chosen
-    hit = np.int64(rem < pc)
-    at = select_bit(mask, min(rem, 63))
-    chosen |= np.uint64(hit) << at
-    gi += hit
-    following = gaps[gi] + 1 if gi < gend else BIG_RANK
-    rem += hit * following
-    while rem < pc:
-        chosen |= np.uint64(1) << select_bit(mask, rem)
-        gi += 1
-        rem = rem + gaps[gi] + 1 if gi < gend else BIG_RANK
-    return rem - pc, gi, chosen
+def _walk_buckets(
+    base: Any,
+    lo: int,
+    hi: int,
+    bounds: Any,
+    groups: int,
+    magnitude: Any,
+    gaps: Any,
+    gend: Any,
+    ranks: Any,
+    out_pos: Any,
+    o_first: int,
+) -> bool:
+    """Positions of a chunk's changes, coded as gaps between ranks within their
+    buckets (``gaps[gend[k - 1]:gend[k]]`` for bucket k), into ``out_pos`` from
+    ``o_first`` on; False when a rank falls past its bucket's elements.
+
+    Without a branch per change: each bucket's ranks become bits of a bitmap
+    (``ranks[k]``, zero on entry and left zero); then each block of 64 elements
+    takes, per bucket, as many bits of that bitmap as the block has elements of
+    the bucket and deposits them onto those elements' lanes (pdep)."""
+    size = hi - lo
+    changed = gend[groups - 1]
+    one = np.uint64(1)
+    start = 0
+    for k in range(groups):
+        row = ranks[k]
+        rank = -1
+        for t in range(start, gend[k]):
+            rank += gaps[t] + 1
+            if rank >= size:
+                _clear(ranks, groups, size)
+                return False
+            row[rank >> 6] |= one << np.uint64(rank & 63)
+        start = gend[k]
+    s0 = s1 = s2 = s3 = np.int64(0)
+    o = np.int64(o_first)
+    o_end = o_first + changed
+    last_lane = np.uint64(LANES - 1)
+    i = lo
+    while i < hi and o < o_end:
+        if i + LANES <= hi:
+            m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
+        else:
+            m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
+        chosen = deposit(_bits_at(ranks[0], s0), m0) | deposit(_bits_at(ranks[1], s1), m1)
+        s0 += np.int64(popcount(m0))
+        s1 += np.int64(popcount(m1))
+        if groups > 2:
+            chosen |= deposit(_bits_at(ranks[2], s2), m2)
+            s2 += np.int64(popcount(m2))
+            chosen |= deposit(_bits_at(ranks[3], s3), m3)
+            s3 += np.int64(popcount(m3))
+        # A block holds 0, 1 or 2 changes about equally often: the first three go
+        # out without a branch on the count (a slot past the last change is
+        # overwritten by the next one, and stays within the chunk's outputs).
+        if o + 3 <= o_end:
+            for _ in range(3):
+                out_pos[o] = i + np.int64(min(trailing_zeros(chosen), last_lane))
+                o += np.int64(chosen != 0)
+                chosen &= chosen - one
+        while chosen:
+            if o >= o_end:  # only a damaged record sets more bits than it has changes
+                _clear(ranks, groups, size)
+                return False
+            out_pos[o] = i + np.int64(trailing_zeros(chosen))
+            o += 1
+            chosen &= chosen - one
+        i += LANES
+    _clear(ranks, groups, size)
+    return bool(o == o_end)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _clear(ranks: Any, groups: int, size: int) -> None:
+    """Zero what a chunk of ``size`` elements may have set or read of the bitmaps."""
+    words = min(ranks.shape[1], (size >> 6) + 2)
+    for k in range(groups):
+        ranks[k, :words] = 0
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -493,6 +611,7 @@ def decode_chunks(
     out_new: Any,
     out_old: Any,
     gaps: Any,
+    ranks: Any,
     write: bool,
 ) -> Any:
     """Decode chunks ``first`` .. ``stop - 1``: positions, new and old contents of
@@ -574,36 +693,10 @@ def decode_chunks(
                     return c - first, BAD_POSITION
                 out_pos[o] = pos
                 o += 1
-        else:
-            e0 = gend[0]
-            e1 = gend[min(1, groups - 1)]
-            e2 = gend[min(2, groups - 1)]
-            e3 = gend[groups - 1]
-            i0, i1, i2, i3 = 0, e0, e1, e2
-            r0 = gaps[i0] if i0 < e0 else BIG_RANK
-            r1 = gaps[i1] if i1 < e1 else BIG_RANK
-            r2 = gaps[i2] if i2 < e2 else BIG_RANK
-            r3 = gaps[i3] if i3 < e3 else BIG_RANK
-            pending = changed
-            i = lo
-            while i < hi and pending:
-                if i + LANES <= hi:
-                    m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude)
-                else:
-                    m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
-                chosen = np.uint64(0)
-                r0, i0, chosen = _take(m0, r0, i0, e0, gaps, chosen)
-                r1, i1, chosen = _take(m1, r1, i1, e1, gaps, chosen)
-                r2, i2, chosen = _take(m2, r2, i2, e2, gaps, chosen)
-                r3, i3, chosen = _take(m3, r3, i3, e3, gaps, chosen)
-                while chosen:
-                    out_pos[o] = i + np.int64(trailing_zeros(chosen))
-                    o += 1
-                    pending -= 1
-                    chosen &= chosen - one
-                i += LANES
-            if pending:
-                return c - first, BAD_POSITION
+        elif not _walk_buckets(
+            base, lo, hi, bounds, groups, magnitude, gaps, gend, ranks, out_pos, o
+        ):
+            return c - first, BAD_POSITION
         # Contents, in position order; large magnitudes' indices follow the buckets' codes.
         bt = gend[groups - 1]
         bstop = gend[groups]
