@@ -351,7 +351,7 @@ def test_a_clean_decode_follows_damaged_ones() -> None:
 
 def test_software_deposit_matches_the_definition() -> None:
     """The fallback of pdep for CPUs without BMI2 (this one may have it)."""
-    jit = pytest.importorskip("pipeline.codec.chunked_jit")
+    jit = pytest.importorskip("pipeline.codec.level3.chunked_jit")
     gen = np.random.default_rng(3)
     for _ in range(200):
         x, mask = (int(v) for v in gen.integers(0, 1 << 63, size=2, dtype=np.int64))
