@@ -21,7 +21,7 @@ from numba.core import cgutils, types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_jit import (
-    load_be64,
+    peek,
     prefetch_write,
     put_bits,
     put_tail,
@@ -112,21 +112,6 @@ def _soft_pdep(x: Any, mask: Any) -> Any:
 # The low bits of x onto the set bits of mask, lowest first: one instruction where
 # the CPU has BMI2 (numba's disk cache is keyed on the CPU's features), else a loop.
 deposit = _pdep if "+bmi2" in llvm.get_host_cpu_features().flatten() else _soft_pdep
-
-
-@jit  # type: ignore[untyped-decorator,misc]
-def peek(stream: Any, bit: int) -> Any:
-    """64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end."""
-    index = bit >> 3
-    if index + 8 <= stream.size:
-        word = load_be64(stream, index)
-    else:
-        word = np.uint64(0)
-        for j in range(8):
-            word <<= np.uint64(8)
-            if index + j < stream.size:
-                word |= np.uint64(stream[index + j])
-    return word << np.uint64(bit & 7)
 
 
 @jit  # type: ignore[untyped-decorator,misc]
