@@ -27,7 +27,10 @@ from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.tensors import DTYPE_TABLE
 
 SCHEMA_VERSION = 2
-SUPPORTED_SCHEMAS = frozenset({1, 2})
+# Schema 3: tensors of a sharded run may be stored in pieces (``TensorEntry.pieces``);
+# written only by such runs, so every other manifest stays readable by older builds.
+PIECES_SCHEMA = 3
+SUPPORTED_SCHEMAS = frozenset({1, 2, 3})
 # Schema 1 names no content hash: its tensors carry xxh3-128 (see hashes.content_hashes).
 SCHEMA1_CONTENT_HASH = "xxh3-128"
 MANIFEST_NAME = "manifest.json"
@@ -44,6 +47,7 @@ MAX_OBJECT_SIZE = 1 << 44  # 16 TiB: far above any real part, far below overflow
 MAX_ELEMENTS = 1 << 44
 MAX_NDIM = 16
 MAX_TENSOR_NAME = 1024
+MAX_PIECES = 1 << 16  # of one tensor: one per trainer rank holding some of it
 MAX_MANIFEST_BYTES = 256 << 20
 
 
@@ -75,6 +79,22 @@ class ObjectEntry:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Flat elements ``[start, stop)`` of a tensor, stored in ``object`` as a 1-D tensor
+    of the tensor's name: what one trainer rank holds of it (a sharded run)."""
+
+    object: str
+    start: int
+    stop: int
+    hash: str  # content hash of these elements at their flat positions in the whole tensor
+    changed: int = 0  # of these elements, changed against the parent
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     name: str  # checkpoint (HF) name
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
@@ -82,10 +102,20 @@ class TensorEntry:
     hash: str  # content hash (the manifest's ``content_hash``) at this version
     object: str  # key of the object that holds this tensor's data or delta
     changed: int = 0  # elements changed against the parent (anchors: 0)
+    # Schema 3: the tensor stored in pieces over several objects, in order, covering every
+    # element once; ``object`` is the first piece's, ``hash`` and ``changed`` their sums.
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def stored(self) -> tuple[Piece, ...]:
+        """Where the tensor's elements are: its pieces, or one piece of it all."""
+        if self.pieces:
+            return self.pieces
+        return (Piece(self.object, 0, self.numel, self.hash, self.changed),)
 
     @property
     def nbytes(self) -> int:
@@ -142,11 +172,23 @@ class Manifest:
         raise CorruptObjectError(f"object {key!r} is not listed in manifest {self.key}")
 
     def parts(self) -> list[tuple[str, list[str]]]:
-        """Objects in order of first use, each with the tensors it holds in manifest order."""
-        groups: dict[str, list[str]] = {}
+        """Objects in order of first use, each with the tensors it holds (whole or a
+        piece) in manifest order."""
+        return [(key, [e.name for e, _ in held]) for key, held in self.layout()]
+
+    def layout(self) -> list[tuple[str, list[tuple[TensorEntry, Piece]]]]:
+        """Objects in order of first use, each with what it holds: (tensor, piece) in
+        manifest order, the piece being the whole tensor outside sharded runs."""
+        groups: dict[str, list[tuple[TensorEntry, Piece]]] = {}
         for entry in self.tensors:
-            groups.setdefault(entry.object, []).append(entry.name)
+            for piece in entry.stored:
+                groups.setdefault(piece.object, []).append((entry, piece))
         return list(groups.items())
+
+    @property
+    def is_pieced(self) -> bool:
+        """Whether any tensor is stored in pieces (a sharded run)."""
+        return any(t.pieces for t in self.tensors)
 
     @property
     def total_bytes(self) -> int:
@@ -208,6 +250,8 @@ def compute_state_hash(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> 
 
 
 def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any]:
+    if manifest.is_pieced and manifest.schema < PIECES_SCHEMA:
+        raise ConfigError(f"manifest {manifest.key} has tensors in pieces: schema 3 or later")
     doc: dict[str, Any] = {
         "schema": manifest.schema,
         "run": manifest.run,
@@ -229,6 +273,7 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
                 "hash": t.hash,
                 "object": t.object,
                 "changed": t.changed,
+                **({"pieces": [_piece_dict(p) for p in t.pieces]} if t.pieces else {}),
             }
             for t in manifest.tensors
         ],
@@ -246,6 +291,16 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
     if with_signature and manifest.signature is not None:
         doc["signature"] = dict(manifest.signature)
     return doc
+
+
+def _piece_dict(piece: Piece) -> dict[str, Any]:
+    return {
+        "object": piece.object,
+        "start": piece.start,
+        "stop": piece.stop,
+        "hash": piece.hash,
+        "changed": piece.changed,
+    }
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:

@@ -7,6 +7,7 @@ one-line ``CorruptObjectError`` naming the manifest and the field.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 import re
@@ -22,8 +23,10 @@ from pipeline.format.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
     MAX_OBJECT_SIZE,
+    MAX_PIECES,
     MAX_TENSOR_NAME,
     MAX_VERSION,
+    PIECES_SCHEMA,
     RUN_PATTERN,
     SCHEMA1_CONTENT_HASH,
     SUPPORTED_SCHEMAS,
@@ -31,6 +34,7 @@ from pipeline.format.manifest import (
     Kind,
     Manifest,
     ObjectEntry,
+    Piece,
     TensorEntry,
     check_object_key,
     compute_state_hash,
@@ -156,7 +160,10 @@ def parse_manifest(
 
     objects = _parse_objects(c, doc["objects"])
     object_keys = {o.key for o in objects}
-    tensors = _parse_tensors(c, doc["tensors"], object_keys)
+    algorithm = _parse_content_hash(c, schema, doc.get("content_hash"))
+    tensors = _parse_tensors(c, doc["tensors"], object_keys, schema, algorithm)
+    if schema >= PIECES_SCHEMA and not any(t.pieces for t in tensors):
+        raise c.fail(f"schema {schema} is for tensors in pieces, and none is")
 
     digest = c.string(doc["state_hash"], "state_hash", _HEX32)
     if compute_state_hash(tensors) != digest:
@@ -176,7 +183,6 @@ def parse_manifest(
     instance = None if instance_raw is None else c.string(instance_raw, "instance", _HEX32)
     form = doc.get("tensor_form")
     tensor_form = None if form is None else c.string(form, "tensor_form", _FORM)
-    algorithm = _parse_content_hash(c, schema, doc.get("content_hash"))
 
     manifest = Manifest(
         run=run,
@@ -264,10 +270,14 @@ def _check_tensor_name(c: _Checker, name: object) -> str:
     return name
 
 
-def _parse_tensors(c: _Checker, raw: object, object_keys: set[str]) -> tuple[TensorEntry, ...]:
+def _parse_tensors(
+    c: _Checker, raw: object, object_keys: set[str], schema: int, algorithm: str
+) -> tuple[TensorEntry, ...]:
     if not isinstance(raw, list):
         raise c.fail("tensors is not a list")
     fields = frozenset({"name", "dtype", "shape", "hash", "object", "changed"})
+    if schema >= PIECES_SCHEMA:
+        fields |= {"pieces"}
     out: list[TensorEntry] = []
     seen: set[str] = set()
     for i, item in enumerate(raw):
@@ -289,17 +299,64 @@ def _parse_tensors(c: _Checker, raw: object, object_keys: set[str]) -> tuple[Ten
         obj = t.get("object")
         if obj not in object_keys:
             raise c.fail(f"tensor {name!r} names object {obj!r}, which is not listed")
-        out.append(
-            TensorEntry(
-                name=name,
-                dtype=cast(str, dtype),
-                shape=shape,
-                hash=c.string(t.get("hash"), f"hash of tensor {name!r}", _HEX32),
+        entry = TensorEntry(
+            name=name,
+            dtype=cast(str, dtype),
+            shape=shape,
+            hash=c.string(t.get("hash"), f"hash of tensor {name!r}", _HEX32),
+            object=cast(str, obj),
+            changed=c.integer(t.get("changed", 0), f"changed of tensor {name!r}", 0, numel),
+        )
+        if "pieces" in t:
+            pieces = _parse_pieces(c, t["pieces"], entry, object_keys, algorithm)
+            entry = dataclasses.replace(entry, pieces=pieces)
+        out.append(entry)
+    return tuple(out)
+
+
+def _parse_pieces(
+    c: _Checker, raw: object, entry: TensorEntry, object_keys: set[str], algorithm: str
+) -> tuple[Piece, ...]:
+    """A tensor's pieces: in order, covering every element once, in listed objects (one
+    piece per object), their hashes and changes summing to the tensor's."""
+    name = entry.name
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_PIECES:
+        raise c.fail(f"tensor {name!r} has a malformed piece list")
+    if not content_hashes.get(algorithm).incremental:
+        raise c.fail(f"tensor {name!r} is in pieces, which content hash {algorithm} cannot sum")
+    fields = frozenset({"object", "start", "stop", "hash", "changed"})
+    pieces: list[Piece] = []
+    at = 0
+    for i, item in enumerate(raw):
+        p = c.obj(item, f"piece {i} of tensor {name!r}", fields)
+        obj = p.get("object")
+        if obj not in object_keys:
+            raise c.fail(f"piece {i} of tensor {name!r} names object {obj!r}, which is not listed")
+        start = c.integer(p.get("start"), f"start of piece {i} of {name!r}", 0, MAX_ELEMENTS)
+        stop = c.integer(p.get("stop"), f"stop of piece {i} of {name!r}", 0, MAX_ELEMENTS)
+        if start != at or stop <= start:
+            raise c.fail(f"pieces of tensor {name!r} do not cover it in order")
+        at = stop
+        pieces.append(
+            Piece(
                 object=cast(str, obj),
-                changed=c.integer(t.get("changed", 0), f"changed of tensor {name!r}", 0, numel),
+                start=start,
+                stop=stop,
+                hash=c.string(p.get("hash"), f"hash of piece {i} of {name!r}", _HEX32),
+                changed=c.integer(p.get("changed", 0), f"changed of piece {i} of {name!r}", 0),
             )
         )
-    return tuple(out)
+    if at != entry.numel:
+        raise c.fail(f"pieces of tensor {name!r} cover {at} of its {entry.numel} elements")
+    if len({p.object for p in pieces}) != len(pieces):
+        raise c.fail(f"tensor {name!r} has two pieces in one object")
+    if pieces[0].object != entry.object:
+        raise c.fail(f"tensor {name!r} names object {entry.object!r}, not its first piece's")
+    if any(p.changed > p.numel for p in pieces) or sum(p.changed for p in pieces) != entry.changed:
+        raise c.fail(f"changed counts of the pieces of tensor {name!r} do not add up")
+    if content_hashes.get(algorithm).combine([p.hash for p in pieces]) != entry.hash:
+        raise c.fail(f"hashes of the pieces of tensor {name!r} do not sum to its hash")
+    return tuple(pieces)
 
 
 def _parse_signature(c: _Checker, raw: object) -> dict[str, str] | None:

@@ -10,7 +10,7 @@ changed elements alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,24 @@ class HashAlgorithm:
     full: Callable[[torch.Tensor], str]  # the digest of a whole tensor's bits
     incremental: bool  # whether :meth:`updated` applies
 
+    def piece(self, tensor: torch.Tensor, start: int) -> str:
+        """The digest of ``tensor``'s elements as flat elements ``start``, ``start + 1``...
+        of a larger tensor: what a rank holding that slice contributes (see
+        :meth:`combine`)."""
+        if start == 0:
+            return self.full(tensor)
+        if not self.incremental:
+            raise ConfigError(f"content hash {self.name} cannot hash a piece of a tensor")
+        return mixsum.full(tensor, start)
+
+    def combine(self, digests: Sequence[str]) -> str:
+        """The digest of a tensor from the digests of pieces covering it once."""
+        if len(digests) == 1:
+            return digests[0]
+        if not self.incremental:
+            raise ConfigError(f"content hash {self.name} cannot combine pieces")
+        return mixsum.total(digests)
+
     def updated(self, held: str, positions: Positions, old: Values, new: Values, width: int) -> str:
         """The digest after the elements at ``positions`` change from ``old`` to
         ``new`` (integer contents of ``width`` bytes), from the digest before."""
@@ -47,17 +65,24 @@ class HashAlgorithm:
         return mixsum.updated(held, positions, old, new, width)
 
     def gathered(
-        self, held: str, flat: torch.Tensor, positions: npt.NDArray[np.int64], diffs: Values
+        self,
+        held: str,
+        flat: torch.Tensor,
+        positions: npt.NDArray[np.int64],
+        diffs: Values,
+        start: int = 0,
     ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(digest after, positions, old, new) of the change ``diffs`` (new - old in
         the integer view, as a delta's streams give it) at ``positions`` of ``flat``
         (a held tensor's flat integer view, only read): the old contents are read at
         the changed positions once, on the tensor's device (see
-        :func:`pipeline.format.hashes.mixsum.gathered_update`)."""
+        :func:`pipeline.format.hashes.mixsum.gathered_update`). ``flat`` a piece whose
+        first element is element ``start`` of its tensor: positions index the piece,
+        the digest mixes them as the tensor's."""
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
         steps = diffs.cpu().numpy() if isinstance(diffs, torch.Tensor) else diffs
-        return mixsum.gathered_update(held, flat, positions, steps)
+        return mixsum.gathered_update(held, flat, positions, steps, start)
 
 
 ALGORITHMS: dict[str, HashAlgorithm] = {

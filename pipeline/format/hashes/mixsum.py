@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -94,6 +95,15 @@ def add(hexdigest: str, lanes: tuple[int, int]) -> str:
     """``hexdigest`` plus lane sums (modulo 2^64 each)."""
     a, b = lanes_of(hexdigest)
     return digest((a + lanes[0], b + lanes[1]))
+
+
+def total(digests: Sequence[str]) -> str:
+    """The digest of a tensor from those of pieces covering it once (lane-wise sums)."""
+    a = b = 0
+    for d in digests:
+        la, lb = lanes_of(d)
+        a, b = a + la, b + lb
+    return digest((a & _MASK, b & _MASK))
 
 
 # ---------------------------------------------------------------- integer views
@@ -165,13 +175,15 @@ def _torch_sum(lanes: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
     return int(lanes[0].sum()), int(lanes[1].sum())
 
 
-def torch_full(flat: torch.Tensor) -> tuple[int, int]:
-    """Lane sums of a flat integer tensor, by torch ops on its own device."""
+def torch_full(flat: torch.Tensor, offset: int = 0) -> tuple[int, int]:
+    """Lane sums of a flat integer tensor whose first element is at flat position
+    ``offset``, by torch ops on its own device."""
     width = flat.element_size()
     total = [0, 0]
     for start in range(0, flat.numel(), TORCH_CHUNK):
         part = flat[start : start + TORCH_CHUNK]
-        i = torch.arange(start, start + part.numel(), dtype=torch.int64, device=flat.device)
+        at = offset + start
+        i = torch.arange(at, at + part.numel(), dtype=torch.int64, device=flat.device)
         a, b = _torch_sum(_torch_lanes(i, _widen(part, width)))
         total[0] += a
         total[1] += b
@@ -191,28 +203,32 @@ def torch_change(
 # ---------------------------------------------------------------- entry points
 
 
-def full_lanes(tensor: torch.Tensor) -> tuple[int, int]:
-    """Lane sums of a whole tensor: compiled loops on CPU threads for a CPU tensor,
-    torch ops on its device otherwise (no host copy)."""
+def full_lanes(tensor: torch.Tensor, offset: int = 0) -> tuple[int, int]:
+    """Lane sums of a whole tensor (its first element at flat position ``offset``):
+    compiled loops on CPU threads for a CPU tensor, torch ops on its device otherwise
+    (no host copy)."""
     flat = int_flat(tensor)
     jit = compiled()
     if flat.device.type != "cpu" or jit is None:
-        return torch_full(flat)
+        return torch_full(flat, offset)
     data = _unsigned(flat.numpy(), flat.element_size())
     starts = range(0, data.size, CPU_CHUNK)
     if len(starts) <= 1:
-        sums = [jit.full_sum(data, 0)]
+        sums = [jit.full_sum(data, offset)]
     else:
-        sums = list(_threads().map(lambda s: jit.full_sum(data[s : s + CPU_CHUNK], s), starts))
+        sums = list(
+            _threads().map(lambda s: jit.full_sum(data[s : s + CPU_CHUNK], offset + s), starts)
+        )
     return (
         sum(int(s[0]) for s in sums) & _MASK,
         sum(int(s[1]) for s in sums) & _MASK,
     )
 
 
-def full(tensor: torch.Tensor) -> str:
-    """The mixsum-128 digest of a tensor's bits (dtype and shape are checked apart)."""
-    return digest(full_lanes(tensor))
+def full(tensor: torch.Tensor, offset: int = 0) -> str:
+    """The mixsum-128 digest of a tensor's bits (dtype and shape are checked apart);
+    with ``offset``, of the tensor as a piece starting at that flat position."""
+    return digest(full_lanes(tensor, offset))
 
 
 def change_lanes(
@@ -260,6 +276,7 @@ def gathered_update(
     flat: torch.Tensor,
     positions: npt.NDArray[np.int64],
     diffs: npt.NDArray[Any],
+    offset: int = 0,
 ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(digest after, positions, old contents, new contents) of a change given as
     ``positions`` and ``diffs`` (new - old modulo the width, as from a delta's
@@ -267,9 +284,13 @@ def gathered_update(
     the digest ``held`` before. The held contents are read at the changed positions
     only, once: a compiled pass on CPU, torch ops on the tensor's own device
     otherwise (positions, old and new then live there). CorruptObjectError for a
-    position out of range."""
+    position out of range. With ``offset``, ``flat`` is a piece starting at that flat
+    position of its tensor: positions index the piece, and are mixed as the tensor's."""
     width = flat.element_size()
     signed = _SIGNED_NP[width]
+    if offset:  # the gather as for a whole tensor, then the lanes at the shifted positions
+        _, at, before, after = gathered_update(digest((0, 0)), flat, positions, diffs)
+        return add(held, change_lanes(at + offset, before, after, width)), at, before, after
     jit = compiled()
     if flat.device.type == "cpu" and jit is not None:
         data = _unsigned(flat.numpy(), width)

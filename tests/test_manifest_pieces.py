@@ -1,0 +1,119 @@
+"""Schema 3: tensors of a sharded run stored in pieces, hashed piece by piece."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.errors import ConfigError, CorruptObjectError
+from pipeline.format import manifest as m
+from pipeline.format.hashes import content_hashes, mixsum
+from pipeline.format.manifest_parse import parse_manifest
+
+ALG = content_hashes.get(content_hashes.MIXSUM)
+RANGES = [(0, 30), (30, 31), (31, 70)]
+
+
+def _tensor() -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(10, 7, generator=g).to(torch.bfloat16)
+
+
+def _manifest() -> m.Manifest:
+    flat = _tensor().reshape(-1)
+    objects = tuple(
+        m.ObjectEntry(f"part-r{i:05d}-00000.safetensors", 1, "0" * 64) for i in range(3)
+    )
+    pieces = tuple(
+        m.Piece(objects[i].key, a, b, ALG.piece(flat[a:b], a)) for i, (a, b) in enumerate(RANGES)
+    )
+    entry = m.TensorEntry("w", "bfloat16", (10, 7), ALG.full(flat), objects[0].key, 0, pieces)
+    return m.Manifest(
+        run="r",
+        version=0,
+        kind="anchor",
+        parent=None,
+        anchor=0,
+        codec=m.CodecInfo("safetensors", 1),
+        objects=objects,
+        tensors=(entry,),
+        state_hash=m.compute_state_hash([entry]),
+        created=m.now_iso(),
+        schema=m.PIECES_SCHEMA,
+        content_hash=content_hashes.MIXSUM,
+    )
+
+
+def test_piece_hashes_combine_to_the_whole() -> None:
+    flat = _tensor().reshape(-1)
+    digests = [ALG.piece(flat[a:b], a) for a, b in RANGES]
+    assert ALG.combine(digests) == ALG.full(flat)
+    assert mixsum.COMPILED
+    mixsum.COMPILED = False  # the torch-ops path agrees
+    try:
+        assert [ALG.piece(flat[a:b], a) for a, b in RANGES] == digests
+    finally:
+        mixsum.COMPILED = True
+
+
+def test_a_piece_update_equals_the_whole_tensor_update() -> None:
+    flat = mixsum.int_flat(_tensor())
+    start = 31
+    held = ALG.piece(flat[start:], start)
+    positions = np.array([0, 5, 38], np.int64)
+    diffs = np.array([1, -1, 300], np.int16)
+    piece_after = ALG.gathered(held, flat[start:], positions, diffs, start=start)[0]
+    new = flat.clone()
+    new[torch.from_numpy(positions + start)] += torch.from_numpy(diffs)
+    assert piece_after == ALG.piece(new[start:], start)
+    whole_after = ALG.gathered(ALG.full(flat), flat, positions + start, diffs)[0]
+    assert whole_after == ALG.full(new)
+
+
+def test_pieced_manifest_round_trips_and_lays_out_by_object() -> None:
+    manifest = _manifest()
+    parsed = parse_manifest(m.to_json(manifest))
+    assert parsed == manifest
+    layout = parsed.layout()
+    assert [key for key, _ in layout] == [o.key for o in manifest.objects]
+    assert [(p.start, p.stop) for _, held in layout for _, p in held] == RANGES
+    assert parsed.parts() == [(o.key, ["w"]) for o in manifest.objects]
+
+
+def test_pieces_need_schema_3() -> None:
+    with pytest.raises(ConfigError, match="schema 3"):
+        m.to_json(dataclasses.replace(_manifest(), schema=2))
+    doc = m.to_json(_manifest()).replace(b'"schema":3', b'"schema":2')
+    with pytest.raises(CorruptObjectError, match="pieces"):
+        parse_manifest(doc)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "why"),
+    [
+        (b'"stop":31', b'"stop":32', "cover it in order"),
+        (b'"start":31', b'"start":32', "cover it in order"),
+        (b'"stop":70', b'"stop":69', "cover 69 of its 70"),
+        (b'"changed":0,"hash"', b'"changed":1,"hash"', "do not add up"),
+    ],
+)
+def test_malformed_pieces_are_refused(old: bytes, new: bytes, why: str) -> None:
+    doc = m.to_json(_manifest())
+    assert old in doc
+    with pytest.raises(CorruptObjectError, match=why):
+        parse_manifest(doc.replace(old, new, 1))
+
+
+def test_piece_hashes_that_do_not_sum_are_refused() -> None:
+    manifest = _manifest()
+    entry = manifest.tensors[0]
+    wrong = dataclasses.replace(entry.pieces[1], hash="0" * 32)
+    entry = dataclasses.replace(entry, pieces=(entry.pieces[0], wrong, entry.pieces[2]))
+    doc = m.to_json(
+        dataclasses.replace(manifest, tensors=(entry,), state_hash=m.compute_state_hash([entry]))
+    )
+    with pytest.raises(CorruptObjectError, match="do not sum"):
+        parse_manifest(doc)
