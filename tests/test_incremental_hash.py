@@ -305,7 +305,7 @@ def test_manifest_schema_2_names_a_known_hash(trainer: Trainer, store: FileStore
     with pytest.raises(CorruptObjectError, match="names no content_hash"):
         parse_manifest(json.dumps(v1).encode())
     with pytest.raises(CodecError, match="unsupported schema"):
-        parse_manifest(json.dumps(dict(doc, schema=3)).encode())
+        parse_manifest(json.dumps(dict(doc, schema=4)).encode())
 
 
 def test_a_chain_mixing_hashes_is_refused(trainer: Trainer, store: FileStore) -> None:
