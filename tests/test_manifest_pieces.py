@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.errors import ConfigError, CorruptObjectError
+from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format import manifest as m
 from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.manifest_parse import parse_manifest
+from pipeline.format.pieces import join_pieces, stored_pieces
 
 ALG = content_hashes.get(content_hashes.MIXSUM)
 RANGES = [(0, 30), (30, 31), (31, 70)]
@@ -117,3 +118,16 @@ def test_piece_hashes_that_do_not_sum_are_refused() -> None:
     )
     with pytest.raises(CorruptObjectError, match="do not sum"):
         parse_manifest(doc)
+
+
+def test_join_pieces_builds_the_entries_and_refuses_gaps() -> None:
+    manifest = _manifest()
+    entry = manifest.tensors[0]
+    stored = stored_pieces(entry)
+    assert join_pieces(reversed(stored), ["w"], ALG) == [entry]
+    with pytest.raises(MismatchError, match="missing"):
+        join_pieces([stored[0], stored[2]], ["w"], ALG)
+    with pytest.raises(MismatchError, match="held twice"):
+        join_pieces([stored[0], stored[0], *stored[1:]], ["w"], ALG)
+    with pytest.raises(MismatchError, match="no piece"):
+        join_pieces(stored, ["w", "b"], ALG)
