@@ -137,20 +137,91 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
         dist.destroy_process_group()
 
 
-def plain_rank(rank: int, world: int, step: int, out: Path) -> None:
+def _tiny_transformers(moe: bool) -> nn.Module:
+    import transformers
+
+    common = {
+        "vocab_size": 37,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+    }
+    if moe:
+        config = transformers.Qwen3MoeConfig(
+            **common, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8
+        )
+        return transformers.Qwen3MoeForCausalLM(config)
+    config = transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config)
+
+
+def transformers_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
+    """Emits a tied-embedding Llama (checkpoint names: the tied copy dropped) and an MoE
+    model (fused experts: names as given) wrapped with fully_shard, untrained."""
+    os.environ.update(env)
+    os.environ["DELTASYNC_DIFF_HOST"] = host_of(rank)
+    os.environ["DELTASYNC_STAGING"] = str(Path(out) / host_of(rank) / "staging")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.format.checkpoint_names import checkpoint_state
+    from workers.sharded_trainer import ShardedEmitter
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for run, moe in (("llama", False), ("moe", True)):
+            torch.manual_seed(SEED)
+            model = _tiny_transformers(moe)
+            if rank == 0:  # the same weights unsharded: what the checkpoint must hold
+                state, _ = checkpoint_state(copy.deepcopy(model))
+                expected = state if not moe else model.state_dict()
+                torch.save({k: v.clone() for k, v in expected.items()}, Path(out) / f"{run}.pt")
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            ShardedEmitter(run).emit_shards(0, model)
+    finally:
+        dist.destroy_process_group()
+
+
+def plain_rank(rank: int, world: int, steps: list[int], out: Path, port: int) -> None:
+    """Emit ``steps`` in turn; with several, the ranks wait for each other in between
+    (a gloo barrier of this harness, as training steps would), never inside an emit."""
+    import torch.distributed as dist
+
     from workers.sharded_trainer import ShardedEmitter, ShardPiece
 
     host = host_of(rank)
-    emitter = ShardedEmitter(
-        "plain", rank=rank, world=world, host=host
-    )  # settings from env: the parent sets this host's staging folder
-    rows = 10 // world + 1
-    first = min(rank * rows, 10)
-    piece = ShardPiece(plain_full(step)[first : first + rows], (10, 3), first)
-    done = emitter.emit_shards(step, {"w": piece, **({"b": torch.ones(3)} if rank == 0 else {})})
-    _write(out, f"plain-{rank}-{step}.json", {"completed": done.completed})
+    # Settings from env: the parent sets this host's staging folder.
+    emitter = ShardedEmitter("plain", rank=rank, world=world, host=host)
+    together = len(steps) > 1
+    if together:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for step in steps:
+            rows = 10 // world + 1
+            first = min(rank * rows, 10)
+            piece = ShardPiece(plain_full(step)[first : first + rows], (10, 3), first)
+            whole = {"b": torch.ones(3)} if rank == 0 else {}
+            done = emitter.emit_shards(step, {"w": piece, **whole})
+            _write(out, f"plain-{rank}-{step}.json", {"completed": done.completed})
+            if together:
+                dist.barrier()
+    finally:
+        if together:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "plain":
-        plain_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+        steps = [int(s) for s in sys.argv[4].split(",")]
+        plain_rank(int(sys.argv[2]), int(sys.argv[3]), steps, Path(sys.argv[5]), int(sys.argv[6]))

@@ -22,6 +22,7 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.shards import RankFolder, rank_folders, register_rank
 from pipeline.errors import ConfigError, CorruptObjectError
 from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoint_names import FORM_METADATA_KEY
 from pipeline.format.shards import (
     LAYOUT_NAME,
     RankLayout,
@@ -173,6 +174,25 @@ def test_ranks_that_disagree_about_the_world_are_refused(redis_url: str) -> None
         rank_folders(r, "run", 1)
 
 
+# -------------------------------------------------------------------------- names
+
+
+def test_checkpoint_renaming_is_what_checkpoint_state_writes() -> None:
+    from pipeline.format.checkpoint_names import checkpoint_renaming, checkpoint_state
+
+    torch.manual_seed(0)
+    llama = sharded_ranks._tiny_transformers(moe=False)
+    state = llama.state_dict()
+    renaming = checkpoint_renaming(llama, list(state))
+    written, form = checkpoint_state(llama)
+    assert form == "checkpoint" and renaming is not None
+    assert list(renaming) == list(written) and "lm_head.weight" in state
+    for new, old in renaming.items():
+        assert torch.equal(state[old], written[new])
+    moe = sharded_ranks._tiny_transformers(moe=True)
+    assert checkpoint_renaming(moe, list(moe.state_dict())) is None  # experts get split
+
+
 # -------------------------------------------------------------------------- real ranks
 
 
@@ -302,15 +322,43 @@ def test_fsdp2_ranks_emit_their_shards_and_the_steps_reassemble_bit_for_bit(
     assert queues.diff_job_id("maps", 0) in jobs
 
 
-def _plain_ranks(env: dict[str, str], tmp: Path, step: int, fault: dict[int, str]) -> list[int]:
+@pytest.mark.slow
+def test_transformers_models_under_fsdp2_get_their_checkpoint_names(
+    redis_url: str, tmp_path: Path
+) -> None:
+    env = deltasync_env(redis_url, tmp_path)
+    world = 2
+    mp.spawn(
+        sharded_ranks.transformers_rank,
+        args=(world, _free_port(), env, str(tmp_path)),
+        nprocs=world,
+        join=True,
+    )
+    r = redis_client(redis_url)
+    for run, form in (("llama", "checkpoint"), ("moe", "given")):
+        expected = torch.load(tmp_path / f"{run}.pt")
+        got = _reassemble(r, run, 0, world)
+        assert sorted(got) == sorted(expected)
+        for name, full in expected.items():
+            assert torch.equal(got[name], _as_int(full)), (run, name)
+        for entry in rank_folders(r, run, 0).values():
+            assert CheckpointReader(entry.path).metadata[FORM_METADATA_KEY] == form
+        assert _completed_steps(r, run) == [0]
+        # The tied head is dropped from the checkpoint; the MoE keeps its fused experts.
+        assert ("lm_head.weight" in got) == (run == "moe")
+        assert any(".experts.gate_up_proj" in name for name in got) == (run == "moe")
+
+
+def _plain_ranks(env: dict[str, str], tmp: Path, steps: str, fault: dict[int, str]) -> list[int]:
     procs = []
+    port = str(_free_port())
     for rank in range(WORLD):
         host = sharded_ranks.host_of(rank)
         rank_env = {**env, "DELTASYNC_STAGING": str(tmp / host / "staging")}
         if rank in fault:
             rank_env["DELTASYNC_FAULT"] = fault[rank]
         cmd = [sys.executable, "-m", "tests.sharded_ranks", "plain", str(rank), str(WORLD)]
-        procs.append(subprocess.Popen([*cmd, str(step), str(tmp)], env=rank_env, cwd=REPO))
+        procs.append(subprocess.Popen([*cmd, steps, str(tmp), port], env=rank_env, cwd=REPO))
     return [p.wait(timeout=300) for p in procs]
 
 
@@ -319,16 +367,19 @@ def test_a_rank_killed_before_registering_leaves_the_step_unsent(
     redis_url: str, tmp_path: Path
 ) -> None:
     env = deltasync_env(redis_url, tmp_path)
-    codes = _plain_ranks(env, tmp_path, 1, {3: "emit.before_register"})
+    codes = _plain_ranks(env, tmp_path, "1", {3: "emit.before_register"})
     assert codes[:3] == [0, 0, 0] and codes[3] == -9
     r = redis_client(redis_url)
     assert sorted(rank_folders(r, "plain", 1)) == [0, 1, 2]
     assert _completed_steps(r, "plain") == []
     assert _jobs(r) == {}
     assert not r.hgetall(keys.pending_steps_key("plain"))
+    killed = tmp_path / "h1" / "staging" / "plain" / f"step-{1:010d}" / "rank-00003"
+    assert read_layout(killed).rank == 3  # staged, then killed before registering
 
-    for step in (2, 3):  # a restarted trainer: the next steps complete
-        assert _plain_ranks(env, tmp_path, step, {}) == [0, 0, 0, 0]
+    # A restarted trainer: the next steps complete.
+    assert _plain_ranks(env, tmp_path, "2,3", {}) == [0, 0, 0, 0]
+    for step in (2, 3):
         got = _reassemble(r, "plain", step, WORLD)
         assert torch.equal(got["w"], _as_int(sharded_ranks.plain_full(step)))
         assert torch.equal(got["b"], _as_int(torch.ones(3)))

@@ -38,7 +38,7 @@ from pipeline.errors import ConfigError, MismatchError
 from pipeline.format.checkpoint_names import (
     FORM_METADATA_KEY,
     TensorForm,
-    checkpoint_state,
+    checkpoint_renaming,
     is_transformers_model,
 )
 from pipeline.format.checkpoint_write import write_checkpoint
@@ -108,30 +108,17 @@ def _default_rank_world() -> tuple[int | None, int | None]:
     return _int_env("RANK"), _int_env("WORLD_SIZE")
 
 
-def _converts_weights(model: torch.nn.Module) -> bool:
-    """Whether transformers' checkpoint conversion of ``model`` derives new tensors
-    (splits fused experts) rather than only renaming: on DTensors that would
-    redistribute, a collective."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
-
-    pretrained: Any = model  # a PreTrainedModel (checked by the caller)
-    conversions = getattr(pretrained, "_weight_conversions", None)
-    if conversions is None:
-        conversions = get_model_conversion_mapping(pretrained, add_legacy=False)
-    return any(isinstance(c, WeightConverter) for c in conversions or ())
-
-
 def _tensors_of(weights: Weights) -> tuple[Mapping[str, Held], TensorForm]:
     if not isinstance(weights, torch.nn.Module):
         return weights, "given"
+    state = weights.state_dict()
     if not is_transformers_model(weights):
-        return weights.state_dict(), "state_dict"
-    if _converts_weights(weights):
-        log.warning("checkpoint conversion needs whole tensors: names published as given")
-        return weights.state_dict(), "given"
-    state, form = checkpoint_state(weights)
-    return state, form
+        return state, "state_dict"
+    renaming = checkpoint_renaming(weights, list(state))
+    if renaming is None:
+        log.warning("checkpoint conversion derives tensors: names published as given")
+        return state, "given"
+    return {new: state[old] for new, old in renaming.items()}, "checkpoint"
 
 
 def _shard_rows(name: str, t: DTensor) -> tuple[torch.Tensor, int] | None:
