@@ -75,6 +75,7 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
     torch.set_num_threads(1)
 
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -118,11 +119,15 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
         mesh = next(iter(model.state_dict().values())).device_mesh
         rep = distribute_tensor(torch.arange(10.0).reshape(2, 5), mesh, [Replicate()])
         col = distribute_tensor(torch.ones(4, 8), mesh, [Shard(1)])
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        on_grid = distribute_tensor(torch.ones(4, 4), grid, [Shard(0), Replicate()])
+        on_half = distribute_tensor(torch.ones(4, 4), grid["b"], [Shard(0)])
         maps = ShardedEmitter("maps")
-        try:
-            maps.emit_shards(0, {"col": col})
-        except DeltasyncError as exc:
-            results["refused"] = str(exc)
+        for key, refused in (("col", col), ("grid", on_grid), ("half", on_half)):
+            try:
+                maps.emit_shards(0, {key: refused})
+            except DeltasyncError as exc:
+                results[f"refused-{key}"] = str(exc)
         rows = torch.arange(24.0).reshape(8, 3)
         mapping: dict[str, Any] = {
             "rep": rep,

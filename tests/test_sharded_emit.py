@@ -313,7 +313,10 @@ def test_fsdp2_ranks_emit_their_shards_and_the_steps_reassemble_bit_for_bit(
         assert staged == [f"step-{s:010d}" for s in (1, 2, 4, 5)], host
 
     # Mappings: Replicate staged once, row slices, a tensor one rank holds whole.
-    assert "'col'" in results[0]["refused"] and "Shard(dim=1)" in results[0]["refused"]
+    refused = results[0]
+    assert "'col'" in refused["refused-col"] and "Shard(dim=1)" in refused["refused-col"]
+    assert "'grid'" in refused["refused-grid"] and "2-D mesh" in refused["refused-grid"]
+    assert "'half'" in refused["refused-half"] and "mesh has 2 ranks" in refused["refused-half"]
     got = _reassemble(r, "maps", 0, WORLD)
     assert torch.equal(got["rep"], _as_int(torch.arange(10.0).reshape(2, 5)))
     assert torch.equal(got["rows"], _as_int(torch.arange(24.0).reshape(8, 3)))

@@ -121,16 +121,20 @@ def _tensors_of(weights: Weights) -> tuple[Mapping[str, Held], TensorForm]:
     return {new: state[old] for new, old in renaming.items()}, "checkpoint"
 
 
-def _shard_rows(name: str, t: DTensor) -> tuple[torch.Tensor, int] | None:
+def _shard_rows(name: str, t: DTensor, world: int) -> tuple[torch.Tensor, int] | None:
     """This rank's local rows of ``t`` and the first one's index in the full tensor; None
-    when this rank does not stage ``t`` (a replica other than coordinate 0, or outside
-    the mesh)."""
+    when this rank does not stage ``t`` (a replica other than coordinate 0)."""
     mesh = t.device_mesh
     placements = tuple(t.placements)
     if mesh.ndim != 1 or len(placements) != 1:
         raise ConfigError(
             f"tensor {name!r}: placements {placements} on a {mesh.ndim}-D mesh are not "
             "supported (Shard(0) or Replicate on a 1-D mesh)"
+        )
+    if mesh.size() != world:
+        # A smaller mesh repeats across the world: its pieces would be staged twice.
+        raise ConfigError(
+            f"tensor {name!r}: its mesh has {mesh.size()} ranks, not the world's {world}"
         )
     placement = placements[0]
     coordinate = mesh.get_coordinate()
@@ -159,9 +163,9 @@ def _shard_rows(name: str, t: DTensor) -> tuple[torch.Tensor, int] | None:
     return local, first
 
 
-def _local_piece(name: str, value: object) -> _Local | None:
+def _local_piece(name: str, value: object, world: int) -> _Local | None:
     if isinstance(value, DTensor):
-        held = _shard_rows(name, value)
+        held = _shard_rows(name, value, world)
         if held is None:
             return None
         local, first_row = held
@@ -258,16 +262,24 @@ class ShardedEmitter(RunEmitter):
         original names; a transformers model gets its checkpoint names when that is a
         renaming only) or a mapping name -> tensor, each either a DTensor placed
         Shard(0) (this rank's rows) or Replicate (staged by mesh coordinate 0 only) on
-        a 1-D mesh, a ``ShardPiece`` (a row slice of the full tensor), or a plain tensor
-        (held whole by this rank). Other placements: ConfigError naming the tensor.
+        a 1-D mesh of the world, a ``ShardPiece`` (a row slice of the full tensor), or a
+        plain tensor (held whole by this rank: give it on one rank only). Other
+        placements: ConfigError naming the tensor. Together the ranks must cover each
+        tensor once (a step whose pieces do not is not publishable).
 
-        No collective is called. A rank that raises (or dies) before it registers
-        leaves the step incomplete: nothing is sent for it, the other ranks return
-        normally, and the next step completes on its own. Its staged folders of
-        steps that never completed are removed once a later step completed."""
+        No collective is called, so no rank waits for another. A rank that raises (or
+        dies) before it registers leaves the step incomplete: nothing is sent for it,
+        the other ranks return normally, and the next step completes on its own. Its
+        staged folders of steps that never completed are removed once a later step
+        completed. A step number emitted again (after a restart) while registrations
+        of an earlier attempt live (``SHARDS_TTL_S``) may complete with that attempt's
+        folders of the ranks not yet staged again: emit new step numbers after a
+        restart."""
         self._check_newer(step)
         tensors, form = _tensors_of(weights)
-        held = [p for name, v in tensors.items() if (p := _local_piece(name, v)) is not None]
+        held = [
+            p for name, v in tensors.items() if (p := _local_piece(name, v, self.world)) is not None
+        ]
         held = [p for p in held if p.flat.numel()]  # zero-size pieces are not staged
         pieces = []
         for p in held:
