@@ -49,6 +49,8 @@ FANOUT_TTL_S = 24 * 3600.0  # a parallel diff's fan-out record and part records
 POLICY_PENDING_TTL_S = 3600.0
 ANNOUNCED_TTL_S = 30 * 24 * 3600  # once-only markers of announced versions
 EMITTED_TTL_S = 7 * 24 * 3600  # markers of emitted steps
+# Ranks registered for a sharded step: long enough for any step to finish staging.
+SHARDS_TTL_S = 24 * 3600.0
 REPLICA_TTL_S = 600.0  # default of DELTASYNC_REPLICA_TTL
 DIFF_JOB_TIMEOUT_S = 3600  # rq's timeout of one diff job
 COMPACT_JOB_TIMEOUT_S = 6 * 3600

@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ class Emitted:
     job_id: str
 
 
-def _named_tensors(
+def named_tensors(
     weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     items = weights.items()
@@ -65,8 +66,9 @@ def _named_tensors(
         yield name, t
 
 
-class Emitter:
-    """Publishes a run's steps: one per optimizer step (or every k steps)."""
+class RunEmitter:
+    """What every emitter of a run has: its settings (``DELTASYNC_*`` env by default),
+    services, and the check that a step is newer than the run's head."""
 
     def __init__(self, run: str, *, settings: Settings | None = None) -> None:
         self.run = check_run_name(run)
@@ -75,6 +77,17 @@ class Emitter:
     @property
     def settings(self) -> Settings:
         return self.runtime.settings
+
+    def _check_newer(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be an integer >= 0, got {step!r}")
+        head = chain.list_versions(self.runtime.store, self.run).head
+        if head is not None and step <= head:
+            raise ChainError(f"step {step} of run {self.run!r} is not newer than head {head}")
+
+
+class Emitter(RunEmitter):
+    """Publishes a run's steps: one per optimizer step (or every k steps)."""
 
     def staging_path(self, step: int) -> Path:
         return self.settings.staging_dir / self.run / f"step-{step:010d}"
@@ -103,7 +116,7 @@ class Emitter:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_checkpoint(
             path,
-            _named_tensors(weights, dtype),
+            named_tensors(weights, dtype),
             max_shard_bytes=max_shard_bytes,
             metadata={FORM_METADATA_KEY: form},
         )
@@ -116,40 +129,36 @@ class Emitter:
         CheckpointReader(path)  # a missing or half-written checkpoint fails here, one line
         return self._send(step, path, owned=False)
 
-    def _check_newer(self, step: int) -> None:
-        if step < 0:
-            raise ConfigError(f"step must be >= 0, got {step}")
-        head = chain.list_versions(self.runtime.store, self.run).head
-        if head is not None and step <= head:
-            raise ChainError(f"step {step} of run {self.run!r} is not newer than head {head}")
-
     def _send(self, step: int, path: Path, *, owned: bool) -> Emitted:
-        r = self.runtime.redis
-        stream = EventStream(r, self.run)
-        event = StepCompleted.now(
-            run=self.run, version=step, checkpoint=str(path), owned=owned, level=None
-        )
-        kwargs = {
-            "run": self.run,
-            "step": step,
-            "checkpoint": str(path),
-            "owned": owned,
-        }
-        marker = keys.emitted_key(self.run, step)
-        if r.exists(marker):
-            # Best effort only: the diff job itself publishes each version once.
-            log.warning("step already emitted, not sent again", run=self.run, step=step)
-            return Emitted(self.run, step, str(path), None, queues.diff_job_id(self.run, step))
-        with r.pipeline(transaction=True) as pipe:
-            # rq opens the transaction itself, so the job goes first.
-            job_id = queues.enqueue_diff(r, kwargs, pipeline=pipe)
-            at = len(pipe.command_stack)
-            stream.publish(event, pipeline=pipe)
-            pipe.set(marker, 1, ex=config.EMITTED_TTL_S)
-            # Lets whichever diff job runs first publish the steps in order.
-            pipe.hset(keys.pending_steps_key(self.run), str(step), json.dumps(kwargs))
-            results = pipe.execute()
-        event_id = results[at]
-        event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)
-        log.info("step emitted", run=self.run, step=step, checkpoint=str(path), job_id=job_id)
-        return Emitted(self.run, step, str(path), event_id, job_id)
+        kwargs = {"run": self.run, "step": step, "checkpoint": str(path), "owned": owned}
+        return send_step(self.runtime, kwargs)
+
+
+def send_step(runtime: Runtime, kwargs: dict[str, Any]) -> Emitted:
+    """Send one step: in one transaction the diff job (``kwargs`` are its arguments: run,
+    step, checkpoint, owned and any others), ``step-completed``, the emitted marker and
+    the pending-steps entry. Not sent again when the marker says it was (best effort:
+    the diff job itself publishes each version once)."""
+    run, step, checkpoint = kwargs["run"], kwargs["step"], str(kwargs["checkpoint"])
+    r = runtime.redis
+    stream = EventStream(r, run)
+    event = StepCompleted.now(
+        run=run, version=step, checkpoint=checkpoint, owned=bool(kwargs["owned"]), level=None
+    )
+    marker = keys.emitted_key(run, step)
+    if r.exists(marker):
+        log.warning("step already emitted, not sent again", run=run, step=step)
+        return Emitted(run, step, checkpoint, None, queues.diff_job_id(run, step))
+    with r.pipeline(transaction=True) as pipe:
+        # rq opens the transaction itself, so the job goes first.
+        job_id = queues.enqueue_diff(r, kwargs, pipeline=pipe)
+        at = len(pipe.command_stack)
+        stream.publish(event, pipeline=pipe)
+        pipe.set(marker, 1, ex=config.EMITTED_TTL_S)
+        # Lets whichever diff job runs first publish the steps in order.
+        pipe.hset(keys.pending_steps_key(run), str(step), json.dumps(kwargs))
+        results = pipe.execute()
+    event_id = results[at]
+    event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)
+    log.info("step emitted", run=run, step=step, checkpoint=checkpoint, job_id=job_id)
+    return Emitted(run, step, checkpoint, event_id, job_id)

@@ -56,6 +56,52 @@ def checkpoint_state(module: torch.nn.Module) -> tuple[Mapping[str, torch.Tensor
     return converted, "checkpoint"
 
 
+def converts_weights(module: torch.nn.Module) -> bool:
+    """Whether transformers' checkpoint conversion of a transformers model derives new
+    tensors (fused experts split, say) rather than only renaming and dropping tied
+    copies."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    model: Any = module
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    return any(isinstance(c, WeightConverter) for c in conversions or ())
+
+
+def checkpoint_renaming(module: torch.nn.Module, names: list[str]) -> dict[str, str] | None:
+    """For a transformers model whose state dict has ``names``: checkpoint name -> state
+    dict name of each tensor ``save_pretrained`` writes; None when the conversion derives
+    new tensors (``converts_weights``).
+
+    Worked out on stand-ins, one small tensor per parameter or buffer (tied names
+    sharing one), so no weight is touched: for sharded weights (DTensors) a weight's
+    storage says nothing about ties, and reshaping one may need a collective."""
+    if converts_weights(module):
+        return None
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    model: Any = module
+    owners: dict[str, object] = dict(module.named_buffers(remove_duplicate=False))
+    owners.update(module.named_parameters(remove_duplicate=False))
+    standins: dict[int, torch.Tensor] = {}
+    proxy: dict[str, torch.Tensor] = {}
+    for name in names:
+        owner = owners.get(name, name)  # no module attribute: a tensor of its own
+        proxy[name] = standins.setdefault(id(owner), torch.zeros(1))
+    kept = remove_tied_weights_from_state_dict(dict(proxy), model)
+    back = {id(t): name for name, t in kept.items()}
+    out: dict[str, str] = {}
+    for new, tensor in revert_weight_conversion(model, kept).items():
+        old = back.get(id(tensor))
+        if old is None:  # a tensor derived after all, not a renamed one
+            return None
+        out[new] = old
+    return out
+
+
 def published_form(reader: CheckpointReader) -> TensorForm | None:
     """The form recorded in a staging checkpoint's metadata; None when not recorded
     (a checkpoint the user wrote)."""

@@ -95,9 +95,17 @@ def _job_id() -> str | None:
 
 
 def diff_job(
-    run: str, step: int, checkpoint: str, owned: bool = False, level: int | None = None
+    run: str,
+    step: int,
+    checkpoint: str,
+    owned: bool = False,
+    level: int | None = None,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """rq entry point; arguments are JSON. Returns a JSON summary.
+
+    ``sharded``: ``checkpoint`` is the step folder of a sharded run's rank (the ranks'
+    folders are registered in ``pipeline.coord.shards``), not a checkpoint.
 
     Steps emitted before ``step`` and not yet published go first, in order: with
     several diff workers the job of a later step may start first, and would
@@ -116,7 +124,7 @@ def diff_job(
             reason = dead_letters.record(runtime.redis, run, earlier, where, exc, pending)
             log.warning("earlier step set aside", step=earlier, reason=reason)
     try:
-        return _diff_one(runtime, run, step, checkpoint, owned, level)
+        return _diff_one(runtime, run, step, checkpoint, owned, level, sharded=sharded)
     except Exception as exc:
         if dead_letters.is_transient(exc):
             raise
@@ -133,7 +141,9 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, d
         try:
             earlier = int(key)
             args = json.loads(raw)
-            out.append((earlier, {k: args[k] for k in ("checkpoint", "owned") if k in args}))
+            out.append(
+                (earlier, {k: args[k] for k in ("checkpoint", "owned", "sharded") if k in args})
+            )
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             log.warning("malformed pending step set aside", run=run, entry=str(key)[:40])
             name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
@@ -153,6 +163,8 @@ def _diff_one(
     checkpoint: str,
     owned: bool = False,
     level: int | None = None,
+    *,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())

@@ -1,0 +1,232 @@
+"""Trainer ranks of a sharded run, for tests/test_sharded_emit.py: real processes.
+
+- ``fsdp_rank``: one rank of a gloo process group (``torch.multiprocessing.spawn``)
+  training a small model wrapped with FSDP2 ``fully_shard``, emitting after each
+  AdamW step; it saves the gathered full state (test only) for the parent to check.
+- ``python -m tests.sharded_ranks plain RANK WORLD STEP OUT``: one rank emitting a
+  step of plain row slices (``ShardPiece``), no process group; ``DELTASYNC_FAULT``
+  may kill it on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SEED = 7
+VOCAB = 11  # odd sizes: dim 0 does not divide by 4, the last ranks hold fewer rows
+WIDTH = 6
+HIDDEN = 9
+BATCH = (3, 5)
+
+
+def host_of(rank: int) -> str:
+    return f"h{rank // 2}"  # two ranks per emulated host
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm = nn.RMSNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+def plain_full(step: int) -> torch.Tensor:
+    """The full tensor the plain ranks hold row slices of, at ``step``."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(10, 3, generator=g)
+
+
+def _write(out: Path, name: str, doc: dict[str, Any]) -> None:
+    (out / name).write_text(json.dumps(doc))
+
+
+def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
+    os.environ.update(env)
+    host = host_of(rank)
+    os.environ["DELTASYNC_DIFF_HOST"] = host
+    os.environ["DELTASYNC_STAGING"] = str(Path(out) / host / "staging")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from pipeline.errors import DeltasyncError
+    from workers.sharded_trainer import ShardedEmitter, ShardPiece
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    folder = Path(out)
+    try:
+        torch.manual_seed(SEED)
+        model = TinyLM()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        emitter = ShardedEmitter("fsdp")
+        results: dict[str, Any] = {}
+        for step in range(1, 6):
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, VOCAB, BATCH, generator=g)
+            model(tokens).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            weights: Any = model
+            if step == 3 and rank == 2:
+                # This rank fails before it registers: rows past the tensor's end.
+                bad = ShardPiece(torch.zeros(2, 2), (3, 2), 2)
+                weights = {**model.state_dict(), "bad": bad}
+            try:
+                done = emitter.emit_shards(step, weights)
+                results[str(step)] = {"completed": done.completed, "folder": done.folder}
+            except DeltasyncError as exc:
+                results[str(step)] = {"error": str(exc)}
+            # The full state, gathered here for the test's check only.
+            full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, folder / f"expected-{step}.pt")
+
+        # Mapping inputs: a replicated DTensor, a refused placement, row slices, a whole
+        # tensor held by one rank only.
+        mesh = next(iter(model.state_dict().values())).device_mesh
+        rep = distribute_tensor(torch.arange(10.0).reshape(2, 5), mesh, [Replicate()])
+        col = distribute_tensor(torch.ones(4, 8), mesh, [Shard(1)])
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        on_grid = distribute_tensor(torch.ones(4, 4), grid, [Shard(0), Replicate()])
+        on_half = distribute_tensor(torch.ones(4, 4), grid["b"], [Shard(0)])
+        maps = ShardedEmitter("maps")
+        for key, refused in (("col", col), ("grid", on_grid), ("half", on_half)):
+            try:
+                maps.emit_shards(0, {key: refused})
+            except DeltasyncError as exc:
+                results[f"refused-{key}"] = str(exc)
+        rows = torch.arange(24.0).reshape(8, 3)
+        mapping: dict[str, Any] = {
+            "rep": rep,
+            "rows": ShardPiece(rows[rank * 2 : rank * 2 + 2], (8, 3), rank * 2),
+        }
+        if rank == 1:
+            mapping["ints"] = torch.arange(5, dtype=torch.int64)
+        done = maps.emit_shards(0, mapping)
+        results["maps"] = {"completed": done.completed, "folder": done.folder}
+        _write(folder, f"rank-{rank}.json", results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_transformers(moe: bool) -> nn.Module:
+    import transformers
+
+    common = {
+        "vocab_size": 37,
+        "hidden_size": 16,
+        "intermediate_size": 24,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+    }
+    if moe:
+        config = transformers.Qwen3MoeConfig(
+            **common, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8
+        )
+        return transformers.Qwen3MoeForCausalLM(config)
+    config = transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config)
+
+
+def transformers_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
+    """Emits a tied-embedding Llama (checkpoint names: the tied copy dropped) and an MoE
+    model (fused experts: names as given) wrapped with fully_shard, untrained."""
+    os.environ.update(env)
+    os.environ["DELTASYNC_DIFF_HOST"] = host_of(rank)
+    os.environ["DELTASYNC_STAGING"] = str(Path(out) / host_of(rank) / "staging")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.format.checkpoint_names import checkpoint_state
+    from workers.sharded_trainer import ShardedEmitter
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for run, moe in (("llama", False), ("moe", True)):
+            torch.manual_seed(SEED)
+            model = _tiny_transformers(moe)
+            if rank == 0:  # the same weights unsharded: what the checkpoint must hold
+                state, _ = checkpoint_state(copy.deepcopy(model))
+                expected = state if not moe else model.state_dict()
+                torch.save({k: v.clone() for k, v in expected.items()}, Path(out) / f"{run}.pt")
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            ShardedEmitter(run).emit_shards(0, model)
+    finally:
+        dist.destroy_process_group()
+
+
+def plain_rank(rank: int, world: int, steps: list[int], out: Path, port: int) -> None:
+    """Emit ``steps`` in turn; with several, the ranks wait for each other in between
+    (a gloo barrier of this harness, as training steps would), never inside an emit."""
+    import torch.distributed as dist
+
+    from workers.sharded_trainer import ShardedEmitter, ShardPiece
+
+    host = host_of(rank)
+    # Settings from env: the parent sets this host's staging folder.
+    emitter = ShardedEmitter("plain", rank=rank, world=world, host=host)
+    together = len(steps) > 1
+    if together:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for step in steps:
+            rows = 10 // world + 1
+            first = min(rank * rows, 10)
+            piece = ShardPiece(plain_full(step)[first : first + rows], (10, 3), first)
+            whole = {"b": torch.ones(3)} if rank == 0 else {}
+            done = emitter.emit_shards(step, {"w": piece, **whole})
+            _write(out, f"plain-{rank}-{step}.json", {"completed": done.completed})
+            if together:
+                dist.barrier()
+    finally:
+        if together:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "plain":
+        steps = [int(s) for s in sys.argv[4].split(",")]
+        plain_rank(int(sys.argv[2]), int(sys.argv[3]), steps, Path(sys.argv[5]), int(sys.argv[6]))

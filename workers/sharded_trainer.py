@@ -1,0 +1,392 @@
+"""The trainer side of a sharded run: every rank emits only what it holds.
+
+    from workers.sharded_trainer import ShardedEmitter
+    emitter = ShardedEmitter(run="grpo-7")     # rank, world: torch.distributed or env
+    ...
+    optimizer.step()
+    emitter.emit_shards(step, model)           # on every rank, no collective
+
+Each rank stages its pieces in ``<staging>/<run>/step-<N>/rank-<R>/`` (a checkpoint of
+1-D tensors plus ``pieces.json``, see ``pipeline.format.shards``) and registers the
+folder in Redis (``pipeline.coord.shards``); the rank whose registration completes the
+step sends it, exactly as ``Emitter`` sends a step, with the diff job's ``sharded``
+argument set. Nothing is gathered: no collective is called at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shutil
+import socket
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from pipeline.config import Settings
+from pipeline.coord import keys
+from pipeline.coord.shards import RankFolder, register_rank
+from pipeline.errors import ConfigError, MismatchError
+from pipeline.format.checkpoint_names import (
+    FORM_METADATA_KEY,
+    TensorForm,
+    checkpoint_renaming,
+    is_transformers_model,
+)
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.shards import MAX_WORLD, RankLayout, RankPiece, layout_digest, write_layout
+from pipeline.format.tensors import BY_TORCH
+from pipeline.logs import get_logger
+from pipeline.testing import faults
+from workers.trainer import Emitted, RunEmitter, named_tensors, send_step
+
+log = get_logger(__name__)
+
+CHECKPOINT_NAME = "model.safetensors"
+_STEP_FOLDER = re.compile(r"step-([0-9]{10})")
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """Rows [start_row, start_row + tensor.shape[0]) of a tensor of ``full_shape``, held
+    by this rank as a plain tensor (a dim-0 slice of the full tensor)."""
+
+    tensor: torch.Tensor
+    full_shape: tuple[int, ...]
+    start_row: int
+
+
+@dataclass(frozen=True)
+class RankEmitted:
+    """What one rank did for a step: staged ``folder``; ``sent`` when it completed it."""
+
+    run: str
+    step: int
+    rank: int
+    folder: str
+    layout: str  # layout_digest of what it staged
+    sent: Emitted | None  # set on the one rank whose registration completed the step
+
+    @property
+    def completed(self) -> bool:
+        return self.sent is not None
+
+
+Held = torch.Tensor | ShardPiece
+Weights = Mapping[str, Held] | torch.nn.Module
+
+
+@dataclass(frozen=True)
+class _Local:
+    name: str
+    flat: torch.Tensor  # 1-D view (or copy) of what this rank holds, not cast yet
+    shape: tuple[int, ...]
+    start: int
+
+
+def _int_env(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw[:40]!r} is not an integer") from None
+
+
+def _default_rank_world() -> tuple[int | None, int | None]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return _int_env("RANK"), _int_env("WORLD_SIZE")
+
+
+def _tensors_of(weights: Weights) -> tuple[Mapping[str, Held], TensorForm]:
+    if not isinstance(weights, torch.nn.Module):
+        return weights, "given"
+    state = weights.state_dict()
+    if not is_transformers_model(weights):
+        return state, "state_dict"
+    renaming = checkpoint_renaming(weights, list(state))
+    if renaming is None:
+        log.warning("checkpoint conversion derives tensors: names published as given")
+        return state, "given"
+    return {new: state[old] for new, old in renaming.items()}, "checkpoint"
+
+
+def _shard_rows(name: str, t: DTensor, world: int) -> tuple[torch.Tensor, int] | None:
+    """This rank's local rows of ``t`` and the first one's index in the full tensor; None
+    when this rank does not stage ``t`` (a replica other than coordinate 0)."""
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    if mesh.ndim != 1 or len(placements) != 1:
+        raise ConfigError(
+            f"tensor {name!r}: placements {placements} on a {mesh.ndim}-D mesh are not "
+            "supported (Shard(0) or Replicate on a 1-D mesh)"
+        )
+    if mesh.size() != world:
+        # A smaller mesh repeats across the world: its pieces would be staged twice.
+        raise ConfigError(
+            f"tensor {name!r}: its mesh has {mesh.size()} ranks, not the world's {world}"
+        )
+    placement = placements[0]
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    index = coordinate[0]
+    local = t.to_local()
+    full = tuple(t.shape)
+    if type(placement) is Replicate:
+        return (local, 0) if index == 0 else None
+    if type(placement) is not Shard or placement.dim != 0 or not full:
+        raise ConfigError(
+            f"tensor {name!r}: placement {placement!r} is not supported (Shard(0) or Replicate)"
+        )
+    # Shard(0) chunks dim 0 like torch.chunk: ceil(rows / size) rows each, the last
+    # ranks fewer or none.
+    rows = full[0]
+    chunk = -(-rows // mesh.size())
+    first = min(index * chunk, rows)
+    expected = (min(chunk, rows - first), *full[1:])
+    if tuple(local.shape) != expected:
+        raise MismatchError(
+            f"tensor {name!r}: rank's local shard has shape {tuple(local.shape)}, "
+            f"expected {expected} for Shard(0) of {full} at coordinate {index}"
+        )
+    return local, first
+
+
+def _local_piece(name: str, value: object, world: int) -> _Local | None:
+    if isinstance(value, DTensor):
+        held = _shard_rows(name, value, world)
+        if held is None:
+            return None
+        local, first_row = held
+        full = tuple(value.shape)
+    elif isinstance(value, ShardPiece):
+        local, full, first_row = value.tensor, tuple(value.full_shape), value.start_row
+        if not isinstance(local, torch.Tensor) or isinstance(local, DTensor):
+            raise ConfigError(f"tensor {name!r}: a ShardPiece holds a plain tensor")
+        if not full or local.dim() != len(full) or tuple(local.shape[1:]) != full[1:]:
+            raise MismatchError(
+                f"tensor {name!r}: piece of shape {tuple(local.shape)} is no row slice of {full}"
+            )
+        if isinstance(first_row, bool) or not isinstance(first_row, int):
+            raise ConfigError(f"tensor {name!r}: start_row must be an integer")
+        if first_row < 0 or first_row + local.shape[0] > full[0]:
+            raise MismatchError(
+                f"tensor {name!r}: rows [{first_row}, {first_row + local.shape[0]}) are "
+                f"outside the {full[0]} rows of {full}"
+            )
+    elif isinstance(value, torch.Tensor):
+        local, full, first_row = value, tuple(value.shape), 0
+    else:
+        raise ConfigError(f"tensor {name!r} is a {type(value).__name__}, not a tensor")
+    row = math.prod(full[1:]) if full else 1
+    return _Local(name, local.detach().reshape(-1), full, first_row * row)
+
+
+def _cast_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _confined(path: Path, root: Path) -> bool:
+    """True for a real folder inside ``root`` (after resolving), not a link out of it."""
+    return not path.is_symlink() and path.is_dir() and path.resolve().is_relative_to(root)
+
+
+class ShardedEmitter(RunEmitter):
+    """Emits a sharded run's steps; one per rank, each ``emit_shards`` on every rank.
+
+    ``rank``/``world`` default to torch.distributed's (when initialised), else the
+    ``RANK``/``WORLD_SIZE`` environment; ``host`` to ``DELTASYNC_DIFF_HOST``, else the
+    machine's host name: the diff workers started with that host take this rank's
+    parts, so the ranks of one machine and its diff workers must name the same host."""
+
+    def __init__(
+        self,
+        run: str,
+        *,
+        rank: int | None = None,
+        world: int | None = None,
+        host: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        super().__init__(run, settings=settings)
+        default_rank, default_world = _default_rank_world()
+        rank = default_rank if rank is None else rank
+        world = default_world if world is None else world
+        if rank is None or world is None:
+            raise ConfigError(
+                "rank and world size unknown: initialise torch.distributed, set RANK and "
+                "WORLD_SIZE, or pass rank= and world="
+            )
+        for what, value in (("rank", rank), ("world", world)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{what} must be an integer, got {value!r}")
+        if not 1 <= world <= MAX_WORLD or not 0 <= rank < world:
+            raise ConfigError(f"rank {rank} of world {world} is out of range")
+        self.rank = rank
+        self.world = world
+        self.host = keys.check_node_name(host or self.settings.diff_host or socket.gethostname())
+        self._last_step: int | None = None
+
+    def run_folder(self) -> Path:
+        return self.settings.staging_dir / self.run
+
+    def step_path(self, step: int) -> Path:
+        return self.run_folder() / f"step-{step:010d}"
+
+    def rank_path(self, step: int) -> Path:
+        return self.step_path(step) / f"rank-{self.rank:05d}"
+
+    def emit_shards(
+        self,
+        step: int,
+        weights: Weights,
+        *,
+        dtype: torch.dtype | None = torch.bfloat16,
+        max_shard_bytes: int | None = None,
+    ) -> RankEmitted:
+        """Stage what this rank holds of ``weights`` (cast to ``dtype``), register it, and
+        send the step if this rank is the last of the world to register.
+
+        ``weights``: an ``nn.Module`` (its state dict; FSDP2 ``fully_shard`` keeps the
+        original names; a transformers model gets its checkpoint names when that is a
+        renaming only) or a mapping name -> tensor, each either a DTensor placed
+        Shard(0) (this rank's rows) or Replicate (staged by mesh coordinate 0 only) on
+        a 1-D mesh of the world, a ``ShardPiece`` (a row slice of the full tensor), or a
+        plain tensor (held whole by this rank: give it on one rank only). Other
+        placements: ConfigError naming the tensor. Together the ranks must cover each
+        tensor once (a step whose pieces do not is not publishable).
+
+        No collective is called, so no rank waits for another. A rank that raises (or
+        dies) before it registers leaves the step incomplete: nothing is sent for it,
+        the other ranks return normally, and the next step completes on its own. Its
+        staged folders of steps that never completed are removed once a later step
+        completed. A step number emitted again (after a restart) while registrations
+        of an earlier attempt live (``SHARDS_TTL_S``) may complete with that attempt's
+        folders of the ranks not yet staged again: emit new step numbers after a
+        restart."""
+        self._check_newer(step)
+        tensors, form = _tensors_of(weights)
+        held = [
+            p for name, v in tensors.items() if (p := _local_piece(name, v, self.world)) is not None
+        ]
+        held = [p for p in held if p.flat.numel()]  # zero-size pieces are not staged
+        pieces = []
+        for p in held:
+            staged = _cast_dtype(p.flat, dtype)
+            if staged not in BY_TORCH:
+                raise MismatchError(f"tensor {p.name!r} has dtype {staged} deltasync cannot hold")
+            name = BY_TORCH[staged].name
+            pieces.append(RankPiece(p.name, name, p.shape, p.start, p.start + p.flat.numel()))
+        layout = RankLayout(self.run, step, self.rank, self.world, self.host, tuple(pieces))
+        folder = self._stage(layout, held, dtype, form, max_shard_bytes)
+        digest = layout_digest(layout)
+        entry = RankFolder(self.host, str(folder), self.world, digest)
+        faults.point("emit.before_register")
+        completed = register_rank(self.runtime.redis, self.run, step, self.rank, entry)
+        sent = None
+        if completed:
+            kwargs: dict[str, Any] = {
+                "run": self.run,
+                "step": step,
+                "checkpoint": str(self.step_path(step).resolve()),
+                "owned": True,
+                "sharded": True,
+            }
+            sent = send_step(self.runtime, kwargs)
+        log.info("rank staged", run=self.run, step=step, rank=self.rank, completed=completed)
+        self._remove_incomplete(step, completed)
+        self._last_step = step
+        return RankEmitted(self.run, step, self.rank, str(folder), digest, sent)
+
+    def _stage(
+        self,
+        layout: RankLayout,
+        held: list[_Local],
+        dtype: torch.dtype | None,
+        form: TensorForm,
+        max_shard_bytes: int | None,
+    ) -> Path:
+        """Write the rank folder: into a temporary sibling, renamed into place."""
+        target = self.rank_path(layout.step)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+        def flats() -> Iterator[tuple[str, torch.Tensor]]:
+            return named_tensors({p.name: p.flat for p in held}, dtype)
+
+        metadata: dict[str, str] = {FORM_METADATA_KEY: form}
+        try:
+            if held and max_shard_bytes is not None:
+                write_checkpoint(tmp, flats(), max_shard_bytes=max_shard_bytes, metadata=metadata)
+            else:
+                tmp.mkdir()
+                if held:  # a rank holding nothing stages its layout only
+                    write_checkpoint(tmp / CHECKPOINT_NAME, flats(), metadata=metadata)
+            write_layout(tmp, layout)
+            if target.exists() or target.is_symlink():  # the same step staged again
+                old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:12]}")
+                os.rename(target, old)
+                os.rename(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target.resolve()
+
+    def _remove_incomplete(self, step: int, completed: bool) -> None:
+        """Remove this rank's folders of earlier steps that never completed, once a later
+        step did: every rank registered that step after returning from the earlier
+        one, so the earlier one can no longer complete. Only ever
+        ``<staging>/<run>/step-*/rank-<R>`` of this run and rank, resolved inside it."""
+        root = self.run_folder().resolve()
+        if not root.is_dir():
+            return
+        mine = f"rank-{self.rank:05d}"
+        earlier: list[tuple[int, Path]] = []
+        for child in root.iterdir():
+            match = _STEP_FOLDER.fullmatch(child.name)
+            if match and int(match[1]) < step:
+                earlier.append((int(match[1]), child))
+        if not earlier:
+            return
+        earlier.sort()
+        r = self.runtime.redis
+        # A later step's marker tells it completed: those of the folders still here,
+        # of the step this emitter did last, and of this one.
+        seen = {s for s, _ in earlier} | {step}
+        if self._last_step is not None:
+            seen.add(self._last_step)
+        candidates = sorted(seen)
+        with r.pipeline(transaction=False) as pipe:
+            for s in candidates:
+                pipe.exists(keys.emitted_key(self.run, s))
+            marked = dict(zip(candidates, pipe.execute(), strict=True))
+        done = [s for s, m in marked.items() if m]
+        if completed:
+            done.append(step)
+        if not done:
+            return
+        latest = max(done)
+        for s, child in earlier:
+            if s >= latest or marked.get(s):
+                continue
+            folder = child / mine
+            if not _confined(child, root) or not _confined(folder, root):
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            log.info("incomplete step removed", run=self.run, step=s, rank=self.rank)
+            with contextlib.suppress(OSError):
+                child.rmdir()  # only once no other rank of this host is left in it
