@@ -223,6 +223,17 @@ class Settings:
             "to that host's queue, first. Unset: the shared diff queue only.",
         ),
     )
+    launch: str | None = field(
+        default=None,
+        metadata=_var(
+            "DELTASYNC_LAUNCH",
+            "(from torch.distributed)",
+            "A token shared by every rank of one start of a sharded trainer: a step "
+            "emitted again after a restart never completes with an earlier start's "
+            "folders. Unset: rank 0 draws one and broadcasts it when torch.distributed "
+            "is initialised.",
+        ),
+    )
     part_bytes: int = field(
         default=512 << 20,
         metadata=_var(
@@ -522,6 +533,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "checkpoint_roots": _paths,
     "parallel_parts": _bool,
     "diff_host": _host,
+    "launch": _host,
     "cache_link": _bool,
     "early_start": _bool,
     "content_hash": _choice,

@@ -142,6 +142,27 @@ def test_the_last_new_registration_completes_the_step(redis_url: str) -> None:
         register_rank(r, "run", 5, 0, RankFolder("h0", "rel/path", 3, digest))
 
 
+def test_a_step_emitted_again_after_a_restart_completes_with_that_start_only(
+    redis_url: str,
+) -> None:
+    r = redis_client(redis_url)
+    digest = "cd" * 32
+
+    def folder(i: int, launch: str) -> RankFolder:
+        return RankFolder(f"h{i // 2}", f"/s/{launch}/rank-{i:05d}", 3, digest, launch)
+
+    # The first start staged ranks 0 and 1 of step 7, then died.
+    assert not register_rank(r, "run", 7, 0, folder(0, "first"))
+    assert not register_rank(r, "run", 7, 1, folder(1, "first"))
+    # The next start emits step 7 again: rank 2 alone must not complete it with the
+    # first start's folders of ranks 0 and 1.
+    assert not register_rank(r, "run", 7, 2, folder(2, "second"))
+    assert not register_rank(r, "run", 7, 0, folder(0, "second"))
+    assert register_rank(r, "run", 7, 1, folder(1, "second"))
+    assert rank_folders(r, "run", 7, "second") == {i: folder(i, "second") for i in range(3)}
+    assert rank_folders(r, "run", 7, "first") == {}
+
+
 @pytest.mark.parametrize(
     ("field", "value", "fault"),
     [
@@ -149,10 +170,31 @@ def test_the_last_new_registration_completes_the_step(redis_url: str) -> None:
         ("007", "{}", "is not a rank"),
         ("1", "{", "not JSON"),
         ("1", '{"host": "h"}', "not an object of host"),
-        ("1", '{"host": "h", "path": "rel", "world": 2, "layout": "' + "a" * 64 + '"}', "path"),
-        ("2", '{"host": "h", "path": "/p", "world": 2, "layout": "' + "a" * 64 + '"}', "below"),
-        ("1", '{"host": "h", "path": "/p", "world": 2, "layout": "zz"}', "layout digest"),
-        ("1", '{"host": "h h", "path": "/p", "world": 2, "layout": "' + "a" * 64 + '"}', "host"),
+        (
+            "1",
+            '{"host": "h", "path": "rel", "world": 2, "layout": "' + "a" * 64 + '", "launch": ""}',
+            "path",
+        ),
+        (
+            "2",
+            '{"host": "h", "path": "/p", "world": 2, "layout": "' + "a" * 64 + '", "launch": ""}',
+            "below",
+        ),
+        (
+            "1",
+            '{"host": "h", "path": "/p", "world": 2, "layout": "zz", "launch": ""}',
+            "layout digest",
+        ),
+        (
+            "1",
+            '{"host": "h h", "path": "/p", "world": 2, "layout": "' + "a" * 64 + '", "launch": ""}',
+            "host",
+        ),
+        (
+            "1",
+            '{"host": "h", "path": "/p", "world": 2, "layout": "' + "a" * 64 + '", "launch": 3}',
+            "launch",
+        ),
         ("1", "x" * 10000, "exceeds the limit"),
     ],
 )

@@ -108,6 +108,22 @@ def _default_rank_world() -> tuple[int | None, int | None]:
     return _int_env("RANK"), _int_env("WORLD_SIZE")
 
 
+def _default_launch(settings: Settings) -> str:
+    """The launch token of this start: the setting, else one drawn by rank 0 and
+    broadcast (the one collective, at construction), else none."""
+    if settings.launch is not None:
+        return settings.launch
+    if dist.is_available() and dist.is_initialized():
+        token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(token, src=0)
+        return str(token[0])
+    log.warning(
+        "no launch token (DELTASYNC_LAUNCH, or torch.distributed): a step emitted again "
+        "after a restart may complete with an earlier start's folders"
+    )
+    return ""
+
+
 def _tensors_of(weights: Weights) -> tuple[Mapping[str, Held], TensorForm]:
     if not isinstance(weights, torch.nn.Module):
         return weights, "given"
@@ -208,7 +224,9 @@ class ShardedEmitter(RunEmitter):
     ``rank``/``world`` default to torch.distributed's (when initialised), else the
     ``RANK``/``WORLD_SIZE`` environment; ``host`` to ``DELTASYNC_DIFF_HOST``, else the
     machine's host name: the diff workers started with that host take this rank's
-    parts, so the ranks of one machine and its diff workers must name the same host."""
+    parts, so the ranks of one machine and its diff workers must name the same host.
+    ``launch``: see :meth:`emit_shards`; the plain (no process group) ranks of one start
+    pass the same one, or set ``DELTASYNC_LAUNCH``."""
 
     def __init__(
         self,
@@ -217,6 +235,7 @@ class ShardedEmitter(RunEmitter):
         rank: int | None = None,
         world: int | None = None,
         host: str | None = None,
+        launch: str | None = None,
         settings: Settings | None = None,
     ) -> None:
         super().__init__(run, settings=settings)
@@ -236,6 +255,7 @@ class ShardedEmitter(RunEmitter):
         self.rank = rank
         self.world = world
         self.host = keys.check_node_name(host or self.settings.diff_host or socket.gethostname())
+        self.launch = _default_launch(self.settings) if launch is None else launch
         self._last_step: int | None = None
 
     def run_folder(self) -> Path:
@@ -271,10 +291,10 @@ class ShardedEmitter(RunEmitter):
         dies) before it registers leaves the step incomplete: nothing is sent for it,
         the other ranks return normally, and the next step completes on its own. Its
         staged folders of steps that never completed are removed once a later step
-        completed. A step number emitted again (after a restart) while registrations
-        of an earlier attempt live (``SHARDS_TTL_S``) may complete with that attempt's
-        folders of the ranks not yet staged again: emit new step numbers after a
-        restart."""
+        completed. A step emitted again after a restart completes only with the
+        folders of this start's ranks (``launch``: ``DELTASYNC_LAUNCH``, else drawn by
+        rank 0 and broadcast once when the emitter is made; all ranks must make theirs
+        at the same point, as for any collective)."""
         self._check_newer(step)
         tensors, form = _tensors_of(weights)
         held = [
@@ -291,7 +311,7 @@ class ShardedEmitter(RunEmitter):
         layout = RankLayout(self.run, step, self.rank, self.world, self.host, tuple(pieces))
         folder = self._stage(layout, held, dtype, form, max_shard_bytes)
         digest = layout_digest(layout)
-        entry = RankFolder(self.host, str(folder), self.world, digest)
+        entry = RankFolder(self.host, str(folder), self.world, digest, self.launch)
         faults.point("emit.before_register")
         completed = register_rank(self.runtime.redis, self.run, step, self.rank, entry)
         sent = None
@@ -302,6 +322,7 @@ class ShardedEmitter(RunEmitter):
                 "checkpoint": str(self.step_path(step).resolve()),
                 "owned": True,
                 "sharded": True,
+                "launch": self.launch,
             }
             sent = send_step(self.runtime, kwargs)
         log.info("rank staged", run=self.run, step=step, rank=self.rank, completed=completed)

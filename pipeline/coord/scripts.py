@@ -73,10 +73,32 @@ end
 return 0
 """)
 
+# A sharded step's rank registers; 1 when this made every rank of its launch registered.
+# KEYS: shards hash. ARGV: rank, entry JSON, launch, world, ttl ms. Entries of another
+# launch (an earlier attempt at the step) are neither counted nor completed with.
+REGISTER_RANK = Script("""
+local function launch_of(raw)
+  local ok, doc = pcall(cjson.decode, raw)
+  if ok and type(doc) == 'table' then return doc['launch'] end
+  return nil
+end
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+if old and launch_of(old) == ARGV[3] then return 0 end
+local n = 0
+for _, raw in ipairs(redis.call('HVALS', KEYS[1])) do
+  if launch_of(raw) == ARGV[3] then n = n + 1 end
+end
+if n == tonumber(ARGV[4]) then return 1 end
+return 0
+""")
+
 SCRIPTS: tuple[Script, ...] = (
     REPORT_REPLICA,
     REPORT_FAILURE,
     RELEASE_LOCK,
     EXTEND_LOCK,
+    REGISTER_RANK,
     TAKE_OVER_LOCK,
 )

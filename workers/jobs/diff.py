@@ -101,11 +101,13 @@ def diff_job(
     owned: bool = False,
     level: int | None = None,
     sharded: bool = False,
+    launch: str | None = None,
 ) -> dict[str, Any]:
     """rq entry point; arguments are JSON. Returns a JSON summary.
 
     ``sharded``: ``checkpoint`` is the step folder of a sharded run's rank (the ranks'
-    folders are registered in ``pipeline.coord.shards``), not a checkpoint.
+    folders are registered in ``pipeline.coord.shards``, those of trainer start
+    ``launch``), not a checkpoint.
 
     Steps emitted before ``step`` and not yet published go first, in order: with
     several diff workers the job of a later step may start first, and would
@@ -124,7 +126,9 @@ def diff_job(
             reason = dead_letters.record(runtime.redis, run, earlier, where, exc, pending)
             log.warning("earlier step set aside", step=earlier, reason=reason)
     try:
-        return _diff_one(runtime, run, step, checkpoint, owned, level, sharded=sharded)
+        return _diff_one(
+            runtime, run, step, checkpoint, owned, level, sharded=sharded, launch=launch
+        )
     except Exception as exc:
         if dead_letters.is_transient(exc):
             raise
@@ -142,7 +146,10 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, d
             earlier = int(key)
             args = json.loads(raw)
             out.append(
-                (earlier, {k: args[k] for k in ("checkpoint", "owned", "sharded") if k in args})
+                (
+                    earlier,
+                    {k: args[k] for k in ("checkpoint", "owned", "sharded", "launch") if k in args},
+                )
             )
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             log.warning("malformed pending step set aside", run=run, entry=str(key)[:40])
@@ -165,6 +172,7 @@ def _diff_one(
     level: int | None = None,
     *,
     sharded: bool = False,
+    launch: str | None = None,
 ) -> dict[str, Any]:
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
