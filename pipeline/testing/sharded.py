@@ -49,13 +49,14 @@ class ShardedTensor:
 
 # Three ranks. Cuts are uneven; the norm is rank 1's alone, q_proj's first piece is one
 # element, up_proj skips rank 1, the fp32 bias skips rank 0.
+_BF16 = torch.bfloat16
 DEFAULT_TENSORS: tuple[ShardedTensor, ...] = (
-    ShardedTensor("model.embed_tokens.weight", torch.bfloat16, (96, 32), ((0, 1000), (1, 1900), (2, 3072))),
-    ShardedTensor("model.layers.0.self_attn.q_proj.weight", torch.bfloat16, (32, 32), ((0, 1), (1, 600), (2, 1024))),
-    ShardedTensor("model.layers.0.mlp.up_proj.weight", torch.bfloat16, (64, 32), ((0, 1500), (2, 2048))),
-    ShardedTensor("model.norm.weight", torch.bfloat16, (32,), ((1, 32),)),
+    ShardedTensor("model.embed_tokens.weight", _BF16, (96, 32), ((0, 1000), (1, 1900), (2, 3072))),
+    ShardedTensor("model.layers.0.self_attn.q_proj.weight", _BF16, (32, 32), ((0, 1), (1, 600), (2, 1024))),  # noqa: E501
+    ShardedTensor("model.layers.0.mlp.up_proj.weight", _BF16, (64, 32), ((0, 1500), (2, 2048))),
+    ShardedTensor("model.norm.weight", _BF16, (32,), ((1, 32),)),
     ShardedTensor("score.bias", torch.float32, (48,), ((1, 20), (2, 48))),
-    ShardedTensor("lm_head.weight", torch.bfloat16, (96, 32), ((0, 700), (1, 2500), (2, 3072))),
+    ShardedTensor("lm_head.weight", _BF16, (96, 32), ((0, 700), (1, 2500), (2, 3072))),
 )  # fmt: skip
 
 
@@ -115,7 +116,9 @@ class ShardedTrainer:
         self.state = new
         return new
 
-    def pieces(self, state: dict[str, torch.Tensor], rank: int) -> Iterator[tuple[RankRange, torch.Tensor]]:
+    def pieces(
+        self, state: dict[str, torch.Tensor], rank: int
+    ) -> Iterator[tuple[RankRange, torch.Tensor]]:
         """Rank ``rank``'s pieces of ``state``, in its order."""
         for r in self.ranges[rank]:
             yield r, piece_of(state, r)

@@ -412,9 +412,7 @@ def _load_anchor_pieces(
     return pieces
 
 
-def assemble(
-    manifest: Manifest, parts: Iterable[Part]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def assemble(manifest: Manifest, parts: Iterable[Part]) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole tensors of a pieced ``manifest`` from its ``parts`` (as
     :func:`reconstruct_parts` yields them), each handed out once its last piece is in:
     memory is the tensors being assembled, in whatever order their pieces complete."""

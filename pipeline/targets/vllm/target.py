@@ -189,6 +189,13 @@ class VllmTarget:
             raise MismatchError(
                 f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
             )
+        if manifest.is_pieced:
+            # The workers decode whole-tensor records only; a piece's record decodes
+            # against a flat slice, which the wire and the mapping do not carry yet.
+            raise TargetError(
+                f"{manifest.run} v{manifest.version} is stored in pieces (a sharded run): "
+                "the vLLM target cannot apply it"
+            )
         if self.version is not None and manifest.parent != self.version:
             raise MismatchError(
                 f"delta {manifest.run} v{manifest.version} has parent {manifest.parent}, "
