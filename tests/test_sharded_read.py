@@ -24,6 +24,7 @@ from pipeline.publish.offline import apply_delta as offline_apply
 from pipeline.publish.version import publish_anchor
 from pipeline.rollout.fetch import stream_anchor_pieces
 from pipeline.rollout.node import RolloutNode
+from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.targets.base import ApplyReport, VerifyMode
 from pipeline.targets.patching import int_view
@@ -36,6 +37,7 @@ from pipeline.versions.verify import verify
 from tests.sharded_store import ALGORITHM, PiecedRun, build_pieced_run, rank_part
 
 RUN = "sharded"
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture
@@ -63,7 +65,9 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return (
         got.dtype == want.dtype
         and tuple(got.shape) == tuple(want.shape)
-        and torch.equal(int_view(got.contiguous()).view(-1), int_view(want.contiguous()).view(-1))
+        and torch.equal(
+            int_view(got.cpu().contiguous()).view(-1), int_view(want.contiguous()).view(-1)
+        )
     )
 
 
@@ -74,9 +78,10 @@ def assert_state(held: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tens
         assert ALGORITHM.full(held[name]) == ALGORITHM.full(tensor), name
 
 
-def node_target(store: FileStore) -> TorchTarget:
+def node_target(store: FileStore, device: str = "cpu") -> TorchTarget:
     """A rollout node's torch target, built as ``deltasync rollout`` builds it."""
-    target = TorchTarget.for_node(TargetSetup(store=store, run=RUN, stop=threading.Event()))
+    setup = TargetSetup(store=store, run=RUN, stop=threading.Event(), device=device)
+    target = TorchTarget.for_node(setup)
     assert target is not None
     return target
 
@@ -172,8 +177,12 @@ def test_torch_replica_bootstraps_and_follows_bit_exact(
     assert node.applied_state_hash == built.manifests[-1].state_hash
 
 
-def test_replica_holds_every_version_of_the_chain(built: PiecedRun, store: FileStore) -> None:
-    target = node_target(store)
+@pytest.mark.parametrize("device", DEVICES)
+def test_replica_holds_every_version_of_the_chain(
+    store: FileStore, device: str, level: int
+) -> None:
+    built = build_pieced_run(store, RUN, deltas=3, level=level)
+    target = node_target(store, device)
     loaded = chain.load_manifest(store, RUN, "anchor", 0)
     target.load_pieces(stream_anchor_pieces(store, loaded, inline, 1, False))
     assert_state(held_state(target), built.states[0])
@@ -461,3 +470,20 @@ def test_a_chain_that_changes_its_pieces_is_refused(built: PiecedRun, store: Fil
     rewrite(store, delta, tensors=with_tensor(delta, name, pieces=(*moved, *rest)))
     with pytest.raises(ChainError, match="pieces"):
         list(chain.reconstruct_tensors(store, RUN, 3))
+
+
+def test_a_replica_follows_a_pieced_run_in_s3_through_compaction(s3_url: str) -> None:
+    s3 = open_store(s3_url)
+    built = build_pieced_run(s3, RUN, deltas=2)
+    target = TorchTarget.for_node(TargetSetup(store=s3, run=RUN, stop=threading.Event()))
+    assert target is not None
+    node = RolloutNode(s3, RUN, target)
+    assert node.step_once() == 2
+    assert_state(held_state(target), built.states[2])
+    built.manifests[-1] = compact(s3, RUN)
+    built.write_delta()
+    late = TorchTarget.for_node(TargetSetup(store=s3, run=RUN, stop=threading.Event()))
+    assert late is not None
+    for replica, follower in ((target, node), (late, RolloutNode(s3, RUN, late))):
+        assert follower.step_once() == 3
+        assert_state(held_state(replica), built.states[3])
