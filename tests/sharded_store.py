@@ -27,7 +27,13 @@ from pipeline.publish.diff import delta_manifest
 from pipeline.publish.version import ANCHOR_CODEC, PrivateKey, write_manifest
 from pipeline.store.base import ObjectStore
 from pipeline.targets.patching import int_view
-from pipeline.testing.sharded import RankRange, ShardedTrainer
+from pipeline.testing.sharded import (
+    RankRange,
+    ShardedTensor,
+    ShardedTrainer,
+    piece_of,
+    rank_ranges,
+)
 
 ALGORITHM = content_hashes.get(content_hashes.MIXSUM)
 
@@ -36,8 +42,7 @@ def rank_part(rank: int) -> str:
     return f"part-r{rank:05d}-00000.safetensors"
 
 
-def _stored(r: RankRange, t: ShardedTrainer, piece: torch.Tensor, changed: int) -> StoredPiece:
-    spec = next(s for s in t.tensors if s.name == r.name)
+def _stored(r: RankRange, spec: ShardedTensor, piece: torch.Tensor, changed: int) -> StoredPiece:
     return StoredPiece(
         r.name,
         dtype_name(spec.dtype),
@@ -52,11 +57,13 @@ def _stored(r: RankRange, t: ShardedTrainer, piece: torch.Tensor, changed: int) 
 
 @dataclass
 class PiecedRun:
-    """What was written, with the full state of every version (the truth to compare)."""
+    """What was written, with the full state of every version (the truth to compare).
+    ``trainer`` makes the states (``write_delta()``), or the caller gives them."""
 
     store: ObjectStore
     run: str
-    trainer: ShardedTrainer
+    tensors: tuple[ShardedTensor, ...]
+    trainer: ShardedTrainer | None = None
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)
     manifests: list[Manifest] = field(default_factory=list)
     signing_key: PrivateKey | None = None
@@ -64,19 +71,31 @@ class PiecedRun:
 
     @property
     def order(self) -> list[str]:
-        return [t.name for t in self.trainer.tensors]
+        return [t.name for t in self.tensors]
 
-    def write_anchor(self) -> Manifest:
-        state = self.trainer.state
+    @property
+    def ranges(self) -> dict[int, list[RankRange]]:
+        return rank_ranges(self.tensors)
+
+    def _pieces(
+        self, state: dict[str, torch.Tensor], rank: int
+    ) -> list[tuple[RankRange, torch.Tensor]]:
+        return [(r, piece_of(state, r)) for r in self.ranges[rank]]
+
+    def write_anchor(self, state: dict[str, torch.Tensor] | None = None) -> Manifest:
+        if state is None:
+            assert self.trainer is not None
+            state = self.trainer.state
+        specs = {t.name: t for t in self.tensors}
         objects: list[ObjectEntry] = []
         pieces: list[StoredPiece] = []
-        for rank in self.trainer.ranges:
-            held = list(self.trainer.pieces(state, rank))
+        for rank in self.ranges:
+            held = self._pieces(state, rank)
             data = encode_anchor([(r.name, p) for r, p in held])
             key = rank_part(rank)
             self.store.put(object_key(self.run, "anchor", 0, key), data)
             objects.append(ObjectEntry(key, len(data), sha256_bytes(data)))
-            pieces += [_stored(r, self.trainer, p, 0) for r, p in held]
+            pieces += [_stored(r, specs[r.name], p, 0) for r, p in held]
         entries = join_pieces(pieces, self.order, ALGORITHM)
         manifest = Manifest(
             run=self.run,
@@ -98,23 +117,26 @@ class PiecedRun:
         self.manifests.append(manifest)
         return manifest
 
-    def write_delta(self) -> Manifest:
+    def write_delta(self, new: dict[str, torch.Tensor] | None = None) -> Manifest:
+        if new is None:
+            assert self.trainer is not None
+            new = self.trainer.step()
+        specs = {t.name: t for t in self.tensors}
         parent = self.manifests[-1]
         version = parent.version + 1
         base = self.states[-1]
-        new = self.trainer.step()
         objects: list[ObjectEntry] = []
         pieces: list[StoredPiece] = []
-        for rank in self.trainer.ranges:
-            olds = dict((r, p) for r, p in self.trainer.pieces(base, rank))
-            news = list(self.trainer.pieces(new, rank))
+        for rank in self.ranges:
+            olds = dict(self._pieces(base, rank))
+            news = self._pieces(new, rank)
             data = encode_delta([(r.name, olds[r], p) for r, p in news], self.level)
             key = rank_part(rank)
             self.store.put(object_key(self.run, "delta", version, key), data)
             objects.append(ObjectEntry(key, len(data), sha256_bytes(data)))
             for r, p in news:
                 changed = int((int_view(p) != int_view(olds[r])).sum())
-                pieces.append(_stored(r, self.trainer, p, changed))
+                pieces.append(_stored(r, specs[r.name], p, changed))
         entries = join_pieces(pieces, self.order, ALGORITHM)
         manifest = delta_manifest(self.run, version, parent, self.level, objects, entries)
         manifest = replace(manifest, schema=PIECES_SCHEMA)
@@ -134,7 +156,8 @@ def build_pieced_run(
     signing_key: PrivateKey | None = None,
 ) -> PiecedRun:
     """Anchor 0 and deltas 1..``deltas`` of a fresh sharded trainer, written to ``store``."""
-    built = PiecedRun(store, run, ShardedTrainer(seed=seed), signing_key=signing_key, level=level)
+    trainer = ShardedTrainer(seed=seed)
+    built = PiecedRun(store, run, trainer.tensors, trainer, signing_key=signing_key, level=level)
     built.write_anchor()
     for _ in range(deltas):
         built.write_delta()

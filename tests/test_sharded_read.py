@@ -120,7 +120,7 @@ def test_the_builder_writes_a_genuine_pieced_run(built: PiecedRun, store: FileSt
     # one tensor held by one rank only, one with a one-element piece, an fp32 tensor
     holders = {
         t.name: [r for r, held in ranges.items() if any(x.name == t.name for x in held)]
-        for t in built.trainer.tensors
+        for t in built.tensors
     }
     assert holders["model.norm.weight"] == [1]
     assert any(x.numel == 1 for held in ranges.values() for x in held)

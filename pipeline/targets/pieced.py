@@ -172,23 +172,29 @@ def anchor_pieces(data: bytes, manifest: Manifest, key: str) -> Iterator[AnchorP
 
 
 def whole_tensors(
-    manifest: Manifest, pieces: Iterable[AnchorPiece]
+    pieces: Iterable[AnchorPiece], shapes: Mapping[str, tuple[int, ...]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Whole tensors from a pieced anchor's pieces, each handed out once its last piece
-    is in (for targets that load whole tensors only)."""
-    entries = {e.name: e for e in manifest.tensors}
-    missing = {e.name: len(e.stored) for e in manifest.tensors}
-    building: dict[str, torch.Tensor] = {}
+    """Whole tensors (of ``shapes``) from a pieced anchor's pieces, each handed out
+    once all its elements are in: for targets that load whole tensors only. Memory:
+    the tensors being assembled. Pieces must not overlap (the manifest's do not)."""
+    building: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, elements in)
     for name, piece, tensor in pieces:
-        entry = entries[name]
-        whole = building.get(name)
-        if whole is None:
-            whole = building[name] = torch.empty(entry.shape, dtype=tensor.dtype)
+        shape = shapes.get(name)
+        if shape is None:
+            raise MismatchError(f"tensor {name!r} of the anchor is not held by the target")
+        whole, filled = building.get(name) or (torch.empty(shape, dtype=tensor.dtype), 0)
+        if piece.stop > whole.numel() or tensor.numel() != piece.numel:
+            raise MismatchError(
+                f"tensor {name!r}: piece [{piece.start}, {piece.stop}) does not fit"
+            )
         int_view(whole).view(-1)[piece.start : piece.stop].copy_(int_view(tensor))
-        missing[name] -= 1
-        if missing[name] == 0:
-            yield name, building.pop(name)
+        filled += piece.numel
+        if filled == whole.numel():
+            building.pop(name, None)
+            yield name, whole
+        else:
+            building[name] = (whole, filled)
     if building:
         raise CorruptObjectError(
-            f"anchor v{manifest.version}: tensor {next(iter(building))!r} was left incomplete"
+            f"tensor {next(iter(building))!r} of the anchor was left incomplete"
         )

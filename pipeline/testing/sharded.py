@@ -60,6 +60,29 @@ DEFAULT_TENSORS: tuple[ShardedTensor, ...] = (
 )  # fmt: skip
 
 
+def split_state(
+    state: dict[str, torch.Tensor], world: int, *, small: int = 256
+) -> tuple[ShardedTensor, ...]:
+    """Uneven cuts of any state's tensors over ``world`` ranks, as FSDP-like flat
+    shards that are not quite equal: tensors under ``small`` elements are held by
+    one rank (in turn), larger ones are cut near ``numel * k / world``, each cut
+    moved by a few elements so that no two tensors split alike."""
+    out: list[ShardedTensor] = []
+    for i, (name, t) in enumerate(state.items()):
+        numel = t.numel()
+        if numel < small or world == 1:
+            cuts: tuple[tuple[int, int], ...] = ((i % world, numel),)
+        else:
+            stops = [
+                min(numel - 1, max(1, numel * k // world + (i * 7) % 13 - 6))
+                for k in range(1, world)
+            ]
+            stops = sorted(set(stops))
+            cuts = tuple((r, stop) for r, stop in enumerate([*stops, numel]))
+        out.append(ShardedTensor(name, t.dtype, tuple(t.shape), cuts))
+    return tuple(out)
+
+
 def rank_ranges(tensors: tuple[ShardedTensor, ...] = DEFAULT_TENSORS) -> dict[int, list[RankRange]]:
     """Each rank's pieces in checkpoint order (what its sidecar would list)."""
     out: dict[int, list[RankRange]] = {}
