@@ -487,3 +487,40 @@ def test_a_replica_follows_a_pieced_run_in_s3_through_compaction(s3_url: str) ->
     for replica, follower in ((target, node), (late, RolloutNode(s3, RUN, late))):
         assert follower.step_once() == 3
         assert_state(held_state(replica), built.states[3])
+
+
+def test_load_pieces_needs_every_element_exactly_once(built: PiecedRun, store: FileStore) -> None:
+    anchor = built.manifests[0]
+    given = list(stream_anchor_pieces(store, anchor, inline, 1, False))
+    lacking = [p for p in given if not (p[0] == "lm_head.weight" and p[1].start == 0)]
+    twice = [*given, given[0]]
+    for pieces in (lacking, twice):
+        target = node_target(store)
+        with pytest.raises(MismatchError, match="exactly once") as caught:
+            target.load_pieces(pieces)
+        assert "\n" not in str(caught.value)
+    name, piece, tensor = given[1]
+    outside = dataclasses.replace(piece, start=piece.start + 10**6, stop=piece.stop + 10**6)
+    with pytest.raises(MismatchError, match="outside"):
+        node_target(store).load_pieces([(name, outside, tensor)])
+
+
+def test_pieces_cross_the_vllm_rpc_and_bad_ones_are_refused(built: PiecedRun) -> None:
+    from pipeline.targets.vllm.protocol import entry_from_wire, entry_to_wire
+
+    for entry in built.manifests[1].tensors:
+        assert entry_from_wire(entry_to_wire(entry)) == entry
+    entry = built.manifests[1].tensor("model.embed_tokens.weight")
+    wire = entry_to_wire(entry)
+    gap = {**wire, "pieces": [p for i, p in enumerate(wire["pieces"]) if i != 1]}
+    extra = {
+        **wire,
+        "pieces": [
+            {**wire["pieces"][0], "changed": wire["pieces"][0]["changed"] + 1},
+            *wire["pieces"][1:],
+        ],
+    }
+    for bad in (gap, extra, {**wire, "pieces": "all"}):
+        with pytest.raises(TargetError) as caught:
+            entry_from_wire(bad)
+        assert "\n" not in str(caught.value) and "pieces" in str(caught.value)

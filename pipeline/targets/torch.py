@@ -356,8 +356,8 @@ class TorchTarget:
                     at = stop
                 if at != t.numel():
                     raise MismatchError(
-                        f"load_pieces did not provide tensor {canonical!r} once over: "
-                        f"elements from {at} are missing or given twice"
+                        f"load_pieces did not provide every element of tensor {canonical!r} "
+                        "exactly once"
                     )
             _sync(self._devices)
             self._checkpoint_names = order
