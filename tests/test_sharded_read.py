@@ -19,6 +19,7 @@ from pipeline.errors import ChainError, ConfigError, CorruptObjectError, Mismatc
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import Manifest, ObjectEntry, Piece, TensorEntry, to_json
+from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
 from pipeline.publish.compaction import compact
 from pipeline.publish.offline import apply_delta as offline_apply
 from pipeline.publish.version import publish_anchor
@@ -524,3 +525,18 @@ def test_pieces_cross_the_vllm_rpc_and_bad_ones_are_refused(built: PiecedRun) ->
         with pytest.raises(TargetError) as caught:
             entry_from_wire(bad)
         assert "\n" not in str(caught.value) and "pieces" in str(caught.value)
+
+
+def test_a_signed_pieced_run_compacts_signed_and_replicas_check_it(
+    store: FileStore, tmp_path: Path
+) -> None:
+    private, public = generate_keypair(tmp_path / "keys")
+    key = load_private_key(private)
+    built = build_pieced_run(store, RUN, deltas=2, signing_key=key)
+    anchor = compact(store, RUN, signing_key=key)
+    assert anchor.signature is not None and anchor.is_pieced
+    node_store = FileStore(store.root)
+    target = node_target(node_store)
+    node = RolloutNode(node_store, RUN, target, public_key=load_public_key(public))
+    assert node.step_once() == 2, node.last_error
+    assert_state(held_state(target), built.states[2])

@@ -122,15 +122,31 @@ def prove_pieced(
         for piece in pieces:
             delta = parsed[piece.object]
             part = _slice(held, entry, piece)
-            patch = guarded(delta.decode, entry, part)
-            at = patch.positions.to(flat.device)
-            if at.numel() and (int(at[0]) < 0 or int(at[-1]) >= piece.numel):
-                raise CorruptObjectError(f"{_where(entry, piece)}: decoded position out of range")
-            at = at + piece.start
-            old = flat.index_select(0, at)
-            new = patch.values.to(flat.device).view(flat.dtype)
-            if held_hash is not None:
-                digest = algorithm.updated(digest, at, old, new, held.element_size())
+            found = guarded(delta.differences, entry, part) if held_hash is not None else None
+            if found is not None:
+                # From the streams alone, then one pass over the changed elements of the
+                # piece: old contents gathered, new ones formed, hash updated.
+                try:
+                    digest, at, old, new = algorithm.gathered(
+                        digest, int_view(part).view(-1), *found, start=piece.start
+                    )
+                except CorruptObjectError as exc:
+                    raise CorruptObjectError(f"{_where(entry, piece)}: {exc}") from None
+                at = at.to(flat.device) + piece.start
+                old, new = old.to(flat.device), new.to(flat.device)
+            else:
+                # Level 2's classed positions depend on the base: decoded against it.
+                patch = guarded(delta.decode, entry, part)
+                at = patch.positions.to(flat.device)
+                if at.numel() and (int(at[0]) < 0 or int(at[-1]) >= piece.numel):
+                    raise CorruptObjectError(
+                        f"{_where(entry, piece)}: decoded position out of range"
+                    )
+                at = at + piece.start
+                old = flat.index_select(0, at)
+                new = patch.values.to(flat.device).view(flat.dtype)
+                if held_hash is not None:
+                    digest = algorithm.updated(digest, at, old, new, held.element_size())
             where.append(at)
             olds.append(old)
             news.append(new)
