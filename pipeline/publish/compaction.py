@@ -6,7 +6,7 @@ import structlog
 
 from pipeline.errors import ChainError
 from pipeline.format.manifest import Manifest
-from pipeline.publish.version import PrivateKey, publish_anchor
+from pipeline.publish.version import PrivateKey, publish_anchor, publish_pieced_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store, store_key
 from pipeline.versions import chain, retention
@@ -36,6 +36,18 @@ def compact(
         return chain.load_manifest(store, run, "anchor", target)
     plan = chain.resolve(store, run, target, index=index)
     delta = plan.target
+    if delta.is_pieced:
+        # A sharded run's anchor keeps its pieces, written part by part.
+        return publish_pieced_anchor(
+            store,
+            run,
+            target,
+            chain.reconstruct_parts(store, run, target, plan=plan),
+            delta,
+            reason="compaction",
+            signing_key=signing_key,
+            anchor_compression=anchor_compression,
+        )
     manifest = publish_anchor(
         store,
         run,

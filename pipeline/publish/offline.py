@@ -210,6 +210,11 @@ def apply_delta(
     if out.exists():
         raise ConfigError(f"{out} already exists")
     manifest = read_delta_manifest(folder)
+    if manifest.is_pieced:
+        # Its objects hold flat pieces; a sharded run's versions are applied from a store.
+        raise ConfigError(
+            f"delta {folder} is stored in pieces (a sharded run): offline apply cannot read it"
+        )
     if manifest.parent_state_hash is None:
         raise CorruptObjectError(f"delta {folder} does not name the state of its base")
     objects = _Objects(folder, manifest)

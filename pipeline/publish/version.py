@@ -21,13 +21,14 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
-from pipeline.errors import MismatchError
+from pipeline.errors import ConfigError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_names import published_form
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
+    PIECES_SCHEMA,
     CodecInfo,
     Kind,
     Manifest,
@@ -41,6 +42,7 @@ from pipeline.format.manifest import (
     version_prefix,
 )
 from pipeline.format.manifest_parse import parse_manifest
+from pipeline.format.pieces import StoredPiece, join_pieces
 from pipeline.format.signing import sign
 from pipeline.publish.parts import DEFAULT_PART_BYTES, Layout, read_parts
 from pipeline.publish.uploads import Clock, PublishTimings, Uploader
@@ -170,6 +172,11 @@ def publish_anchor(
     default ``expected``'s (the run's), or for a run's first anchor
     ``content_hashes.DEFAULT``; it is then the run's for good."""
     check_compression(anchor_compression)
+    if expected is not None and expected.is_pieced:
+        raise ConfigError(
+            f"{expected.kind} {version} of run {run} is stored in pieces: its anchor keeps "
+            "them (publish_pieced_anchor)"
+        )
     if content_hash is None:
         content_hash = expected.content_hash if expected is not None else content_hashes.DEFAULT
     algorithm = content_hashes.get(content_hash)
@@ -227,5 +234,105 @@ def publish_anchor(
         reason=reason,
         bytes=manifest.total_bytes,
         tensors=len(entries),
+    )
+    return manifest
+
+
+def publish_pieced_anchor(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    parts: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]],
+    expected: Manifest,
+    *,
+    reason: str,
+    signing_key: PrivateKey | None = None,
+    timings: PublishTimings | None = None,
+    anchor_compression: str = "none",
+) -> Manifest:
+    """An anchor of a sharded run's version ``version`` that keeps its pieces: the same
+    objects holding the same flat ranges as ``expected`` (the pieced manifest of that
+    version), each object written from one of ``parts`` ((object key, [(name, 1-D
+    piece)]), as ``chain.reconstruct_parts`` yields them), one part in memory at a time.
+    Every piece must hash to ``expected``'s piece hash (MismatchError) before the
+    manifest (schema 3) is written last. Idempotent."""
+    check_compression(anchor_compression)
+    found = _existing(store, run, "anchor", version)
+    if found is not None:
+        log.info("anchor exists, nothing to do", run=run, version=version)
+        return found
+    algorithm = content_hashes.of(expected)
+    timings = timings or PublishTimings()
+    layout = dict(expected.layout())
+    objects: list[ObjectEntry] = []
+    pieces: list[StoredPiece] = []
+    with Uploader(store, "anchor", timings) as uploader:
+        for key, part in parts:
+            faults.point("anchor.after_read")
+            held = layout.get(key)
+            if held is None or [e.name for e, _ in held] != [n for n, _ in part]:
+                raise MismatchError(
+                    f"anchor {version} of run {run}: part {key} does not hold the pieces of "
+                    f"{expected.kind} {version}"
+                )
+            clock = Clock()
+            for (entry, piece), (name, tensor) in zip(held, part, strict=True):
+                if tuple(tensor.shape) != (piece.numel,) or dtype_name(tensor.dtype) != entry.dtype:
+                    raise MismatchError(
+                        f"anchor {version} of run {run}: piece [{piece.start}, {piece.stop}) of "
+                        f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}"
+                    )
+                digest = algorithm.piece(tensor, piece.start)
+                if digest != piece.hash:
+                    raise MismatchError(
+                        f"anchor {version} of run {run}: piece [{piece.start}, {piece.stop}) "
+                        f"of tensor {name!r} does not match the version it replaces"
+                    )
+                pieces.append(
+                    StoredPiece(
+                        name, entry.dtype, entry.shape, piece.start, piece.stop, key, digest
+                    )
+                )
+            data = encode_anchor(part, anchor_compression, metadata={"deltasync.run": run})
+            objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
+            timings.encode_s += clock.lap()
+            faults.point("anchor.after_encode")
+            uploader.submit(version_prefix(run, "anchor", version) + key, data)
+            del part, data  # one part resident, not two
+        uploader.finish()
+    if [o.key for o in objects] != list(layout):
+        raise MismatchError(f"anchor {version} of run {run}: parts missing from what was given")
+    entries = join_pieces(pieces, [t.name for t in expected.tensors], algorithm)
+    digest = compute_state_hash(entries)
+    if digest != expected.state_hash:
+        raise MismatchError(
+            f"anchor {version} of run {run} does not hold the state of {expected.kind} {version}"
+        )
+    manifest = Manifest(
+        run=run,
+        version=version,
+        kind="anchor",
+        parent=expected.parent,
+        anchor=version,
+        codec=ANCHOR_CODECS[anchor_compression],
+        objects=tuple(objects),
+        tensors=tuple(entries),
+        state_hash=digest,
+        created=now_iso(),
+        schema=PIECES_SCHEMA,
+        extra={"reason": reason},
+        parent_state_hash=expected.parent_state_hash,
+        tensor_form=expected.tensor_form,
+        content_hash=algorithm.name,
+    )
+    manifest = write_manifest(store, manifest, signing_key, "anchor")
+    log.info(
+        "anchor published",
+        run=run,
+        version=version,
+        reason=reason,
+        bytes=manifest.total_bytes,
+        tensors=len(entries),
+        pieced=True,
     )
     return manifest

@@ -19,9 +19,10 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import CorruptObjectError
 from pipeline.format.hashes import content_hashes
-from pipeline.format.manifest import Manifest
+from pipeline.format.manifest import Manifest, ObjectEntry
 from pipeline.logs import Throttle
 from pipeline.store.base import ObjectStore
+from pipeline.targets.pieced import AnchorPiece, anchor_pieces
 from pipeline.testing import faults
 from pipeline.versions import chain
 
@@ -101,14 +102,10 @@ def fetch_delta(
     return Fetched(manifest, objects, time.perf_counter() - started)
 
 
-def stream_anchor(
+def _anchor_objects(
     store: ObjectStore, manifest: Manifest, submit: Submit, ahead: int, progress: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The anchor's tensors, part by part (up to ``ahead`` parts download meanwhile),
-    each checked against the manifest's content hash before it is handed over."""
-    expected = {t.name: t.hash for t in manifest.tensors}
-    shapes = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
-    algorithm = content_hashes.of(manifest)
+) -> Iterator[tuple[ObjectEntry, bytes]]:
+    """The anchor's objects in order, checked (up to ``ahead`` download meanwhile)."""
     entries = list(manifest.objects)
     total = sum(e.size for e in entries)
     with progress_bar(progress, f"anchor v{manifest.version}", total) as advance:
@@ -121,17 +118,40 @@ def stream_anchor(
             if nxt < len(entries):
                 pending.append(submit(chain.fetch_object, store, manifest, entries[nxt]))
             advance(entry.size)
-            for name, tensor in anchor_tensors(data, entry.key, shapes):
-                want = expected.get(name)
-                if want is None:
-                    raise CorruptObjectError(
-                        f"object {entry.key} of anchor v{manifest.version} holds tensor "
-                        f"{name!r} that the manifest does not list"
-                    )
-                if algorithm.full(tensor) != want:
-                    raise CorruptObjectError(
-                        f"tensor {name!r} of anchor v{manifest.version}: content hash "
-                        "does not match the manifest"
-                    )
-                yield name, tensor
-                faults.point("rollout.mid_bootstrap")
+            yield entry, data
+
+
+def stream_anchor(
+    store: ObjectStore, manifest: Manifest, submit: Submit, ahead: int, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The anchor's tensors, part by part (up to ``ahead`` parts download meanwhile),
+    each checked against the manifest's content hash before it is handed over."""
+    expected = {t.name: t.hash for t in manifest.tensors}
+    shapes = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
+    algorithm = content_hashes.of(manifest)
+    for entry, data in _anchor_objects(store, manifest, submit, ahead, progress):
+        for name, tensor in anchor_tensors(data, entry.key, shapes):
+            want = expected.get(name)
+            if want is None:
+                raise CorruptObjectError(
+                    f"object {entry.key} of anchor v{manifest.version} holds tensor "
+                    f"{name!r} that the manifest does not list"
+                )
+            if algorithm.full(tensor) != want:
+                raise CorruptObjectError(
+                    f"tensor {name!r} of anchor v{manifest.version}: content hash "
+                    "does not match the manifest"
+                )
+            yield name, tensor
+            faults.point("rollout.mid_bootstrap")
+
+
+def stream_anchor_pieces(
+    store: ObjectStore, manifest: Manifest, submit: Submit, ahead: int, progress: bool
+) -> Iterator[AnchorPiece]:
+    """A pieced anchor's pieces (a sharded run), object by object as
+    :func:`stream_anchor` downloads them, each checked against its piece hash."""
+    for entry, data in _anchor_objects(store, manifest, submit, ahead, progress):
+        for piece in anchor_pieces(data, manifest, entry.key):
+            yield piece
+            faults.point("rollout.mid_bootstrap")

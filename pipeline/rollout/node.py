@@ -38,12 +38,13 @@ from pipeline.errors import (
     MismatchError,
     ObjectNotFoundError,
     SignatureError,
+    TargetError,
 )
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.matching import check_tensors
 from pipeline.rollout.early import EarlyParts
-from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor
+from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor, stream_anchor_pieces
 from pipeline.rollout.report import Reporter
 from pipeline.rollout.scrub import Scrubbable, Scrubber, ScrubPace
 from pipeline.rollout.state import read_state, remove_state, write_state
@@ -53,9 +54,11 @@ from pipeline.targets.base import (
     EarlyProofStarter,
     EarlyProver,
     HashSelector,
+    PieceLoader,
     Target,
     VerifyMode,
 )
+from pipeline.targets.pieced import AnchorPiece
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
@@ -368,23 +371,33 @@ class RolloutNode:
         self._check_specs(manifest)
         log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
         started = time.perf_counter()
-        tensors: Iterator[tuple[str, torch.Tensor]] = stream_anchor(
-            self.store,
-            manifest,
-            self._submit,
-            self.prefetch_depth if self.prefetch else 1,
-            self.progress,
-        )
+        ahead = self.prefetch_depth if self.prefetch else 1
+        pieces: Iterator[AnchorPiece] | None = None
+        tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
+        if manifest.is_pieced:
+            if not isinstance(self.target, PieceLoader):
+                raise TargetError(
+                    f"run {self.run_name} is sharded (tensors in pieces): target "
+                    f"{type(self.target).__name__} cannot apply its versions"
+                )
+            pieces = stream_anchor_pieces(self.store, manifest, self._submit, ahead, self.progress)
+        else:
+            tensors = stream_anchor(self.store, manifest, self._submit, ahead, self.progress)
         if self._applied is not None:
             # Serving a version: prove the whole anchor (sizes, sha256, tensor hashes)
             # before the first weight is overwritten, so a damaged anchor leaves the
             # served version intact rather than a mix of two versions.
             tensors = iter(list(tensors))
+            pieces = None if pieces is None else iter(list(pieces))
         self._stuck_on = store_state
         self._forget_state()  # mid-load the target holds no provable version
         if isinstance(self.target, HashSelector):
             self.target.use_content_hash(manifest.content_hash)
-        self.target.load_state(tensors)
+        if pieces is not None:
+            assert isinstance(self.target, PieceLoader)  # checked above
+            self.target.load_pieces(pieces)
+        else:
+            self.target.load_state(tensors)
         load_s = time.perf_counter() - started
         self._need_bootstrap = False
         self._set_applied(manifest)

@@ -12,10 +12,18 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
 
-from pipeline.format.manifest import Manifest
+from pipeline.format.manifest import Manifest, Piece
 from pipeline.format.tensors import TensorSpec
 
-__all__ = ["ApplyReport", "EarlyProofStarter", "EarlyProver", "Target", "TensorSpec", "VerifyMode"]
+__all__ = [
+    "ApplyReport",
+    "EarlyProofStarter",
+    "EarlyProver",
+    "PieceLoader",
+    "Target",
+    "TensorSpec",
+    "VerifyMode",
+]
 
 if TYPE_CHECKING:
     from pipeline.targets.proving import EarlyProof
@@ -97,3 +105,13 @@ class EarlyProofStarter(Protocol):
     def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
         """Start proving object ``key`` (bytes checked against ``sha256``) against the
         held weights; nothing is written. False when the target cannot take it now."""
+
+
+@runtime_checkable
+class PieceLoader(Protocol):
+    """A target that reads a sharded run's versions (tensors stored in pieces): it
+    bootstraps from an anchor's pieces and applies pieced deltas."""
+
+    def load_pieces(self, pieces: Iterable[tuple[str, Piece, torch.Tensor]]) -> None:
+        """Replace every tensor from (name, piece, its 1-D elements): each piece copied
+        into its flat range of the held tensor; every element must be given once."""

@@ -280,7 +280,8 @@ def prove_object_incremental(
     delta = parse_objects({key: data}, [key])[key]
     out: dict[str, EarlyResult] = {}
     for info in delta.tensors:
-        if info.changed == 0:
+        held = base(info.name)
+        if info.changed == 0 or _a_piece(info.shape, held):
             continue
         named = TensorEntry(
             name=info.name,
@@ -290,8 +291,14 @@ def prove_object_incremental(
             object=key,
             changed=info.changed,
         )
-        out[info.name] = _incremental_one(named, delta, base(info.name), held_hash, algorithm)
+        out[info.name] = _incremental_one(named, delta, held, held_hash, algorithm)
     return out
+
+
+def _a_piece(shape: tuple[int, ...], held: torch.Tensor) -> bool:
+    """Whether a record is a piece of the held tensor (a sharded run's): it decodes
+    against a flat slice the manifest names, so it is proven with the manifest."""
+    return tuple(shape) != tuple(held.shape)
 
 
 def _to_device(hashed: HashedPatch, device: torch.device) -> HashedPatch:
@@ -339,7 +346,7 @@ def prove_object(
         if info.changed == 0:
             continue
         held = base(info.name)
-        if not keep and held.device.type != "cpu":
+        if (not keep and held.device.type != "cpu") or _a_piece(info.shape, held):
             continue
         named = TensorEntry(
             name=info.name,

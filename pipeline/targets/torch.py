@@ -37,6 +37,7 @@ from pipeline.targets.patching import (
     int_view,
     saved_old_values,
 )
+from pipeline.targets.pieced import AnchorPiece, prove_pieced
 from pipeline.targets.proving import (
     EarlyProof,
     EarlyResult,
@@ -227,6 +228,9 @@ class TorchTarget:
             self._hash_cache.clear()
             self._wrote()  # early proofs hashed with the other one are stale
 
+    def _held_hash(self, name: str) -> str:
+        return self._cached_hash(self._canonical[name])
+
     def _cached_hash(self, canonical: str) -> str:
         digest = self._hash_cache.get(canonical)
         if digest is None:
@@ -305,6 +309,59 @@ class TorchTarget:
             _sync(self._devices)
             self._checkpoint_names = order
 
+    def load_pieces(self, pieces: Iterable[AnchorPiece]) -> None:
+        """Bootstrap from a sharded run's anchor: each 1-D piece is copied in place into
+        its flat range of the held tensor (checked first: name, dtype, range). Every
+        element of every held tensor must be given exactly once. A source that fails
+        part way leaves a mix, as ``load_state``."""
+        given: dict[str, list[tuple[int, int]]] = {}  # canonical -> ranges written
+        named: dict[str, str] = {}  # canonical -> the name its pieces came under
+        order: list[str] = []
+        with self._write_lock, self.lock:
+            self._hash_cache.clear()
+            self._wrote()
+            for name, piece, src in pieces:
+                canonical = self._resolve(name, "load_pieces")
+                dst = self._tensors[canonical]
+                if src.dtype != dst.dtype or src.dim() != 1 or src.numel() != piece.numel:
+                    raise MismatchError(
+                        f"tensor {name!r}: piece [{piece.start}, {piece.stop}) is {src.dtype} "
+                        f"{list(src.shape)}, the target holds {dst.dtype}"
+                    )
+                if piece.start < 0 or piece.stop > dst.numel():
+                    raise MismatchError(
+                        f"tensor {name!r}: piece [{piece.start}, {piece.stop}) is outside its "
+                        f"{dst.numel()} elements"
+                    )
+                if name not in order:
+                    order.append(name)
+                slot = int_view(dst).view(-1)[piece.start : piece.stop]
+                first = named.setdefault(canonical, name)
+                if first != name:
+                    # The other name of a tied weight: must carry the same bits.
+                    if not torch.equal(slot, int_view(src.to(dst.device))):
+                        raise MismatchError(
+                            f"tensors {first!r} and {name!r} share storage in the target but "
+                            "differ in load_pieces"
+                        )
+                    continue
+                slot.copy_(int_view(src.detach().contiguous()))
+                given.setdefault(canonical, []).append((piece.start, piece.stop))
+            for canonical, t in self._tensors.items():
+                at = 0
+                for start, stop in sorted(given.get(canonical, [])):
+                    if start != at:
+                        at = -1  # a gap or an overlap
+                        break
+                    at = stop
+                if at != t.numel():
+                    raise MismatchError(
+                        f"load_pieces did not provide every element of tensor {canonical!r} "
+                        "exactly once"
+                    )
+            _sync(self._devices)
+            self._checkpoint_names = order
+
     # -- delta apply ---------------------------------------------------------------
 
     @property
@@ -372,7 +429,20 @@ class TorchTarget:
             specs = self.specs()
             proven: ProvenPatches | None = None
             early_used: dict[str, EarlyResult] = {}
-            if verify == "none":
+            if manifest.is_pieced:
+                # A sharded run: every piece decoded against its flat slice, proven as a
+                # whole tensor (held hash plus every piece's change); no early proofs.
+                check_objects(manifest, objects)
+                proven = prove_pieced(
+                    manifest.tensors,
+                    objects,
+                    self.tensor,
+                    specs,
+                    None if verify == "none" else self._held_hash,
+                    algorithm,
+                )
+                patches = proven.patches
+            elif verify == "none":
                 patches = decode_manifest(manifest, objects, self.tensor, specs)
             elif algorithm.incremental:
                 # O(changed): held hashes plus the changes; old contents read at the

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -23,6 +23,7 @@ from pipeline.codec import apply_patch, read_delta
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import (
     ChainError,
+    ConfigError,
     CorruptObjectError,
     ObjectNotFoundError,
 )
@@ -35,8 +36,10 @@ from pipeline.format.manifest import (
     Kind,
     Manifest,
     ObjectEntry,
+    Piece,
     TensorEntry,
     check_run,
+    dtype_from_name,
     dtype_name,
     manifest_key,
 )
@@ -294,28 +297,26 @@ def reconstruct_parts(
     *,
     plan: ChainPlan | None = None,
     verify_hashes: bool = True,
+    only: Collection[str] | None = None,
 ) -> Iterator[Part]:
     """Version ``version`` part by part: (object key, [(name, tensor)]) in the target's
     partition and tensor order. Each part's hashes are checked before it is yielded. A
-    long rebuild logs its progress (``logs.PROGRESS_EVERY_S``)."""
+    long rebuild logs its progress (``logs.PROGRESS_EVERY_S``). In a pieced version
+    (a sharded run) a part's tensors are its 1-D pieces (``Manifest.layout`` says which
+    elements), each checked against its piece hash. ``only``: these part keys alone."""
     plan = plan or resolve(store, run, version)
     _check_same_tensors(plan)
     target = plan.target
+    if _check_same_pieces(plan):
+        yield from _reconstruct_pieced(store, plan, verify_hashes, only)
+        return
     target_entries = {t.name: t for t in target.tensors}
     algorithm = content_hashes.of(target)
     anchor_entries = {t.name: t for t in plan.anchor.tensors}
-    parts = target.parts()
+    parts = [p for p in target.parts() if only is None or p[0] in only]
     progress = Throttle()
     for done, (part_key, names) in enumerate(parts):
-        if progress.due():
-            log.info(
-                "rebuild progress",
-                run=run,
-                version=version,
-                parts_done=done,
-                parts=len(parts),
-                seconds=round(progress.elapsed, 1),
-            )
+        _progress(progress, run, version, done, len(parts))
         tensors = _load_anchor_tensors(store, plan.anchor, names, anchor_entries)
         for delta in plan.deltas:
             _apply_delta(store, delta, names, tensors)
@@ -329,6 +330,112 @@ def reconstruct_parts(
         yield part_key, [(n, tensors.pop(n)) for n in names]
 
 
+def _progress(progress: Throttle, run: str, version: int, done: int, parts: int) -> None:
+    if progress.due():
+        log.info(
+            "rebuild progress",
+            run=run,
+            version=version,
+            parts_done=done,
+            parts=parts,
+            seconds=round(progress.elapsed, 1),
+        )
+
+
+Placed = list[tuple[str, int, int]]  # (tensor name, start, stop) held by one object
+
+
+def _placement(manifest: Manifest) -> list[tuple[str, Placed]]:
+    return [(key, [(e.name, p.start, p.stop) for e, p in held]) for key, held in manifest.layout()]
+
+
+def _check_same_pieces(plan: ChainPlan) -> bool:
+    """Whether the chain is pieced (a sharded run); then every manifest of it keeps
+    the target's partition (same objects holding the same flat ranges): ChainError
+    otherwise, as for a chain mixing pieced and whole versions."""
+    pieced = [m.is_pieced for m in plan.manifests]
+    if not any(pieced):
+        return False
+    want = _placement(plan.target)
+    for m in plan.manifests:
+        if not m.is_pieced or _placement(m) != want:
+            raise ChainError(
+                f"run {plan.run}: {m.kind} {m.version} does not keep the pieces of "
+                f"version {plan.version} (objects and flat ranges)"
+            )
+    return True
+
+
+def _reconstruct_pieced(
+    store: ObjectStore, plan: ChainPlan, verify_hashes: bool, only: Collection[str] | None
+) -> Iterator[Part]:
+    target = plan.target
+    algorithm = content_hashes.of(target)
+    layouts = [dict(m.layout()) for m in plan.deltas]
+    parts = [p for p in target.layout() if only is None or p[0] in only]
+    progress = Throttle()
+    for done, (part_key, held) in enumerate(parts):
+        _progress(progress, plan.run, plan.version, done, len(parts))
+        pieces = _load_anchor_pieces(store, plan.anchor, part_key, held)
+        for delta, layout in zip(plan.deltas, layouts, strict=True):
+            changed = [e.name for e, p in layout[part_key] if p.changed]
+            if not changed:
+                continue
+            key = delta.object_key(part_key)
+            data = fetch_object(store, delta, delta.object_entry(part_key))
+            obj = read_delta(data, object_name=key)
+            for name in changed:
+                apply_patch(pieces[name], obj.decode(name, pieces[name]))
+            del data, obj
+        if verify_hashes:
+            for entry, piece in held:
+                if algorithm.piece(pieces[entry.name], piece.start) != piece.hash:
+                    raise CorruptObjectError(
+                        f"run {plan.run} version {plan.version}: elements [{piece.start}, "
+                        f"{piece.stop}) of tensor {entry.name!r} in {part_key} do not match "
+                        "their piece hash after reconstruction"
+                    )
+        yield part_key, [(e.name, pieces.pop(e.name)) for e, _ in held]
+
+
+def _load_anchor_pieces(
+    store: ObjectStore, anchor: Manifest, part_key: str, held: list[tuple[TensorEntry, Piece]]
+) -> dict[str, torch.Tensor]:
+    """The 1-D pieces one anchor object holds, checked against the manifest's ranges."""
+    source = anchor.object_key(part_key)
+    shapes = {e.name: (e.dtype, (p.numel,)) for e, p in held}
+    data = fetch_object(store, anchor, anchor.object_entry(part_key))
+    pieces = dict(anchor_tensors(data, source, shapes))
+    for entry, _ in held:
+        if entry.name not in pieces:
+            raise CorruptObjectError(f"object {source} lacks its piece of tensor {entry.name!r}")
+    return pieces
+
+
+def assemble(manifest: Manifest, parts: Iterable[Part]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole tensors of a pieced ``manifest`` from its ``parts`` (as
+    :func:`reconstruct_parts` yields them), each handed out once its last piece is in:
+    memory is the tensors being assembled, in whatever order their pieces complete."""
+    layout = dict(manifest.layout())
+    missing = {e.name: len(e.pieces) for e in manifest.tensors}
+    building: dict[str, torch.Tensor] = {}
+    for key, tensors in parts:
+        for (entry, piece), (name, t) in zip(layout[key], tensors, strict=True):
+            whole = building.get(name)
+            if whole is None:
+                whole = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+                building[name] = whole
+            # Bytes, not values: NaN payloads and -0.0 stay as they are.
+            whole.view(-1)[piece.start : piece.stop].view(torch.uint8).copy_(
+                t.reshape(-1).view(torch.uint8)
+            )
+            missing[name] -= 1
+            if missing[name] == 0:
+                yield name, building.pop(name)
+    if building:
+        raise ChainError(f"tensor {next(iter(building))!r} of {manifest.key} was left incomplete")
+
+
 def reconstruct_tensors(
     store: ObjectStore,
     run: str,
@@ -337,10 +444,14 @@ def reconstruct_tensors(
     plan: ChainPlan | None = None,
     verify_hashes: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Version ``version`` tensor by tensor (held one part at a time), hashes verified."""
-    for _, tensors in reconstruct_parts(
-        store, run, version, plan=plan, verify_hashes=verify_hashes
-    ):
+    """Version ``version`` tensor by tensor (held one part at a time), hashes verified.
+    A pieced version's tensors are assembled whole from their pieces (:func:`assemble`)."""
+    plan = plan or resolve(store, run, version)
+    parts = reconstruct_parts(store, run, version, plan=plan, verify_hashes=verify_hashes)
+    if plan.target.is_pieced:
+        yield from assemble(plan.target, parts)
+        return
+    for _, tensors in parts:
         yield from tensors
 
 
@@ -359,11 +470,16 @@ def reconstruct(
     objects, with an index); else one file, or HF shards of ``max_shard_bytes``."""
     plan = resolve(store, run, version)
     metadata = {"deltasync.run": run, "deltasync.version": str(version)}
-    parts = reconstruct_parts(store, run, version, plan=plan)
+    if by_part and plan.target.is_pieced:
+        raise ConfigError(
+            f"run {run} version {version} is stored in pieces: a file per part would hold "
+            "pieces, not tensors; rebuild it whole"
+        )
     if by_part:
+        parts = reconstruct_parts(store, run, version, plan=plan)
         write_sharded(out_path, parts, metadata=metadata, overwrite=overwrite)
     else:
-        tensors = (t for _, ts in parts for t in ts)
+        tensors = reconstruct_tensors(store, run, version, plan=plan)
         write_checkpoint(
             out_path,
             tensors,

@@ -2,7 +2,9 @@
 
 Every object of the version's chain is fetched and checked (size, sha256), then the
 version is rebuilt part by part and each tensor compared with the checkpoint's as
-integers of the same width, so NaN payloads and -0.0 count as different.
+integers of the same width, so NaN payloads and -0.0 count as different. A sharded
+run's version (tensors in pieces) is rebuilt part by part from its pieces and each
+tensor assembled whole before the comparison (``chain.reconstruct_tensors``).
 """
 
 from __future__ import annotations

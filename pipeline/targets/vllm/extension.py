@@ -32,6 +32,7 @@ from safetensors.torch import load, save
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
+from pipeline.targets.pieced import prove_pieced
 from pipeline.targets.proving import early_results, prove_entries, prove_incremental
 from pipeline.targets.vllm.cpu import computes_from_weight
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
@@ -339,7 +340,21 @@ class DeltasyncWorkerExtension:
             if verify != "none":
                 check_base(state, entries, parsed.parent_state_hash, verify)
             shadow = state.shadow.__getitem__
-            if verify == "none":
+            if any(e.pieces for e in entries):
+                # A sharded run: each piece decoded against the shadow's flat slice into
+                # a whole-tensor patch, proven whole; early proofs leave pieces alone.
+                ready = {}
+                proven = prove_pieced(
+                    entries,
+                    objects,
+                    shadow,
+                    specs,
+                    None if verify == "none" else state.hash_of,
+                    algorithm,
+                )
+                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
+                incremental = verify != "none"
+            elif verify == "none":
                 patches, hashes = decode_entries(entries, objects, shadow, specs), {}
                 old_values = None
             elif incremental:

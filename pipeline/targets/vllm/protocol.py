@@ -12,11 +12,11 @@ one-line TargetError naming the field that is wrong.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict, TypeVar
 
 from pipeline.errors import TargetError
-from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
+from pipeline.format.manifest import Manifest, Piece, TensorEntry, dtype_name
 from pipeline.format.matching import spec_of
 from pipeline.format.tensors import TensorSpec
 from pipeline.targets.base import VerifyMode
@@ -31,15 +31,30 @@ class WireSpec(TypedDict):
     shape: list[int]
 
 
-class WireEntry(TypedDict):
-    """A manifest tensor entry (``TensorEntry``), field by field."""
+class WirePiece(TypedDict):
+    """A piece of a tensor of a sharded run (``Piece``), field by field."""
 
+    object: str
+    start: int
+    stop: int
+    hash: str
+    changed: int
+
+
+class _WireEntryFields(TypedDict):
     name: str
     dtype: str
     shape: list[int]
     hash: str
     object: str
     changed: int
+
+
+class WireEntry(_WireEntryFields, total=False):
+    """A manifest tensor entry (``TensorEntry``), field by field; ``pieces`` only for
+    a tensor stored in pieces."""
+
+    pieces: list[WirePiece]
 
 
 class PrepareWire(TypedDict, total=False):
@@ -130,7 +145,7 @@ def _checked_spec(entry: TensorEntry, what: str) -> TensorSpec:
 
 
 def entry_to_wire(entry: TensorEntry) -> WireEntry:
-    return {
+    wire: WireEntry = {
         "name": entry.name,
         "dtype": entry.dtype,
         "shape": list(entry.shape),
@@ -138,6 +153,48 @@ def entry_to_wire(entry: TensorEntry) -> WireEntry:
         "object": entry.object,
         "changed": entry.changed,
     }
+    if entry.pieces:
+        wire["pieces"] = [
+            {
+                "object": p.object,
+                "start": p.start,
+                "stop": p.stop,
+                "hash": p.hash,
+                "changed": p.changed,
+            }
+            for p in entry.pieces
+        ]
+    return wire
+
+
+def _pieces(item: Mapping[str, Any], entry: TensorEntry, what: str) -> tuple[Piece, ...]:
+    """The entry's pieces, if it has any: in order, covering it once, their changes
+    adding up (the hashes are proven against the entry's when applied)."""
+    raw = item.get("pieces")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise _bad(what, f"pieces of tensor {entry.name!r} are not a list")
+    pieces: list[Piece] = []
+    at = 0
+    for doc in raw:
+        p = _mapping(doc, "piece", what)
+        piece = Piece(
+            _get(p, "object", str, what),
+            _get(p, "start", int, what),
+            _get(p, "stop", int, what),
+            _get(p, "hash", str, what),
+            _get(p, "changed", int, what),
+        )
+        if piece.start != at or piece.stop <= piece.start or not 0 <= piece.changed <= piece.numel:
+            raise _bad(what, f"pieces of tensor {entry.name!r} do not cover it in order")
+        at = piece.stop
+        pieces.append(piece)
+    if at != entry.numel or sum(p.changed for p in pieces) != entry.changed:
+        raise _bad(what, f"pieces of tensor {entry.name!r} do not add up to it")
+    if len({p.object for p in pieces}) != len(pieces):
+        raise _bad(what, f"tensor {entry.name!r} has two pieces in one object")
+    return tuple(pieces)
 
 
 def entry_from_wire(doc: object, what: str = "prepare request") -> TensorEntry:
@@ -151,7 +208,8 @@ def entry_from_wire(doc: object, what: str = "prepare request") -> TensorEntry:
         _get(item, "changed", int, what),
     )
     _checked_spec(entry, what)
-    return entry
+    pieces = _pieces(item, entry, what)
+    return replace(entry, pieces=pieces) if pieces else entry
 
 
 # -- prepare ----------------------------------------------------------------------------
@@ -264,6 +322,7 @@ __all__ = [
     "PrepareWire",
     "SummaryWire",
     "WireEntry",
+    "WirePiece",
     "WireSpec",
     "entry_from_wire",
     "entry_to_wire",

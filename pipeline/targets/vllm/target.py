@@ -29,6 +29,7 @@ from pipeline import errors
 from pipeline.errors import ConfigError, DeltasyncError, MismatchError, TargetError
 from pipeline.format.manifest import Manifest
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
+from pipeline.targets.pieced import AnchorPiece, whole_tensors
 from pipeline.targets.setup import TargetSetup, anchor_specs
 from pipeline.targets.vllm.engine import as_driver
 from pipeline.targets.vllm.protocol import (
@@ -162,6 +163,13 @@ class VllmTarget:
             self._reset_prefix_cache()
         self.version = None
         log.info("vllm target loaded", tensors=len(self._specs or {}))
+
+    def load_pieces(self, pieces: Iterable[AnchorPiece]) -> None:
+        """Bootstrap from a sharded run's anchor: whole tensors are assembled from the
+        pieces here (memory: those being assembled) and sent as ``load_state`` sends
+        them; vLLM's loaders then place them as any checkpoint's."""
+        shapes = {name: spec.shape for name, spec in self.specs().items()}
+        self.load_state(whole_tensors(pieces, shapes))
 
     def load_model_files(self, version: int | None = None) -> None:
         """Adopt the checkpoint files the engine was started from as the shadow.
