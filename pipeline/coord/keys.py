@@ -100,6 +100,9 @@ DIFF_WAITING_LEASE = Template(
 PART_HOSTS = Template(
     f"{RUN}:part-hosts:{{step}}", "hash", "Parts of a step routed to trainer hosts: part -> host."
 )
+CACHE_DAMAGE = Template(
+    f"{RUN}:cache-damage", "hash", "State-cache tensors a diff worker's scrub found damaged."
+)
 DIFF_QUEUE = Template(f"{PREFIX}:diff", "queue", "rq queue of diff jobs.")
 DIFF_HOST_QUEUE = Template(
     f"{PREFIX}:diff:host:{{host}}", "queue", "rq queue of the part jobs routed to a trainer host."
@@ -128,6 +131,7 @@ TEMPLATES: tuple[Template, ...] = (
     DIFF_WAITING,
     DIFF_WAITING_LEASE,
     PART_HOSTS,
+    CACHE_DAMAGE,
     DIFF_QUEUE,
     DIFF_HOST_QUEUE,
     COMPACT_QUEUE,
@@ -241,6 +245,10 @@ def diff_waiting_lease_key(run: str, step: int) -> str:
 
 def part_hosts_key(run: str, step: int) -> str:
     return PART_HOSTS.format(run=check_run_name(run), step=_int(step))
+
+
+def cache_damage_key(run: str) -> str:
+    return CACHE_DAMAGE.format(run=check_run_name(run))
 
 
 def diff_host_queue(host: str) -> str:
