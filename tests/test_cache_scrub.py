@@ -168,6 +168,31 @@ def test_a_pass_interrupted_by_an_advance_starts_over_and_a_busy_cache_is_not_ha
     assert scrub.scrub(names[0])
 
 
+def test_damage_found_while_a_diff_encodes_from_it_publishes_nothing_wrong(
+    trainer: SyntheticRun,
+) -> None:
+    """The diff trusts a proven base without hashing it; a scrub that finds the base
+    damaged before the manifest makes that diff start over from a rebuilt cache."""
+    publish(trainer, 0)
+    publish(trainer, 1)
+    scrub = CacheScrub(trainer.cache, trainer.store)
+    scrubber = Scrubber(scrub, FAST, lambda n: None)
+    assert scrubber.run_pass() == [] and scrub.proven  # the next diff skips base hashes
+    trainer.checkpoint(2)
+    name = flip_unchanged_byte(trainer.cache, trainer.states[1], trainer.states[2])
+    found: list[list[str]] = []
+
+    def on_part(_hint: object) -> None:
+        if not found:  # the scrub reaches the damage while the diff is under way
+            found.append(scrubber.run_pass())
+
+    two = publish(trainer, 2, on_part=on_part)
+    assert found == [[name]]
+    trainer.assert_rebuilds(2)  # encoded again from the rebuilt cache
+    assert trainer.cache.is_valid_for(two)
+    assert_cache_holds(trainer.cache, trainer.states[2])
+
+
 def test_a_linked_cache_gets_its_one_full_proof_from_the_scrub(trainer: SyntheticRun) -> None:
     publish(trainer, 0)
     one = publish(trainer, 1, link=True)

@@ -75,7 +75,7 @@ class CacheScrub:
         self.damaged: tuple[int, str, str] | None = None  # last finding: version, tensor, note
         self._manifest: Manifest | None = None
         self._switched: str | None = None  # the switch this pass scrubs
-        self._folder: Path | None = None
+        self._reader: CheckpointReader | None = None  # of the state this pass scrubs
         self._names: list[str] = []
         self._position: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
@@ -106,15 +106,17 @@ class CacheScrub:
         hash (the cache is then marked damaged). True with nothing hashed once this
         pass marked the cache damaged (nothing left to compare). CacheMovedError when
         the cache switched since the pass began, CacheBusyError while it is written."""
-        switched, folder, manifest = self._switched, self._folder, self._manifest
-        if switched is None or folder is None or manifest is None:
+        switched, reader, manifest = self._switched, self._reader, self._manifest
+        if switched is None or reader is None or manifest is None:
             return True
         with self.cache.scrub_lock():
             state = self.cache.current()
             if state is None or state.get("switched") != switched:
                 raise CacheMovedError(f"state cache {self.cache.root} switched during a scrub")
-            with CheckpointReader(folder) as reader:
+            try:  # the same switch: the files the reader was opened on
                 same = content_hashes.of(manifest).full(reader.view(name)) == self._hashes[name]
+            finally:
+                reader.close()  # unmapped: residency stays one tensor
         self._next = self._position[name] + 1
         if same:
             self._ok.add(name)
@@ -154,11 +156,10 @@ class CacheScrub:
             return False
         if not self.cache.is_valid_for(manifest):
             return False
-        folder = self.cache.root / str(state["folder"])
-        with CheckpointReader(folder) as reader:
-            names = reader.names()
-            sizes = {n: reader.nbytes(n) for n in names}
-        self._manifest, self._switched, self._folder = manifest, str(state["switched"]), folder
+        reader = CheckpointReader(self.cache.root / str(state["folder"]))
+        names = reader.names()
+        sizes = {n: reader.nbytes(n) for n in names}
+        self._manifest, self._switched, self._reader = manifest, str(state["switched"]), reader
         self._names, self._sizes = names, sizes
         self._position = {n: i for i, n in enumerate(names)}
         self._hashes = {t.name: t.hash for t in manifest.tensors}
@@ -177,7 +178,7 @@ class CacheScrub:
         return chain.load_manifest(self.store, self.cache.run, kind, version)
 
     def _forget(self) -> None:
-        self._switched = self._folder = None
+        self._switched = self._reader = None
         self._ok = set()
         self.proven = False
 
