@@ -8,6 +8,8 @@ import fcntl
 import functools
 import json
 import os
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -228,6 +230,25 @@ def test_a_scrub_racing_with_many_advances_reports_no_false_mismatch(
     assert trainer.cache.version == 15
     assert_cache_holds(trainer.cache, trainer.states[15])
     trainer.assert_rebuilds(15)
+
+
+def test_the_scrub_yields_to_a_running_job(trainer: SyntheticRun) -> None:
+    publish(trainer, 0)
+    job = threading.Event()
+    job.set()
+    scrubber = CacheScrubber(
+        trainer.cache.root.parent, trainer.store, FAST, busy=job.is_set, max_yield_s=0.5
+    ).start()
+    try:
+        time.sleep(1.2)
+        during = scrubber.hashed
+        # The first tensor, then at most one per wait: no full-speed pass under a job.
+        assert during <= 1 + 1.2 / 0.5 + 1
+        job.clear()
+        wait_for(lambda: scrubber.hashed > during + 40, "the scrub at full speed", 60)
+    finally:
+        scrubber.stop()
+    assert scrubber.found == []
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -192,7 +192,8 @@ class CacheScrubber:
     """Scrub passes over the state cache of every run under ``cache_dir`` on a daemon
     thread until :meth:`stop`. A damaged cache is counted, logged and, with ``redis``,
     recorded under ``host`` for ``deltasync status``. ``busy()`` True: a job is
-    running in this process (the scrub waits for it between tensors, for a while)."""
+    running in this process (the scrub waits for it between tensors, up to
+    ``max_yield_s`` each time)."""
 
     def __init__(
         self,
@@ -203,6 +204,7 @@ class CacheScrubber:
         redis_client: redis.Redis | None = None,
         host: str | None = None,
         busy: Callable[[], bool] | None = None,
+        max_yield_s: float = MAX_YIELD_S,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.store = store
@@ -210,6 +212,7 @@ class CacheScrubber:
         self.redis = redis_client
         self.host = host or _host_name()
         self._busy = busy or (lambda: False)
+        self.max_yield_s = max_yield_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.scrubs: dict[str, CacheScrub] = {}
@@ -297,12 +300,12 @@ class CacheScrubber:
                 log.warning("could not record the state-cache damage", error=str(exc))
 
     def _sleep(self, seconds: float) -> bool:
-        """Wait ``seconds``, then for a running job to end (up to MAX_YIELD_S); True:
-        stop now."""
+        """Wait ``seconds``, then for a running job to end (up to ``max_yield_s``);
+        True: stop now."""
         if self._stop.wait(seconds):
             return True
         waited = 0.0
-        while waited < MAX_YIELD_S and self._busy():
+        while waited < self.max_yield_s and self._busy():
             if self._stop.wait(0.05):
                 return True
             waited += 0.05
