@@ -51,6 +51,7 @@ ANNOUNCED_TTL_S = 30 * 24 * 3600  # once-only markers of announced versions
 EMITTED_TTL_S = 7 * 24 * 3600  # markers of emitted steps
 # Ranks registered for a sharded step: long enough for any step to finish staging.
 SHARDS_TTL_S = 24 * 3600.0
+CACHE_DAMAGE_TTL_S = 7 * 24 * 3600.0  # scrub findings shown by status this long
 REPLICA_TTL_S = 600.0  # default of DELTASYNC_REPLICA_TTL
 DIFF_JOB_TIMEOUT_S = 3600  # rq's timeout of one diff job
 COMPACT_JOB_TIMEOUT_S = 6 * 3600
@@ -269,7 +270,8 @@ class Settings:
             "10",
             "Rollout nodes re-hash every held tensor in full in the background, one pass "
             "about every this many minutes (0: never); a mismatch is reported as a "
-            "replica error and the node recovers from the store.",
+            "replica error and the node recovers from the store. Diff workers scrub "
+            "their state caches alike (a damaged cache is rebuilt by the next step).",
         ),
     )
     scrub_cpu: float = field(

@@ -71,6 +71,12 @@ REFUSALS = Counter(
     "rollout node's failed check.",
     ["run", "role", "reason"],
 )
+SCRUB_MISMATCHES = Counter(
+    "deltasync_scrub_mismatches",
+    "Held tensors a background scrub found changed behind deltasync's back (role: diff "
+    "for a diff worker's state cache, rollout for a node's target).",
+    ["run", "role"],
+)
 
 
 def published(run: str, kind: str, nbytes: int, since_step_s: float | None) -> None:
@@ -103,3 +109,8 @@ def refused(run: str, role: str, reason: BaseException | str) -> None:
     the error (its type names the reason) or a word."""
     name = reason if isinstance(reason, str) else type(reason).__name__
     REFUSALS.labels(run, role, name).inc()
+
+
+def scrub_mismatch(run: str, role: str) -> None:
+    """A scrub found a held tensor that no longer matches its hash."""
+    SCRUB_MISMATCHES.labels(run, role).inc()

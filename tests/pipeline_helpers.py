@@ -25,6 +25,8 @@ def deltasync_env(redis_url: str, tmp: Path, **extra: str) -> dict[str, str]:
             "DELTASYNC_LOG_JSON": "1",
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO),
+            # Background scrubs (nodes, diff workers) only where a test turns them on.
+            "DELTASYNC_SCRUB_MINUTES": "0",
         }
     )
     env.update(extra)

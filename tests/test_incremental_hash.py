@@ -19,12 +19,12 @@ from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, CodecError, CorruptObjectError, MismatchError
 from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
+from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.format.manifest import manifest_key, to_json
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.publish.diff import scan_hasher, updated_hashes
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import RolloutNode
-from pipeline.rollout.scrub import ScrubPace
 from pipeline.store.file import FileStore
 from pipeline.targets import confirmed, patching
 from pipeline.targets.torch import TorchTarget
@@ -230,7 +230,7 @@ def test_a_scrubber_thread_at_its_pace_finds_a_change(trainer: Trainer) -> None:
     """The background thread: a pass at a bounded pace reports the changed tensor."""
     import threading
 
-    from pipeline.rollout.scrub import Scrubber
+    from pipeline.format.hashes.scrub import Scrubber
 
     trainer.publish()
     target, held = empty_target(trainer.states[0])

@@ -16,7 +16,7 @@ from rq.serializers import JSONSerializer
 from pipeline.coord.connection import redis_errors
 from pipeline.coord.events import DeltaPart, Event
 from pipeline.coord.hints import PartListener
-from pipeline.coord.problems import list_failing
+from pipeline.coord.problems import list_cache_damage, list_failing
 from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream, list_runs
 from pipeline.errors import ConfigError, DeltasyncError
@@ -192,6 +192,18 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
         }
         for f in list_failing(r, run)
     ]
+    # State-cache tensors the diff workers' scrubs found damaged (each rebuilt since).
+    report["cache_damage"] = [
+        {
+            "host": d.host,
+            "version": d.version,
+            "tensor": d.tensor,
+            "note": d.note,
+            "time": d.time,
+            "count": d.count,
+        }
+        for d in list_cache_damage(r, run)
+    ]
     report["time"] = now.isoformat()
     return report
 
@@ -239,6 +251,12 @@ def render_status(report: dict[str, Any]) -> None:
     for dead in report.get("dead_steps", []):
         console.print(f"[red]step {dead['step']} set aside:[/] {escape(dead['reason'])}")
     render_failing(console, report.get("failing", []))
+    for d in report.get("cache_damage", []):
+        console.print(
+            f"[red]state cache of {escape(d['host'])}:[/] tensor {escape(d['tensor'])!r} of "
+            f"v{d['version']} failed its scrub ({escape(d['note'])}; {d['count']} so far, "
+            f"last {d['time']}); the next step rebuilds it from the store"
+        )
 
 
 def render_failing(console: Any, failing: list[dict[str, Any]]) -> None:

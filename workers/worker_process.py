@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
+from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.logs import clear_context, get_logger
+from pipeline.publish.cache_scrub import CacheScrubber
 from workers import queues
 from workers.metrics_http import serve_metrics
 from workers.runtime import Runtime
@@ -21,6 +24,7 @@ log = get_logger(__name__)
 
 QUEUES = {"diff": queues.DIFF_QUEUE, "compact": queues.COMPACT_QUEUE}
 MAINTENANCE_INTERVAL_S = 60
+JOB_RUNNING = threading.Event()  # set while this process performs a job
 
 
 class JobWorker(SimpleWorker):  # type: ignore[misc]
@@ -28,10 +32,28 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         clear_context()
+        JOB_RUNNING.set()
         try:
             return bool(super().perform_job(job, queue, execution))
         finally:
+            JOB_RUNNING.clear()
             clear_context()
+
+
+def start_cache_scrub(runtime: Runtime) -> CacheScrubber | None:
+    """The diff worker's background scrub of its state caches, at the rollout nodes'
+    pace (``DELTASYNC_SCRUB_MINUTES``, 0: off; ``DELTASYNC_SCRUB_CPU``), yielding to
+    this process's jobs."""
+    settings = runtime.settings
+    if settings.scrub_minutes <= 0:
+        return None
+    return CacheScrubber(
+        settings.cache_dir,
+        runtime.store,
+        ScrubPace(settings.scrub_minutes * 60, settings.scrub_cpu),
+        redis_client=runtime.redis,
+        busy=JOB_RUNNING.is_set,
+    ).start()
 
 
 def run_worker(
@@ -65,5 +87,10 @@ def run_worker(
     if runtime.settings.signing_key_path is None:
         log.warning("versions are unsigned: set DELTASYNC_SIGNING_KEY to sign manifests")
     serve_metrics(runtime.settings.metrics_port, queues_of=connection)
-    worked: bool = worker.work(burst=burst, with_scheduler=True, logging_level=None)
+    scrubber = start_cache_scrub(runtime) if kind == "diff" and not burst else None
+    try:
+        worked: bool = worker.work(burst=burst, with_scheduler=True, logging_level=None)
+    finally:
+        if scrubber is not None:
+            scrubber.stop()
     return worked

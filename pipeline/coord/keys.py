@@ -103,7 +103,10 @@ PART_HOSTS = Template(
 SHARDS = Template(
     f"{RUN}:shards:{{step}}",
     "hash",
-    "Ranks of a sharded step staged so far: rank -> host, folder, layout.",
+    "Ranks of a sharded step staged so far: rank -> host, folder, layout, launch.",
+)
+CACHE_DAMAGE = Template(
+    f"{RUN}:cache-damage", "hash", "State-cache tensors a diff worker's scrub found damaged."
 )
 DIFF_QUEUE = Template(f"{PREFIX}:diff", "queue", "rq queue of diff jobs.")
 DIFF_HOST_QUEUE = Template(
@@ -134,6 +137,7 @@ TEMPLATES: tuple[Template, ...] = (
     DIFF_WAITING_LEASE,
     PART_HOSTS,
     SHARDS,
+    CACHE_DAMAGE,
     DIFF_QUEUE,
     DIFF_HOST_QUEUE,
     COMPACT_QUEUE,
@@ -251,6 +255,10 @@ def part_hosts_key(run: str, step: int) -> str:
 
 def shards_key(run: str, step: int) -> str:
     return SHARDS.format(run=check_run_name(run), step=_int(step))
+
+
+def cache_damage_key(run: str) -> str:
+    return CACHE_DAMAGE.format(run=check_run_name(run))
 
 
 def diff_host_queue(host: str) -> str:

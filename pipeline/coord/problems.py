@@ -1,4 +1,5 @@
-"""Rollout nodes that fail to sync, as `deltasync status` shows them.
+"""Rollout nodes that fail to sync, and diff workers' damaged state caches, as
+`deltasync status` shows them.
 
 A heartbeat names the version a node holds, so a node that never bootstrapped (or
 keeps failing) has none and would not show up. A failing node therefore also writes
@@ -6,19 +7,26 @@ keeps failing) has none and would not show up. A failing node therefore also wri
 any), how many syncs failed in a row, and since when (the Redis server's clock). The
 record expires unless renewed by the next failure, and is removed at the node's next
 successful sync.
+
+A diff worker whose background scrub finds a state-cache tensor changed on disk
+records it in ``deltasync:run:<run>:cache-damage`` (host -> the version, tensor,
+time and how many so far); the record expires a week after the last finding.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import redis
 
+from pipeline.config import CACHE_DAMAGE_TTL_S
 from pipeline.coord import scripts
 from pipeline.coord.connection import redis_errors
-from pipeline.coord.keys import NODE_PATTERN, failing_index_key, failing_key
+from pipeline.coord.events import now_iso
+from pipeline.coord.keys import NODE_PATTERN, cache_damage_key, failing_index_key, failing_key
 from pipeline.coord.replicas import DEFAULT_TTL_S
 
 MAX_ERROR_CHARS = 2000
@@ -109,6 +117,64 @@ def _parse(node: str, raw: dict[Any, Any], now: float) -> FailingReplica | None:
         )
     except (KeyError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class CacheDamage:
+    host: str  # the diff worker's host (its state cache)
+    version: int  # the cached version
+    tensor: str
+    note: str
+    time: str  # of the last finding (ISO 8601, UTC)
+    count: int  # findings so far
+
+
+def report_cache_damage(
+    client: redis.Redis, run: str, host: str, version: int, tensor: str, note: str
+) -> None:
+    """Record that ``host``'s state cache of ``run`` held a damaged ``tensor``."""
+    key = cache_damage_key(run)
+    with redis_errors(client, f"reporting state-cache damage of {run}"):
+        raw: Any = client.hget(key, host)
+        try:
+            count = int(json.loads(raw)["count"]) + 1 if raw else 1
+        except (ValueError, TypeError, KeyError):
+            count = 1
+        doc = {
+            "version": int(version),
+            "tensor": tensor[:MAX_ERROR_CHARS],
+            "note": note[:MAX_ERROR_CHARS],
+            "time": now_iso(),
+            "count": count,
+        }
+        with client.pipeline(transaction=True) as pipe:
+            pipe.hset(key, host, json.dumps(doc, sort_keys=True))
+            pipe.expire(key, round(CACHE_DAMAGE_TTL_S))
+            pipe.execute()
+
+
+def list_cache_damage(client: redis.Redis, run: str) -> list[CacheDamage]:
+    """Damage the diff workers' scrubs found in their state caches of ``run``, by host."""
+    key = cache_damage_key(run)
+    with redis_errors(client, f"reading {key}"):
+        raw: Any = client.hgetall(key)
+    out: list[CacheDamage] = []
+    for host, value in raw.items():
+        try:
+            doc = json.loads(value)
+            out.append(
+                CacheDamage(
+                    _text(host),
+                    int(doc["version"]),
+                    str(doc["tensor"]),
+                    str(doc["note"]),
+                    str(doc["time"]),
+                    int(doc["count"]),
+                )
+            )
+        except (ValueError, TypeError, KeyError, RecursionError):
+            continue
+    return sorted(out, key=lambda d: d.host)
 
 
 def _text(value: str | bytes) -> str:

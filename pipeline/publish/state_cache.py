@@ -5,19 +5,27 @@ when its recorded version and state hash equal the head's. With linking on, the
 cache holds hard links to the trainer's own checkpoint files instead of a copy;
 their (inode, size, mtime) is recorded and checked before every use, and files
 shared with anyone else are never written in place.
+
+Every write (rebuild, advance, adopt, link) holds ``<run>/.lock`` exclusively; the
+diff worker's background scrub (:mod:`pipeline.publish.cache_scrub`) hashes one
+tensor at a time under the shared lock and judges only a state that did not switch
+meanwhile (``switched`` in the state file names each switch), so a version being
+written is never reported as damaged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import json
 import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import structlog
 import torch
@@ -32,6 +40,51 @@ from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_held = threading.local()  # per thread: lock files this thread holds exclusively
+
+
+class CacheBusyError(ChainError):
+    """The state cache is being written right now (a scrub tries again later)."""
+
+
+@contextlib.contextmanager
+def _flock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
+    """``flock`` on ``path``: held per open file, so threads of one process exclude
+    each other like processes do. A thread holding it exclusively enters again freely."""
+    held: set[Path] = _held.__dict__.setdefault("paths", set())
+    if path in held:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, flags)
+        except BlockingIOError:
+            raise CacheBusyError(f"state cache lock {path} is held") from None
+        if exclusive:
+            held.add(path)
+        try:
+            yield
+        finally:
+            held.discard(path)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _exclusive(method: _F) -> _F:
+    """Run a method that writes the cache under its exclusive lock: a scrub hashes a
+    tensor only under the shared lock, so it never sees a version half written."""
+
+    @functools.wraps(method)
+    def locked(self: StateCache, *args: Any, **kwargs: Any) -> Any:
+        with _flock(self.root / self.LOCK, exclusive=True):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, locked)
 
 
 def _remove_in_background(folders: list[Path]) -> None:
@@ -64,6 +117,7 @@ class StateCache:
 
     STATE = "state.json"
     LINKS_OFF = "links-off"  # written when a linked checkpoint was rewritten in place
+    LOCK = ".lock"  # exclusive while the cache is written, shared while a scrub hashes
 
     def __init__(self, cache_dir: str | os.PathLike[str], run: str) -> None:
         self.run = run
@@ -158,7 +212,13 @@ class StateCache:
         rebuild, a rewrite, an adopted anchor) or follow from a proven state by a
         published delta whose checkpoint deltasync owned (adopted): its encoding
         compared every element with the proven base. A diff against a proven base
-        need not hash it again."""
+        need not hash it again.
+
+        An advanced or linked cache is not proven when it switches (the trainer's file
+        could have changed after it was published); the diff worker's scrub gives it
+        its one full proof off the critical path: a pass that hashes every tensor of
+        that very state and matches marks it proven (:meth:`mark_proven`). Until then
+        each diff hashes its base as it reads it."""
         state = self._state()
         return state is not None and state.get("proven") is True and self.is_valid_for(manifest)
 
@@ -175,6 +235,7 @@ class StateCache:
             "state_hash": manifest.state_hash,
             "folder": folder.name,
             "proven": proven,
+            "switched": uuid.uuid4().hex,  # tells each switch apart, even to the same version
         }
         if linked:
             doc["linked"] = linked
@@ -201,6 +262,7 @@ class StateCache:
         self.root.mkdir(parents=True, exist_ok=True)
         return self.root / f"v{version:010d}"
 
+    @_exclusive
     def rebuild(self, store: ObjectStore, run: str, version: int) -> Manifest:
         """Rebuild ``version`` from the store (anchor + chain) into the cache."""
         if run != self.run:
@@ -211,6 +273,7 @@ class StateCache:
         log.info("state cache rebuilt", run=run, version=version)
         return manifest
 
+    @_exclusive
     def advance(self, new: CheckpointReader, manifest: Manifest) -> None:
         """Make the cache hold ``new`` as ``manifest``'s version, checking every hash.
 
@@ -230,6 +293,7 @@ class StateCache:
                 log.info("state cache cannot be updated in place, rewriting", error=str(e))
         self._rewrite(new, manifest)
 
+    @_exclusive
     def adopt(self, checkpoint: Path, manifest: Manifest, proven: bool = False) -> bool:
         """Move ``checkpoint`` (a file or folder holding exactly ``manifest``'s state,
         owned by deltasync) into the cache as that version: a rename, no copy. False,
@@ -255,6 +319,7 @@ class StateCache:
         self._switch(folder, manifest, proven=proven)
         return True
 
+    @_exclusive
     def link(self, checkpoint: Path, manifest: Manifest) -> bool:
         """Hard-link the files of ``checkpoint`` (the trainer's own, holding exactly
         ``manifest``'s state) into the cache as that version: no byte is copied. False,
@@ -340,3 +405,47 @@ class StateCache:
             folder, ((key, part(names)) for key, names in manifest.parts()), overwrite=True
         )
         self._switch(folder, manifest, proven=True)  # every tensor hashed
+
+    # -- scrubbing (pipeline/publish/cache_scrub.py) ---------------------------------
+
+    def current(self) -> dict[str, Any] | None:
+        """The state file's record (version, state hash, folder, proven, switched), or
+        None when the cache holds no version."""
+        return self._state()
+
+    def scrub_lock(self) -> contextlib.AbstractContextManager[None]:
+        """The shared lock a scrub holds while it hashes one tensor (every write holds
+        it exclusively); CacheBusyError at once while the cache is being written."""
+        return _flock(self.root / self.LOCK, exclusive=False, wait=False)
+
+    def still_holds_state(self) -> bool:
+        """Asked by a diff before its manifest: the state file still names a version (a
+        scrub that found a tensor damaged removed it) and no linked file changed."""
+        state = self._state()
+        return state is not None and self._links_unchanged(state)
+
+    @_exclusive
+    def mark_proven(self, switched: str) -> bool:
+        """Record that every tensor of the state switched to as ``switched`` was hashed
+        in full and matched (a scrub pass): later diffs need not hash their base.
+        False, with nothing changed, when the cache has switched since."""
+        state = self._state()
+        if state is None or state.get("switched") != switched:
+            return False
+        if state.get("proven") is not True:
+            state["proven"] = True
+            tmp = self.root / f".{self.STATE}.tmp"
+            tmp.write_text(json.dumps(state, sort_keys=True) + "\n")
+            os.replace(tmp, self.root / self.STATE)
+        return True
+
+    @_exclusive
+    def mark_damaged(self, switched: str) -> bool:
+        """Forget the state switched to as ``switched`` (a tensor failed its scrub): the
+        next diff rebuilds the cache from the store. False, with nothing changed, when
+        the cache has switched since (what was hashed is not what it holds now)."""
+        state = self._state()
+        if state is None or state.get("switched") != switched:
+            return False
+        (self.root / self.STATE).unlink(missing_ok=True)
+        return True

@@ -184,7 +184,7 @@ def publish_step(
                         signing_key=signing_key,
                         timings=timings,
                         index=index,
-                        base_unchanged=cache.linked_files_unchanged,
+                        base_unchanged=cache.still_holds_state,
                         on_part=on_part,
                         base_proven=proven,
                         ledger=ledger,

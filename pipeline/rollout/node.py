@@ -41,12 +41,12 @@ from pipeline.errors import (
     TargetError,
 )
 from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.hashes.scrub import Scrubbable, Scrubber, ScrubPace
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.matching import check_tensors
 from pipeline.rollout.early import EarlyParts
 from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor, stream_anchor_pieces
 from pipeline.rollout.report import Reporter
-from pipeline.rollout.scrub import Scrubbable, Scrubber, ScrubPace
 from pipeline.rollout.state import read_state, remove_state, write_state
 from pipeline.rollout.stream import StreamFollower
 from pipeline.store.base import ObjectStore
@@ -206,6 +206,7 @@ class RolloutNode:
             "(memory changed behind the node's back); recovering from the store"
         )
         log.warning("scrub mismatch", run=self.run_name, node=self.node_id, tensor=name)
+        metrics.scrub_mismatch(self.run_name, "rollout")
         self.report.failed(self._applied, exc)
         self._need_bootstrap = True
         self._stuck_on = None  # the held state is what is wrong, not the store's

@@ -30,11 +30,11 @@ from pipeline.coord.events import ReplicaError
 from pipeline.coord.replicas import forget_replica
 from pipeline.coord.stream import EventStream
 from pipeline.errors import DeltasyncError
+from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.format.manifest import Manifest
 from pipeline.format.signing import load_public_key
 from pipeline.logs import bind_context, configure_logging
 from pipeline.rollout.node import RolloutNode
-from pipeline.rollout.scrub import ScrubPace
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import trusted

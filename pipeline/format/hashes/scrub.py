@@ -1,12 +1,14 @@
-"""Background scrub: held tensors re-hashed in full at a bounded pace, off the pause.
+"""Background scrub: held tensors re-hashed in full at a bounded pace, off the critical path.
 
-A version's apply proves only what it changes (the held hashes plus the changes,
-see :mod:`pipeline.format.hashes.mixsum`); memory that changes behind the node's back (a bad
-DIMM, a stray write, a bug elsewhere in the process) is caught here instead. A
-pass re-hashes every held tensor against the hash it is known by; it runs on a
-thread of its own, one tensor at a time, sleeping between tensors so that it uses
-at most ``cpu_fraction`` of the cores it hashes on and takes about ``period_s``
-for a full pass. Writers wait for the tensor being hashed; readers never do.
+A rollout node's apply proves only what it changes (the held hashes plus the changes,
+see :mod:`pipeline.format.hashes.mixsum`), and a diff worker trusts a proven state
+cache between full hashes; bytes that change behind their back (a bad DIMM or disk,
+a stray write, a bug elsewhere) are caught here instead. A pass re-hashes every held
+tensor against the hash it is known by; it runs on a thread of its own, one tensor
+at a time, sleeping between tensors so that it uses at most ``cpu_fraction`` of the
+cores it hashes on and takes about ``period_s`` for a full pass. Writers wait for
+the tensor being hashed; readers never do. Used by rollout nodes
+(:mod:`pipeline.rollout.node`) and diff workers (:mod:`pipeline.publish.cache_scrub`).
 """
 
 from __future__ import annotations
