@@ -48,6 +48,7 @@ PINNED = {
     keys.diff_waiting_key("r"): "deltasync:run:r:diff-waiting",
     keys.diff_waiting_lease_key("r", 5): "deltasync:run:r:diff-waiting:5",
     keys.part_hosts_key("r", 6): "deltasync:run:r:part-hosts:6",
+    keys.shards_key("r", 7): "deltasync:run:r:shards:7",
     keys.DIFF_QUEUE_NAME: "deltasync:diff",
     keys.diff_host_queue("h1"): "deltasync:diff:host:h1",
     keys.COMPACT_QUEUE_NAME: "deltasync:compact",

@@ -100,6 +100,11 @@ DIFF_WAITING_LEASE = Template(
 PART_HOSTS = Template(
     f"{RUN}:part-hosts:{{step}}", "hash", "Parts of a step routed to trainer hosts: part -> host."
 )
+SHARDS = Template(
+    f"{RUN}:shards:{{step}}",
+    "hash",
+    "Ranks of a sharded step staged so far: rank -> host, folder, layout.",
+)
 DIFF_QUEUE = Template(f"{PREFIX}:diff", "queue", "rq queue of diff jobs.")
 DIFF_HOST_QUEUE = Template(
     f"{PREFIX}:diff:host:{{host}}", "queue", "rq queue of the part jobs routed to a trainer host."
@@ -128,6 +133,7 @@ TEMPLATES: tuple[Template, ...] = (
     DIFF_WAITING,
     DIFF_WAITING_LEASE,
     PART_HOSTS,
+    SHARDS,
     DIFF_QUEUE,
     DIFF_HOST_QUEUE,
     COMPACT_QUEUE,
@@ -241,6 +247,10 @@ def diff_waiting_lease_key(run: str, step: int) -> str:
 
 def part_hosts_key(run: str, step: int) -> str:
     return PART_HOSTS.format(run=check_run_name(run), step=_int(step))
+
+
+def shards_key(run: str, step: int) -> str:
+    return SHARDS.format(run=check_run_name(run), step=_int(step))
 
 
 def diff_host_queue(host: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -35,6 +35,7 @@ from pipeline.format.manifest import (
     Kind,
     Manifest,
     ObjectEntry,
+    Piece,
     TensorEntry,
     check_run,
     dtype_name,
@@ -373,3 +374,61 @@ def reconstruct(
         )
     log.info("version reconstructed", run=run, version=version, out=str(out_path))
     return plan.target
+
+
+# A part of a version whose tensors are in pieces: (tensor name, piece, its 1-D elements).
+PiecePart = tuple[str, list[tuple[str, Piece, torch.Tensor]]]
+
+
+def _same_pieces(m: Manifest, key: str, held: list[tuple[TensorEntry, Piece]], run: str) -> None:
+    mine = [(e.name, p.start, p.stop) for e, p in dict(m.layout()).get(key, [])]
+    if mine != [(e.name, p.start, p.stop) for e, p in held]:
+        raise ChainError(f"run {run}: {m.kind} {m.version} holds other pieces in part {key}")
+
+
+def reconstruct_pieces(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    keys: Collection[str] | None = None,
+    *,
+    plan: ChainPlan | None = None,
+) -> Iterator[PiecePart]:
+    """The parts ``keys`` (default: all) of a version whose tensors are in pieces (a
+    sharded run), part by part in the target's layout: each piece from the anchor's
+    object, patched by each delta's, and checked against its piece hash before it is
+    yielded. A trainer host rebuilds its ranks' pieces with it, reading nothing of
+    other ranks'."""
+    plan = plan or resolve(store, run, version)
+    _check_same_tensors(plan)
+    target = plan.target
+    algorithm = content_hashes.of(target)
+    for key, held in target.layout():
+        if keys is not None and key not in keys:
+            continue
+        for m in plan.manifests:
+            _same_pieces(m, key, held, run)
+        expected = {e.name: (e.dtype, (p.numel,)) for e, p in held}
+        data = fetch_object(store, plan.anchor, plan.anchor.object_entry(key))
+        tensors = dict(anchor_tensors(data, plan.anchor.object_key(key), expected))
+        del data
+        for delta in plan.deltas:
+            changed = [e.name for e, p in dict(delta.layout())[key] if p.changed]
+            if not changed:
+                continue
+            obj = read_delta(
+                fetch_object(store, delta, delta.object_entry(key)),
+                object_name=delta.object_key(key),
+            )
+            for name in changed:
+                apply_patch(tensors[name], obj.decode(name, tensors[name]))
+        out = []
+        for entry, piece in held:
+            t = tensors.get(entry.name)
+            if t is None or algorithm.piece(t, piece.start) != piece.hash:
+                raise CorruptObjectError(
+                    f"run {run} version {version}: piece [{piece.start}, {piece.stop}) of "
+                    f"{entry.name!r} does not match its hash after reconstruction"
+                )
+            out.append((entry.name, piece, t))
+        yield key, out
