@@ -216,7 +216,9 @@ class Hosts:
         for host in sorted({h for _, h in parts if h is not None}):
             work_host(self.sides[host], task)
 
-    def publish(self, step: int, checkpoint: Path, **kw: object) -> Manifest:
+    def publish(
+        self, step: int, checkpoint: Path, level: int = 1, content_hash: str | None = None
+    ) -> Manifest:
         result = publish_sharded(
             self.client,
             self.store,
@@ -224,9 +226,9 @@ class Hosts:
             step,
             str(checkpoint),
             call_in=self.call_in,
-            level=1,
+            level=level,
+            content_hash=content_hash,
             wait_s=30,
-            **kw,  # type: ignore[arg-type]
         )
         assert result.manifest is not None
         return result.manifest
@@ -250,9 +252,18 @@ def test_partition_of_a_rank_follows_its_sidecar_split_by_part_bytes(tmp_path: P
     ]
 
 
-def test_sharded_versions_in_process(redis_url: str, tmp_path: Path) -> None:
+@pytest.fixture(params=["file", "s3"])
+def file_or_s3(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "file":
+        return open_store(f"file://{tmp_path / 'store'}")
+    return open_store(str(request.getfixturevalue("s3_url")))
+
+
+def test_sharded_versions_in_process(
+    redis_url: str, tmp_path: Path, file_or_s3: ObjectStore
+) -> None:
     client = redis_client(redis_url)
-    store = open_store(f"file://{tmp_path / 'store'}")
+    store = file_or_s3
     hosts = Hosts(client, store, tmp_path)
     states = [first_state()]
     for step in range(1, 4):
@@ -267,7 +278,9 @@ def test_sharded_versions_in_process(redis_url: str, tmp_path: Path) -> None:
     check_version(store, 0, states[0])
 
     for step in (1, 2):
-        manifest = hosts.publish(step, stage(client, hosts.staging, step, states[step]))
+        checkpoint = stage(client, hosts.staging, step, states[step])
+        manifest = hosts.publish(step, checkpoint, level=step)  # codec levels 1 and 2
+        assert manifest.codec.level == step
         assert manifest.parent == step - 1
         assert sorted(o.key for o in manifest.objects) == sorted(o.key for o in anchor.objects)
         assert (

@@ -87,8 +87,19 @@ def host_side(runtime: Runtime) -> HostSide | None:
 
 
 def _call_in(runtime: Runtime, again: bool) -> CallIn:
+    """Part jobs on each part's host queue. ``again`` (a part nobody holds, called in
+    once more): only on a host queue that is empty, since any job a host's worker
+    takes has it sweep every free part of that host."""
+
     def call_in(task: DeltaTask, parts: list[tuple[str, str | None]]) -> None:
+        busy = {
+            host
+            for host in {h for _, h in parts if h is not None}
+            if again and queues.queue(runtime.redis, queues.diff_host_queue(host)).count > 0
+        }
         for key, host in parts:
+            if host in busy:
+                continue
             queues.enqueue_diff_part(
                 runtime.redis,
                 task.run,
