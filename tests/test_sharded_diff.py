@@ -365,6 +365,13 @@ def test_a_host_that_never_records_fails_the_step_in_process(
     states.append(next_state(states[1], 2))
     assert hosts.publish(2, stage(client, hosts.staging, 2, states[2])).parent == 0
     check_version(store, 2, states[2])
+    assert (hosts.staging["ha"] / RUN / f"step-{1:010d}").is_dir()
+    states.append(next_state(states[2], 3))
+    assert hosts.publish(3, stage(client, hosts.staging, 3, states[3])).parent == 2
+    check_version(store, 3, states[3])
+    # The failed step's folders go once their host's caches move past it.
+    assert sorted(p.name for p in (hosts.staging["ha"] / RUN).iterdir()) == [f"step-{3:010d}"]
+    assert sorted(p.name for p in (hosts.staging["hb"] / RUN).iterdir()) == [f"step-{3:010d}"]
 
 
 # --------------------------------------------------------------------------- real workers

@@ -387,13 +387,29 @@ def _ready(
             and cache.adopt(staged, parent, keys)
         ):
             log.info("rank cache adopted its staged step", rank=cache.rank, version=parent.version)
-            with contextlib.suppress(OSError):
-                staged.parent.rmdir()  # the step folder, once its host's ranks are in
+            _remove_stale(side, parent, cache.rank)
             return False
         cache.rebuild(side.store, parent, keys)
         if staged is not None and staged.is_dir():
             shutil.rmtree(staged, ignore_errors=True)  # published, and in the cache now
+        _remove_stale(side, parent, cache.rank)
         return True
+
+
+_STEP_FOLDER = re.compile(r"step-(\d{10})")
+
+
+def _remove_stale(side: HostSide, head: Manifest, rank: int) -> None:
+    """Remove this host's staged folders of ``rank`` for steps behind ``head`` (steps
+    that failed, now stale: they can never be published), and step folders left empty."""
+    root = side.staging_dir / head.run
+    for step_folder in root.glob("step-*") if root.is_dir() else ():
+        m = _STEP_FOLDER.fullmatch(step_folder.name)
+        if m is None or int(m.group(1)) > head.version or step_folder.is_symlink():
+            continue
+        shutil.rmtree(step_folder / f"rank-{rank:05d}", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            step_folder.rmdir()  # once every rank of this host is out of it
 
 
 def _anchor_parts(
@@ -584,7 +600,7 @@ def _await_parts(
             unplanned, expected = [], planned
         missing = [k for k in expected if k not in records]
         if not missing and not unplanned:
-            return records
+            return {k: records[k] for k in expected}
         now = time.monotonic()
         if now >= deadline:
             hosts = {ranks[rank_of(k)].host for k in missing} | {ranks[r].host for r in unplanned}

@@ -167,7 +167,8 @@ def _diff_one(
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
     path = Path(checkpoint)
-    check_checkpoint_root(settings, run, path)
+    if not sharded:  # a sharded step's folders are on its hosts, each checks its own
+        check_checkpoint_root(settings, run, path)
     # Only deltasync's own staging copies are moved or removed; never a user's checkpoint.
     # A sharded step's folders are its hosts' (they adopt or remove them).
     staged = (
