@@ -225,6 +225,7 @@ class Hosts:
         level: int = 1,
         content_hash: str | None = None,
         here: str | None = None,
+        anchor_compression: str = "none",
     ) -> Manifest:
         self.here = here
         result = publish_sharded(
@@ -237,6 +238,7 @@ class Hosts:
             work_here=None if here is None else functools.partial(work_host, self.sides[here]),
             level=level,
             content_hash=content_hash,
+            anchor_compression=anchor_compression,
             wait_s=30,
         )
         assert result.manifest is not None
@@ -337,6 +339,19 @@ def test_sharded_versions_in_process(
     assert help_host(hosts.sides["ha"], task) == 0
 
 
+def test_a_sharded_anchor_in_zstd_byte_planes(redis_url: str, tmp_path: Path) -> None:
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    hosts = Hosts(client, store, tmp_path)
+    states = [first_state(3)]
+    states.append(next_state(states[0], 1))
+    anchor = hosts.publish(0, stage(client, hosts.staging, 0, states[0]), anchor_compression="zstd")
+    assert anchor.codec.name == "safetensors-planes-zstd"
+    check_version(store, 0, states[0])
+    hosts.publish(1, stage(client, hosts.staging, 1, states[1]))
+    check_version(store, 1, states[1])
+
+
 def test_a_sharded_run_needs_mixsum(redis_url: str, tmp_path: Path) -> None:
     client = redis_client(redis_url)
     store = open_store(f"file://{tmp_path / 'store'}")
@@ -372,6 +387,9 @@ def test_a_host_that_never_records_fails_the_step_in_process(
         )
     assert "\n" not in str(info.value)
     assert chain.list_versions(store, RUN).head == 0
+    hb_caches = tmp_path / "hb" / "cache" / RUN
+    assert any(hb_caches.glob("rank-*/uploaded/0000000000/*")), "hb uploaded anchor parts"
+    assert not any(hb_caches.glob("rank-*/uploaded/0000000001/*")), "hb did nothing of 1"
     states.append(next_state(states[1], 2))
     assert hosts.publish(2, stage(client, hosts.staging, 2, states[2])).parent == 0
     check_version(store, 2, states[2])
@@ -379,6 +397,10 @@ def test_a_host_that_never_records_fails_the_step_in_process(
     states.append(next_state(states[2], 3))
     assert hosts.publish(3, stage(client, hosts.staging, 3, states[3])).parent == 2
     check_version(store, 3, states[3])
+    late = publish_sharded(
+        client, store, RUN, 1, "-", call_in=hosts.call_in, level=1, wait_s=30
+    )  # a retry of the failed step, now behind the head
+    assert late.status == "skipped" and late.reason == "stale: head is 3"
     # The failed step's folders go once their host's caches move past it.
     assert sorted(p.name for p in (hosts.staging["ha"] / RUN).iterdir()) == [f"step-{3:010d}"]
     assert sorted(p.name for p in (hosts.staging["hb"] / RUN).iterdir()) == [f"step-{3:010d}"]

@@ -75,7 +75,8 @@ class DeltaTask:
     ``sharded``: the step's tensors are pieces staged by trainer ranks on several hosts
     (:mod:`pipeline.publish.sharded`). ``publishes`` is "anchor" only for the first
     version of a sharded run, written part by part too; its fan-out names the version
-    itself as ``parent`` (nothing precedes it)."""
+    itself as ``parent`` (nothing precedes it), and ``anchor_compression`` the format
+    of its objects, the same on every host."""
 
     run: str
     step: int
@@ -85,6 +86,7 @@ class DeltaTask:
     level: int
     sharded: bool = False
     publishes: Kind = "delta"
+    anchor_compression: str = "none"
 
 
 @dataclass(frozen=True)

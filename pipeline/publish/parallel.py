@@ -81,7 +81,7 @@ def part_hosts(client: redis.Redis, run: str, step: int) -> dict[str, str]:
 def fanout_to_json(task: DeltaTask) -> str:
     doc = asdict(task)
     if not task.sharded:  # an unsharded fan-out's record as it always was
-        del doc["sharded"], doc["publishes"]
+        del doc["sharded"], doc["publishes"], doc["anchor_compression"]
     return json.dumps(doc, sort_keys=True)
 
 
@@ -96,6 +96,7 @@ def fanout_from_json(text: str | bytes) -> DeltaTask:
         level=int(doc["level"]),
         sharded=doc.get("sharded") is True,
         publishes="anchor" if doc.get("publishes") == "anchor" else "delta",
+        anchor_compression=str(doc.get("anchor_compression", "none")),
     )
 
 

@@ -43,7 +43,7 @@ import redis
 import structlog
 
 from pipeline import config
-from pipeline.codec.anchor import encode_anchor
+from pipeline.codec.anchor import check_compression, encode_anchor
 from pipeline.coord.events import DeltaPart
 from pipeline.coord.keys import shards_key
 from pipeline.coord.replicas import lock_held
@@ -287,7 +287,6 @@ class HostSide:
     staging_dir: Path
     cache_dir: Path
     part_bytes: int
-    anchor_compression: str = "none"
     on_part: Callable[[DeltaPart], None] | None = None
 
     def own_folder(self, run: str, rank: int, folder: RankFolder) -> Path:
@@ -466,7 +465,7 @@ def _anchor_parts(
                         for p, (_, t) in zip(pieces, tensors, strict=True)
                     )
                     data = encode_anchor(
-                        tensors, side.anchor_compression, metadata={"deltasync.run": run}
+                        tensors, fanout.anchor_compression, metadata={"deltasync.run": run}
                     )
                     del tensors
                     reader.close()
@@ -533,7 +532,10 @@ def publish_sharded(
                 f"run {run}: a sharded run hashes its pieces with {content_hashes.MIXSUM}, "
                 f"not {name}"
             )
-        fanout = DeltaTask(run, step, checkpoint, step, "anchor", level, True, "anchor")
+        check_compression(anchor_compression)
+        fanout = DeltaTask(
+            run, step, checkpoint, step, "anchor", level, True, "anchor", anchor_compression
+        )
         start_fanout(client, fanout)
         ledger = RedisLedger(client, fanout, owner=True)
         call_in(fanout, [(f"rank-{r:05d}", f.host) for r, f in sorted(ranks.items())])

@@ -81,7 +81,6 @@ def host_side(runtime: Runtime) -> HostSide | None:
         settings.staging_dir,
         settings.cache_dir,
         settings.part_bytes,
-        settings.anchor_compression,
         lambda hint: publish_part(runtime.redis, hint),
     )
 
