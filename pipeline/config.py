@@ -45,6 +45,9 @@ DIFF_LOCK_WAIT_S = 3600.0  # a diff job waits this long for the run's diff lock
 COMPACT_LOCK_WAIT_S = 6 * 3600.0
 DIFF_LINE_LEASE_S = 30.0  # a parallel diff job waiting its turn, unless it renews
 FANOUT_TTL_S = 24 * 3600.0  # a parallel diff's fan-out record and part records
+# A sharded step's coordinator calls a host in again for a part nobody holds (its
+# worker died, its job was lost) this often while it waits.
+SHARDED_RECALL_S = 2.0
 # A policy compaction that never finishes (its worker died) stops blocking the next one.
 POLICY_PENDING_TTL_S = 3600.0
 ANNOUNCED_TTL_S = 30 * 24 * 3600  # once-only markers of announced versions
@@ -243,6 +246,15 @@ class Settings:
             "Bytes of weights per part object, fixed by a run's first anchor.",
         ),
     )
+    sharded_part_wait_s: float = field(
+        default=900.0,
+        metadata=_var(
+            "DELTASYNC_SHARDED_PART_WAIT_S",
+            "900",
+            "Seconds the coordinator of a sharded step waits for every trainer host to "
+            "record its parts; past it the step fails naming the hosts that did not.",
+        ),
+    )
     early_start: bool = field(
         default=False,
         metadata=_var(
@@ -332,6 +344,11 @@ class Settings:
             raise ConfigError(f"DELTASYNC_LEVEL: {self.level} is not one of {list(LEVELS)}")
         if self.part_bytes < 1:
             raise ConfigError(f"DELTASYNC_PART_BYTES: {self.part_bytes} is not positive")
+        if not (math.isfinite(self.sharded_part_wait_s) and self.sharded_part_wait_s > 0):
+            raise ConfigError(
+                f"DELTASYNC_SHARDED_PART_WAIT_S: must be a positive number, "
+                f"got {self.sharded_part_wait_s}"
+            )
         if self.anchor_compression not in ANCHOR_COMPRESSIONS:
             raise ConfigError(
                 f"DELTASYNC_ANCHOR_COMPRESSION: {self.anchor_compression!r} is not one of "
@@ -543,6 +560,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "scrub_cpu": _float,
     "patch_memory_mb": _int,
     "part_bytes": _int,
+    "sharded_part_wait_s": _float,
     "anchor_compression": _choice,
     "metrics_port": _int,
 }

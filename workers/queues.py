@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from typing import Any
 
 import redis
@@ -64,10 +65,15 @@ def enqueue_diff_part(
     part: str,
     parent: int,
     host: str | None = None,
+    *,
+    again: bool = False,
 ) -> str:
     """Queue one part of a parallel diff, ahead of waiting steps (they wait on it): on
-    the queue of ``host``'s diff workers when the part is routed to a host."""
+    the queue of ``host``'s diff workers when the part is routed to a host. ``again``:
+    one more job for a part whose first was lost (a job id of its own)."""
     job_id = diff_part_job_id(run, step, part)
+    if again:
+        job_id += f"-again-{secrets.token_hex(4)}"
     name = DIFF_QUEUE if host is None else diff_host_queue(host)
     queue(connection, name).enqueue_call(
         DIFF_PART_JOB,

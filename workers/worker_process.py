@@ -57,15 +57,23 @@ def start_cache_scrub(runtime: Runtime) -> CacheScrubber | None:
 
 
 def run_worker(
-    runtime: Runtime, kind: str, *, burst: bool = False, name: str | None = None
+    runtime: Runtime,
+    kind: str,
+    *,
+    burst: bool = False,
+    name: str | None = None,
+    host_only: bool = False,
 ) -> bool:
     """Work jobs of one kind until stopped (or, with ``burst``, until the queue is empty).
+    ``host_only``: a diff worker takes its trainer host's part jobs only.
 
     SimpleWorker runs each job in this process: forking after torch has started
     its thread pools is unsafe, and the diff cache stays warm between jobs.
     """
     connection = runtime.redis
     names = queues.diff_queues(runtime.settings.diff_host) if kind == "diff" else [QUEUES[kind]]
+    if host_only and kind == "diff" and runtime.settings.diff_host is not None:
+        names = [queues.diff_host_queue(runtime.settings.diff_host)]
     worker = JobWorker(
         [queues.queue(connection, name) for name in names],
         name=name,

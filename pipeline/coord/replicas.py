@@ -280,6 +280,14 @@ def run_lock(
                 log.warning("lock expired before release", lock=lock.key, timeout_s=timeout_s)
 
 
+def lock_held(client: redis.Redis, run: str, name: str) -> bool:
+    """Whether lock ``name`` of ``run`` is held by a process not known to be dead (one of
+    this machine that died no longer holds it)."""
+    with redis_errors(client, f"reading lock {name}"):
+        holder = _text_or_none(client.get(lock_key(run, name)))
+    return holder is not None and not _holder_is_dead(holder)
+
+
 def claim_once(client: redis.Redis, key: str, ttl_s: float, value: str = "1") -> bool:
     """True for the first caller to claim ``key`` within ``ttl_s``; False for every later one."""
     with redis_errors(client, f"claiming {key}"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,17 +39,22 @@ from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
+    PIECES_SCHEMA,
+    SCHEMA_VERSION,
     CodecInfo,
     Kind,
     Manifest,
     ObjectEntry,
+    Piece,
     TensorEntry,
     compute_state_hash,
+    dtype_name,
     manifest_key,
     now_iso,
     version_prefix,
 )
 from pipeline.format.matching import check_tensors
+from pipeline.format.pieces import StoredPiece, join_pieces
 from pipeline.publish.uploads import Clock, PublishTimings, Uploader
 from pipeline.publish.version import PrivateKey, tensor_entry, write_manifest
 from pipeline.store.base import ObjectStore
@@ -64,7 +70,14 @@ class StaleBaseError(MismatchError):
 
 @dataclass(frozen=True)
 class DeltaTask:
-    """Delta ``step`` of ``run``: ``checkpoint`` encoded against version ``parent``."""
+    """Delta ``step`` of ``run``: ``checkpoint`` encoded against version ``parent``.
+
+    ``sharded``: the step's tensors are pieces staged by trainer ranks on several hosts
+    (:mod:`pipeline.publish.sharded`). ``publishes`` is "anchor" only for the first
+    version of a sharded run, written part by part too; its fan-out names the version
+    itself as ``parent`` (nothing precedes it), and ``anchor_compression`` the format
+    of its objects, the same on every host. ``launch``: the trainer start whose ranks
+    staged the step (:mod:`pipeline.coord.shards`)."""
 
     run: str
     step: int
@@ -72,14 +85,21 @@ class DeltaTask:
     parent: int
     parent_kind: Kind
     level: int
+    sharded: bool = False
+    publishes: Kind = "delta"
+    anchor_compression: str = "none"
+    launch: str | None = None
 
 
 @dataclass(frozen=True)
 class PartRecord:
-    """One encoded, stored part: its object and the tensor entries it holds."""
+    """One encoded, stored part: its object and the tensor entries it holds, or for a
+    sharded run's part the pieces it holds (``tensors`` empty): the manifest's entries
+    are joined from every part's pieces (:func:`pipeline.format.pieces.join_pieces`)."""
 
     object: ObjectEntry
     tensors: tuple[TensorEntry, ...]
+    pieces: tuple[StoredPiece, ...] = ()
 
 
 class Ledger(Protocol):
@@ -141,12 +161,16 @@ HASH_THREADS = max(1, min(4, cpus.available() // 4))
 
 
 def _pair_hashes(
-    pairs: Pairs, algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM
+    pairs: Pairs,
+    algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM,
+    starts: dict[str, int] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """Content hashes of the (base, new) tensors of ``pairs``."""
+    """Content hashes of the (base, new) tensors of ``pairs``; a tensor that is a piece
+    is hashed at its flat positions from ``starts`` (0: a whole tensor)."""
+    at = starts or {}
     return (
-        {n: algorithm.full(b) for n, b, _ in pairs},
-        {n: algorithm.full(t) for n, _, t in pairs},
+        {n: algorithm.piece(b, at.get(n, 0)) for n, b, _ in pairs},
+        {n: algorithm.piece(t, at.get(n, 0)) for n, _, t in pairs},
     )
 
 
@@ -170,11 +194,12 @@ def submit_hashes(
     pool: ThreadPoolExecutor,
     pairs: Pairs,
     algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM,
+    starts: dict[str, int] | None = None,
 ) -> Callable[[], tuple[dict[str, str], dict[str, str]]]:
     """Hash ``pairs`` on ``HASH_THREADS`` of ``pool``'s threads; the returned call waits
     for all of them."""
     futures = [
-        pool.submit(_pair_hashes, share, algorithm)
+        pool.submit(_pair_hashes, share, algorithm, starts)
         for share in shares_by_bytes(pairs, HASH_THREADS)
     ]
 
@@ -191,20 +216,25 @@ def submit_hashes(
 
 
 def scan_hasher(
-    pairs: Pairs, held: dict[str, str], algorithm: HashAlgorithm
+    pairs: Pairs,
+    held: dict[str, str],
+    algorithm: HashAlgorithm,
+    starts: dict[str, int] | None = None,
 ) -> tuple[Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any]], None], dict[str, str]]:
     """(the encoder's ``on_changes`` hook, the new hashes it fills): each changed
     tensor's new content hash from its base's (``held``) and the changes the encode's
     own scan found, on the encoding thread while the tensor is still in cache: no
     second decode of the object, no second pass over its changes. The hash comes from
     the true base and new (not from the object's decoding), so a replica that
-    decodes the object into anything else refuses it."""
+    decodes the object into anything else refuses it. A piece's positions are its
+    own; ``starts`` places them in the tensor."""
     bases = {name: base for name, base, _ in pairs}
+    at = starts or {}
     out: dict[str, str] = {}
 
     def hook(name: str, positions: npt.NDArray[np.int64], diffs: npt.NDArray[Any]) -> None:
         flat = mixsum.int_flat(bases[name])
-        out[name] = algorithm.gathered(held[name], flat, positions, diffs)[0]
+        out[name] = algorithm.gathered(held[name], flat, positions, diffs, at.get(name, 0))[0]
 
     return hook, out
 
@@ -215,12 +245,16 @@ def updated_hashes(
     held: dict[str, str],
     algorithm: HashAlgorithm,
     scanned: dict[str, str] | None = None,
+    starts: dict[str, int] | None = None,
 ) -> dict[str, str]:
     """The new content hash of each tensor of ``pairs`` from its base's (``held``) and
     the changes ``delta`` makes to it: O(changed), the old contents read at the changed
-    positions only. ``scanned`` hashes (from :func:`scan_hasher`) are taken as they are."""
+    positions only. ``scanned`` hashes (from :func:`scan_hasher`) are taken as they are;
+    ``starts``: the flat offset of each tensor that is a piece."""
+    at = starts or {}
     out: dict[str, str] = {}
     for name, base, _ in pairs:
+        start = at.get(name, 0)
         if delta.info(name).changed == 0:
             out[name] = held[name]
             continue
@@ -230,22 +264,32 @@ def updated_hashes(
         flat = mixsum.int_flat(base)
         found = delta.differences(name, base)  # from the streams, the base not read
         if found is not None:  # the base read at the changed positions, once
-            out[name] = algorithm.gathered(held[name], flat, *found)[0]
+            out[name] = algorithm.gathered(held[name], flat, *found, start)[0]
             continue
         patch = delta.decode(name, base)  # level 2's classed positions need the base
         old = flat.index_select(0, patch.positions.to(flat.device))
         out[name] = algorithm.updated(
-            held[name], patch.positions, old, patch.values, base.element_size()
+            held[name], patch.positions + start, old, patch.values, base.element_size()
         )
     return out
+
+
+# A part's readers: one for every part, or one per part (a sharded run's: the rank's).
+Readers = CheckpointReader | Callable[[str], CheckpointReader]
+
+
+def _per_part(readers: Readers) -> Callable[[str], CheckpointReader]:
+    if isinstance(readers, CheckpointReader):
+        return lambda key: readers
+    return readers
 
 
 def encode_parts(
     store: ObjectStore,
     task: DeltaTask,
     parent: Manifest,
-    base: CheckpointReader,
-    new: CheckpointReader,
+    base: Readers,
+    new: Readers,
     ledger: Ledger,
     *,
     timings: PublishTimings | None = None,
@@ -262,14 +306,20 @@ def encode_parts(
     (StaleBaseError otherwise). With an incremental content hash the new hashes come
     from the parent's and the changes alone, and ``base_proven`` (the base was proven
     by a full hash, e.g. when its cache was rebuilt) saves hashing the base too.
-    ``on_part`` gets a hint for each part once its object is stored."""
+    ``on_part`` gets a hint for each part once its object is stored.
+
+    ``base`` and ``new`` are readers of whole tensors, or for a sharded run's parent
+    (its tensors in pieces) calls giving each part's readers, which hold that part's
+    pieces as 1-D tensors of the tensors' names: the pieces are hashed at their flat
+    positions against the parent's piece hashes, and recorded as pieces."""
     timings = timings or PublishTimings()
     clock = Clock()
-    parent_hashes = {t.name: t.hash for t in parent.tensors}
+    base_of, new_of = _per_part(base), _per_part(new)
     algorithm = content_hashes.of(parent)
     incremental = algorithm.incremental
-    parts = parent.parts()
-    index_of = {key: i for i, (key, _) in enumerate(parts)}
+    pieced = parent.is_pieced
+    parts = parent.layout()
+    index_of = {key: part_index(key, i) for i, (key, _) in enumerate(parts)}
     if first is not None:
         parts.sort(key=lambda p: p[0] != first)
     prefix = version_prefix(task.run, "delta", task.step)
@@ -292,7 +342,7 @@ def encode_parts(
     # Claims whose part is encoded but not yet recorded (its upload in flight).
     held = contextlib.ExitStack()
     with held, Uploader(store, "publish", timings) as uploader, hash_pool() as hasher:
-        for key, names in parts:
+        for key, held_pieces in parts:
             if ledger.is_recorded(key):
                 continue
             claim = ledger.claim(index_of[key], key)
@@ -304,40 +354,68 @@ def encode_parts(
                 continue
             started = time.perf_counter()
             clock.lap()
+            part_base, part_new = base_of(key), new_of(key)
+            names = [e.name for e, _ in held_pieces]
+            # A whole tensor is the piece at 0: the same hashes as of the whole.
+            parent_hashes = {e.name: p.hash for e, p in held_pieces}
+            starts = {e.name: p.start for e, p in held_pieces} if pieced else None
             # Read-only views of the mapped files: the codec and the hashes only read.
-            pairs = [(n, base.view(n), new.view(n)) for n in names]
+            pairs = [(n, part_base.view(n), part_new.view(n)) for n in names]
+            if pieced:
+                _check_pieces(key, held_pieces, pairs)
             timings.read_s += clock.lap()
             hashed = [] if incremental and base_proven else pairs
             if incremental:  # the base alone, its hashes only checked
                 hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in hashed]
-            hashes = submit_hashes(hasher, hashed, algorithm)
+            hashes = submit_hashes(hasher, hashed, algorithm, starts)
             faults.point("publish.after_read")
-            hook, scanned = scan_hasher(pairs, parent_hashes, algorithm)
+            hook, scanned = scan_hasher(pairs, parent_hashes, algorithm, starts)
             data = encode_delta(pairs, task.level, on_changes=hook if incremental else None)
             timings.encode_s += clock.lap()
             base_hashes, new_hashes = hashes()
             delta = read_delta(data, object_name=key)
             if incremental:
-                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm, scanned)
+                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm, scanned, starts)
             timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
             for n, digest in base_hashes.items():
                 if digest != parent_hashes[n]:
                     raise StaleBaseError(
-                        f"base tensor {n!r} in {base.path} does not match version {parent.version}"
+                        f"base tensor {n!r} in {part_base.path} does not match version "
+                        f"{parent.version}"
                     )
             changed = {i.name: i.changed for i in delta.tensors}
             stored = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
-            record = PartRecord(
-                stored,
-                tuple(
-                    tensor_entry(n, t, key, changed[n], digest=new_hashes[n]) for n, _, t in pairs
-                ),
-            )
+            if pieced:
+                record = PartRecord(
+                    stored,
+                    (),
+                    tuple(
+                        StoredPiece(
+                            e.name,
+                            e.dtype,
+                            e.shape,
+                            p.start,
+                            p.stop,
+                            key,
+                            new_hashes[e.name],
+                            changed[e.name],
+                        )
+                        for e, p in held_pieces
+                    ),
+                )
+            else:
+                record = PartRecord(
+                    stored,
+                    tuple(
+                        tensor_entry(n, t, key, changed[n], digest=new_hashes[n])
+                        for n, _, t in pairs
+                    ),
+                )
             timings.encode_s += clock.lap()
             del pairs, delta
             # Unmap this part's pages: a model larger than RAM stays one part resident.
-            base.close()
-            new.close()
+            part_base.close()
+            part_new.close()
             faults.point("publish.after_encode")
             hint = None
             if on_part is not None:
@@ -364,6 +442,30 @@ def encode_parts(
     return done
 
 
+def part_index(key: str, position: int) -> int:
+    """The claim index of part ``key`` (at ``position`` of its version's parts): a
+    sharded run's ``part-r<rank>-<i>`` is numbered by rank and i, so that every worker
+    names its claim alike without knowing the other hosts' parts."""
+    m = _RANK_PART.fullmatch(key)
+    return position if m is None else int(m.group(1)) * RANK_PARTS + int(m.group(2))
+
+
+RANK_PARTS = 100_000  # part numbers of one rank (the key holds five digits)
+_RANK_PART = re.compile(r"part-r(\d{5})-(\d{5})\.safetensors")
+
+
+def _check_pieces(key: str, held: list[tuple[TensorEntry, Piece]], pairs: Pairs) -> None:
+    """Each piece of a part read as a 1-D tensor of the piece's length and the tensor's
+    dtype (a base or staging folder of another layout is refused here)."""
+    for (entry, piece), (name, b, t) in zip(held, pairs, strict=True):
+        for what, tensor in (("base", b), ("new", t)):
+            if tuple(tensor.shape) != (piece.numel,) or dtype_name(tensor.dtype) != entry.dtype:
+                raise MismatchError(
+                    f"part {key}: {what} piece of {name!r} is {tensor.dtype} "
+                    f"{tuple(tensor.shape)}, expected {entry.dtype} ({piece.numel},)"
+                )
+
+
 def is_complete(ledger: Ledger, parent: Manifest) -> bool:
     records = ledger.records()
     return all(key in records for key, _ in parent.parts())
@@ -387,16 +489,27 @@ def assemble_delta(
     published)."""
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
-    for key, names in parent.parts():
+    pieces: list[StoredPiece] = []
+    for key, held in parent.layout():
         record = records.get(key)
         if record is None:
             raise ChainError(f"run {task.run}: part {key} of delta {task.step} is not recorded")
-        if [t.name for t in record.tensors] != names:
+        if parent.is_pieced:
+            found = [(p.name, p.start, p.stop) for p in record.pieces]
+            if record.tensors or found != [(e.name, p.start, p.stop) for e, p in held]:
+                raise MismatchError(
+                    f"run {task.run}: part {key} of delta {task.step} holds other pieces"
+                )
+            pieces.extend(record.pieces)
+        elif record.pieces or [t.name for t in record.tensors] != [e.name for e, _ in held]:
             raise MismatchError(
                 f"run {task.run}: part {key} of delta {task.step} holds other tensors"
             )
         objects.append(record.object)
         entries.extend(record.tensors)
+    if parent.is_pieced:
+        order = [t.name for t in parent.tensors]
+        entries = join_pieces(pieces, order, content_hashes.of(parent))
     if base_unchanged is not None and not base_unchanged():
         raise StaleBaseError(f"base {base_path} was modified while delta {task.step} was encoded")
     # The run's diff lease makes this the only writer; a holder that stalled past its
@@ -433,7 +546,10 @@ def delta_manifest(
     entries: list[TensorEntry],
     tensor_form: str | None = None,
 ) -> Manifest:
-    """The manifest of a delta whose objects are uploaded (not yet written)."""
+    """The manifest of a delta whose objects are uploaded (not yet written); schema 3
+    when its tensors are in pieces (a sharded run, whose rank layouts it carries on)."""
+    pieced = any(e.pieces for e in entries)
+    carried = {"ranks": parent.extra["ranks"]} if "ranks" in parent.extra else {}
     return Manifest(
         run=run,
         version=version,
@@ -445,9 +561,11 @@ def delta_manifest(
         tensors=tuple(entries),
         state_hash=compute_state_hash(entries),
         created=now_iso(),
+        schema=PIECES_SCHEMA if pieced else SCHEMA_VERSION,
         extra={
             "changed": sum(e.changed for e in entries),
             "elements": sum(e.numel for e in entries),
+            **carried,
         },
         parent_state_hash=parent.state_hash,
         tensor_form=tensor_form,

@@ -38,7 +38,8 @@ from pipeline.coord.keys import fanout_key, part_hosts_key, part_records_key
 from pipeline.coord.replicas import run_lock
 from pipeline.errors import DeltasyncError, LockError
 from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.manifest import Manifest, ObjectEntry, TensorEntry
+from pipeline.format.manifest import Manifest, ObjectEntry, Piece, TensorEntry
+from pipeline.format.pieces import StoredPiece
 from pipeline.publish.diff import DeltaTask, PartRecord, assemble_delta, encode_parts
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.uploads import PublishTimings
@@ -78,7 +79,10 @@ def part_hosts(client: redis.Redis, run: str, step: int) -> dict[str, str]:
 
 
 def fanout_to_json(task: DeltaTask) -> str:
-    return json.dumps(asdict(task), sort_keys=True)
+    doc = asdict(task)
+    if not task.sharded:  # an unsharded fan-out's record as it always was
+        del doc["sharded"], doc["publishes"], doc["anchor_compression"], doc["launch"]
+    return json.dumps(doc, sort_keys=True)
 
 
 def fanout_from_json(text: str | bytes) -> DeltaTask:
@@ -90,6 +94,10 @@ def fanout_from_json(text: str | bytes) -> DeltaTask:
         parent=int(doc["parent"]),
         parent_kind="anchor" if doc["parent_kind"] == "anchor" else "delta",
         level=int(doc["level"]),
+        sharded=doc.get("sharded") is True,
+        publishes="anchor" if doc.get("publishes") == "anchor" else "delta",
+        anchor_compression=str(doc.get("anchor_compression", "none")),
+        launch=None if doc.get("launch") is None else str(doc["launch"]),
     )
 
 
@@ -109,17 +117,30 @@ def end_fanout(client: redis.Redis, fanout: DeltaTask) -> None:
 
 
 def _record_json(record: PartRecord) -> str:
-    return json.dumps(
-        {"object": asdict(record.object), "tensors": [asdict(e) for e in record.tensors]},
-        sort_keys=True,
-    )
+    doc: dict[str, Any] = {
+        "object": asdict(record.object),
+        "tensors": [asdict(e) for e in record.tensors],
+    }
+    if record.pieces:
+        doc["pieces"] = [asdict(p) for p in record.pieces]
+    return json.dumps(doc, sort_keys=True)
 
 
 def _parse_record(text: str | bytes) -> PartRecord:
     doc: dict[str, Any] = json.loads(text)
     obj = ObjectEntry(**doc["object"])
-    tensors = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in doc["tensors"])
-    return PartRecord(obj, tensors)
+    tensors = tuple(
+        TensorEntry(
+            **{
+                **t,
+                "shape": tuple(t["shape"]),
+                "pieces": tuple(Piece(**p) for p in t.get("pieces", ())),
+            }
+        )
+        for t in doc["tensors"]
+    )
+    pieces = tuple(StoredPiece(**{**p, "shape": tuple(p["shape"])}) for p in doc.get("pieces", ()))
+    return PartRecord(obj, tensors, pieces)
 
 
 def _text(value: str | bytes) -> str:

@@ -89,6 +89,23 @@ class PublishResult:
         }
 
 
+def already_done(
+    store: ObjectStore, run: str, step: int, index: chain.VersionIndex
+) -> PublishResult | None:
+    """The skipped result of a step at or behind the head (published, or stale)."""
+    head = index.head
+    if head is None or step > head:
+        return None
+    existing = None
+    if step in index.deltas:
+        existing = chain.load_manifest(store, run, "delta", step)
+    elif step in index.anchors:
+        existing = chain.load_manifest(store, run, "anchor", step)
+    reason = "already published" if existing else f"stale: head is {head}"
+    log.info("step skipped", run=run, step=step, reason=reason)
+    return PublishResult(run, step, "skipped", None, existing, head, reason)
+
+
 def publish_step(
     store: ObjectStore,
     run: str,
@@ -127,15 +144,9 @@ def publish_step(
     store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     head = index.head
-    if head is not None and step <= head:
-        existing = None
-        if step in index.deltas:
-            existing = chain.load_manifest(store, run, "delta", step)
-        elif step in index.anchors:
-            existing = chain.load_manifest(store, run, "anchor", step)
-        reason = "already published" if existing else f"stale: head is {head}"
-        log.info("step skipped", run=run, step=step, reason=reason)
-        return PublishResult(run, step, "skipped", None, existing, head, reason)
+    done = already_done(store, run, step, index)
+    if done is not None:
+        return done
     timings = PublishTimings()
     started = time.perf_counter()
     with CheckpointReader(checkpoint_path) as new:

@@ -320,7 +320,8 @@ def publish_pieced_anchor(
         state_hash=digest,
         created=now_iso(),
         schema=PIECES_SCHEMA,
-        extra={"reason": reason},
+        # The ranks' layouts the run's partition was fixed by: the next step checks its own.
+        extra={"reason": reason, **{k: v for k, v in expected.extra.items() if k == "ranks"}},
         parent_state_hash=expected.parent_state_hash,
         tensor_form=expected.tensor_form,
         content_hash=algorithm.name,

@@ -39,8 +39,27 @@ POLL_OPTION = click.option(
 @click.argument("kind", type=click.Choice(["diff", "compact"]))
 @click.option("--burst", is_flag=True, help="Drain the queue, then exit.")
 @click.option("--name", default=None, help="Worker name (default: rq's host.pid name).")
+@click.option(
+    "--host",
+    "diff_host",
+    default=None,
+    help="Diff workers: the trainer host served (DELTASYNC_DIFF_HOST): its queue of part "
+    "jobs first, and a sharded run's parts of the ranks staged on it.",
+)
+@click.option(
+    "--host-only",
+    is_flag=True,
+    help="With --host: take only that host's part jobs, not the shared diff queue.",
+)
 @click.pass_context
-def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None:
+def worker(
+    ctx: click.Context,
+    kind: str,
+    burst: bool,
+    name: str | None,
+    diff_host: str | None,
+    host_only: bool,
+) -> None:
     """Run an rq worker for diff jobs or compaction jobs.
 
     Jobs run in this process (no fork per job: torch threads are live), with
@@ -52,7 +71,11 @@ def worker(ctx: click.Context, kind: str, burst: bool, name: str | None) -> None
     """
     from workers.worker_process import run_worker
 
-    run_worker(from_context(ctx), kind, burst=burst, name=name)
+    if host_only and diff_host is None:
+        raise click.UsageError("--host-only needs --host")
+    if diff_host is not None:
+        ctx.find_root().obj["overrides"]["diff_host"] = diff_host
+    run_worker(from_context(ctx), kind, burst=burst, name=name, host_only=host_only)
 
 
 @click.command("rollout")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from pipeline.format.manifest import Kind, Manifest, manifest_key
 from pipeline.logs import bind_context, get_logger
 from pipeline.publish import dead_letters
 from pipeline.publish.state_cache import StateCache
-from pipeline.publish.step import publish_step
+from pipeline.publish.step import PublishResult, publish_step
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
@@ -103,7 +104,9 @@ def diff_job(
     sharded: bool = False,
     launch: str | None = None,
 ) -> dict[str, Any]:
-    """rq entry point; arguments are JSON. Returns a JSON summary.
+    """rq entry point; arguments are JSON. Returns a JSON summary. ``sharded``: the step
+    was staged by the ranks of a sharded trainer (``checkpoint`` names the step folder
+    of the rank that completed it); this job coordinates its parts across the hosts.
 
     ``sharded``: ``checkpoint`` is the step folder of a sharded run's rank (the ranks'
     folders are registered in ``pipeline.coord.shards``, those of trainer start
@@ -177,9 +180,16 @@ def _diff_one(
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
     path = Path(checkpoint)
-    check_checkpoint_root(settings, run, path)
+    if not sharded:  # a sharded step's folders are on its hosts, each checks its own
+        check_checkpoint_root(settings, run, path)
     # Only deltasync's own staging copies are moved or removed; never a user's checkpoint.
-    staged = owned and not settings.keep_staging and is_own_staging(settings, run, step, path)
+    # A sharded step's folders are its hosts' (they adopt or remove them).
+    staged = (
+        owned
+        and not sharded
+        and not settings.keep_staging
+        and is_own_staging(settings, run, step, path)
+    )
 
     announced: list[int] = []
 
@@ -194,24 +204,12 @@ def _diff_one(
 
     run_binding.bind_store(runtime.redis, run, runtime.store)  # one store per run
     with parallel_diff.diff_lease(runtime, run, step):
-        cache = StateCache(settings.cache_dir, run)
-        result = publish_step(
-            runtime.store,
-            run,
-            step,
-            path,
-            cache,
-            level=level or settings.level,
-            signing_key=settings.signing_key(),
-            part_bytes=settings.part_bytes,
-            on_published=published,
-            adopt=staged,
-            link=settings.cache_link,
-            anchor_compression=settings.anchor_compression,
-            on_part=lambda hint: publish_part(runtime.redis, hint),
-            content_hash=settings.content_hash,
-            spread=parallel_diff.spread(runtime) if settings.parallel_parts else None,
-        )
+        if sharded:
+            result = parallel_diff.publish_sharded_step(
+                runtime, run, step, checkpoint, level or settings.level, published, launch
+            )
+        else:
+            result = _publish_here(runtime, run, step, path, level, staged, published)
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.
         published(result.manifest)
@@ -235,6 +233,37 @@ def _diff_one(
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     log.info("diff job done", status=result.status)
     return result.summary()
+
+
+def _publish_here(
+    runtime: Runtime,
+    run: str,
+    step: int,
+    path: Path,
+    level: int | None,
+    staged: bool,
+    published: Callable[[Manifest], None],
+) -> PublishResult:
+    """An unsharded step: published by this worker (its parts shared with the diff
+    workers of the machine in parallel mode)."""
+    settings = runtime.settings
+    return publish_step(
+        runtime.store,
+        run,
+        step,
+        path,
+        StateCache(settings.cache_dir, run),
+        level=level or settings.level,
+        signing_key=settings.signing_key(),
+        part_bytes=settings.part_bytes,
+        on_published=published,
+        adopt=staged,
+        link=settings.cache_link,
+        anchor_compression=settings.anchor_compression,
+        on_part=lambda hint: publish_part(runtime.redis, hint),
+        content_hash=settings.content_hash,
+        spread=parallel_diff.spread(runtime) if settings.parallel_parts else None,
+    )
 
 
 def check_checkpoint_root(settings: Settings, run: str, path: Path) -> None:

@@ -12,18 +12,22 @@ against an unpublished parent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pipeline import config
 from pipeline.coord import keys
 from pipeline.coord.hints import publish_part
 from pipeline.coord.replicas import RunLock, _Renewer
 from pipeline.errors import LockError
+from pipeline.format.manifest import Manifest
 from pipeline.logs import get_logger
 from pipeline.publish.diff import DeltaTask
-from pipeline.publish.parallel import FanoutSpread, current_fanout, help_fanout
+from pipeline.publish.parallel import CallIn, FanoutSpread, current_fanout, help_fanout
+from pipeline.publish.sharded import HostSide, help_host, publish_sharded
 from pipeline.publish.state_cache import StateCache
+from pipeline.publish.step import PublishResult
 from workers import queues
 from workers.runtime import Runtime
 
@@ -49,6 +53,9 @@ def work_on_part(
 
 
 def _help(runtime: Runtime, fanout: DeltaTask, first: str | None = None) -> int:
+    if fanout.sharded:  # a host's ranks' parts, by its workers only
+        side = host_side(runtime)
+        return 0 if side is None else help_host(side, fanout, first=first)
     cache = StateCache(runtime.settings.cache_dir, fanout.run)
     return help_fanout(
         runtime.redis,
@@ -61,17 +68,89 @@ def _help(runtime: Runtime, fanout: DeltaTask, first: str | None = None) -> int:
     )
 
 
+def host_side(runtime: Runtime) -> HostSide | None:
+    """What this worker works with for a sharded run's parts: None unless it serves a
+    trainer host (``DELTASYNC_DIFF_HOST``)."""
+    settings = runtime.settings
+    if settings.diff_host is None:
+        return None
+    return HostSide(
+        runtime.redis,
+        runtime.store,
+        settings.diff_host,
+        settings.staging_dir,
+        settings.cache_dir,
+        settings.part_bytes,
+        lambda hint: publish_part(runtime.redis, hint),
+    )
+
+
+def _call_in(runtime: Runtime, again: bool) -> CallIn:
+    """Part jobs on each part's host queue. ``again`` (a part nobody holds, called in
+    once more): only on a host queue that is empty, since any job a host's worker
+    takes has it sweep every free part of that host."""
+
+    def call_in(task: DeltaTask, parts: list[tuple[str, str | None]]) -> None:
+        busy = {
+            host
+            for host in {h for _, h in parts if h is not None}
+            if again and queues.queue(runtime.redis, queues.diff_host_queue(host)).count > 0
+        }
+        for key, host in parts:
+            if host in busy:
+                continue
+            queues.enqueue_diff_part(
+                runtime.redis,
+                task.run,
+                task.step,
+                task.checkpoint,
+                key,
+                task.parent,
+                host,
+                again=again,
+            )
+
+    return call_in
+
+
+def publish_sharded_step(
+    runtime: Runtime,
+    run: str,
+    step: int,
+    checkpoint: str,
+    level: int,
+    on_published: Callable[[Manifest], None],
+    launch: str | None = None,
+) -> PublishResult:
+    """The coordinator of a sharded step (see :mod:`pipeline.publish.sharded`); it works
+    its own host's parts when it serves one. ``launch``: the trainer start whose ranks
+    count."""
+    settings = runtime.settings
+    side = host_side(runtime)
+    return publish_sharded(
+        runtime.redis,
+        runtime.store,
+        run,
+        step,
+        checkpoint,
+        call_in=_call_in(runtime, again=False),
+        call_again=_call_in(runtime, again=True),
+        work_here=None if side is None else functools.partial(help_host, side),
+        level=level,
+        signing_key=settings.signing_key(),
+        anchor_compression=settings.anchor_compression,
+        content_hash=settings.content_hash,
+        wait_s=settings.sharded_part_wait_s,
+        on_published=on_published,
+        launch=launch,
+    )
+
+
 def spread(runtime: Runtime) -> FanoutSpread:
     """The parallel diff's spread: a part job per part of the fan-out, on the queue of
     the host it is routed to (``DELTASYNC_DIFF_HOST`` of that host's workers)."""
 
-    def call_in(task: DeltaTask, parts: list[tuple[str, str | None]]) -> None:
-        for key, host in parts:
-            queues.enqueue_diff_part(
-                runtime.redis, task.run, task.step, task.checkpoint, key, task.parent, host
-            )
-
-    return FanoutSpread(runtime.redis, call_in, runtime.settings.diff_host)
+    return FanoutSpread(runtime.redis, _call_in(runtime, again=False), runtime.settings.diff_host)
 
 
 class _Line:
