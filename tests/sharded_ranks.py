@@ -230,3 +230,57 @@ if __name__ == "__main__":
     if sys.argv[1] == "plain":
         steps = [int(s) for s in sys.argv[4].split(",")]
         plain_rank(int(sys.argv[2]), int(sys.argv[3]), steps, Path(sys.argv[5]), int(sys.argv[6]))
+
+
+def e2e_rank(
+    rank: int, world: int, port: int, envs: dict[str, dict[str, str]], out: str, steps: int
+) -> None:
+    """One rank of tests/test_sharded_e2e.py: FSDP2 ``fully_shard`` over gloo, real AdamW
+    steps, ``emit_shards`` after each, with this rank's host's settings (``envs``). Rank 0
+    saves the gathered state of each step (test only) and waits, with every rank behind
+    a barrier, for the test to write ``go-<step>`` before the next step; at step 2 rank 3
+    raises before registering, so step 2 is never sent."""
+    os.environ.update(envs[host_of(rank)])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.errors import DeltasyncError
+    from workers.sharded_trainer import ShardedEmitter, ShardPiece
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    folder = Path(out)
+    try:
+        torch.manual_seed(SEED)
+        model = TinyLM()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        emitter = ShardedEmitter("e2e")
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, VOCAB, BATCH, generator=g)
+            model(tokens).float().pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            weights: Any = model
+            if step == 2 and rank == 3:  # rows past the tensor's end: refused, unregistered
+                weights = {**model.state_dict(), "bad": ShardPiece(torch.zeros(2, 2), (3, 2), 2)}
+            try:
+                emitter.emit_shards(step, weights)
+            except DeltasyncError as exc:
+                _write(folder, f"error-{rank}-{step}.json", {"error": str(exc)})
+            full = {k: v.full_tensor().to(torch.bfloat16) for k, v in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, folder / f"expected-{step}.pt")
+                go = folder / f"go-{step}"
+                while not go.exists():
+                    time.sleep(0.05)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
