@@ -97,7 +97,8 @@ class RankCache:
             return False
 
     def is_proven_for(self, manifest: Manifest, keys: Collection[str]) -> bool:
-        """:meth:`is_valid_for`, and every piece was proven by a full hash (a rebuild)."""
+        """:meth:`is_valid_for`, and every piece proven: by a full hash (a rebuild) or by
+        construction (an adoption, see :meth:`adopt`)."""
         state = self._state()
         return (
             state is not None and state.get("proven") is True and self.is_valid_for(manifest, keys)
@@ -127,8 +128,8 @@ class RankCache:
     def adopt(self, folder: Path, manifest: Manifest, keys: Collection[str]) -> bool:
         """Move the rank's staging ``folder`` of ``manifest``'s step into the cache (a
         rename), only when the manifest lists, for every part ``keys``, the object this
-        host uploaded: the pieces it holds are those the published objects encode.
-        False, with nothing changed, otherwise."""
+        host uploaded: the pieces it holds are those the published objects encode, and
+        proven. False, with nothing changed, otherwise."""
         mine = self.uploaded(manifest.version)
         if not keys or any(mine.get(k) != manifest.object_entry(k).sha256 for k in keys):
             return False
@@ -149,8 +150,12 @@ class RankCache:
         if not held:
             shutil.rmtree(target, ignore_errors=True)
             return False
-        # Not proven: the next diff hashes this base against the manifest's pieces.
-        self._switch(target, manifest, proven=False)
+        # Proven by construction, as an unsharded cache adopting its staging copy: this
+        # host recorded these objects only after their encoding had checked (or hashed)
+        # its base against the parent's piece hashes and compared every element of this
+        # folder with it, and the manifest's piece hashes come from that base and those
+        # changes. A later change behind deltasync's back is the scrub's to find.
+        self._switch(target, manifest, proven=True)
         return True
 
     def rebuild(self, store: ObjectStore, manifest: Manifest, keys: Collection[str]) -> None:

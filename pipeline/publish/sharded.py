@@ -307,7 +307,7 @@ def _ready(
         ):
             log.info("rank cache adopted its staged step", rank=cache.rank, version=parent.version)
             _remove_stale(side, parent, cache.rank)
-            return False
+            return True
         cache.rebuild(side.store, parent, keys)
         if staged is not None and staged.is_dir():
             shutil.rmtree(staged, ignore_errors=True)  # published, and in the cache now
