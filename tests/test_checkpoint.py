@@ -269,3 +269,44 @@ def test_one_dtype_table_agrees_with_torch_and_safetensors(tmp_path: Path) -> No
         assert {n: reader.get(n).dtype for n in reader.names()} == {
             r.name: r.dtype for r in DTYPE_TABLE
         }
+
+
+def _declared_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "a": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+        "b": torch.arange(5, dtype=torch.int64),
+        "c": torch.randn(0, 4, generator=g),
+        "d": torch.randn(2, 2, generator=g).to(torch.float16),
+    }
+
+
+def test_tensors_declared_up_front_give_the_same_bytes(tmp_path: Path) -> None:
+    state = _declared_state()
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+    plain = write_checkpoint(tmp_path / "plain.safetensors", iter(state.items()))
+    declared = write_checkpoint(tmp_path / "declared.safetensors", iter(state.items()), specs=specs)
+    assert declared.read_bytes() == plain.read_bytes()
+    loaded = safetensors.torch.load_file(declared)
+    assert all(torch.equal(loaded[n], t) for n, t in state.items())
+
+
+@pytest.mark.parametrize(
+    ("change", "fault"),
+    [
+        (lambda s: s[:-1], "declared and not given"),
+        (lambda s: [*s, ("e", torch.zeros(1))], "given and not declared"),
+        (lambda s: [(n, t.float()) if n == "a" else (n, t) for n, t in s], "declared as"),
+        (lambda s: [(n, t.reshape(-1)) if n == "a" else (n, t) for n, t in s], "declared as"),
+        (lambda s: [("z", t) if n == "a" else (n, t) for n, t in s], "declared as"),
+    ],
+)
+def test_tensors_not_as_declared_leave_no_file(tmp_path: Path, change: object, fault: str) -> None:
+    state = _declared_state()
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+    given = change(list(state.items()))  # type: ignore[operator]
+    with pytest.raises(MismatchError, match=fault):
+        write_checkpoint(tmp_path / "x.safetensors", iter(given), specs=specs)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="one file"):
+        write_checkpoint(tmp_path / "y", iter(state.items()), specs=specs, max_shard_bytes=64)

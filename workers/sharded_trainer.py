@@ -46,7 +46,7 @@ from pipeline.format.shards import MAX_WORLD, RankLayout, RankPiece, layout_dige
 from pipeline.format.tensors import BY_TORCH
 from pipeline.logs import get_logger
 from pipeline.testing import faults
-from workers.trainer import Emitted, RunEmitter, named_tensors, send_step
+from workers.trainer import Emitted, RunEmitter, named_specs, named_tensors, send_step
 
 log = get_logger(__name__)
 
@@ -353,7 +353,8 @@ class ShardedEmitter(RunEmitter):
             else:
                 tmp.mkdir()
                 if held:  # a rank holding nothing stages its layout only
-                    write_checkpoint(tmp / CHECKPOINT_NAME, flats(), metadata=metadata)
+                    specs = named_specs({p.name: p.flat for p in held}, dtype)
+                    write_checkpoint(tmp / CHECKPOINT_NAME, flats(), metadata=metadata, specs=specs)
             write_layout(tmp, layout)
             if target.exists() or target.is_symlink():  # the same step staged again
                 old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:12]}")

@@ -48,6 +48,17 @@ class Emitted:
     job_id: str
 
 
+def named_specs(
+    weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """What :func:`named_tensors` will yield (name, dtype, shape), known before any
+    copy: the staging file's header is written first and the data once."""
+    return [
+        (name, dtype if dtype is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
+        for name, t in weights.items()
+    ]
+
+
 def named_tensors(
     weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -119,6 +130,7 @@ class Emitter(RunEmitter):
             named_tensors(weights, dtype),
             max_shard_bytes=max_shard_bytes,
             metadata={FORM_METADATA_KEY: form},
+            specs=None if max_shard_bytes is not None else named_specs(weights, dtype),
         )
         return self._send(step, path, owned=True)
 

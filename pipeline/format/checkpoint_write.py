@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import shutil
 import struct
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,12 +65,62 @@ def safetensors_bytes(tensors: Tensors, metadata: dict[str, str] | None = None) 
     return _header_bytes(entries, metadata) + body.getvalue()
 
 
-def _write_file(path: Path, tensors: Tensors, metadata: dict[str, str] | None) -> int:
+# (name, dtype, shape) of each tensor a file will hold, in order.
+Specs = Sequence[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def _entries_of(specs: Specs) -> list[HeaderEntry]:
+    entries: list[HeaderEntry] = []
+    offset = 0
+    for name, dtype, shape in specs:
+        if dtype not in SAFETENSORS_CODES:
+            raise MismatchError(f"tensor {name!r} has dtype {dtype} safetensors cannot hold")
+        end = offset + math.prod(shape) * dtype.itemsize
+        entries.append(HeaderEntry(name, dtype, tuple(shape), offset, end))
+        offset = end
+    return entries
+
+
+def _write_declared(
+    path: Path, tensors: Tensors, metadata: dict[str, str] | None, specs: Specs
+) -> int:
+    """Stream tensors declared up front (``specs``) straight after their header: one
+    write of the data, not two. MismatchError when a tensor is not what was declared."""
+    entries = _entries_of(specs)
+    seen: set[str] = set()
+    with path.open("wb") as out:
+        out.write(_header_bytes(entries, metadata))
+        got = iter(tensors)
+        for want in entries:
+            item = next(got, None)
+            if item is None:
+                raise MismatchError(f"tensor {want.name!r} was declared and not given")
+            name, tensor = item
+            written = _append_tensor(out, name, tensor, want.begin, seen)
+            if written != want:
+                raise MismatchError(
+                    f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, declared as "
+                    f"{want.name!r} {want.dtype} {want.shape}"
+                )
+        extra = next(got, None)
+        if extra is not None:
+            raise MismatchError(f"tensor {extra[0]!r} was given and not declared")
+        out.flush()
+        os.fsync(out.fileno())
+    return entries[-1].end if entries else 0
+
+
+def _write_file(
+    path: Path, tensors: Tensors, metadata: dict[str, str] | None, specs: Specs | None = None
+) -> int:
     """Stream tensors into a safetensors file at ``path`` (not atomic); returns data bytes.
 
-    The header comes first but is known only at the end, so tensors stream into
-    a body file that is then appended after the header.
+    The header comes first. With ``specs`` it is known before the data, which then
+    streams right after it; otherwise it is known only at the end, so tensors stream
+    into a body file that is then appended after the header.
     """
+    if specs is not None:
+        return _write_declared(path, tensors, metadata, specs)
     body_path = path.with_name(path.name + ".body")
     entries: list[HeaderEntry] = []
     seen: set[str] = set()
@@ -203,18 +254,23 @@ def write_checkpoint(
     max_shard_bytes: int | None = None,
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
+    specs: Specs | None = None,
 ) -> Path:
     """Write tensors as one safetensors file, or as a sharded folder when ``max_shard_bytes``
     is given (shards of at most that many bytes, HF names and index). Atomic either way;
-    a shard's tensors are held in memory only while that shard is written."""
+    a shard's tensors are held in memory only while that shard is written. ``specs``
+    (one file only): every tensor's name, dtype and shape, in order, known before the
+    data; the bytes are then written once instead of twice."""
     target = Path(path)
+    if specs is not None and max_shard_bytes is not None:
+        raise ConfigError("tensors declared up front are written as one file, not sharded")
     if max_shard_bytes is None:
         if (target.exists() or target.is_symlink()) and not overwrite:
             raise ConfigError(f"{target} already exists")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_sibling(target)
         try:
-            _write_file(tmp, tensors, metadata)
+            _write_file(tmp, tensors, metadata, specs)
             _publish(tmp, target, overwrite)
         except BaseException:
             _remove(tmp)

@@ -197,6 +197,10 @@ class RedisLedger:
             pipe.pexpire(self.key, int(FANOUT_TTL_S * 1000))
             pipe.execute()
 
+    def recorded_keys(self) -> set[str]:
+        """The parts recorded so far, without their records (cheap to poll)."""
+        return {_text(k) for k in self.client.hkeys(self.key)}
+
     def records(self) -> dict[str, PartRecord]:
         raw = self.client.hgetall(self.key)
         return {_text(k): _parse_record(v) for k, v in raw.items()}

@@ -524,15 +524,17 @@ def _await_parts(
     if work_here is not None:
         work_here(fanout)
     while True:
-        records = ledger.records()
+        # The keys only while waiting: at scale the records are megabytes.
+        recorded = ledger.recorded_keys()
         if planned is None:  # the anchor: each rank's parts as its host routed them
             routed = part_hosts(client, run, step)
             unplanned = sorted(set(ranks) - {rank_of(k) for k in routed})
             expected = sorted(routed, key=lambda k: part_index(k, 0))
         else:
             unplanned, expected = [], planned
-        missing = [k for k in expected if k not in records]
+        missing = [k for k in expected if k not in recorded]
         if not missing and not unplanned:
+            records = ledger.records()
             return {k: records[k] for k in expected}
         now = time.monotonic()
         if now >= deadline:
