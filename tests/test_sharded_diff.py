@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import DTYPES, PIECES_SCHEMA, Kind, Manifest, dtype_name
 from pipeline.format.shards import RankLayout, RankPiece, layout_digest, write_layout
 from pipeline.publish.diff import DeltaTask
+from pipeline.publish.parallel import fanout_from_json, fanout_to_json
 from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.sharded import (
     HostSide,
@@ -206,6 +208,7 @@ class Hosts:
         content_hash: str | None = None,
         here: str | None = None,
         anchor_compression: str = "none",
+        part_bytes: int = PART_BYTES,
     ) -> Manifest:
         self.here = here
         result = publish_sharded(
@@ -220,6 +223,7 @@ class Hosts:
             content_hash=content_hash,
             anchor_compression=anchor_compression,
             wait_s=30,
+            part_bytes=part_bytes,
             launch=LAUNCH,
         )
         assert result.manifest is not None
@@ -328,6 +332,52 @@ def test_a_sharded_anchor_in_zstd_byte_planes(redis_url: str, tmp_path: Path) ->
     check_version(store, 1, states[1])
 
 
+def test_every_host_plans_the_first_anchor_by_the_coordinators_part_bytes(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Hosts configured with other part sizes (hb's would hold each rank in one part)
+    split their ranks' pieces by the size the coordinator's fan-out carries."""
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    hosts = Hosts(client, store, tmp_path)
+    hosts.sides = {
+        "ha": replace(hosts.sides["ha"], part_bytes=PART_BYTES // 3),
+        "hb": replace(hosts.sides["hb"], part_bytes=10**9),
+    }
+    states = [first_state(5)]
+    states.append(next_state(states[0], 1))
+    anchor = hosts.publish(0, stage(client, hosts.staging, 0, states[0]))
+    expected = [
+        key
+        for rank in range(WORLD)
+        for key, _ in plan_rank_parts(
+            rank,
+            read_pieces(hosts.staging[HOST_OF[rank]] / RUN / f"step-{0:010d}" / f"rank-{rank:05d}"),
+            PART_BYTES,
+        )
+    ]
+    assert sorted(o.key for o in anchor.objects) == sorted(expected)
+    assert all(sum(rank_of(k) == r for k in expected) >= 2 for r in range(WORLD))
+    check_version(store, 0, states[0])
+    hosts.publish(1, stage(client, hosts.staging, 1, states[1]))
+    check_version(store, 1, states[1])
+
+
+def test_the_fanout_carries_part_bytes_only_when_sharded() -> None:
+    sharded = DeltaTask(RUN, 0, "-", 0, "anchor", 1, True, "anchor", "none", LAUNCH, 4096)
+    assert fanout_from_json(fanout_to_json(sharded)) == sharded
+    plain = DeltaTask(RUN, 3, "/c", 2, "delta", 1)
+    assert json.loads(fanout_to_json(plain)) == {
+        "run": RUN,
+        "step": 3,
+        "checkpoint": "/c",
+        "parent": 2,
+        "parent_kind": "delta",
+        "level": 1,
+    }
+    assert fanout_from_json(fanout_to_json(plain)) == plain
+
+
 def test_a_sharded_run_needs_mixsum(redis_url: str, tmp_path: Path) -> None:
     client = redis_client(redis_url)
     store = open_store(f"file://{tmp_path / 'store'}")
@@ -360,6 +410,7 @@ def test_a_host_that_never_records_fails_the_step_in_process(
             call_in=only_ha,
             level=1,
             wait_s=1.5,
+            part_bytes=PART_BYTES,
         )
     assert "\n" not in str(info.value)
     assert chain.list_versions(store, RUN).head == 0
@@ -374,7 +425,7 @@ def test_a_host_that_never_records_fails_the_step_in_process(
     assert hosts.publish(3, stage(client, hosts.staging, 3, states[3])).parent == 2
     check_version(store, 3, states[3])
     late = publish_sharded(
-        client, store, RUN, 1, "-", call_in=hosts.call_in, level=1, wait_s=30
+        client, store, RUN, 1, "-", call_in=hosts.call_in, level=1, wait_s=30, part_bytes=PART_BYTES
     )  # a retry of the failed step, now behind the head
     assert late.status == "skipped" and late.reason == "stale: head is 3"
     # The failed step's folders go once their host's caches move past it.
