@@ -40,7 +40,7 @@ from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import DTYPES, PIECES_SCHEMA, Kind, Manifest, dtype_name
 from pipeline.format.shards import RankLayout, RankPiece, layout_digest, write_layout
 from pipeline.publish.diff import DeltaTask
-from pipeline.publish.parallel import fanout_from_json, fanout_to_json
+from pipeline.publish.parallel import fanout_from_json, fanout_to_json, start_fanout
 from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.sharded import (
     HostSide,
@@ -55,6 +55,7 @@ from pipeline.publish.sharded import (
 from pipeline.store import ObjectStore, open_store
 from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, assert_same_state, deltasync_env, wait_for
+from tests.test_faults_workers import _job_done, retry_abandoned, wait_killed
 from workers import queues
 
 RUN = "shard"
@@ -363,6 +364,24 @@ def test_every_host_plans_the_first_anchor_by_the_coordinators_part_bytes(
     check_version(store, 1, states[1])
 
 
+def test_a_retried_first_anchor_keeps_the_part_bytes_of_the_dead_coordinator(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A coordinator of the first anchor died with its fan-out out (size PART_BYTES);
+    the next one, configured otherwise, finishes it with the same partition."""
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    hosts = Hosts(client, store, tmp_path)
+    checkpoint = stage(client, hosts.staging, 0, first_state(9))
+    dead = DeltaTask(RUN, 0, str(checkpoint), 0, "anchor", 1, True, "anchor", "none", LAUNCH)
+    start_fanout(client, replace(dead, part_bytes=PART_BYTES))
+    work_host(hosts.sides["ha"], replace(dead, part_bytes=PART_BYTES))  # ha's parts stored
+    anchor = hosts.publish(0, checkpoint, part_bytes=10**9)
+    per_rank = [sum(rank_of(o.key) == r for o in anchor.objects) for r in range(WORLD)]
+    assert all(n >= 2 for n in per_rank), per_rank
+    check_version(store, 0, first_state(9))
+
+
 def test_the_fanout_carries_part_bytes_only_when_sharded() -> None:
     sharded = DeltaTask(RUN, 0, "-", 0, "anchor", 1, True, "anchor", "none", LAUNCH, 4096)
     assert fanout_from_json(fanout_to_json(sharded)) == sharded
@@ -625,3 +644,90 @@ def test_a_host_that_never_records_fails_its_step_and_the_next_publishes(
     assert check_version(store, 2, states[2]).parent == (1 if deltas == (1, 2) else 0)
     for version in deltas:
         check_version(store, version, states[version])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "killed"),
+    [
+        ("sharded.waiting", 1),
+        ("publish.before_manifest", 1),
+        ("publish.after_manifest", 1),
+        ("sharded.waiting", 0),
+        ("anchor.after_manifest", 0),
+    ],
+)
+def test_coordinator_killed_mid_step_publishes_it_once(
+    redis_url: str, tmp_path: Path, fault: str, killed: int
+) -> None:
+    """Real rq workers: the coordinator of step ``killed`` (the first anchor, or a
+    delta) SIGKILLed while its hosts' parts are out, before its manifest, or after it
+    (not announced). The next step's job publishes (or announces) it first, from the
+    parts the hosts recorded; rq's late retry of the dead job then changes nothing.
+    Each version: one manifest, announced once, a linear chain, bit-exact."""
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    states = [first_state(7)]
+    for step in (1, 2):
+        states.append(next_state(states[-1], step))
+    with workers(redis_url, tmp_path) as w:
+        w.start("ha-1", "ha")
+        w.start("hb-1", "hb")
+        if killed:
+            w.start("coordinator", None)
+            emit(client, 0, stage(client, w.staging, 0, states[0]))
+            wait_for(lambda: head(store) == 0, "the anchor", 180)
+            w.stop("coordinator")
+        doomed = w.start("doomed", None, DELTASYNC_FAULT=fault)
+        try:
+            _recover_from_a_dead_coordinator(client, store, w, doomed, fault, killed, states)
+        finally:  # only the leader died: its rq scheduler lived on to schedule the retry
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(doomed.pid, signal.SIGKILL)
+
+    index = chain.list_versions(store, RUN)
+    assert index.anchors == (0,) and index.deltas == (1, 2), "one manifest per version"
+    for version, state in enumerate(states):
+        manifest = check_version(store, version, state)
+        assert manifest.parent == (None if version == 0 else version - 1), "a linear chain"
+    assert announced(client) == [0, 1, 2], "each version announced once"
+    kind: Kind = "delta" if killed else "anchor"
+    parts = sorted(o.key for o in chain.load_manifest(store, RUN, kind, killed).objects)
+    by_worker = {n: w.encoded(n) for n in ("ha-1", "hb-1", "doomed", "coordinator-2", "late")}
+    assert not any(by_worker[n] for n in ("doomed", "coordinator-2", "late"))
+    every = sorted(k for done in by_worker.values() for v, k in done if v == killed)
+    assert every == parts, f"each part of step {killed} encoded once, its records reused"
+
+
+def _recover_from_a_dead_coordinator(
+    client: redis.Redis,
+    store: ObjectStore,
+    w: Workers,
+    doomed: subprocess.Popen[bytes],
+    fault: str,
+    killed: int,
+    states: list[dict[str, torch.Tensor]],
+) -> None:
+    emit(client, killed, stage(client, w.staging, killed, states[killed]))
+    wait_killed(doomed, fault, 180)
+    w.procs.pop("doomed")
+    before = killed - 1 if killed else None
+    assert head(store) == (killed if fault.endswith("after_manifest") else before)
+    assert announced(client) == list(range(killed)), "the dead coordinator announced nothing"
+
+    w.start("coordinator-2", None)
+    following = killed + 1
+    emit(client, following, stage(client, w.staging, following, states[following]))
+    wait_for(lambda: head(store) == following, f"step {following}, step {killed} first", 240)
+    wait_for(lambda: announced(client) == list(range(following + 1)), "the announcements", 60)
+
+    # rq's retry of the dead coordinator's job (its heartbeat lapsed: the clock is
+    # moved on) finds the step published and does nothing more.
+    w.stop("coordinator-2")
+    assert retry_abandoned(client, queues.DIFF_QUEUE) == 1
+    w.start("late", None)
+    job_id = queues.diff_job_id(RUN, killed)
+    wait_for(lambda: _job_done(client, job_id), f"the late retry of {job_id}", 120)
+    if following < 2:  # and the run goes on
+        emit(client, 2, stage(client, w.staging, 2, states[2]))
+        wait_for(lambda: head(store) == 2, "step 2", 180)

@@ -79,6 +79,7 @@ from pipeline.publish.parallel import (
     CallIn,
     FanoutSpread,
     RedisLedger,
+    current_fanout,
     part_hosts,
     part_lock,
     route_parts,
@@ -441,7 +442,8 @@ def publish_sharded(
     ``work_here`` works the coordinator's own host's parts. ``checkpoint`` (the
     completing rank's step folder) only names the step; nothing is read from it.
     ``part_bytes``: the size by which every host splits its ranks' pieces into the
-    first anchor's parts (later versions keep that partition). ``launch``: the trainer start that completed the step; only its ranks count."""
+    first anchor's parts (later versions keep that partition). ``launch``: the trainer
+    start that completed the step; only its ranks count."""
     store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     done = already_done(store, run, step, index)
@@ -460,6 +462,11 @@ def publish_sharded(
                 f"not {name}"
             )
         check_compression(anchor_compression)
+        prior = current_fanout(client, run)
+        if prior is not None and (prior.step, prior.publishes) == (step, "anchor"):
+            # A dead coordinator's anchor: its hosts planned (and maybe stored) parts by
+            # its size; another would route a second partition beside the first.
+            part_bytes = prior.part_bytes or part_bytes
         fanout = DeltaTask(
             run,
             step,
