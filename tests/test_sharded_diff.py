@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import DTYPES, PIECES_SCHEMA, Kind, Manifest, dtype_name
 from pipeline.format.shards import RankLayout, RankPiece, layout_digest, write_layout
 from pipeline.publish.diff import DeltaTask
+from pipeline.publish.parallel import fanout_from_json, fanout_to_json, start_fanout
 from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.sharded import (
     HostSide,
@@ -53,6 +55,7 @@ from pipeline.publish.sharded import (
 from pipeline.store import ObjectStore, open_store
 from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, assert_same_state, deltasync_env, wait_for
+from tests.test_faults_workers import _job_done, retry_abandoned, wait_killed
 from workers import queues
 
 RUN = "shard"
@@ -206,6 +209,7 @@ class Hosts:
         content_hash: str | None = None,
         here: str | None = None,
         anchor_compression: str = "none",
+        part_bytes: int = PART_BYTES,
     ) -> Manifest:
         self.here = here
         result = publish_sharded(
@@ -220,6 +224,7 @@ class Hosts:
             content_hash=content_hash,
             anchor_compression=anchor_compression,
             wait_s=30,
+            part_bytes=part_bytes,
             launch=LAUNCH,
         )
         assert result.manifest is not None
@@ -328,6 +333,70 @@ def test_a_sharded_anchor_in_zstd_byte_planes(redis_url: str, tmp_path: Path) ->
     check_version(store, 1, states[1])
 
 
+def test_every_host_plans_the_first_anchor_by_the_coordinators_part_bytes(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Hosts configured with other part sizes (hb's would hold each rank in one part)
+    split their ranks' pieces by the size the coordinator's fan-out carries."""
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    hosts = Hosts(client, store, tmp_path)
+    hosts.sides = {
+        "ha": replace(hosts.sides["ha"], part_bytes=PART_BYTES // 3),
+        "hb": replace(hosts.sides["hb"], part_bytes=10**9),
+    }
+    states = [first_state(5)]
+    states.append(next_state(states[0], 1))
+    anchor = hosts.publish(0, stage(client, hosts.staging, 0, states[0]))
+    expected = [
+        key
+        for rank in range(WORLD)
+        for key, _ in plan_rank_parts(
+            rank,
+            read_pieces(hosts.staging[HOST_OF[rank]] / RUN / f"step-{0:010d}" / f"rank-{rank:05d}"),
+            PART_BYTES,
+        )
+    ]
+    assert sorted(o.key for o in anchor.objects) == sorted(expected)
+    assert all(sum(rank_of(k) == r for k in expected) >= 2 for r in range(WORLD))
+    check_version(store, 0, states[0])
+    hosts.publish(1, stage(client, hosts.staging, 1, states[1]))
+    check_version(store, 1, states[1])
+
+
+def test_a_retried_first_anchor_keeps_the_part_bytes_of_the_dead_coordinator(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A coordinator of the first anchor died with its fan-out out (size PART_BYTES);
+    the next one, configured otherwise, finishes it with the same partition."""
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    hosts = Hosts(client, store, tmp_path)
+    checkpoint = stage(client, hosts.staging, 0, first_state(9))
+    dead = DeltaTask(RUN, 0, str(checkpoint), 0, "anchor", 1, True, "anchor", "none", LAUNCH)
+    start_fanout(client, replace(dead, part_bytes=PART_BYTES))
+    work_host(hosts.sides["ha"], replace(dead, part_bytes=PART_BYTES))  # ha's parts stored
+    anchor = hosts.publish(0, checkpoint, part_bytes=10**9)
+    per_rank = [sum(rank_of(o.key) == r for o in anchor.objects) for r in range(WORLD)]
+    assert all(n >= 2 for n in per_rank), per_rank
+    check_version(store, 0, first_state(9))
+
+
+def test_the_fanout_carries_part_bytes_only_when_sharded() -> None:
+    sharded = DeltaTask(RUN, 0, "-", 0, "anchor", 1, True, "anchor", "none", LAUNCH, 4096)
+    assert fanout_from_json(fanout_to_json(sharded)) == sharded
+    plain = DeltaTask(RUN, 3, "/c", 2, "delta", 1)
+    assert json.loads(fanout_to_json(plain)) == {
+        "run": RUN,
+        "step": 3,
+        "checkpoint": "/c",
+        "parent": 2,
+        "parent_kind": "delta",
+        "level": 1,
+    }
+    assert fanout_from_json(fanout_to_json(plain)) == plain
+
+
 def test_a_sharded_run_needs_mixsum(redis_url: str, tmp_path: Path) -> None:
     client = redis_client(redis_url)
     store = open_store(f"file://{tmp_path / 'store'}")
@@ -360,6 +429,7 @@ def test_a_host_that_never_records_fails_the_step_in_process(
             call_in=only_ha,
             level=1,
             wait_s=1.5,
+            part_bytes=PART_BYTES,
         )
     assert "\n" not in str(info.value)
     assert chain.list_versions(store, RUN).head == 0
@@ -374,7 +444,7 @@ def test_a_host_that_never_records_fails_the_step_in_process(
     assert hosts.publish(3, stage(client, hosts.staging, 3, states[3])).parent == 2
     check_version(store, 3, states[3])
     late = publish_sharded(
-        client, store, RUN, 1, "-", call_in=hosts.call_in, level=1, wait_s=30
+        client, store, RUN, 1, "-", call_in=hosts.call_in, level=1, wait_s=30, part_bytes=PART_BYTES
     )  # a retry of the failed step, now behind the head
     assert late.status == "skipped" and late.reason == "stale: head is 3"
     # The failed step's folders go once their host's caches move past it.
@@ -574,3 +644,90 @@ def test_a_host_that_never_records_fails_its_step_and_the_next_publishes(
     assert check_version(store, 2, states[2]).parent == (1 if deltas == (1, 2) else 0)
     for version in deltas:
         check_version(store, version, states[version])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "killed"),
+    [
+        ("sharded.waiting", 1),
+        ("publish.before_manifest", 1),
+        ("publish.after_manifest", 1),
+        ("sharded.waiting", 0),
+        ("anchor.after_manifest", 0),
+    ],
+)
+def test_coordinator_killed_mid_step_publishes_it_once(
+    redis_url: str, tmp_path: Path, fault: str, killed: int
+) -> None:
+    """Real rq workers: the coordinator of step ``killed`` (the first anchor, or a
+    delta) SIGKILLed while its hosts' parts are out, before its manifest, or after it
+    (not announced). The next step's job publishes (or announces) it first, from the
+    parts the hosts recorded; rq's late retry of the dead job then changes nothing.
+    Each version: one manifest, announced once, a linear chain, bit-exact."""
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    states = [first_state(7)]
+    for step in (1, 2):
+        states.append(next_state(states[-1], step))
+    with workers(redis_url, tmp_path) as w:
+        w.start("ha-1", "ha")
+        w.start("hb-1", "hb")
+        if killed:
+            w.start("coordinator", None)
+            emit(client, 0, stage(client, w.staging, 0, states[0]))
+            wait_for(lambda: head(store) == 0, "the anchor", 180)
+            w.stop("coordinator")
+        doomed = w.start("doomed", None, DELTASYNC_FAULT=fault)
+        try:
+            _recover_from_a_dead_coordinator(client, store, w, doomed, fault, killed, states)
+        finally:  # only the leader died: its rq scheduler lived on to schedule the retry
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(doomed.pid, signal.SIGKILL)
+
+    index = chain.list_versions(store, RUN)
+    assert index.anchors == (0,) and index.deltas == (1, 2), "one manifest per version"
+    for version, state in enumerate(states):
+        manifest = check_version(store, version, state)
+        assert manifest.parent == (None if version == 0 else version - 1), "a linear chain"
+    assert announced(client) == [0, 1, 2], "each version announced once"
+    kind: Kind = "delta" if killed else "anchor"
+    parts = sorted(o.key for o in chain.load_manifest(store, RUN, kind, killed).objects)
+    by_worker = {n: w.encoded(n) for n in ("ha-1", "hb-1", "doomed", "coordinator-2", "late")}
+    assert not any(by_worker[n] for n in ("doomed", "coordinator-2", "late"))
+    every = sorted(k for done in by_worker.values() for v, k in done if v == killed)
+    assert every == parts, f"each part of step {killed} encoded once, its records reused"
+
+
+def _recover_from_a_dead_coordinator(
+    client: redis.Redis,
+    store: ObjectStore,
+    w: Workers,
+    doomed: subprocess.Popen[bytes],
+    fault: str,
+    killed: int,
+    states: list[dict[str, torch.Tensor]],
+) -> None:
+    emit(client, killed, stage(client, w.staging, killed, states[killed]))
+    wait_killed(doomed, fault, 180)
+    w.procs.pop("doomed")
+    before = killed - 1 if killed else None
+    assert head(store) == (killed if fault.endswith("after_manifest") else before)
+    assert announced(client) == list(range(killed)), "the dead coordinator announced nothing"
+
+    w.start("coordinator-2", None)
+    following = killed + 1
+    emit(client, following, stage(client, w.staging, following, states[following]))
+    wait_for(lambda: head(store) == following, f"step {following}, step {killed} first", 240)
+    wait_for(lambda: announced(client) == list(range(following + 1)), "the announcements", 60)
+
+    # rq's retry of the dead coordinator's job (its heartbeat lapsed: the clock is
+    # moved on) finds the step published and does nothing more.
+    w.stop("coordinator-2")
+    assert retry_abandoned(client, queues.DIFF_QUEUE) == 1
+    w.start("late", None)
+    job_id = queues.diff_job_id(RUN, killed)
+    wait_for(lambda: _job_done(client, job_id), f"the late retry of {job_id}", 120)
+    if following < 2:  # and the run goes on
+        emit(client, 2, stage(client, w.staging, 2, states[2]))
+        wait_for(lambda: head(store) == 2, "step 2", 180)

@@ -77,7 +77,9 @@ class DeltaTask:
     version of a sharded run, written part by part too; its fan-out names the version
     itself as ``parent`` (nothing precedes it), and ``anchor_compression`` the format
     of its objects, the same on every host. ``launch``: the trainer start whose ranks
-    staged the step (:mod:`pipeline.coord.shards`)."""
+    staged the step (:mod:`pipeline.coord.shards`). ``part_bytes``: the coordinator's
+    part size, by which every host plans its ranks' parts of that first anchor (None
+    elsewhere: the partition is the parent's)."""
 
     run: str
     step: int
@@ -89,6 +91,7 @@ class DeltaTask:
     publishes: Kind = "delta"
     anchor_compression: str = "none"
     launch: str | None = None
+    part_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def part_hosts(client: redis.Redis, run: str, step: int) -> dict[str, str]:
 def fanout_to_json(task: DeltaTask) -> str:
     doc = asdict(task)
     if not task.sharded:  # an unsharded fan-out's record as it always was
-        del doc["sharded"], doc["publishes"], doc["anchor_compression"], doc["launch"]
+        for field in ("sharded", "publishes", "anchor_compression", "launch", "part_bytes"):
+            del doc[field]
     return json.dumps(doc, sort_keys=True)
 
 
@@ -98,6 +99,7 @@ def fanout_from_json(text: str | bytes) -> DeltaTask:
         publishes="anchor" if doc.get("publishes") == "anchor" else "delta",
         anchor_compression=str(doc.get("anchor_compression", "none")),
         launch=None if doc.get("launch") is None else str(doc["launch"]),
+        part_bytes=None if doc.get("part_bytes") is None else int(doc["part_bytes"]),
     )
 
 

@@ -18,7 +18,8 @@ cache of the rank (:mod:`pipeline.publish.rank_cache`). So:
   their host, from folders under their own staging folder only.
 
 The run's first anchor is written the same way: each host plans its ranks' parts
-(each rank's pieces in sidecar order, split by ``part_bytes``), routes them to itself
+(each rank's pieces in sidecar order, split by the coordinator's ``part_bytes``, which
+the fan-out carries, so that every host plans alike), routes them to itself
 (one transaction per rank, so the coordinator learns a rank's parts at once) and
 uploads them as anchor objects of 1-D pieces. That partition is the run's for good.
 
@@ -78,6 +79,7 @@ from pipeline.publish.parallel import (
     CallIn,
     FanoutSpread,
     RedisLedger,
+    current_fanout,
     part_hosts,
     part_lock,
     route_parts,
@@ -343,9 +345,11 @@ def _anchor_parts(
     pieces and recorded."""
     run, step = fanout.run, fanout.step
     algorithm = content_hashes.get(content_hashes.MIXSUM)
+    # The coordinator's size (a fan-out of an older coordinator carries none: our own).
+    part_bytes = side.part_bytes if fanout.part_bytes is None else fanout.part_bytes
     plans: dict[int, list[tuple[str, list[RankPiece]]]] = {}
     for rank in sorted(folders):
-        plans[rank] = plan_rank_parts(rank, read_pieces(folders[rank]), side.part_bytes)
+        plans[rank] = plan_rank_parts(rank, read_pieces(folders[rank]), part_bytes)
         if not plans[rank]:
             raise MismatchError(f"run {run}: rank {rank} of step {step} holds no elements")
         route_parts(side.client, run, step, {key: side.host for key, _ in plans[rank]})
@@ -426,6 +430,7 @@ def publish_sharded(
     anchor_compression: str = "none",
     content_hash: str | None = None,
     wait_s: float,
+    part_bytes: int,
     on_published: Callable[[Manifest], None] | None = None,
     launch: str | None = None,
 ) -> PublishResult:
@@ -436,7 +441,9 @@ def publish_sharded(
     ``call_in``) queues one more for a part nobody holds while the coordinator waits.
     ``work_here`` works the coordinator's own host's parts. ``checkpoint`` (the
     completing rank's step folder) only names the step; nothing is read from it.
-    ``launch``: the trainer start that completed the step; only its ranks count."""
+    ``part_bytes``: the size by which every host splits its ranks' pieces into the
+    first anchor's parts (later versions keep that partition). ``launch``: the trainer
+    start that completed the step; only its ranks count."""
     store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     done = already_done(store, run, step, index)
@@ -455,6 +462,11 @@ def publish_sharded(
                 f"not {name}"
             )
         check_compression(anchor_compression)
+        prior = current_fanout(client, run)
+        if prior is not None and (prior.step, prior.publishes) == (step, "anchor"):
+            # A dead coordinator's anchor: its hosts planned (and maybe stored) parts by
+            # its size; another would route a second partition beside the first.
+            part_bytes = prior.part_bytes or part_bytes
         fanout = DeltaTask(
             run,
             step,
@@ -466,6 +478,7 @@ def publish_sharded(
             "anchor",
             anchor_compression,
             launch,
+            part_bytes,
         )
         start_fanout(client, fanout)
         ledger = RedisLedger(client, fanout, owner=True)
@@ -536,6 +549,7 @@ def _await_parts(
         if not missing and not unplanned:
             records = ledger.records()
             return {k: records[k] for k in expected}
+        faults.point("sharded.waiting")  # parts still out on the hosts
         now = time.monotonic()
         if now >= deadline:
             hosts = {ranks[rank_of(k)].host for k in missing} | {ranks[r].host for r in unplanned}

@@ -141,6 +141,7 @@ def publish_sharded_step(
         anchor_compression=settings.anchor_compression,
         content_hash=settings.content_hash,
         wait_s=settings.sharded_part_wait_s,
+        part_bytes=settings.part_bytes,
         on_published=on_published,
         launch=launch,
     )
