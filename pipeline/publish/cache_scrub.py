@@ -20,6 +20,11 @@ as fast as the CPU share allows (no period); proven states are scrubbed at the
 configured period, split between the runs. Caches of runs whose content hash is not
 incremental are skipped: each diff hashes their whole base anyway.
 
+A sharded run's rank caches (:class:`~pipeline.publish.rank_cache.RankCache`,
+``<run>/rank-<R>/``) are scrubbed the same way, each cached 1-D piece re-hashed as a
+piece (``piece(tensor, start)``) against its ``Piece.hash`` in the manifest; a
+mismatch forgets the rank cache, and the next step rebuilds it from the store.
+
 :class:`CacheScrubber` runs the passes over every run under the cache folder on a
 daemon thread; one process per cache folder scrubs (a lock file), and it yields
 (up to :data:`MAX_YIELD_S` between tensors) while its process runs a job.
@@ -48,6 +53,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.scrub import Scrubber, ScrubPace
 from pipeline.format.manifest import Kind, Manifest, check_run
+from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.state_cache import CacheBusyError, StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
@@ -67,7 +73,7 @@ class CacheScrub:
     """:class:`~pipeline.format.hashes.scrub.Scrubbable` over the state ``cache`` holds,
     known by the hashes of its version's manifest in ``store``."""
 
-    def __init__(self, cache: StateCache, store: ObjectStore) -> None:
+    def __init__(self, cache: StateCache | RankCache, store: ObjectStore) -> None:
         self.cache = cache
         self.store = store
         self.proven = False  # the state being scrubbed is proven
@@ -79,7 +85,7 @@ class CacheScrub:
         self._names: list[str] = []
         self._position: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
-        self._hashes: dict[str, str] = {}
+        self._hashes: dict[str, tuple[int | None, str]] = {}  # start (a piece's) and hash
         self._ok: set[str] = set()
         self._next = 0  # where the next pass begins: coverage goes on across switches
 
@@ -113,8 +119,12 @@ class CacheScrub:
             state = self.cache.current()
             if state is None or state.get("switched") != switched:
                 raise CacheMovedError(f"state cache {self.cache.root} switched during a scrub")
+            start, expected = self._hashes[name]
+            algorithm = content_hashes.of(manifest)
             try:  # the same switch: the files the reader was opened on
-                same = content_hashes.of(manifest).full(reader.view(name)) == self._hashes[name]
+                view = reader.view(name)
+                got = algorithm.full(view) if start is None else algorithm.piece(view, start)
+                same = got == expected
             finally:
                 reader.close()  # unmapped: residency stays one tensor
         self._next = self._position[name] + 1
@@ -124,7 +134,7 @@ class CacheScrub:
                 self._prove(switched, manifest)
             return True
         # Judged under the exclusive lock: only a state nobody switched since is damaged.
-        rewritten = not self.cache.linked_files_unchanged()
+        rewritten = isinstance(self.cache, StateCache) and not self.cache.linked_files_unchanged()
         if not self.cache.mark_damaged(switched):
             raise CacheMovedError(f"state cache {self.cache.root} switched during a scrub")
         note = (
@@ -154,7 +164,8 @@ class CacheScrub:
             return False
         if not content_hashes.of(manifest).incremental:
             return False
-        if not self.cache.is_valid_for(manifest):
+        hashes = self._expected(manifest)
+        if hashes is None:
             return False
         reader = CheckpointReader(self.cache.root / str(state["folder"]))
         names = reader.names()
@@ -162,9 +173,27 @@ class CacheScrub:
         self._manifest, self._switched, self._reader = manifest, str(state["switched"]), reader
         self._names, self._sizes = names, sizes
         self._position = {n: i for i, n in enumerate(names)}
-        self._hashes = {t.name: t.hash for t in manifest.tensors}
+        self._hashes = hashes
         self._ok = set()
         return bool(names)
+
+    def _expected(self, manifest: Manifest) -> dict[str, tuple[int | None, str]] | None:
+        """Each cached tensor's hash in ``manifest`` (a rank cache's: its pieces', with
+        their start); None when the cache does not hold that version."""
+        cache = self.cache
+        if isinstance(cache, StateCache):
+            if not cache.is_valid_for(manifest):
+                return None
+            return {t.name: (None, t.hash) for t in manifest.tensors}
+        keys = cache.keys_of(manifest)
+        if not keys or not cache.is_valid_for(manifest, keys):
+            return None
+        return {
+            entry.name: (piece.start, piece.hash)
+            for key, held in manifest.layout()
+            if key in keys
+            for entry, piece in held
+        }
 
     def _load(self, version: int) -> Manifest | None:
         index = chain.list_versions(self.store, self.cache.run)
@@ -181,6 +210,13 @@ class CacheScrub:
         self._switched = self._reader = None
         self._ok = set()
         self.proven = False
+
+
+_RANK_FOLDER = re.compile(r"rank-(\d{5})")
+
+
+def _cache_name(run: str, rank: int | None) -> str:
+    return run if rank is None else f"{run}/rank-{rank:05d}"
 
 
 def _host_name() -> str:
@@ -240,53 +276,77 @@ class CacheScrubber:
 
     def runs(self) -> list[str]:
         """The runs whose cache holds a version."""
-        found: list[str] = []
+        return sorted({run for run, _ in self.caches() if _ is None})
+
+    def caches(self) -> list[tuple[str, int | None]]:
+        """Every cache under the folder holding a version: (run, None) for a run's state
+        cache, (run, rank) for a sharded run's rank cache."""
+        found: list[tuple[str, int | None]] = []
         with contextlib.suppress(OSError):
             for path in sorted(self.cache_dir.iterdir()):
-                if path.name.startswith(".") or not (path / StateCache.STATE).is_file():
+                if path.name.startswith(".") or not path.is_dir():
                     continue
-                with contextlib.suppress(ConfigError):
-                    found.append(check_run(path.name))
+                try:
+                    run = check_run(path.name)
+                except ConfigError:
+                    continue
+                if (path / StateCache.STATE).is_file():
+                    found.append((run, None))
+                for sub in sorted(path.glob("rank-*")):
+                    m = _RANK_FOLDER.fullmatch(sub.name)
+                    if m is not None and (sub / RankCache.STATE).is_file():
+                        found.append((run, int(m.group(1))))
         return found
 
     def run_round(self) -> int:
-        """One pass over every run's cache at the pace; the tensors hashed."""
-        runs = self.runs()
+        """One pass over every cache (each run's state cache and rank caches) at the
+        pace; the tensors hashed."""
+        caches = self.caches()
+        names = {_cache_name(run, rank): (run, rank) for run, rank in caches}
         before = self.hashed
-        for run in runs:
+        for name, (run, rank) in names.items():
             if self._stop.is_set():
                 break
-            scrub = self.scrubs.get(run)
+            scrub = self.scrubs.get(name)
             if scrub is None:
-                scrub = self.scrubs[run] = CacheScrub(StateCache(self.cache_dir, run), self.store)
-                self._scrubbers[run] = Scrubber(
-                    scrub, self.pace, functools.partial(self._damaged, run), sleep=self._sleep
+                cache = (
+                    StateCache(self.cache_dir, run)
+                    if rank is None
+                    else RankCache(self.cache_dir, run, rank)
                 )
-            scrubber = self._scrubbers[run]
+                scrub = self.scrubs[name] = CacheScrub(cache, self.store)
+                self._scrubbers[name] = Scrubber(
+                    scrub, self.pace, functools.partial(self._damaged, name), sleep=self._sleep
+                )
+            scrubber = self._scrubbers[name]
             try:
                 if not scrub.scrub_names():
                     continue
                 # An unproven state is proven as fast as the CPU share allows.
-                period = self.pace.period_s / len(runs) if scrub.proven else 0.0
+                period = self.pace.period_s / len(names) if scrub.proven else 0.0
                 scrubber.pace = ScrubPace(period, self.pace.cpu_fraction)
                 scrubber.run_pass()
             except (CacheMovedError, CacheBusyError) as exc:
                 log.debug("cache scrub starts over", run=run, reason=str(exc))
             except (DeltasyncError, OSError) as exc:
                 log.info("cache scrub pass failed", run=run, error=str(exc))
-        for gone in set(self.scrubs) - set(runs):
+        for gone in set(self.scrubs) - set(names):
             del self.scrubs[gone], self._scrubbers[gone]
         return self.hashed - before
 
-    def _damaged(self, run: str, _tensor: str) -> None:
-        finding = self.scrubs[run].damaged
+    def _damaged(self, name: str, _tensor: str) -> None:
+        scrub = self.scrubs[name]
+        finding, run = scrub.damaged, scrub.cache.run
         if finding is None:
             return
         version, tensor, note = finding
+        if isinstance(scrub.cache, RankCache):
+            note = f"rank {scrub.cache.rank}: {note}"
         self.found.append((run, version, tensor))
         metrics.scrub_mismatch(run, "diff")
+        what = "rank cache" if isinstance(scrub.cache, RankCache) else "state cache"
         log.warning(
-            "state cache damaged: a tensor no longer matches its version's hash; "
+            f"{what} damaged: a tensor no longer matches its version's hash; "
             "the next step rebuilds the cache from the store",
             run=run,
             version=version,

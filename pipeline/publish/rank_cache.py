@@ -7,15 +7,17 @@ with ``state.json`` naming the version and its state hash. It advances by adopti
 the rank's staging folder of the published step (a rename) when the manifest lists,
 for every part of the rank, the object this host uploaded (recorded in ``uploaded/``
 as it uploads); otherwise it is rebuilt from the store, each piece proven by its hash.
+The diff worker's scrub (:mod:`pipeline.publish.cache_scrub`) re-hashes its pieces in
+the background under the same locks as a state cache's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
+import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from pipeline.errors import ChainError, CorruptObjectError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import Manifest, check_run, dtype_name
+from pipeline.publish.state_cache import flock
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 
@@ -38,6 +41,7 @@ class RankCache:
     """Rank ``rank``'s pieces of run ``run`` at its last published version, on this host."""
 
     STATE = "state.json"
+    LOCK = ".lock"  # exclusive while the cache is written, shared while a scrub hashes
 
     def __init__(self, cache_dir: str | os.PathLike[str], run: str, rank: int) -> None:
         self.run, self.rank = run, rank
@@ -45,14 +49,10 @@ class RankCache:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """The host's workers bring the cache up to date one at a time."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        with (self.root / ".lock").open("a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        """The host's workers bring the cache up to date one at a time (and a scrub
+        hashes nothing meanwhile)."""
+        with flock(self.root / self.LOCK, exclusive=True):
+            yield
 
     def _state(self) -> dict[str, Any] | None:
         try:
@@ -184,6 +184,7 @@ class RankCache:
             "state_hash": manifest.state_hash,
             "folder": folder.name,
             "proven": proven,
+            "switched": uuid.uuid4().hex,  # tells each switch apart, even to the same version
         }
         tmp = self.root / f".{self.STATE}.tmp"
         tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
@@ -196,6 +197,40 @@ class RankCache:
             for old in uploads.iterdir():
                 if old.name.isdigit() and int(old.name) <= manifest.version:
                     shutil.rmtree(old, ignore_errors=True)
+
+    # -- scrubbing (pipeline/publish/cache_scrub.py) ---------------------------------
+
+    def keys_of(self, manifest: Manifest) -> list[str]:
+        """This rank's parts of ``manifest``."""
+        prefix = f"part-r{self.rank:05d}-"
+        return [key for key, _ in manifest.layout() if key.startswith(prefix)]
+
+    def current(self) -> dict[str, Any] | None:
+        """The state file's record, or None when the cache holds no version."""
+        return self._state()
+
+    def scrub_lock(self) -> contextlib.AbstractContextManager[None]:
+        """The shared lock a scrub holds while it hashes one piece (every write holds it
+        exclusively); CacheBusyError at once while the cache is being written."""
+        return flock(self.root / self.LOCK, exclusive=False, wait=False)
+
+    def mark_proven(self, switched: str) -> bool:
+        """Every piece of the state switched to as ``switched`` matched a scrub pass
+        (rank caches are proven when switched to; kept for the scrub's one protocol)."""
+        with flock(self.root / self.LOCK, exclusive=True):
+            state = self._state()
+            return state is not None and state.get("switched") == switched
+
+    def mark_damaged(self, switched: str) -> bool:
+        """Forget the state switched to as ``switched`` (a piece failed its scrub): the
+        next step rebuilds the cache from the store. False, with nothing changed, when
+        the cache has switched since."""
+        with flock(self.root / self.LOCK, exclusive=True):
+            state = self._state()
+            if state is None or state.get("switched") != switched:
+                return False
+            (self.root / self.STATE).unlink(missing_ok=True)
+            return True
 
 
 def _holds_pieces(reader: CheckpointReader, manifest: Manifest, keys: Collection[str]) -> bool:

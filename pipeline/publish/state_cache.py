@@ -50,7 +50,7 @@ class CacheBusyError(ChainError):
 
 
 @contextlib.contextmanager
-def _flock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
+def flock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
     """``flock`` on ``path``: held per open file, so threads of one process exclude
     each other like processes do. A thread holding it exclusively enters again freely."""
     held: set[Path] = _held.__dict__.setdefault("paths", set())
@@ -81,7 +81,7 @@ def _exclusive(method: _F) -> _F:
 
     @functools.wraps(method)
     def locked(self: StateCache, *args: Any, **kwargs: Any) -> Any:
-        with _flock(self.root / self.LOCK, exclusive=True):
+        with flock(self.root / self.LOCK, exclusive=True):
             return method(self, *args, **kwargs)
 
     return cast(_F, locked)
@@ -416,7 +416,7 @@ class StateCache:
     def scrub_lock(self) -> contextlib.AbstractContextManager[None]:
         """The shared lock a scrub holds while it hashes one tensor (every write holds
         it exclusively); CacheBusyError at once while the cache is being written."""
-        return _flock(self.root / self.LOCK, exclusive=False, wait=False)
+        return flock(self.root / self.LOCK, exclusive=False, wait=False)
 
     def still_holds_state(self) -> bool:
         """Asked by a diff before its manifest: the state file still names a version (a
