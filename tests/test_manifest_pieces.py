@@ -67,6 +67,11 @@ def test_a_piece_update_equals_the_whole_tensor_update() -> None:
     positions = np.array([0, 5, 38], np.int64)
     diffs = np.array([1, -1, 300], np.int16)
     piece_after = ALG.gathered(held, flat[start:], positions, diffs, start=start)[0]
+    mixsum.COMPILED = False  # the torch-ops path agrees
+    try:
+        assert ALG.gathered(held, flat[start:], positions, diffs, start=start)[0] == piece_after
+    finally:
+        mixsum.COMPILED = True
     new = flat.clone()
     new[torch.from_numpy(positions + start)] += torch.from_numpy(diffs)
     assert piece_after == ALG.piece(new[start:], start)

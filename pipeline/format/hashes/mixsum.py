@@ -288,9 +288,6 @@ def gathered_update(
     position of its tensor: positions index the piece, and are mixed as the tensor's."""
     width = flat.element_size()
     signed = _SIGNED_NP[width]
-    if offset:  # the gather as for a whole tensor, then the lanes at the shifted positions
-        _, at, before, after = gathered_update(digest((0, 0)), flat, positions, diffs)
-        return add(held, change_lanes(at + offset, before, after, width)), at, before, after
     jit = compiled()
     if flat.device.type == "cpu" and jit is not None:
         data = _unsigned(flat.numpy(), width)
@@ -298,7 +295,7 @@ def gathered_update(
         old = np.empty(where.size, data.dtype)
         new = np.empty_like(old)
         out = np.empty(2, np.uint64)
-        if jit.gathered_update(where, data, diffs.view(data.dtype), old, new, out) < 0:
+        if jit.gathered_update(where, data, diffs.view(data.dtype), old, new, out, offset) < 0:
             raise CorruptObjectError(f"a changed position is out of range for {data.size} elements")
         lanes = (int(out[0]), int(out[1]))
         return (
@@ -313,4 +310,5 @@ def gathered_update(
     old_t = flat.index_select(0, moved)
     step = torch.from_numpy(np.ascontiguousarray(diffs).view(signed)).to(flat.device)
     new_t = old_t + step  # wraps in the width
-    return add(held, torch_change(moved, old_t, new_t, width)), moved, old_t, new_t
+    lanes = torch_change(moved + offset if offset else moved, old_t, new_t, width)
+    return add(held, lanes), moved, old_t, new_t

@@ -104,11 +104,14 @@ def gathered_change_sum(positions: Any, held: Any, new: Any) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def gathered_update(positions: Any, held: Any, diffs: Any, old: Any, new: Any, out: Any) -> int:
-    """``old = held[positions]`` (``held``: the whole flat tensor, not written),
-    ``new = old + diffs`` (wrapping in the width), and both lane sums of
-    f(i, new_i) - f(i, old_i) into ``out``. -1, nothing computed, at a position out
-    of range (compiled code does not check bounds by itself). The gather is a loop
+def gathered_update(
+    positions: Any, held: Any, diffs: Any, old: Any, new: Any, out: Any, offset: int
+) -> int:
+    """``old = held[positions]`` (``held``: the whole flat tensor or a piece of one
+    starting at flat position ``offset``, not written), ``new = old + diffs`` (wrapping
+    in the width), and both lane sums of f(offset + i, new_i) - f(offset + i, old_i)
+    into ``out``. -1, nothing computed, at a position out of range (compiled code
+    does not check bounds by itself). The gather is a loop
     of its own: with the hash in the same loop each cold-cache miss stalled it
     (6-10x slower at 2M positions in a 1.2 GB state)."""
     size = held.size
@@ -122,7 +125,7 @@ def gathered_update(positions: Any, held: Any, diffs: Any, old: Any, new: Any, o
     sa = np.uint64(0)
     sb = np.uint64(0)
     for k in range(positions.size):
-        i = np.uint64(positions[k])
+        i = np.uint64(positions[k] + offset)
         na, nc = _lanes(i, np.uint64(new[k]))
         oa, oc = _lanes(i, np.uint64(old[k]))
         sa += na - oa
