@@ -26,7 +26,6 @@ rebuilt from the store and compared bit for bit with the emulator's state.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -42,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_parallel_diff import event_time
 from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, qwen_like_shapes
-from pipeline.coord.stream import ENTRY_FIELD, stream_key
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.store import open_store
 from pipeline.testing.synthetic import save_state
@@ -54,14 +53,6 @@ from tests.servers import RedisServer
 
 def host_of(rank: int) -> str:
     return f"h{rank // 2}"
-
-
-def event_time(r: redis.Redis, run: str, kind: str, version: int) -> float | None:
-    for entry_id, fields in r.xrange(stream_key(run)):
-        doc = json.loads(fields[ENTRY_FIELD.encode()])
-        if doc.get("type") == kind and int(doc["version"]) == version:
-            return int(entry_id.decode().split("-")[0]) / 1000
-    return None
 
 
 # ------------------------------------------------------------------ a trainer process

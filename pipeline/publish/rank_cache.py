@@ -28,7 +28,7 @@ from pipeline.errors import ChainError, CorruptObjectError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import Manifest, check_run, dtype_name
-from pipeline.publish.state_cache import flock
+from pipeline.publish.state_cache import flock, read_state_file
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 
@@ -55,21 +55,8 @@ class RankCache:
             yield
 
     def _state(self) -> dict[str, Any] | None:
-        try:
-            doc = json.loads((self.root / self.STATE).read_text())
-        except (OSError, ValueError):
-            return None
-        if (
-            not isinstance(doc, dict)
-            or doc.get("run") != self.run
-            or doc.get("rank") != self.rank
-            or not isinstance(doc.get("version"), int)
-            or not isinstance(doc.get("state_hash"), str)
-            or not isinstance(doc.get("folder"), str)
-            or "/" in doc["folder"]
-        ):
-            return None
-        return doc
+        doc = read_state_file(self.root / self.STATE, self.run)
+        return None if doc is None or doc.get("rank") != self.rank else doc
 
     @property
     def version(self) -> int | None:

@@ -106,6 +106,25 @@ def _fingerprint(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
+def read_state_file(path: Path, run: str) -> dict[str, Any] | None:
+    """A cache's ``state.json`` (state cache or rank cache), or None when it is missing,
+    unreadable, of another run, or lacks a version, a state hash or a plain folder name."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("run") != run
+        or not isinstance(doc.get("version"), int)
+        or not isinstance(doc.get("state_hash"), str)
+        or not isinstance(doc.get("folder"), str)
+        or "/" in doc["folder"]
+    ):
+        return None
+    return doc
+
+
 class StateCache:
     """The diff worker's local copy of a run's last published version.
 
@@ -124,19 +143,8 @@ class StateCache:
         self.root = Path(cache_dir) / check_run(run)
 
     def _state(self) -> dict[str, Any] | None:
-        try:
-            doc = json.loads((self.root / self.STATE).read_text())
-        except (OSError, ValueError):
-            return None
-        if (
-            not isinstance(doc, dict)
-            or doc.get("run") != self.run
-            or not isinstance(doc.get("version"), int)
-            or not isinstance(doc.get("state_hash"), str)
-            or not isinstance(doc.get("folder"), str)
-            or "/" in doc["folder"]
-            or not isinstance(doc.get("linked", {}), dict)
-        ):
+        doc = read_state_file(self.root / self.STATE, self.run)
+        if doc is None or not isinstance(doc.get("linked", {}), dict):
             return None
         return doc
 
