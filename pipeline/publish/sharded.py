@@ -89,7 +89,7 @@ from pipeline.publish.parts import plan_parts
 from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.step import PublishResult, already_done
 from pipeline.publish.uploads import holds
-from pipeline.publish.version import ANCHOR_CODECS, PrivateKey, write_manifest
+from pipeline.publish.version import ANCHOR_CODECS, PrivateKey, write_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store
 from pipeline.testing import faults
@@ -610,17 +610,7 @@ def _assemble_anchor(
         },
         content_hash=algorithm.name,
     )
-    manifest = write_manifest(store, manifest, signing_key, "anchor")
-    log.info(
-        "anchor published",
-        run=run,
-        version=step,
-        reason="first version",
-        bytes=manifest.total_bytes,
-        tensors=len(entries),
-        ranks=len(ranks),
-    )
-    return manifest
+    return write_anchor(store, manifest, signing_key, ranks=len(ranks))
 
 
 def help_host(side: HostSide, fanout: DeltaTask, first: str | None = None) -> int:

@@ -92,6 +92,23 @@ def write_manifest(
     return manifest
 
 
+def write_anchor(
+    store: ObjectStore, manifest: Manifest, signing_key: PrivateKey | None, **logged: object
+) -> Manifest:
+    """Write an anchor's manifest (last, signed with ``signing_key``) and log it."""
+    manifest = write_manifest(store, manifest, signing_key, "anchor")
+    log.info(
+        "anchor published",
+        run=manifest.run,
+        version=manifest.version,
+        reason=manifest.extra.get("reason"),
+        bytes=manifest.total_bytes,
+        tensors=len(manifest.tensors),
+        **logged,
+    )
+    return manifest
+
+
 def tensor_entry(
     name: str,
     tensor: torch.Tensor,
@@ -226,16 +243,7 @@ def publish_anchor(
         tensor_form=published_form(tensors) if isinstance(tensors, CheckpointReader) else None,
         content_hash=algorithm.name,
     )
-    manifest = write_manifest(store, manifest, signing_key, "anchor")
-    log.info(
-        "anchor published",
-        run=run,
-        version=version,
-        reason=reason,
-        bytes=manifest.total_bytes,
-        tensors=len(entries),
-    )
-    return manifest
+    return write_anchor(store, manifest, signing_key)
 
 
 def publish_pieced_anchor(
@@ -326,14 +334,4 @@ def publish_pieced_anchor(
         tensor_form=expected.tensor_form,
         content_hash=algorithm.name,
     )
-    manifest = write_manifest(store, manifest, signing_key, "anchor")
-    log.info(
-        "anchor published",
-        run=run,
-        version=version,
-        reason=reason,
-        bytes=manifest.total_bytes,
-        tensors=len(entries),
-        pieced=True,
-    )
-    return manifest
+    return write_anchor(store, manifest, signing_key, pieced=True)
