@@ -56,6 +56,28 @@ class TinyLM(nn.Module):
         return out
 
 
+def sharded_model() -> tuple[TinyLM, torch.optim.Optimizer]:
+    """The model wrapped with FSDP2 ``fully_shard`` (blocks, then the whole) and its
+    AdamW, the same on every rank (the process group initialised)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(SEED)
+    model = TinyLM()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: TinyLM, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """One real AdamW step on a batch drawn from ``step``."""
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, VOCAB, BATCH, generator=g)
+    model(tokens).float().pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def plain_full(step: int) -> torch.Tensor:
     """The full tensor the plain ranks hold row slices of, at ``step``."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -76,7 +98,6 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from pipeline.errors import DeltasyncError
@@ -85,20 +106,11 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)
     try:
-        torch.manual_seed(SEED)
-        model = TinyLM()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = sharded_model()
         emitter = ShardedEmitter("fsdp")
         results: dict[str, Any] = {}
         for step in range(1, 6):
-            g = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, VOCAB, BATCH, generator=g)
-            model(tokens).float().pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            train_step(model, optimizer, step)
             weights: Any = model
             if step == 3 and rank == 2:
                 # This rank fails before it registers: rows past the tensor's end.
@@ -247,7 +259,6 @@ def e2e_rank(
     import time
 
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from pipeline.errors import DeltasyncError
     from workers.sharded_trainer import ShardedEmitter, ShardPiece
@@ -255,19 +266,10 @@ def e2e_rank(
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)
     try:
-        torch.manual_seed(SEED)
-        model = TinyLM()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = sharded_model()
         emitter = ShardedEmitter("e2e")
         for step in range(1, steps + 1):
-            g = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, VOCAB, BATCH, generator=g)
-            model(tokens).float().pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            train_step(model, optimizer, step)
             weights: Any = model
             if step == 2 and rank == 3:  # rows past the tensor's end: refused, unregistered
                 weights = {**model.state_dict(), "bad": ShardPiece(torch.zeros(2, 2), (3, 2), 2)}
