@@ -98,7 +98,7 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from pipeline.errors import DeltasyncError
     from workers.sharded_trainer import ShardedEmitter, ShardPiece
@@ -126,24 +126,27 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
             if rank == 0:
                 torch.save(full, folder / f"expected-{step}.pt")
 
-        # Mapping inputs: a replicated DTensor, a refused placement, row slices, a whole
-        # tensor held by one rank only.
+        # Mapping inputs: a replicated DTensor, tensor-parallel slices of dim 1, boxes of
+        # a 2-D mesh (FSDP x TP), uneven boxes of a 3-D tensor, a refused Partial, row
+        # slices and boxes given as plain tensors, a whole tensor held by one rank only.
         mesh = next(iter(model.state_dict().values())).device_mesh
-        rep = distribute_tensor(torch.arange(10.0).reshape(2, 5), mesh, [Replicate()])
-        col = distribute_tensor(torch.ones(4, 8), mesh, [Shard(1)])
-        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
-        on_grid = distribute_tensor(torch.ones(4, 4), grid, [Shard(0), Replicate()])
-        on_half = distribute_tensor(torch.ones(4, 4), grid["b"], [Shard(0)])
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         maps = ShardedEmitter("maps")
-        for key, refused in (("col", col), ("grid", on_grid), ("half", on_half)):
-            try:
-                maps.emit_shards(0, {key: refused})
-            except DeltasyncError as exc:
-                results[f"refused-{key}"] = str(exc)
+        try:
+            maps.emit_shards(0, {"sum": DTensor.from_local(torch.ones(2, 2), mesh, [Partial()])})
+        except DeltasyncError as exc:
+            results["refused-partial"] = str(exc)
         rows = torch.arange(24.0).reshape(8, 3)
+        cols = torch.arange(32.0).reshape(4, 8)
         mapping: dict[str, Any] = {
-            "rep": rep,
+            "rep": distribute_tensor(torch.arange(10.0).reshape(2, 5), mesh, [Replicate()]),
+            "col": distribute_tensor(cols, mesh, [Shard(1)]),
+            "grid": distribute_tensor(torch.arange(48.0).reshape(8, 6), grid, [Shard(0), Shard(1)]),
+            "cube": distribute_tensor(
+                torch.arange(105.0).reshape(3, 5, 7), grid, [Shard(1), Shard(2)]
+            ),
             "rows": ShardPiece(rows[rank * 2 : rank * 2 + 2], (8, 3), rank * 2),
+            "tp": ShardPiece(cols[:, rank * 2 : rank * 2 + 2], (4, 8), offset=(0, rank * 2)),
         }
         if rank == 1:
             mapping["ints"] = torch.arange(5, dtype=torch.int64)

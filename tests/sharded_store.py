@@ -6,6 +6,7 @@ joined by ``join_pieces``, manifests schema 3 through ``write_manifest``."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -23,6 +24,7 @@ from pipeline.format.manifest import (
     object_key,
 )
 from pipeline.format.pieces import StoredPiece, join_pieces
+from pipeline.format.regions import Region
 from pipeline.publish.diff import delta_manifest
 from pipeline.publish.version import ANCHOR_CODEC, PrivateKey, write_manifest
 from pipeline.store.base import ObjectStore
@@ -50,7 +52,7 @@ def _stored(r: RankRange, spec: ShardedTensor, piece: torch.Tensor, changed: int
         r.start,
         r.stop,
         rank_part(r.rank),
-        ALGORITHM.piece(piece, r.start),
+        ALGORITHM.piece(piece, Region.flat(math.prod(spec.shape), r.start, r.stop)),
         changed,
     )
 

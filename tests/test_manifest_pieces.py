@@ -13,6 +13,7 @@ from pipeline.format import manifest as m
 from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.pieces import join_pieces, stored_pieces
+from pipeline.format.regions import Region
 
 ALG = content_hashes.get(content_hashes.MIXSUM)
 RANGES = [(0, 30), (30, 31), (31, 70)]
@@ -29,7 +30,8 @@ def _manifest() -> m.Manifest:
         m.ObjectEntry(f"part-r{i:05d}-00000.safetensors", 1, "0" * 64) for i in range(3)
     )
     pieces = tuple(
-        m.Piece(objects[i].key, a, b, ALG.piece(flat[a:b], a)) for i, (a, b) in enumerate(RANGES)
+        m.Piece(objects[i].key, a, b, ALG.piece(flat[a:b], Region.flat(70, a, b)))
+        for i, (a, b) in enumerate(RANGES)
     )
     entry = m.TensorEntry("w", "bfloat16", (10, 7), ALG.full(flat), objects[0].key, 0, pieces)
     return m.Manifest(
@@ -50,12 +52,12 @@ def _manifest() -> m.Manifest:
 
 def test_piece_hashes_combine_to_the_whole() -> None:
     flat = _tensor().reshape(-1)
-    digests = [ALG.piece(flat[a:b], a) for a, b in RANGES]
+    digests = [ALG.piece(flat[a:b], Region.flat(70, a, b)) for a, b in RANGES]
     assert ALG.combine(digests) == ALG.full(flat)
     assert mixsum.COMPILED
     mixsum.COMPILED = False  # the torch-ops path agrees
     try:
-        assert [ALG.piece(flat[a:b], a) for a, b in RANGES] == digests
+        assert [ALG.piece(flat[a:b], Region.flat(70, a, b)) for a, b in RANGES] == digests
     finally:
         mixsum.COMPILED = True
 
@@ -63,18 +65,19 @@ def test_piece_hashes_combine_to_the_whole() -> None:
 def test_a_piece_update_equals_the_whole_tensor_update() -> None:
     flat = mixsum.int_flat(_tensor())
     start = 31
-    held = ALG.piece(flat[start:], start)
+    where = Region.flat(70, start, 70)
+    held = ALG.piece(flat[start:], where)
     positions = np.array([0, 5, 38], np.int64)
     diffs = np.array([1, -1, 300], np.int16)
-    piece_after = ALG.gathered(held, flat[start:], positions, diffs, start=start)[0]
+    piece_after = ALG.gathered(held, flat[start:], positions, diffs, where)[0]
     mixsum.COMPILED = False  # the torch-ops path agrees
     try:
-        assert ALG.gathered(held, flat[start:], positions, diffs, start=start)[0] == piece_after
+        assert ALG.gathered(held, flat[start:], positions, diffs, where)[0] == piece_after
     finally:
         mixsum.COMPILED = True
     new = flat.clone()
     new[torch.from_numpy(positions + start)] += torch.from_numpy(diffs)
-    assert piece_after == ALG.piece(new[start:], start)
+    assert piece_after == ALG.piece(new[start:], where)
     whole_after = ALG.gathered(ALG.full(flat), flat, positions + start, diffs)[0]
     assert whole_after == ALG.full(new)
 
@@ -100,8 +103,8 @@ def test_pieces_need_schema_3() -> None:
 @pytest.mark.parametrize(
     ("old", "new", "why"),
     [
-        (b'"stop":31', b'"stop":32', "cover it in order"),
-        (b'"start":31', b'"start":32', "cover it in order"),
+        (b'"stop":31', b'"stop":32', "elements from 31 are held twice"),
+        (b'"start":31', b'"start":32', "elements from 31 are missing"),
         (b'"stop":70', b'"stop":69', "cover 69 of its 70"),
         (b'"changed":0,"hash"', b'"changed":1,"hash"', "do not add up"),
     ],

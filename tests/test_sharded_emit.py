@@ -277,8 +277,10 @@ def _reassemble(r: Any, run: str, step: int, world: int) -> dict[str, torch.Tens
                 covered[p.name] = torch.zeros(numel, dtype=torch.int32)
                 shapes[p.name] = p.shape
             assert shapes[p.name] == p.shape
-            flats[p.name][p.start : p.stop] = tensor.view(dtype.view)
-            covered[p.name][p.start : p.stop] += 1
+            # Placed element by element: a box's elements are not one flat range.
+            at = p.region.positions(torch.arange(p.numel))
+            flats[p.name][at] = tensor.view(dtype.view)
+            covered[p.name][at] += 1
         reader.close()
     for name, count in covered.items():
         assert torch.equal(count, torch.ones_like(count)), f"{name} not covered exactly once"
@@ -335,7 +337,7 @@ def test_fsdp2_ranks_emit_their_shards_and_the_steps_reassemble_bit_for_bit(
         assert sum(results[k][str(step)]["completed"] for k in range(WORLD)) == 1
 
     # Rank 2 raised before registering at step 3: nothing was sent for it.
-    assert "outside the 3 rows" in results[2]["3"]["error"]
+    assert "is not inside [3, 2]" in results[2]["3"]["error"]
     assert sorted(rank_folders(r, "fsdp", 3)) == [0, 1, 3]
     assert not r.exists(keys.emitted_key("fsdp", 3))
     assert _completed_steps(r, "fsdp") == [1, 2, 4, 5]
@@ -354,15 +356,24 @@ def test_fsdp2_ranks_emit_their_shards_and_the_steps_reassemble_bit_for_bit(
         staged = sorted(p.name for p in (tmp_path / host / "staging" / "fsdp").iterdir())
         assert staged == [f"step-{s:010d}" for s in (1, 2, 4, 5)], host
 
-    # Mappings: Replicate staged once, row slices, a tensor one rank holds whole.
-    refused = results[0]
-    assert "'col'" in refused["refused-col"] and "Shard(dim=1)" in refused["refused-col"]
-    assert "'grid'" in refused["refused-grid"] and "2-D mesh" in refused["refused-grid"]
-    assert "'half'" in refused["refused-half"] and "mesh has 2 ranks" in refused["refused-half"]
+    # Mappings: Replicate staged once, tensor-parallel and 2-D mesh boxes, row slices,
+    # a tensor one rank holds whole; all placed element for element.
+    assert "'sum'" in results[0]["refused-partial"] and "Partial" in results[0]["refused-partial"]
     got = _reassemble(r, "maps", 0, WORLD)
     assert torch.equal(got["rep"], _as_int(torch.arange(10.0).reshape(2, 5)))
+    assert torch.equal(got["col"], _as_int(torch.arange(32.0).reshape(4, 8)))
+    assert torch.equal(got["tp"], _as_int(torch.arange(32.0).reshape(4, 8)))
+    assert torch.equal(got["grid"], _as_int(torch.arange(48.0).reshape(8, 6)))
+    assert torch.equal(got["cube"], _as_int(torch.arange(105.0).reshape(3, 5, 7)))
     assert torch.equal(got["rows"], _as_int(torch.arange(24.0).reshape(8, 3)))
     assert torch.equal(got["ints"], torch.arange(5, dtype=torch.int64))
+    boxes = {
+        p.name: p.size
+        for entry in rank_folders(r, "maps", 0).values()
+        for p in read_layout(entry.path).pieces
+        if entry.path.endswith("rank-00003")
+    }
+    assert boxes["col"] == (4, 2) and boxes["grid"] == (4, 3) and boxes["cube"] == (3, 2, 3)
     assert _completed_steps(r, "maps") == [0]
     assert queues.diff_job_id("maps", 0) in jobs
 

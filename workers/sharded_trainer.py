@@ -16,20 +16,21 @@ argument set. Nothing is gathered: no collective is called at all.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import shutil
 import socket
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from pipeline.config import Settings
 from pipeline.coord import keys
@@ -42,6 +43,7 @@ from pipeline.format.checkpoint_names import (
     is_transformers_model,
 )
 from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.regions import Region
 from pipeline.format.shards import MAX_WORLD, RankLayout, RankPiece, layout_digest, write_layout
 from pipeline.format.tensors import BY_TORCH
 from pipeline.logs import get_logger
@@ -56,12 +58,15 @@ _STEP_FOLDER = re.compile(r"step-([0-9]{10})")
 
 @dataclass(frozen=True)
 class ShardPiece:
-    """Rows [start_row, start_row + tensor.shape[0]) of a tensor of ``full_shape``, held
-    by this rank as a plain tensor (a dim-0 slice of the full tensor)."""
+    """What this rank holds of a tensor of ``full_shape`` as a plain tensor: rows
+    ``[start_row, start_row + tensor.shape[0])`` (a dim-0 slice), or with ``offset``
+    the box of ``tensor.shape`` at ``offset`` (one index per dimension: a tensor-parallel
+    slice of any dimension, as a DTensor's local chunk)."""
 
     tensor: torch.Tensor
     full_shape: tuple[int, ...]
-    start_row: int
+    start_row: int = 0
+    offset: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class _Local:
     name: str
     flat: torch.Tensor  # 1-D view (or copy) of what this rank holds, not cast yet
     shape: tuple[int, ...]
-    start: int
+    region: Region | None  # where it lies in the full tensor; None: it is empty
 
 
 def _int_env(name: str) -> int | None:
@@ -137,76 +142,90 @@ def _tensors_of(weights: Weights) -> tuple[Mapping[str, Held], TensorForm]:
     return {new: state[old] for new, old in renaming.items()}, "checkpoint"
 
 
-def _shard_rows(name: str, t: DTensor, world: int) -> tuple[torch.Tensor, int] | None:
-    """This rank's local rows of ``t`` and the first one's index in the full tensor; None
-    when this rank does not stage ``t`` (a replica other than coordinate 0)."""
+def _region(full: tuple[int, ...], offset: Sequence[int], size: Sequence[int]) -> Region | None:
+    """Where a local piece of ``size`` at ``offset`` lies in a tensor of ``full`` (None:
+    it is empty). A box for tensors of two or more dimensions, so that a tensor's pieces
+    are all boxes whatever dimension the ranks split: one rule on every rank."""
+    if 0 in size:
+        return None
+    if not full:
+        return Region.flat(1, 0, 1)
+    return Region(full, tuple(offset), tuple(size))
+
+
+def _dtensor_piece(name: str, t: DTensor) -> tuple[torch.Tensor, Region | None] | None:
+    """This rank's local chunk of ``t`` and where it lies (Shard or Replicate on any
+    dimension of a mesh of any rank, with torch's own chunking); None when this rank
+    does not stage ``t`` (a replica other than coordinate 0 of a Replicate dimension)."""
     mesh = t.device_mesh
     placements = tuple(t.placements)
-    if mesh.ndim != 1 or len(placements) != 1:
-        raise ConfigError(
-            f"tensor {name!r}: placements {placements} on a {mesh.ndim}-D mesh are not "
-            "supported (Shard(0) or Replicate on a 1-D mesh)"
-        )
-    if mesh.size() != world:
-        # A smaller mesh repeats across the world: its pieces would be staged twice.
-        raise ConfigError(
-            f"tensor {name!r}: its mesh has {mesh.size()} ranks, not the world's {world}"
-        )
-    placement = placements[0]
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
-    index = coordinate[0]
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            if coordinate[dim] != 0:
+                return None
+        elif not (placement.is_shard() or isinstance(placement, _StridedShard)):
+            raise ConfigError(
+                f"tensor {name!r}: placement {placement!r} is not supported (Shard or "
+                "Replicate: a Partial tensor must be reduced before it is emitted)"
+            )
     local = t.to_local()
     full = tuple(t.shape)
-    if type(placement) is Replicate:
-        return (local, 0) if index == 0 else None
-    if type(placement) is not Shard or placement.dim != 0 or not full:
-        raise ConfigError(
-            f"tensor {name!r}: placement {placement!r} is not supported (Shard(0) or Replicate)"
-        )
-    # Shard(0) chunks dim 0 like torch.chunk: ceil(rows / size) rows each, the last
-    # ranks fewer or none.
-    rows = full[0]
-    chunk = -(-rows // mesh.size())
-    first = min(index * chunk, rows)
-    expected = (min(chunk, rows - first), *full[1:])
-    if tuple(local.shape) != expected:
+    size, offset = compute_local_shape_and_global_offset(full, mesh, placements)
+    if tuple(local.shape) != tuple(size):
         raise MismatchError(
-            f"tensor {name!r}: rank's local shard has shape {tuple(local.shape)}, "
-            f"expected {expected} for Shard(0) of {full} at coordinate {index}"
+            f"tensor {name!r}: rank's local chunk has shape {tuple(local.shape)}, expected "
+            f"{tuple(size)} for {placements} of {full} at coordinate {coordinate}"
         )
-    return local, first
+    return local, _region(full, offset, size)
 
 
-def _local_piece(name: str, value: object, world: int) -> _Local | None:
-    if isinstance(value, DTensor):
-        held = _shard_rows(name, value, world)
-        if held is None:
-            return None
-        local, first_row = held
-        full = tuple(value.shape)
-    elif isinstance(value, ShardPiece):
-        local, full, first_row = value.tensor, tuple(value.full_shape), value.start_row
-        if not isinstance(local, torch.Tensor) or isinstance(local, DTensor):
-            raise ConfigError(f"tensor {name!r}: a ShardPiece holds a plain tensor")
+def _plain_piece(name: str, value: ShardPiece) -> tuple[torch.Tensor, Region | None]:
+    local, full = value.tensor, tuple(value.full_shape)
+    if not isinstance(local, torch.Tensor) or isinstance(local, DTensor):
+        raise ConfigError(f"tensor {name!r}: a ShardPiece holds a plain tensor")
+    if value.offset is not None:
+        offset = tuple(value.offset)
+        if len(offset) != len(full) or local.dim() != len(full):
+            raise MismatchError(
+                f"tensor {name!r}: a piece of shape {tuple(local.shape)} at {list(offset)} "
+                f"is no box of {full}"
+            )
+    else:
+        first_row = value.start_row
+        if isinstance(first_row, bool) or not isinstance(first_row, int):
+            raise ConfigError(f"tensor {name!r}: start_row must be an integer")
         if not full or local.dim() != len(full) or tuple(local.shape[1:]) != full[1:]:
             raise MismatchError(
                 f"tensor {name!r}: piece of shape {tuple(local.shape)} is no row slice of {full}"
             )
-        if isinstance(first_row, bool) or not isinstance(first_row, int):
-            raise ConfigError(f"tensor {name!r}: start_row must be an integer")
-        if first_row < 0 or first_row + local.shape[0] > full[0]:
-            raise MismatchError(
-                f"tensor {name!r}: rows [{first_row}, {first_row + local.shape[0]}) are "
-                f"outside the {full[0]} rows of {full}"
-            )
+        offset = (first_row, *([0] * (len(full) - 1)))
+    if any(isinstance(o, bool) or not isinstance(o, int) for o in offset):
+        raise ConfigError(f"tensor {name!r}: a ShardPiece's offset must be integers")
+    try:
+        return local, _region(full, offset, tuple(local.shape))
+    except MismatchError as exc:
+        raise MismatchError(f"tensor {name!r}: {exc}") from None
+
+
+def _local_piece(name: str, value: object) -> _Local | None:
+    if isinstance(value, DTensor):
+        held = _dtensor_piece(name, value)
+        if held is None:
+            return None
+        local, region = held
+        full = tuple(value.shape)
+    elif isinstance(value, ShardPiece):
+        local, region = _plain_piece(name, value)
+        full = tuple(value.full_shape)
     elif isinstance(value, torch.Tensor):
-        local, full, first_row = value, tuple(value.shape), 0
+        local, full = value, tuple(value.shape)
+        region = _region(full, [0] * len(full), full)
     else:
         raise ConfigError(f"tensor {name!r} is a {type(value).__name__}, not a tensor")
-    row = math.prod(full[1:]) if full else 1
-    return _Local(name, local.detach().reshape(-1), full, first_row * row)
+    return _Local(name, local.detach().reshape(-1), full, region)
 
 
 def _cast_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
@@ -280,12 +299,13 @@ class ShardedEmitter(RunEmitter):
 
         ``weights``: an ``nn.Module`` (its state dict; FSDP2 ``fully_shard`` keeps the
         original names; a transformers model gets its checkpoint names when that is a
-        renaming only) or a mapping name -> tensor, each either a DTensor placed
-        Shard(0) (this rank's rows) or Replicate (staged by mesh coordinate 0 only) on
-        a 1-D mesh of the world, a ``ShardPiece`` (a row slice of the full tensor), or a
-        plain tensor (held whole by this rank: give it on one rank only). Other
-        placements: ConfigError naming the tensor. Together the ranks must cover each
-        tensor once (a step whose pieces do not is not publishable).
+        renaming only) or a mapping name -> tensor, each either a DTensor (FSDP2,
+        tensor parallel, or both on a 2-D mesh: Shard of any dimension, or Replicate,
+        staged by mesh coordinate 0 only), a ``ShardPiece`` (a row slice or a box of
+        the full tensor), or a plain tensor (held whole by this rank: give it on one
+        rank only). Partial placements: ConfigError naming the tensor. Together the
+        ranks must cover each tensor once (a step whose pieces do not is not
+        publishable).
 
         No collective is called, so no rank waits for another. A rank that raises (or
         dies) before it registers leaves the step incomplete: nothing is sent for it,
@@ -297,17 +317,16 @@ class ShardedEmitter(RunEmitter):
         at the same point, as for any collective)."""
         self._check_newer(step)
         tensors, form = _tensors_of(weights)
-        held = [
-            p for name, v in tensors.items() if (p := _local_piece(name, v, self.world)) is not None
-        ]
-        held = [p for p in held if p.flat.numel()]  # zero-size pieces are not staged
+        found = [p for name, v in tensors.items() if (p := _local_piece(name, v)) is not None]
+        held = [p for p in found if p.region is not None]  # zero-size pieces are not staged
         pieces = []
         for p in held:
             staged = _cast_dtype(p.flat, dtype)
             if staged not in BY_TORCH:
                 raise MismatchError(f"tensor {p.name!r} has dtype {staged} deltasync cannot hold")
             name = BY_TORCH[staged].name
-            pieces.append(RankPiece(p.name, name, p.shape, p.start, p.start + p.flat.numel()))
+            assert p.region is not None
+            pieces.append(RankPiece.at(p.name, name, p.shape, p.region))
         layout = RankLayout(self.run, step, self.rank, self.world, self.host, tuple(pieces))
         folder = self._stage(layout, held, dtype, form, max_shard_bytes)
         digest = layout_digest(layout)

@@ -24,6 +24,7 @@ import torch
 
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.hashes.hashing import state_hash
+from pipeline.format.regions import Region
 from pipeline.format.tensors import DTYPE_TABLE
 
 SCHEMA_VERSION = 2
@@ -80,18 +81,46 @@ class ObjectEntry:
 
 @dataclass(frozen=True)
 class Piece:
-    """Flat elements ``[start, stop)`` of a tensor, stored in ``object`` as a 1-D tensor
-    of the tensor's name: what one trainer rank holds of it (a sharded run)."""
+    """What one trainer rank holds of a tensor (a sharded run), stored in ``object`` as
+    a 1-D tensor of the tensor's name: flat elements ``[start, stop)``, or with
+    ``size`` the box ``offset``/``size`` (per dimension, a DTensor's local chunk), whose
+    flat span ``start``/``stop`` then only orders and names it. See
+    :mod:`pipeline.format.regions`."""
 
     object: str
     start: int
     stop: int
     hash: str  # content hash of these elements at their flat positions in the whole tensor
     changed: int = 0  # of these elements, changed against the parent
+    offset: tuple[int, ...] = ()
+    size: tuple[int, ...] = ()
+
+    @classmethod
+    def at(cls, object: str, region: Region, hash: str, changed: int = 0) -> Piece:
+        """The piece of ``region``: a flat range, or a box."""
+        if region.is_flat:
+            return cls(object, region.start, region.stop, hash, changed)
+        return cls(object, region.start, region.stop, hash, changed, region.offset, region.size)
+
+    @property
+    def is_box(self) -> bool:
+        return bool(self.size)
 
     @property
     def numel(self) -> int:
-        return self.stop - self.start
+        return math.prod(self.size) if self.size else self.stop - self.start
+
+    def region(self, shape: tuple[int, ...]) -> Region:
+        """Where the piece lies in a tensor of ``shape``."""
+        if self.size:
+            return Region(tuple(shape), self.offset, self.size)
+        return Region.flat(math.prod(shape), self.start, self.stop)
+
+    def describe(self) -> str:
+        """``elements [a, b)`` or ``box offset [..] size [..]``, for messages."""
+        if self.size:
+            return f"box offset {list(self.offset)} size {list(self.size)}"
+        return f"elements [{self.start}, {self.stop})"
 
 
 @dataclass(frozen=True)
@@ -116,6 +145,10 @@ class TensorEntry:
         if self.pieces:
             return self.pieces
         return (Piece(self.object, 0, self.numel, self.hash, self.changed),)
+
+    def region(self, piece: Piece) -> Region:
+        """Where ``piece`` (one of :attr:`stored`) lies in this tensor."""
+        return piece.region(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -273,7 +306,7 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
                 "hash": t.hash,
                 "object": t.object,
                 "changed": t.changed,
-                **({"pieces": [_piece_dict(p) for p in t.pieces]} if t.pieces else {}),
+                **({"pieces": [piece_dict(p) for p in t.pieces]} if t.pieces else {}),
             }
             for t in manifest.tensors
         ],
@@ -293,14 +326,14 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
     return doc
 
 
-def _piece_dict(piece: Piece) -> dict[str, Any]:
-    return {
-        "object": piece.object,
-        "start": piece.start,
-        "stop": piece.stop,
-        "hash": piece.hash,
-        "changed": piece.changed,
-    }
+def piece_dict(piece: Piece) -> dict[str, Any]:
+    """A piece as the manifest (and the vLLM worker protocol) writes it."""
+    where: dict[str, Any] = (
+        {"offset": list(piece.offset), "size": list(piece.size)}
+        if piece.size
+        else {"start": piece.start, "stop": piece.stop}
+    )
+    return {"object": piece.object, **where, "hash": piece.hash, "changed": piece.changed}
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:

@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any, cast
 
-from pipeline.errors import CodecError, CorruptObjectError
+from pipeline.errors import CodecError, CorruptObjectError, MismatchError
 from pipeline.format.bounded import load_json
 from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import (
@@ -39,6 +39,7 @@ from pipeline.format.manifest import (
     check_object_key,
     compute_state_hash,
 )
+from pipeline.format.regions import Region, tiling_error
 
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -324,30 +325,43 @@ def _parse_pieces(
         raise c.fail(f"tensor {name!r} has a malformed piece list")
     if not content_hashes.get(algorithm).incremental:
         raise c.fail(f"tensor {name!r} is in pieces, which content hash {algorithm} cannot sum")
-    fields = frozenset({"object", "start", "stop", "hash", "changed"})
+    flat_fields = frozenset({"object", "start", "stop", "hash", "changed"})
+    box_fields = frozenset({"object", "offset", "size", "hash", "changed"})
     pieces: list[Piece] = []
-    at = 0
     for i, item in enumerate(raw):
-        p = c.obj(item, f"piece {i} of tensor {name!r}", fields)
+        what = f"piece {i} of tensor {name!r}"
+        boxed = isinstance(item, dict) and "size" in item
+        p = c.obj(item, what, box_fields if boxed else flat_fields)
         obj = p.get("object")
         if obj not in object_keys:
-            raise c.fail(f"piece {i} of tensor {name!r} names object {obj!r}, which is not listed")
-        start = c.integer(p.get("start"), f"start of piece {i} of {name!r}", 0, MAX_ELEMENTS)
-        stop = c.integer(p.get("stop"), f"stop of piece {i} of {name!r}", 0, MAX_ELEMENTS)
-        if start != at or stop <= start:
-            raise c.fail(f"pieces of tensor {name!r} do not cover it in order")
-        at = stop
-        pieces.append(
-            Piece(
-                object=cast(str, obj),
-                start=start,
-                stop=stop,
-                hash=c.string(p.get("hash"), f"hash of piece {i} of {name!r}", _HEX32),
-                changed=c.integer(p.get("changed", 0), f"changed of piece {i} of {name!r}", 0),
+            raise c.fail(f"{what} names object {obj!r}, which is not listed")
+        if boxed:
+            offset, size = (
+                tuple(c.integer(n, f"{key} of {what}", 0, MAX_ELEMENTS) for n in _dims(c, p, key))
+                for key in ("offset", "size")
             )
+            try:
+                region = Region(entry.shape, offset, size)
+            except MismatchError as exc:
+                raise c.fail(f"{what}: {exc}") from None
+        else:
+            start = c.integer(p.get("start"), f"start of {what}", 0, MAX_ELEMENTS)
+            stop = c.integer(p.get("stop"), f"stop of {what}", 0, MAX_ELEMENTS)
+            if not start < stop <= entry.numel:
+                raise c.fail(f"pieces of tensor {name!r} do not cover it in order")
+            region = Region.flat(entry.numel, start, stop)
+        piece = Piece.at(
+            cast(str, obj),
+            region,
+            c.string(p.get("hash"), f"hash of {what}", _HEX32),
+            c.integer(p.get("changed", 0), f"changed of {what}", 0),
         )
-    if at != entry.numel:
-        raise c.fail(f"pieces of tensor {name!r} cover {at} of its {entry.numel} elements")
+        if pieces and piece.start <= pieces[-1].start:
+            raise c.fail(f"pieces of tensor {name!r} do not cover it in order")
+        pieces.append(piece)
+    gap = tiling_error(entry.numel, [p.region(entry.shape) for p in pieces])
+    if gap is not None:
+        raise c.fail(f"pieces of tensor {name!r}: {gap}")
     if len({p.object for p in pieces}) != len(pieces):
         raise c.fail(f"tensor {name!r} has two pieces in one object")
     if pieces[0].object != entry.object:
@@ -357,6 +371,13 @@ def _parse_pieces(
     if content_hashes.get(algorithm).combine([p.hash for p in pieces]) != entry.hash:
         raise c.fail(f"hashes of the pieces of tensor {name!r} do not sum to its hash")
     return tuple(pieces)
+
+
+def _dims(c: _Checker, p: dict[str, Any], key: str) -> list[object]:
+    dims = p.get(key)
+    if not isinstance(dims, list) or len(dims) > MAX_NDIM:
+        raise c.fail(f"a piece's {key} is not a list of at most {MAX_NDIM} integers")
+    return dims
 
 
 def _parse_signature(c: _Checker, raw: object) -> dict[str, str] | None:

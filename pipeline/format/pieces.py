@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pipeline.errors import MismatchError
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.manifest import Piece, TensorEntry
+from pipeline.format.regions import Region, tiling_error
 
 
 @dataclass(frozen=True)
 class StoredPiece:
     """Flat elements ``[start, stop)`` of tensor ``name`` (``dtype``, full ``shape``),
+    or with ``size`` the box ``offset``/``size`` (``start``/``stop`` its flat span),
     stored in ``object``: what a part records for each piece it holds."""
 
     name: str
@@ -30,20 +32,52 @@ class StoredPiece:
     object: str
     hash: str
     changed: int = 0
+    offset: tuple[int, ...] = ()
+    size: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
-        return self.stop - self.start
+        return self.piece().numel
+
+    @property
+    def region(self) -> Region:
+        return self.piece().region(self.shape)
 
     def piece(self) -> Piece:
-        return Piece(self.object, self.start, self.stop, self.hash, self.changed)
+        return Piece(
+            self.object, self.start, self.stop, self.hash, self.changed, self.offset, self.size
+        )
+
+    @classmethod
+    def at(
+        cls,
+        name: str,
+        dtype: str,
+        region: Region,
+        shape: tuple[int, ...],
+        object: str,
+        hash: str,
+        changed: int = 0,
+    ) -> StoredPiece:
+        """The record of the piece of tensor ``name`` (full ``shape``) at ``region``."""
+        p = Piece.at(object, region, hash, changed)
+        return cls(name, dtype, shape, p.start, p.stop, object, hash, changed, p.offset, p.size)
 
 
 def stored_pieces(entry: TensorEntry) -> list[StoredPiece]:
     """``entry``'s pieces as records (one whole piece for an unsharded tensor)."""
     return [
         StoredPiece(
-            entry.name, entry.dtype, entry.shape, p.start, p.stop, p.object, p.hash, p.changed
+            entry.name,
+            entry.dtype,
+            entry.shape,
+            p.start,
+            p.stop,
+            p.object,
+            p.hash,
+            p.changed,
+            p.offset,
+            p.size,
         )
         for p in entry.stored
     ]
@@ -53,7 +87,8 @@ def join_pieces(
     pieces: Iterable[StoredPiece], order: Sequence[str], algorithm: HashAlgorithm
 ) -> list[TensorEntry]:
     """The manifest entries of the tensors named in ``order``, from their ``pieces``
-    (any order): each tensor's pieces sorted by start, checked to cover it once, its
+    (any order): each tensor's pieces sorted by start, checked to cover it once (flat
+    ranges in a row, or boxes in a grid: pipeline.format.regions), its
     hash and change count their sums. Every entry lists its pieces, even a single one:
     a piece is stored as a 1-D tensor, which an entry without pieces is not.
     MismatchError names the first gap, overlap or disagreement."""
@@ -69,22 +104,15 @@ def join_pieces(
         if not found:
             raise MismatchError(f"no piece of tensor {name!r} is recorded")
         first = found[0]
-        numel = math.prod(first.shape)
-        at = 0
         for p in found:
             if (p.dtype, p.shape) != (first.dtype, first.shape):
                 raise MismatchError(
                     f"pieces of tensor {name!r} disagree: {p.dtype} {p.shape} against "
                     f"{first.dtype} {first.shape}"
                 )
-            if p.start != at or p.stop <= p.start:
-                raise MismatchError(
-                    f"pieces of tensor {name!r}: elements from {at} are "
-                    f"{'missing' if p.start > at else 'held twice'}"
-                )
-            at = p.stop
-        if at != numel:
-            raise MismatchError(f"pieces of tensor {name!r} cover {at} of its {numel} elements")
+        gap = tiling_error(math.prod(first.shape), [p.region for p in found])
+        if gap is not None:
+            raise MismatchError(f"pieces of tensor {name!r}: {gap}")
         out.append(
             TensorEntry(
                 name=name,

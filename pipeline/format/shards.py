@@ -3,8 +3,9 @@
 A rank of a sharded run stages only what it holds, in
 ``<staging>/<run>/step-<N>/rank-<R>/``: a checkpoint of 1-D tensors (each named by its
 full checkpoint name) and this sidecar, which says where each of them lies in the full
-tensor: flat elements [start, stop) of a tensor of ``shape``. Pieces are listed in the
-checkpoint's tensor order; zero-size pieces are not staged at all.
+tensor: flat elements [start, stop) of a tensor of ``shape``, or a box of it (per
+dimension an offset and a size: a DTensor's local chunk; see pipeline.format.regions).
+Pieces are listed in the checkpoint's tensor order; zero-size pieces are not staged.
 
 The sidecar is written by the trainer and read by the diff workers of the same host;
 it is parsed as untrusted input all the same (bounded, one-line errors).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError
+from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.format.bounded import load_json
 from pipeline.format.manifest import (
     MAX_ELEMENTS,
@@ -31,6 +32,7 @@ from pipeline.format.manifest import (
     MAX_VERSION,
     RUN_PATTERN,
 )
+from pipeline.format.regions import Region
 from pipeline.format.tensors import BY_NAME
 
 LAYOUT_NAME = "pieces.json"
@@ -41,22 +43,39 @@ HOST_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,255}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _TOP_KEYS = frozenset({"run", "step", "rank", "world", "host", "tensors"})
 _PIECE_KEYS = frozenset({"name", "dtype", "shape", "start", "stop"})
+_BOX_KEYS = frozenset({"name", "dtype", "shape", "offset", "size"})
 
 
 @dataclass(frozen=True)
 class RankPiece:
-    """Flat elements [start, stop) of tensor ``name`` (full ``shape``), staged as a 1-D
-    tensor of ``stop - start`` elements of ``dtype`` (a name of pipeline.format.tensors)."""
+    """Flat elements [start, stop) of tensor ``name`` (full ``shape``), or with ``size``
+    the box ``offset``/``size`` (``start``/``stop`` its flat span), staged as a 1-D
+    tensor of its elements of ``dtype`` (a name of pipeline.format.tensors)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     start: int
     stop: int
+    offset: tuple[int, ...] = ()
+    size: tuple[int, ...] = ()
+
+    @classmethod
+    def at(cls, name: str, dtype: str, shape: tuple[int, ...], region: Region) -> RankPiece:
+        """The piece at ``region`` of tensor ``name`` of full ``shape``."""
+        if region.is_flat:
+            return cls(name, dtype, shape, region.start, region.stop)
+        return cls(name, dtype, shape, region.start, region.stop, region.offset, region.size)
+
+    @property
+    def region(self) -> Region:
+        if self.size:
+            return Region(self.shape, self.offset, self.size)
+        return Region.flat(math.prod(self.shape), self.start, self.stop)
 
     @property
     def numel(self) -> int:
-        return self.stop - self.start
+        return self.region.numel
 
 
 @dataclass(frozen=True)
@@ -104,25 +123,37 @@ class _Check:
 
 def _check_piece(c: _Check, doc: object, i: int) -> RankPiece:
     what = f"tensors[{i}]"
-    d = c.obj(doc, what, _PIECE_KEYS)
+    boxed = isinstance(doc, dict) and "size" in doc
+    d = c.obj(doc, what, _BOX_KEYS if boxed else _PIECE_KEYS)
     name = d["name"]
     if not isinstance(name, str) or not 0 < len(name) <= MAX_TENSOR_NAME or _CONTROL.search(name):
         raise c.fail(f"{what}.name is not a tensor name")
     dtype = d["dtype"]
     if not isinstance(dtype, str) or dtype not in BY_NAME:
         raise c.fail(f"{what} ({name[:80]!r}) has unknown dtype {str(dtype)[:40]!r}")
-    shape_doc = d["shape"]
-    if not isinstance(shape_doc, list | tuple) or len(shape_doc) > MAX_NDIM:
-        raise c.fail(f"{what} ({name[:80]!r}) shape is not a list of at most {MAX_NDIM}")
-    shape = tuple(c.integer(n, f"{what}.shape", 0, MAX_ELEMENTS) for n in shape_doc)
+    shape = _dims(c, d["shape"], f"{what} ({name[:80]!r}) shape")
     numel = math.prod(shape)
     if numel > MAX_ELEMENTS:
         raise c.fail(f"{what} ({name[:80]!r}) has {numel} elements, over {MAX_ELEMENTS}")
+    if boxed:
+        offset = _dims(c, d["offset"], f"{what} ({name[:80]!r}) offset")
+        size = _dims(c, d["size"], f"{what} ({name[:80]!r}) size")
+        try:
+            region = Region(shape, offset, size)
+        except MismatchError as exc:
+            raise c.fail(f"{what} ({name[:80]!r}): {exc}") from None
+        return RankPiece(name, dtype, shape, region.start, region.stop, offset, size)
     start = c.integer(d["start"], f"{what}.start", 0, numel)
     stop = c.integer(d["stop"], f"{what}.stop", 0, numel)
     if stop <= start:
         raise c.fail(f"{what} ({name[:80]!r}) is empty or reversed: [{start}, {stop})")
     return RankPiece(name, dtype, shape, start, stop)
+
+
+def _dims(c: _Check, value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_NDIM:
+        raise c.fail(f"{what} is not a list of at most {MAX_NDIM}")
+    return tuple(c.integer(n, what, 0, MAX_ELEMENTS) for n in value)
 
 
 def _check_layout(c: _Check, doc: object) -> RankLayout:
@@ -145,13 +176,12 @@ def _check_layout(c: _Check, doc: object) -> RankLayout:
 
 
 def _piece_doc(p: RankPiece) -> dict[str, Any]:
-    return {
-        "name": p.name,
-        "dtype": p.dtype,
-        "shape": list(p.shape),
-        "start": p.start,
-        "stop": p.stop,
-    }
+    where: dict[str, Any] = (
+        {"offset": list(p.offset), "size": list(p.size)}
+        if p.size
+        else {"start": p.start, "stop": p.stop}
+    )
+    return {"name": p.name, "dtype": p.dtype, "shape": list(p.shape), **where}
 
 
 def _layout_doc(layout: RankLayout) -> dict[str, Any]:

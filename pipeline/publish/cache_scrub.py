@@ -53,6 +53,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.scrub import Scrubber, ScrubPace
 from pipeline.format.manifest import Kind, Manifest, check_run
+from pipeline.format.regions import Region
 from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.state_cache import CacheBusyError, StateCache
 from pipeline.store.base import ObjectStore
@@ -85,7 +86,7 @@ class CacheScrub:
         self._names: list[str] = []
         self._position: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
-        self._hashes: dict[str, tuple[int | None, str]] = {}  # start (a piece's) and hash
+        self._hashes: dict[str, tuple[Region | None, str]] = {}  # a piece's region, hash
         self._ok: set[str] = set()
         self._next = 0  # where the next pass begins: coverage goes on across switches
 
@@ -119,11 +120,11 @@ class CacheScrub:
             state = self.cache.current()
             if state is None or state.get("switched") != switched:
                 raise CacheMovedError(f"state cache {self.cache.root} switched during a scrub")
-            start, expected = self._hashes[name]
+            region, expected = self._hashes[name]
             algorithm = content_hashes.of(manifest)
             try:  # the same switch: the files the reader was opened on
                 view = reader.view(name)
-                got = algorithm.full(view) if start is None else algorithm.piece(view, start)
+                got = algorithm.piece(view, region)
                 same = got == expected
             finally:
                 reader.close()  # unmapped: residency stays one tensor
@@ -177,9 +178,9 @@ class CacheScrub:
         self._ok = set()
         return bool(names)
 
-    def _expected(self, manifest: Manifest) -> dict[str, tuple[int | None, str]] | None:
+    def _expected(self, manifest: Manifest) -> dict[str, tuple[Region | None, str]] | None:
         """Each cached tensor's hash in ``manifest`` (a rank cache's: its pieces', with
-        their start); None when the cache does not hold that version."""
+        their region); None when the cache does not hold that version."""
         cache = self.cache
         if isinstance(cache, StateCache):
             if not cache.is_valid_for(manifest):
@@ -189,7 +190,7 @@ class CacheScrub:
         if not keys or not cache.is_valid_for(manifest, keys):
             return None
         return {
-            entry.name: (piece.start, piece.hash)
+            entry.name: (entry.region(piece), piece.hash)
             for key, held in manifest.layout()
             if key in keys
             for entry, piece in held

@@ -55,6 +55,7 @@ from pipeline.format.manifest import (
 )
 from pipeline.format.matching import check_tensors
 from pipeline.format.pieces import StoredPiece, join_pieces
+from pipeline.format.regions import Region
 from pipeline.publish.uploads import Clock, PublishTimings, Uploader
 from pipeline.publish.version import PrivateKey, tensor_entry, write_manifest
 from pipeline.store.base import ObjectStore
@@ -166,14 +167,14 @@ HASH_THREADS = max(1, min(4, cpus.available() // 4))
 def _pair_hashes(
     pairs: Pairs,
     algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM,
-    starts: dict[str, int] | None = None,
+    regions: dict[str, Region] | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Content hashes of the (base, new) tensors of ``pairs``; a tensor that is a piece
-    is hashed at its flat positions from ``starts`` (0: a whole tensor)."""
-    at = starts or {}
+    is hashed at its flat positions from ``regions`` (absent: a whole tensor)."""
+    at = regions or {}
     return (
-        {n: algorithm.piece(b, at.get(n, 0)) for n, b, _ in pairs},
-        {n: algorithm.piece(t, at.get(n, 0)) for n, _, t in pairs},
+        {n: algorithm.piece(b, at.get(n)) for n, b, _ in pairs},
+        {n: algorithm.piece(t, at.get(n)) for n, _, t in pairs},
     )
 
 
@@ -197,12 +198,12 @@ def submit_hashes(
     pool: ThreadPoolExecutor,
     pairs: Pairs,
     algorithm: HashAlgorithm = content_hashes.XXH3_ALGORITHM,
-    starts: dict[str, int] | None = None,
+    regions: dict[str, Region] | None = None,
 ) -> Callable[[], tuple[dict[str, str], dict[str, str]]]:
     """Hash ``pairs`` on ``HASH_THREADS`` of ``pool``'s threads; the returned call waits
     for all of them."""
     futures = [
-        pool.submit(_pair_hashes, share, algorithm, starts)
+        pool.submit(_pair_hashes, share, algorithm, regions)
         for share in shares_by_bytes(pairs, HASH_THREADS)
     ]
 
@@ -222,7 +223,7 @@ def scan_hasher(
     pairs: Pairs,
     held: dict[str, str],
     algorithm: HashAlgorithm,
-    starts: dict[str, int] | None = None,
+    regions: dict[str, Region] | None = None,
 ) -> tuple[Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any]], None], dict[str, str]]:
     """(the encoder's ``on_changes`` hook, the new hashes it fills): each changed
     tensor's new content hash from its base's (``held``) and the changes the encode's
@@ -230,14 +231,14 @@ def scan_hasher(
     second decode of the object, no second pass over its changes. The hash comes from
     the true base and new (not from the object's decoding), so a replica that
     decodes the object into anything else refuses it. A piece's positions are its
-    own; ``starts`` places them in the tensor."""
+    own; ``regions`` places them in the tensor."""
     bases = {name: base for name, base, _ in pairs}
-    at = starts or {}
+    at = regions or {}
     out: dict[str, str] = {}
 
     def hook(name: str, positions: npt.NDArray[np.int64], diffs: npt.NDArray[Any]) -> None:
         flat = mixsum.int_flat(bases[name])
-        out[name] = algorithm.gathered(held[name], flat, positions, diffs, at.get(name, 0))[0]
+        out[name] = algorithm.gathered(held[name], flat, positions, diffs, at.get(name))[0]
 
     return hook, out
 
@@ -248,16 +249,16 @@ def updated_hashes(
     held: dict[str, str],
     algorithm: HashAlgorithm,
     scanned: dict[str, str] | None = None,
-    starts: dict[str, int] | None = None,
+    regions: dict[str, Region] | None = None,
 ) -> dict[str, str]:
     """The new content hash of each tensor of ``pairs`` from its base's (``held``) and
     the changes ``delta`` makes to it: O(changed), the old contents read at the changed
     positions only. ``scanned`` hashes (from :func:`scan_hasher`) are taken as they are;
-    ``starts``: the flat offset of each tensor that is a piece."""
-    at = starts or {}
+    ``regions``: where each tensor that is a piece lies in its tensor."""
+    at = regions or {}
     out: dict[str, str] = {}
     for name, base, _ in pairs:
-        start = at.get(name, 0)
+        region = at.get(name)
         if delta.info(name).changed == 0:
             out[name] = held[name]
             continue
@@ -267,13 +268,12 @@ def updated_hashes(
         flat = mixsum.int_flat(base)
         found = delta.differences(name, base)  # from the streams, the base not read
         if found is not None:  # the base read at the changed positions, once
-            out[name] = algorithm.gathered(held[name], flat, *found, start)[0]
+            out[name] = algorithm.gathered(held[name], flat, *found, region)[0]
             continue
         patch = delta.decode(name, base)  # level 2's classed positions need the base
         old = flat.index_select(0, patch.positions.to(flat.device))
-        out[name] = algorithm.updated(
-            held[name], patch.positions + start, old, patch.values, base.element_size()
-        )
+        where = patch.positions if region is None else region.positions(patch.positions)
+        out[name] = algorithm.updated(held[name], where, old, patch.values, base.element_size())
     return out
 
 
@@ -361,7 +361,7 @@ def encode_parts(
             names = [e.name for e, _ in held_pieces]
             # A whole tensor is the piece at 0: the same hashes as of the whole.
             parent_hashes = {e.name: p.hash for e, p in held_pieces}
-            starts = {e.name: p.start for e, p in held_pieces} if pieced else None
+            regions = {e.name: e.region(p) for e, p in held_pieces} if pieced else None
             # Read-only views of the mapped files: the codec and the hashes only read.
             pairs = [(n, part_base.view(n), part_new.view(n)) for n in names]
             if pieced:
@@ -370,15 +370,17 @@ def encode_parts(
             hashed = [] if incremental and base_proven else pairs
             if incremental:  # the base alone, its hashes only checked
                 hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in hashed]
-            hashes = submit_hashes(hasher, hashed, algorithm, starts)
+            hashes = submit_hashes(hasher, hashed, algorithm, regions)
             faults.point("publish.after_read")
-            hook, scanned = scan_hasher(pairs, parent_hashes, algorithm, starts)
+            hook, scanned = scan_hasher(pairs, parent_hashes, algorithm, regions)
             data = encode_delta(pairs, task.level, on_changes=hook if incremental else None)
             timings.encode_s += clock.lap()
             base_hashes, new_hashes = hashes()
             delta = read_delta(data, object_name=key)
             if incremental:
-                new_hashes = updated_hashes(delta, pairs, parent_hashes, algorithm, scanned, starts)
+                new_hashes = updated_hashes(
+                    delta, pairs, parent_hashes, algorithm, scanned, regions
+                )
             timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
             for n, digest in base_hashes.items():
                 if digest != parent_hashes[n]:
@@ -393,12 +395,11 @@ def encode_parts(
                     stored,
                     (),
                     tuple(
-                        StoredPiece(
+                        StoredPiece.at(
                             e.name,
                             e.dtype,
+                            e.region(p),
                             e.shape,
-                            p.start,
-                            p.stop,
                             key,
                             new_hashes[e.name],
                             changed[e.name],
@@ -498,8 +499,8 @@ def assemble_delta(
         if record is None:
             raise ChainError(f"run {task.run}: part {key} of delta {task.step} is not recorded")
         if parent.is_pieced:
-            found = [(p.name, p.start, p.stop) for p in record.pieces]
-            if record.tensors or found != [(e.name, p.start, p.stop) for e, p in held]:
+            found = [(p.name, p.region) for p in record.pieces]
+            if record.tensors or found != [(e.name, e.region(p)) for e, p in held]:
                 raise MismatchError(
                     f"run {task.run}: part {key} of delta {task.step} holds other pieces"
                 )

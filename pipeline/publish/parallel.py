@@ -136,13 +136,20 @@ def _parse_record(text: str | bytes) -> PartRecord:
             **{
                 **t,
                 "shape": tuple(t["shape"]),
-                "pieces": tuple(Piece(**p) for p in t.get("pieces", ())),
+                "pieces": tuple(Piece(**_dims(p, "offset", "size")) for p in t.get("pieces", ())),
             }
         )
         for t in doc["tensors"]
     )
-    pieces = tuple(StoredPiece(**{**p, "shape": tuple(p["shape"])}) for p in doc.get("pieces", ()))
+    pieces = tuple(
+        StoredPiece(**_dims(p, "shape", "offset", "size")) for p in doc.get("pieces", ())
+    )
     return PartRecord(obj, tensors, pieces)
+
+
+def _dims(doc: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``doc`` with its lists of dimensions at ``keys`` as tuples (JSON has no tuple)."""
+    return {**doc, **{k: tuple(doc[k]) for k in keys if k in doc}}
 
 
 def _text(value: str | bytes) -> str:

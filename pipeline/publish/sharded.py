@@ -149,11 +149,11 @@ def rank_keys(manifest: Manifest) -> dict[int, list[str]]:
 def check_rank_pieces(manifest: Manifest, rank: int, pieces: list[RankPiece], step: int) -> None:
     """A rank's staged pieces must be those the run's partition gives it."""
     fixed = [
-        (e.name, e.dtype, e.shape, p.start, p.stop)
+        (e.name, e.dtype, e.shape, e.region(p))
         for key in rank_keys(manifest).get(rank, [])
         for e, p in dict(manifest.layout())[key]
     ]
-    staged = [(p.name, p.dtype, p.shape, p.start, p.stop) for p in pieces if p.numel > 0]
+    staged = [(p.name, p.dtype, p.shape, p.region) for p in pieces if p.numel > 0]
     if staged != fixed:
         raise MismatchError(
             f"run {manifest.run}: rank {rank} of step {step} holds other pieces than the "
@@ -377,14 +377,8 @@ def _anchor_parts(
                             )
                     faults.point("anchor.after_read")
                     stored = tuple(
-                        StoredPiece(
-                            p.name,
-                            p.dtype,
-                            p.shape,
-                            p.start,
-                            p.stop,
-                            key,
-                            algorithm.piece(t, p.start),
+                        StoredPiece.at(
+                            p.name, p.dtype, p.region, p.shape, key, algorithm.piece(t, p.region)
                         )
                         for p, (_, t) in zip(pieces, tensors, strict=True)
                     )

@@ -287,20 +287,17 @@ def publish_pieced_anchor(
             for (entry, piece), (name, tensor) in zip(held, part, strict=True):
                 if tuple(tensor.shape) != (piece.numel,) or dtype_name(tensor.dtype) != entry.dtype:
                     raise MismatchError(
-                        f"anchor {version} of run {run}: piece [{piece.start}, {piece.stop}) of "
+                        f"anchor {version} of run {run}: piece ({piece.describe()}) of "
                         f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}"
                     )
-                digest = algorithm.piece(tensor, piece.start)
+                region = entry.region(piece)
+                digest = algorithm.piece(tensor, region)
                 if digest != piece.hash:
                     raise MismatchError(
-                        f"anchor {version} of run {run}: piece [{piece.start}, {piece.stop}) "
+                        f"anchor {version} of run {run}: piece ({piece.describe()}) "
                         f"of tensor {name!r} does not match the version it replaces"
                     )
-                pieces.append(
-                    StoredPiece(
-                        name, entry.dtype, entry.shape, piece.start, piece.stop, key, digest
-                    )
-                )
+                pieces.append(StoredPiece.at(name, entry.dtype, region, entry.shape, key, digest))
             data = encode_anchor(part, anchor_compression, metadata={"deltasync.run": run})
             objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
             timings.encode_s += clock.lap()

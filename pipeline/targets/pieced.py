@@ -2,8 +2,9 @@
 
 In a pieced version (manifest schema 3) each object holds, per piece, a 1-D record of
 the piece's elements named by the tensor. A delta's record decodes against the held
-tensor's flat slice ``[start, stop)`` (the base its encoder saw); its positions,
-shifted by ``start``, are a patch of the whole tensor. A tensor's patch is the union of
+tensor's elements of the piece's region (the base its encoder saw: a flat slice, or a
+box, see pipeline.format.regions); its positions, placed by the region, are a patch of
+the whole tensor. A tensor's patch is the union of
 its pieces' (disjoint, in order), and its proof covers them all: the held hash plus
 every piece's change (mixsum is additive over flat positions) must be the entry's
 hash, which the parser checked is the sum of the piece hashes. Nothing is written
@@ -37,15 +38,15 @@ AnchorPiece = tuple[str, Piece, torch.Tensor]
 
 
 def _where(entry: TensorEntry, piece: Piece) -> str:
-    return f"tensor {entry.name}: elements [{piece.start}, {piece.stop}) in object {piece.object}"
+    return f"tensor {entry.name}: {piece.describe()} in object {piece.object}"
 
 
 def _slice(held: torch.Tensor, entry: TensorEntry, piece: Piece) -> torch.Tensor:
-    """The held elements a piece's record decodes against: a flat slice (a view), or
-    the tensor itself for an entry stored whole."""
+    """The held elements a piece's record decodes against: a flat slice (a view), a
+    box's elements (a copy), or the tensor itself for an entry stored whole."""
     if not entry.pieces:
         return held
-    return held.detach().view(-1)[piece.start : piece.stop]
+    return entry.region(piece).take(held.detach())
 
 
 def _changed_pieces(
@@ -122,17 +123,18 @@ def prove_pieced(
         for piece in pieces:
             delta = parsed[piece.object]
             part = _slice(held, entry, piece)
+            region = entry.region(piece)
             found = guarded(delta.differences, entry, part) if held_hash is not None else None
             if found is not None:
                 # From the streams alone, then one pass over the changed elements of the
                 # piece: old contents gathered, new ones formed, hash updated.
                 try:
                     digest, at, old, new = algorithm.gathered(
-                        digest, int_view(part).view(-1), *found, start=piece.start
+                        digest, int_view(part).view(-1), *found, region
                     )
                 except CorruptObjectError as exc:
                     raise CorruptObjectError(f"{_where(entry, piece)}: {exc}") from None
-                at = at.to(flat.device) + piece.start
+                at = region.positions(at.to(flat.device))
                 old, new = old.to(flat.device), new.to(flat.device)
             else:
                 # Level 2's classed positions depend on the base: decoded against it.
@@ -142,7 +144,7 @@ def prove_pieced(
                     raise CorruptObjectError(
                         f"{_where(entry, piece)}: decoded position out of range"
                     )
-                at = at + piece.start
+                at = region.positions(at)
                 old = flat.index_select(0, at)
                 new = patch.values.to(flat.device).view(flat.dtype)
                 if held_hash is not None:
@@ -172,13 +174,15 @@ def anchor_pieces(data: bytes, manifest: Manifest, key: str) -> Iterator[AnchorP
         raise CorruptObjectError(f"object {key} is not in anchor v{manifest.version}")
     shapes = {e.name: (e.dtype, (p.numel,) if e.pieces else e.shape) for e, p in held}
     pieces = {e.name: p for e, p in held}
+    entries = {e.name: e for e, _ in held}
     seen: set[str] = set()
     for name, tensor in anchor_tensors(data, key, shapes):
         piece = pieces[name]  # the shapes check named every stored tensor
-        if algorithm.piece(tensor.reshape(-1), piece.start) != piece.hash:
+        entry = entries[name]
+        if algorithm.piece(tensor.reshape(-1), entry.region(piece)) != piece.hash:
             raise CorruptObjectError(
-                f"anchor v{manifest.version}: elements [{piece.start}, {piece.stop}) of "
-                f"tensor {name!r} in {key} do not match their piece hash"
+                f"anchor v{manifest.version}: {piece.describe()} of tensor {name!r} in {key} "
+                "do not match their piece hash"
             )
         seen.add(name)
         yield name, piece, tensor.reshape(-1)
@@ -199,11 +203,13 @@ def whole_tensors(
         if shape is None:
             raise MismatchError(f"tensor {name!r} of the anchor is not held by the target")
         whole, filled = building.get(name) or (torch.empty(shape, dtype=tensor.dtype), 0)
-        if piece.stop > whole.numel() or tensor.numel() != piece.numel:
-            raise MismatchError(
-                f"tensor {name!r}: piece [{piece.start}, {piece.stop}) does not fit"
-            )
-        int_view(whole).view(-1)[piece.start : piece.stop].copy_(int_view(tensor))
+        try:
+            region = piece.region(tuple(shape))
+        except MismatchError:
+            region = None
+        if region is None or tensor.numel() != piece.numel:
+            raise MismatchError(f"tensor {name!r}: piece ({piece.describe()}) does not fit")
+        region.put(int_view(whole), int_view(tensor))
         filled += piece.numel
         if filled == whole.numel():
             building.pop(name, None)

@@ -29,6 +29,7 @@ from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.format.matching import check_tensors
+from pipeline.format.regions import Region, tiling_error
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.patching import (
     apply_verified,
@@ -311,10 +312,10 @@ class TorchTarget:
 
     def load_pieces(self, pieces: Iterable[AnchorPiece]) -> None:
         """Bootstrap from a sharded run's anchor: each 1-D piece is copied in place into
-        its flat range of the held tensor (checked first: name, dtype, range). Every
+        its region of the held tensor (checked first: name, dtype, region). Every
         element of every held tensor must be given exactly once. A source that fails
         part way leaves a mix, as ``load_state``."""
-        given: dict[str, list[tuple[int, int]]] = {}  # canonical -> ranges written
+        given: dict[str, list[Region]] = {}  # canonical -> regions written
         named: dict[str, str] = {}  # canonical -> the name its pieces came under
         order: list[str] = []
         with self._write_lock, self.lock:
@@ -325,17 +326,19 @@ class TorchTarget:
                 dst = self._tensors[canonical]
                 if src.dtype != dst.dtype or src.dim() != 1 or src.numel() != piece.numel:
                     raise MismatchError(
-                        f"tensor {name!r}: piece [{piece.start}, {piece.stop}) is {src.dtype} "
+                        f"tensor {name!r}: piece ({piece.describe()}) is {src.dtype} "
                         f"{list(src.shape)}, the target holds {dst.dtype}"
                     )
-                if piece.start < 0 or piece.stop > dst.numel():
+                try:
+                    region = piece.region(tuple(dst.shape))
+                except MismatchError:
                     raise MismatchError(
-                        f"tensor {name!r}: piece [{piece.start}, {piece.stop}) is outside its "
-                        f"{dst.numel()} elements"
-                    )
+                        f"tensor {name!r}: piece ({piece.describe()}) is outside its "
+                        f"{list(dst.shape)}"
+                    ) from None
                 if name not in order:
                     order.append(name)
-                slot = int_view(dst).view(-1)[piece.start : piece.stop]
+                slot = region.take(int_view(dst))
                 first = named.setdefault(canonical, name)
                 if first != name:
                     # The other name of a tied weight: must carry the same bits.
@@ -345,16 +348,10 @@ class TorchTarget:
                             "differ in load_pieces"
                         )
                     continue
-                slot.copy_(int_view(src.detach().contiguous()))
-                given.setdefault(canonical, []).append((piece.start, piece.stop))
+                region.put(int_view(dst), int_view(src.detach().contiguous()))
+                given.setdefault(canonical, []).append(region)
             for canonical, t in self._tensors.items():
-                at = 0
-                for start, stop in sorted(given.get(canonical, [])):
-                    if start != at:
-                        at = -1  # a gap or an overlap
-                        break
-                    at = stop
-                if at != t.numel():
+                if tiling_error(t.numel(), given.get(canonical, [])) is not None:
                     raise MismatchError(
                         f"load_pieces did not provide every element of tensor {canonical!r} "
                         "exactly once"

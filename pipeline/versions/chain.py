@@ -28,7 +28,7 @@ from pipeline.errors import (
     ObjectNotFoundError,
 )
 from pipeline.format.checkpoint_write import write_checkpoint, write_sharded
-from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
     KIND_FOLDERS,
@@ -44,6 +44,7 @@ from pipeline.format.manifest import (
     manifest_key,
 )
 from pipeline.format.manifest_parse import load_manifest_json, parse_manifest
+from pipeline.format.regions import Region
 from pipeline.format.signing import public_key_from, verify_signature
 from pipeline.logs import Throttle
 from pipeline.store.base import ObjectStore, read_bounded
@@ -342,11 +343,11 @@ def _progress(progress: Throttle, run: str, version: int, done: int, parts: int)
         )
 
 
-Placed = list[tuple[str, int, int]]  # (tensor name, start, stop) held by one object
+Placed = list[tuple[str, Region]]  # (tensor name, where its piece lies) held by one object
 
 
 def _placement(manifest: Manifest) -> list[tuple[str, Placed]]:
-    return [(key, [(e.name, p.start, p.stop) for e, p in held]) for key, held in manifest.layout()]
+    return [(key, [(e.name, e.region(p)) for e, p in held]) for key, held in manifest.layout()]
 
 
 def _check_same_pieces(plan: ChainPlan) -> bool:
@@ -389,11 +390,11 @@ def _reconstruct_pieced(
             del data, obj
         if verify_hashes:
             for entry, piece in held:
-                if algorithm.piece(pieces[entry.name], piece.start) != piece.hash:
+                if algorithm.piece(pieces[entry.name], entry.region(piece)) != piece.hash:
                     raise CorruptObjectError(
-                        f"run {plan.run} version {plan.version}: elements [{piece.start}, "
-                        f"{piece.stop}) of tensor {entry.name!r} in {part_key} do not match "
-                        "their piece hash after reconstruction"
+                        f"run {plan.run} version {plan.version}: {piece.describe()} of tensor "
+                        f"{entry.name!r} in {part_key} do not match their piece hash after "
+                        "reconstruction"
                     )
         yield part_key, [(e.name, pieces.pop(e.name)) for e, _ in held]
 
@@ -426,9 +427,7 @@ def assemble(manifest: Manifest, parts: Iterable[Part]) -> Iterator[tuple[str, t
                 whole = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
                 building[name] = whole
             # Bytes, not values: NaN payloads and -0.0 stay as they are.
-            whole.view(-1)[piece.start : piece.stop].view(torch.uint8).copy_(
-                t.reshape(-1).view(torch.uint8)
-            )
+            entry.region(piece).put(mixsum.int_flat(whole), mixsum.int_flat(t))
             missing[name] -= 1
             if missing[name] == 0:
                 yield name, building.pop(name)

@@ -24,6 +24,7 @@ from pipeline.format.hashes.hashing import CONTENT_HASH, content_hash
 
 if TYPE_CHECKING:
     from pipeline.format.manifest import Manifest
+    from pipeline.format.regions import Region
 
 XXH3 = CONTENT_HASH
 MIXSUM = mixsum.NAME
@@ -39,15 +40,15 @@ class HashAlgorithm:
     full: Callable[[torch.Tensor], str]  # the digest of a whole tensor's bits
     incremental: bool  # whether :meth:`updated` applies
 
-    def piece(self, tensor: torch.Tensor, start: int) -> str:
-        """The digest of ``tensor``'s elements as flat elements ``start``, ``start + 1``...
-        of a larger tensor: what a rank holding that slice contributes (see
-        :meth:`combine`)."""
-        if start == 0:
+    def piece(self, tensor: torch.Tensor, where: Region | None) -> str:
+        """The digest of ``tensor``'s elements as the elements of region ``where`` of a
+        larger tensor (None: the tensor itself): what a rank holding that piece
+        contributes (see :meth:`combine`)."""
+        if where is None or (where.is_contiguous and where.start == 0):
             return self.full(tensor)
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot hash a piece of a tensor")
-        return mixsum.full(tensor, start)
+        return mixsum.digest(mixsum.runs_lanes(tensor, *where.runs))
 
     def combine(self, digests: Sequence[str]) -> str:
         """The digest of a tensor from the digests of pieces covering it once."""
@@ -70,19 +71,20 @@ class HashAlgorithm:
         flat: torch.Tensor,
         positions: npt.NDArray[np.int64],
         diffs: Values,
-        start: int = 0,
+        where: Region | None = None,
     ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(digest after, positions, old, new) of the change ``diffs`` (new - old in
         the integer view, as a delta's streams give it) at ``positions`` of ``flat``
         (a held tensor's flat integer view, only read): the old contents are read at
         the changed positions once, on the tensor's device (see
-        :func:`pipeline.format.hashes.mixsum.gathered_update`). ``flat`` a piece whose
-        first element is element ``start`` of its tensor: positions index the piece,
-        the digest mixes them as the tensor's."""
+        :func:`pipeline.format.hashes.mixsum.gathered_update`). With ``where``,
+        ``flat`` is the piece of region ``where`` of its tensor: positions index the
+        piece, the digest mixes them as the tensor's."""
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
         steps = diffs.cpu().numpy() if isinstance(diffs, torch.Tensor) else diffs
-        return mixsum.gathered_update(held, flat, positions, steps, start)
+        runs = None if where is None else where.runs
+        return mixsum.gathered_update(held, flat, positions, steps, runs=runs)
 
 
 ALGORITHMS: dict[str, HashAlgorithm] = {

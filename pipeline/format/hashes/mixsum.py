@@ -225,6 +225,50 @@ def full_lanes(tensor: torch.Tensor, offset: int = 0) -> tuple[int, int]:
     )
 
 
+def torch_runs(flat: torch.Tensor, width: int, starts: npt.NDArray[np.int64]) -> tuple[int, int]:
+    """:func:`torch_full` of a piece laid out as runs (see :func:`runs_lanes`)."""
+    size = flat.element_size()
+    per = max(1, TORCH_CHUNK // width)
+    at = torch.from_numpy(starts).to(flat.device)
+    inner = torch.arange(width, dtype=torch.int64, device=flat.device)
+    total = [0, 0]
+    for r in range(0, starts.size, per):
+        first = at[r : r + per]
+        i = (first[:, None] + inner[None, :]).reshape(-1)
+        part = flat[r * width : r * width + i.numel()]
+        a, b = _torch_sum(_torch_lanes(i, _widen(part, size)))
+        total[0] += a
+        total[1] += b
+    return total[0] & _MASK, total[1] & _MASK
+
+
+def runs_lanes(tensor: torch.Tensor, width: int, starts: npt.NDArray[np.int64]) -> tuple[int, int]:
+    """Lane sums of a piece of a tensor laid out as runs: its element ``r * width + j``
+    at flat position ``starts[r] + j`` of the tensor (a box, pipeline.format.regions)."""
+    if starts.size == 1:
+        return full_lanes(tensor, int(starts[0]))
+    flat = int_flat(tensor)
+    if flat.numel() != starts.size * width:
+        raise CorruptObjectError(
+            f"a piece of {flat.numel()} elements is not {starts.size} runs of {width}"
+        )
+    jit = compiled()
+    if flat.device.type != "cpu" or jit is None:
+        return torch_runs(flat, width, starts)
+    data = _unsigned(flat.numpy(), flat.element_size())
+    per = max(1, CPU_CHUNK // width)
+    sums = list(
+        _threads().map(
+            lambda r: jit.runs_sum(data[r * width : (r + per) * width], starts[r : r + per], width),
+            range(0, starts.size, per),
+        )
+    )
+    return (
+        sum(int(s[0]) for s in sums) & _MASK,
+        sum(int(s[1]) for s in sums) & _MASK,
+    )
+
+
 def full(tensor: torch.Tensor, offset: int = 0) -> str:
     """The mixsum-128 digest of a tensor's bits (dtype and shape are checked apart);
     with ``offset``, of the tensor as a piece starting at that flat position."""
@@ -277,6 +321,7 @@ def gathered_update(
     positions: npt.NDArray[np.int64],
     diffs: npt.NDArray[Any],
     offset: int = 0,
+    runs: tuple[int, npt.NDArray[np.int64]] | None = None,
 ) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(digest after, positions, old contents, new contents) of a change given as
     ``positions`` and ``diffs`` (new - old modulo the width, as from a delta's
@@ -285,7 +330,11 @@ def gathered_update(
     only, once: a compiled pass on CPU, torch ops on the tensor's own device
     otherwise (positions, old and new then live there). CorruptObjectError for a
     position out of range. With ``offset``, ``flat`` is a piece starting at that flat
-    position of its tensor: positions index the piece, and are mixed as the tensor's."""
+    position of its tensor: positions index the piece, and are mixed as the tensor's.
+    With ``runs`` (width, starts), the piece is a box laid out as runs (see
+    :func:`runs_lanes`) and ``offset`` is not used."""
+    if runs is not None and runs[1].size == 1:
+        offset, runs = int(runs[1][0]), None
     width = flat.element_size()
     signed = _SIGNED_NP[width]
     jit = compiled()
@@ -295,7 +344,14 @@ def gathered_update(
         old = np.empty(where.size, data.dtype)
         new = np.empty_like(old)
         out = np.empty(2, np.uint64)
-        if jit.gathered_update(where, data, diffs.view(data.dtype), old, new, out, offset) < 0:
+        if runs is not None:
+            mixed = _mixed(where, data.size, runs)
+            failed = jit.gathered_update_at(
+                where, mixed, data, diffs.view(data.dtype), old, new, out
+            )
+        else:
+            failed = jit.gathered_update(where, data, diffs.view(data.dtype), old, new, out, offset)
+        if failed < 0:
             raise CorruptObjectError(f"a changed position is out of range for {data.size} elements")
         lanes = (int(out[0]), int(out[1]))
         return (
@@ -310,5 +366,19 @@ def gathered_update(
     old_t = flat.index_select(0, moved)
     step = torch.from_numpy(np.ascontiguousarray(diffs).view(signed)).to(flat.device)
     new_t = old_t + step  # wraps in the width
-    lanes = torch_change(moved + offset if offset else moved, old_t, new_t, width)
+    if runs is not None:
+        mixed_t = torch.from_numpy(_mixed(moved.cpu().numpy(), flat.numel(), runs))
+        lanes = torch_change(mixed_t.to(flat.device), old_t, new_t, width)
+    else:
+        lanes = torch_change(moved + offset if offset else moved, old_t, new_t, width)
     return add(held, lanes), moved, old_t, new_t
+
+
+def _mixed(
+    where: npt.NDArray[np.int64], size: int, runs: tuple[int, npt.NDArray[np.int64]]
+) -> npt.NDArray[np.int64]:
+    """Flat tensor positions of a box piece's elements ``where`` (checked in range)."""
+    if where.size and (int(where.min()) < 0 or int(where.max()) >= size):
+        raise CorruptObjectError(f"a changed position is out of range for {size} elements")
+    width, starts = runs
+    return np.ascontiguousarray(starts[where // width] + where % width)

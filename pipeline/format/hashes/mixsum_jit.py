@@ -68,6 +68,25 @@ def full_sum(flat: Any, start: int) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def runs_sum(flat: Any, starts: Any, width: int) -> Any:
+    """:func:`full_sum` of a piece laid out as runs: its element ``r * width + j`` sits
+    at flat position ``starts[r] + j`` (``flat.size == starts.size * width``)."""
+    sa = np.uint64(0)
+    sb = np.uint64(0)
+    for r in range(starts.size):
+        base = np.uint64(starts[r])
+        at = r * width
+        for j in range(width):
+            a, c = _lanes(base + np.uint64(j), np.uint64(flat[at + j]))
+            sa += a
+            sb += c
+    out = np.empty(2, np.uint64)
+    out[0] = sa
+    out[1] = sb
+    return out
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def change_sum(positions: Any, old: Any, new: Any) -> Any:
     """Both lane sums of f(i, new_i) - f(i, old_i) over the changed positions."""
     sa = np.uint64(0)
@@ -118,14 +137,43 @@ def gathered_update(
     for k in range(positions.size):
         if positions[k] < 0 or positions[k] >= size:
             return -1
-    for k in range(positions.size):
-        o = held[positions[k]]
-        old[k] = o
-        new[k] = o + diffs[k]
+    _gather(positions, held, diffs, old, new)
     sa = np.uint64(0)
     sb = np.uint64(0)
     for k in range(positions.size):
         i = np.uint64(positions[k] + offset)
+        na, nc = _lanes(i, np.uint64(new[k]))
+        oa, oc = _lanes(i, np.uint64(old[k]))
+        sa += na - oa
+        sb += nc - oc
+    out[0] = sa
+    out[1] = sb
+    return 0
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _gather(positions: Any, held: Any, diffs: Any, old: Any, new: Any) -> None:
+    for k in range(positions.size):
+        o = held[positions[k]]
+        old[k] = o
+        new[k] = o + diffs[k]
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def gathered_update_at(
+    positions: Any, mixed: Any, held: Any, diffs: Any, old: Any, new: Any, out: Any
+) -> int:
+    """:func:`gathered_update` of a piece whose element ``positions[k]`` sits at flat
+    position ``mixed[k]`` of its tensor (a box: see pipeline.format.regions)."""
+    size = held.size
+    for k in range(positions.size):
+        if positions[k] < 0 or positions[k] >= size:
+            return -1
+    _gather(positions, held, diffs, old, new)
+    sa = np.uint64(0)
+    sb = np.uint64(0)
+    for k in range(positions.size):
+        i = np.uint64(mixed[k])
         na, nc = _lanes(i, np.uint64(new[k]))
         oa, oc = _lanes(i, np.uint64(old[k]))
         sa += na - oa

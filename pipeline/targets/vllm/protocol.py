@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
-from pipeline.errors import TargetError
-from pipeline.format.manifest import Manifest, Piece, TensorEntry, dtype_name
+from pipeline.errors import MismatchError, TargetError
+from pipeline.format.manifest import Manifest, Piece, TensorEntry, dtype_name, piece_dict
 from pipeline.format.matching import spec_of
+from pipeline.format.regions import Region, tiling_error
 from pipeline.format.tensors import TensorSpec
 from pipeline.targets.base import VerifyMode
 from pipeline.targets.patching import check_objects
@@ -31,12 +32,15 @@ class WireSpec(TypedDict):
     shape: list[int]
 
 
-class WirePiece(TypedDict):
-    """A piece of a tensor of a sharded run (``Piece``), field by field."""
+class WirePiece(TypedDict, total=False):
+    """A piece of a tensor of a sharded run (``Piece``), as the manifest writes it: a
+    flat range (start, stop) or a box (offset, size)."""
 
     object: str
     start: int
     stop: int
+    offset: list[int]
+    size: list[int]
     hash: str
     changed: int
 
@@ -154,16 +158,7 @@ def entry_to_wire(entry: TensorEntry) -> WireEntry:
         "changed": entry.changed,
     }
     if entry.pieces:
-        wire["pieces"] = [
-            {
-                "object": p.object,
-                "start": p.start,
-                "stop": p.stop,
-                "hash": p.hash,
-                "changed": p.changed,
-            }
-            for p in entry.pieces
-        ]
+        wire["pieces"] = [cast(WirePiece, piece_dict(p)) for p in entry.pieces]
     return wire
 
 
@@ -176,21 +171,33 @@ def _pieces(item: Mapping[str, Any], entry: TensorEntry, what: str) -> tuple[Pie
     if not isinstance(raw, list) or not raw:
         raise _bad(what, f"pieces of tensor {entry.name!r} are not a list")
     pieces: list[Piece] = []
-    at = 0
     for doc in raw:
         p = _mapping(doc, "piece", what)
-        piece = Piece(
+        try:
+            if "size" in p:
+                region = Region(
+                    entry.shape, _shape(p.get("offset"), what), _shape(p.get("size"), what)
+                )
+            else:
+                start, stop = _get(p, "start", int, what), _get(p, "stop", int, what)
+                if not 0 <= start < stop <= entry.numel:
+                    raise MismatchError(f"range [{start}, {stop}) is outside the tensor")
+                region = Region.flat(entry.numel, start, stop)
+        except MismatchError as exc:
+            raise _bad(what, f"a piece of tensor {entry.name!r}: {exc}") from None
+        piece = Piece.at(
             _get(p, "object", str, what),
-            _get(p, "start", int, what),
-            _get(p, "stop", int, what),
+            region,
             _get(p, "hash", str, what),
             _get(p, "changed", int, what),
         )
-        if piece.start != at or piece.stop <= piece.start or not 0 <= piece.changed <= piece.numel:
-            raise _bad(what, f"pieces of tensor {entry.name!r} do not cover it in order")
-        at = piece.stop
+        if not 0 <= piece.changed <= piece.numel:
+            raise _bad(what, f"a piece of tensor {entry.name!r} changes {piece.changed}")
         pieces.append(piece)
-    if at != entry.numel or sum(p.changed for p in pieces) != entry.changed:
+    gap = tiling_error(entry.numel, [p.region(entry.shape) for p in pieces])
+    if gap is not None:
+        raise _bad(what, f"pieces of tensor {entry.name!r}: {gap}")
+    if sum(p.changed for p in pieces) != entry.changed:
         raise _bad(what, f"pieces of tensor {entry.name!r} do not add up to it")
     if len({p.object for p in pieces}) != len(pieces):
         raise _bad(what, f"tensor {entry.name!r} has two pieces in one object")
