@@ -10,6 +10,7 @@ as the distributed emitter writes them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -17,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,11 +36,13 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.events import DeltaAvailable
 from pipeline.coord.shards import RankFolder, register_rank
 from pipeline.coord.stream import EventStream
-from pipeline.errors import ConfigError, MismatchError
+from pipeline.errors import ConfigError, DeltasyncError, MismatchError
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import DTYPES, PIECES_SCHEMA, Kind, Manifest, dtype_name
+from pipeline.format.regions import Region
 from pipeline.format.shards import RankLayout, RankPiece, layout_digest, write_layout
+from pipeline.publish.compaction import compact
 from pipeline.publish.diff import DeltaTask
 from pipeline.publish.parallel import fanout_from_json, fanout_to_json, start_fanout
 from pipeline.publish.rank_cache import RankCache
@@ -52,7 +56,10 @@ from pipeline.publish.sharded import (
     read_pieces,
     work_host,
 )
+from pipeline.rollout.node import RolloutNode
 from pipeline.store import ObjectStore, open_store
+from pipeline.targets.setup import TargetSetup
+from pipeline.targets.torch import TorchTarget
 from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, assert_same_state, deltasync_env, wait_for
 from tests.test_faults_workers import _job_done, retry_abandoned, wait_killed
@@ -93,6 +100,18 @@ def _ranges(name: str) -> list[tuple[int, int]]:
     return [(cuts[r] * cols, cuts[r + 1] * cols) for r in range(WORLD)]
 
 
+def _grid(shape: tuple[int, ...]) -> list[Region]:
+    """Each rank's box of a 2-D tensor as FSDP x TP on a 2 x 2 mesh leaves it: rows cut
+    in two (dp), columns unevenly in two (tp, Shard(1))."""
+    rows, cols = shape
+    r, c = rows // 2, 24
+    return [
+        Region(shape, (r0, c0), (rn, cn))
+        for r0, rn in ((0, r), (r, rows - r))
+        for c0, cn in ((0, c), (c, cols - c))
+    ]
+
+
 def first_state(seed: int = 1) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(s, generator=g).to(d) for n, (d, s) in MODEL.items()}
@@ -119,6 +138,7 @@ def stage(
     state: dict[str, torch.Tensor],
     *,
     ranges: dict[str, list[tuple[int, int]]] | None = None,
+    boxes: bool = False,
 ) -> Path:
     """Every rank's folder of ``step`` in its host's staging, and its registration (the
     emitter's own sidecar and registration code); the step folder of the last rank
@@ -132,6 +152,11 @@ def stage(
         pieces: list[RankPiece] = []
         tensors = []
         for name, t in state.items():
+            if boxes and t.dim() == 2:
+                region = _grid(tuple(t.shape))[rank]
+                pieces.append(RankPiece.at(name, dtype_name(t.dtype), tuple(t.shape), region))
+                tensors.append((name, region.take(t).clone()))
+                continue
             start, stop = (ranges or {}).get(name, _ranges(name))[rank]
             if stop > start:  # a rank holding none of a tensor stages no piece of it
                 pieces.append(RankPiece(name, dtype_name(t.dtype), tuple(t.shape), start, stop))
@@ -147,32 +172,38 @@ def stage(
 
 def reassemble(store: ObjectStore, version: int) -> dict[str, torch.Tensor]:
     """Every tensor of ``version`` from the store, decoded here: each anchor piece copied
-    into its flat range, then each delta piece patched into it."""
+    into its region, then each delta piece patched into it."""
     plan = chain.resolve(store, RUN, version)
     full: dict[str, torch.Tensor] = {}
     for e in plan.anchor.tensors:
         flat = torch.empty(e.numel, dtype=DTYPES[e.dtype])
         for p in e.pieces:
             data = chain.fetch_object(store, plan.anchor, plan.anchor.object_entry(p.object))
-            flat[p.start : p.stop] = dict(anchor_tensors(data, p.object))[e.name]
+            e.region(p).put(flat, dict(anchor_tensors(data, p.object))[e.name])
         full[e.name] = flat
     for d in plan.deltas:
         for e in d.tensors:
             for p in e.pieces:
                 if p.changed:
                     obj = read_delta(chain.fetch_object(store, d, d.object_entry(p.object)))
-                    piece = full[e.name][p.start : p.stop]
+                    piece = e.region(p).take(full[e.name]).clone()
                     apply_patch(piece, obj.decode(e.name, piece))
+                    e.region(p).put(full[e.name], piece)
     return {e.name: full[e.name].reshape(e.shape) for e in plan.target.tensors}
 
 
-def check_version(store: ObjectStore, version: int, state: dict[str, torch.Tensor]) -> Manifest:
+def check_version(
+    store: ObjectStore, version: int, state: dict[str, torch.Tensor], boxes: bool = False
+) -> Manifest:
     kind: Kind = "anchor" if version in chain.list_versions(store, RUN).anchors else "delta"
     manifest = chain.load_manifest(store, RUN, kind, version)
     assert manifest.schema == PIECES_SCHEMA and manifest.is_pieced
     assert all(len(e.pieces) == (3 if "norm" in e.name else WORLD) for e in manifest.tensors)
+    for e in manifest.tensors:  # 2-D tensors in boxes when staged so, else flat ranges
+        assert all(p.is_box == (boxes and len(e.shape) == 2) for p in e.pieces), e.name
     assert {rank_of(o.key) for o in manifest.objects} == set(range(WORLD))
     rebuilt = reassemble(store, version)
+    assert_same_state(dict(chain.reconstruct_tensors(store, RUN, version)), state, "chain")
     assert_same_state(rebuilt, state, f"version {version}")
     for e in manifest.tensors:  # and the manifest's hashes are those of the full state
         assert mixsum.full(state[e.name]) == e.hash
@@ -246,6 +277,74 @@ def test_partition_of_a_rank_follows_its_sidecar_split_by_part_bytes(tmp_path: P
         ("part-r00003-00001.safetensors", ["c"]),
         ("part-r00003-00002.safetensors", ["d"]),
     ]
+
+
+def test_box_pieces_in_process(redis_url: str, tmp_path: Path) -> None:
+    """Ranks holding boxes (FSDP x TP on a 2 x 2 mesh): anchor, deltas of levels 1 and
+    2, a rebuilt rank cache and a compaction, each version bit for bit; a torch
+    replica follows them, and a delta whose boxes are swapped is refused unwritten."""
+    client = redis_client(redis_url)
+    store = open_store(f"file://{tmp_path / 'store'}")
+    hosts = Hosts(client, store, tmp_path)
+    states = [first_state()]
+    for step in range(1, 5):
+        states.append(next_state(states[-1], step))
+    hosts.publish(0, stage(client, hosts.staging, 0, states[0], boxes=True))
+    check_version(store, 0, states[0], boxes=True)
+    target = TorchTarget.for_node(
+        TargetSetup(store=store, run=RUN, stop=threading.Event(), device="cpu")
+    )
+    assert target is not None
+    node = RolloutNode(store, RUN, target)
+    assert node.step_once() == 0
+    for step in (1, 2):
+        checkpoint = stage(client, hosts.staging, step, states[step], boxes=True)
+        manifest = hosts.publish(step, checkpoint, level=step, here="ha" if step == 2 else None)
+        assert all(e.changed > 0 for e in manifest.tensors), "every tensor touched"
+        check_version(store, step, states[step], boxes=True)
+        assert node.step_once() == step
+        assert_same_state({n: target.tensor(n) for n in target.specs()}, states[step], "replica")
+    shutil.rmtree(RankCache(tmp_path / "hb" / "cache", RUN, 2).root)  # rebuilt from the store
+    hosts.publish(3, stage(client, hosts.staging, 3, states[3], boxes=True))
+    check_version(store, 3, states[3], boxes=True)
+
+    # A replica refuses a version whose two boxes of a tensor are swapped (each piece's
+    # hash is at its own flat positions): nothing written, the held weights unchanged.
+    manifest = chain.load_manifest(store, RUN, "delta", 3)
+    name = "lm_head.weight"
+    entry = manifest.tensor(name)
+    first, third = entry.pieces[0], entry.pieces[2]  # boxes of one size, rows apart
+    assert first.size == third.size
+    swapped = (
+        dataclasses.replace(first, offset=third.offset),
+        entry.pieces[1],
+        dataclasses.replace(third, offset=first.offset),
+        *entry.pieces[3:],
+    )
+    held = {n: target.tensor(n).clone() for n in target.specs()}
+    bad = dataclasses.replace(
+        manifest,
+        tensors=tuple(
+            dataclasses.replace(e, pieces=swapped) if e.name == name else e
+            for e in manifest.tensors
+        ),
+    )
+    objects = {o.key: chain.fetch_object(store, manifest, o) for o in manifest.objects}
+    with pytest.raises(DeltasyncError, match="hash") as info:
+        target.apply_delta(bad, objects, "touched")
+    assert "\n" not in str(info.value)
+    assert_same_state({n: target.tensor(n) for n in target.specs()}, held, "after refusal")
+    assert node.step_once() == 3
+    assert_same_state({n: target.tensor(n) for n in target.specs()}, states[3], "replica")
+
+    # Compaction rebuilds the chain part by part into an anchor that keeps the boxes.
+    assert compact(store, RUN, 3).kind == "anchor"
+    check_version(store, 3, states[3], boxes=True)
+    fresh = TorchTarget.for_node(
+        TargetSetup(store=store, run=RUN, stop=threading.Event(), device="cpu")
+    )
+    assert fresh is not None and RolloutNode(store, RUN, fresh).step_once() == 3
+    assert_same_state({n: fresh.tensor(n) for n in fresh.specs()}, states[3], "fresh replica")
 
 
 @pytest.fixture(params=["file", "s3"])

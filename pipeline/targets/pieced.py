@@ -152,16 +152,19 @@ def prove_pieced(
             where.append(at)
             olds.append(old)
             news.append(new)
-        whole = TensorPatch(
-            entry.name, held.dtype, tuple(held.shape), torch.cat(where), torch.cat(news)
-        )
+        at, new_all, old_all = torch.cat(where), torch.cat(news), torch.cat(olds)
+        if any(p.is_box for p in pieces):
+            # Boxes interleave in flat order: their disjoint positions sorted into one patch.
+            order = torch.argsort(at)
+            at, new_all, old_all = at[order], new_all[order], old_all[order]
+        whole = TensorPatch(entry.name, held.dtype, tuple(held.shape), at, new_all)
         check_patch(whole, entry, specs[entry.name])
         if held_hash is not None:
             if digest != entry.hash:
                 raise hash_mismatch(entry.name, digest, entry.hash)
             proven.hashes[entry.name] = digest
         proven.patches.append(whole)
-        proven.old_values[entry.name] = torch.cat(olds)
+        proven.old_values[entry.name] = old_all
     return proven
 
 

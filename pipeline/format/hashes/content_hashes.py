@@ -44,6 +44,10 @@ class HashAlgorithm:
         """The digest of ``tensor``'s elements as the elements of region ``where`` of a
         larger tensor (None: the tensor itself): what a rank holding that piece
         contributes (see :meth:`combine`)."""
+        if where is not None and tensor.numel() != where.numel:
+            raise CorruptObjectError(
+                f"a piece of {tensor.numel()} elements is hashed as {where.numel} of its tensor"
+            )
         if where is None or (where.is_contiguous and where.start == 0):
             return self.full(tensor)
         if not self.incremental:
