@@ -31,22 +31,22 @@ def host_of(rank: int) -> str:
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.up = nn.Linear(WIDTH, HIDDEN)
-        self.down = nn.Linear(HIDDEN, WIDTH)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(x)))
 
 
 class TinyLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.norm = nn.RMSNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList([Block(width, hidden), Block(width, hidden)])
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -153,6 +153,55 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
         done = maps.emit_shards(0, mapping)
         results["maps"] = {"completed": done.completed, "folder": done.folder}
         _write(folder, f"rank-{rank}.json", results)
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
+    """One rank of FSDP2 over tensor parallelism on a (dp=2, tp=2) mesh: the blocks'
+    ``up`` column-parallel (Shard(0)) and ``down`` row-parallel (Shard(1)), then
+    ``fully_shard`` over dp; real AdamW steps, emitted after each."""
+    os.environ.update(env)
+    host = host_of(rank)
+    os.environ["DELTASYNC_DIFF_HOST"] = host
+    os.environ["DELTASYNC_STAGING"] = str(Path(out) / host / "staging")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from workers.sharded_trainer import ShardedEmitter
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    folder = Path(out)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(SEED)
+        model = TinyLM(width=8, hidden=12)  # tensor-parallel dimensions divide by tp
+        for block in model.blocks:
+            parallelize_module(
+                block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            )
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        emitter = ShardedEmitter("tp")
+        placements: dict[str, str] = {}
+        for step in range(1, 4):
+            train_step(model, optimizer, step)
+            done = emitter.emit_shards(step, model)
+            full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, folder / f"tp-expected-{step}.pt")
+            _write(folder, f"tp-rank-{rank}-{step}.json", {"completed": done.completed})
+        placements = {k: str(tuple(v.placements)) for k, v in model.state_dict().items()}
+        _write(folder, f"tp-placements-{rank}.json", placements)
     finally:
         dist.destroy_process_group()
 

@@ -378,6 +378,40 @@ def test_fsdp2_ranks_emit_their_shards_and_the_steps_reassemble_bit_for_bit(
     assert queues.diff_job_id("maps", 0) in jobs
 
 
+def test_fsdp2_over_tensor_parallel_ranks_emit_boxes_that_reassemble_bit_for_bit(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A (dp=2, tp=2) mesh: column- and row-parallel weights under FSDP2, real AdamW
+    steps; every rank stages only its chunk, the row-parallel ones as boxes."""
+    env = deltasync_env(redis_url, tmp_path)
+    env.pop("DELTASYNC_DIFF_HOST", None)
+    mp.spawn(
+        sharded_ranks.tp_fsdp_rank,
+        args=(WORLD, _free_port(), env, str(tmp_path)),
+        nprocs=WORLD,
+        join=True,
+    )
+    r = redis_client(redis_url)
+    placements = json.loads((tmp_path / "tp-placements-0.json").read_text())
+    assert "Shard(dim=1)" in placements["blocks.0.down.weight"]  # row-parallel, kept by FSDP
+    assert "Shard(dim=0)" in placements["blocks.0.up.weight"]
+    for step in (1, 2, 3):
+        expected = torch.load(tmp_path / f"tp-expected-{step}.pt")
+        got = _reassemble(r, "tp", step, WORLD)
+        assert list(got) == list(expected)
+        for name, full in expected.items():
+            assert torch.equal(got[name], _as_int(full)), (step, name)
+        done = [
+            json.loads((tmp_path / f"tp-rank-{k}-{step}.json").read_text())["completed"]
+            for k in range(WORLD)
+        ]
+        assert sum(done) == 1
+    layout = read_layout(rank_folders(r, "tp", 3)[1].path)
+    down = next(p for p in layout.pieces if p.name == "blocks.0.down.weight")
+    assert down.size and not down.region.is_contiguous  # a box: columns of some rows
+    assert _completed_steps(r, "tp") == [1, 2, 3]
+
+
 @pytest.mark.slow
 def test_transformers_models_under_fsdp2_get_their_checkpoint_names(
     redis_url: str, tmp_path: Path

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -153,15 +154,46 @@ def _region(full: tuple[int, ...], offset: Sequence[int], size: Sequence[int]) -
     return Region(full, tuple(offset), tuple(size))
 
 
-def _dtensor_piece(name: str, t: DTensor) -> tuple[torch.Tensor, Region | None] | None:
+def _root(mesh: DeviceMesh) -> DeviceMesh:
+    root = getattr(mesh, "_get_root_mesh", None)
+    found = root() if callable(root) else None
+    return found if isinstance(found, DeviceMesh) else mesh
+
+
+def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ())
+
+
+def parallel_dims(tensors: Mapping[str, object]) -> set[str]:
+    """The named mesh dimensions some DTensor of this rank is placed on: dimensions
+    over which ranks hold the same tensors (data or tensor parallel). A dimension of
+    the world's mesh that none uses (pipeline stages) separates different tensors."""
+    return {
+        n for t in tensors.values() if isinstance(t, DTensor) for n in _dim_names(t.device_mesh)
+    }
+
+
+def _dtensor_piece(
+    name: str, t: DTensor, parallel: set[str]
+) -> tuple[torch.Tensor, Region | None] | None:
     """This rank's local chunk of ``t`` and where it lies (Shard or Replicate on any
     dimension of a mesh of any rank, with torch's own chunking); None when this rank
-    does not stage ``t`` (a replica other than coordinate 0 of a Replicate dimension)."""
+    does not stage ``t``: a replica other than coordinate 0 of a Replicate dimension,
+    or of a ``parallel`` dimension of the world's mesh that ``t``'s sub-mesh leaves
+    out (under FSDP2 x TP a tensor not split by TP lives on the dp sub-mesh of every
+    tp coordinate: the same pieces, staged once)."""
     mesh = t.device_mesh
     placements = tuple(t.placements)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
+    root = _root(mesh)
+    if root is not mesh and _dim_names(root) and _dim_names(mesh):
+        at = root.get_coordinate()
+        for dim, dim_name in enumerate(_dim_names(root)):
+            left_out = dim_name not in _dim_names(mesh) and dim_name in parallel
+            if left_out and at is not None and at[dim] != 0:
+                return None
     for dim, placement in enumerate(placements):
         if placement.is_replicate():
             if coordinate[dim] != 0:
@@ -210,9 +242,9 @@ def _plain_piece(name: str, value: ShardPiece) -> tuple[torch.Tensor, Region | N
         raise MismatchError(f"tensor {name!r}: {exc}") from None
 
 
-def _local_piece(name: str, value: object) -> _Local | None:
+def _local_piece(name: str, value: object, parallel: set[str]) -> _Local | None:
     if isinstance(value, DTensor):
-        held = _dtensor_piece(name, value)
+        held = _dtensor_piece(name, value, parallel)
         if held is None:
             return None
         local, region = held
@@ -317,7 +349,10 @@ class ShardedEmitter(RunEmitter):
         at the same point, as for any collective)."""
         self._check_newer(step)
         tensors, form = _tensors_of(weights)
-        found = [p for name, v in tensors.items() if (p := _local_piece(name, v)) is not None]
+        parallel = parallel_dims(tensors)
+        found = [
+            p for name, v in tensors.items() if (p := _local_piece(name, v, parallel)) is not None
+        ]
         held = [p for p in found if p.region is not None]  # zero-size pieces are not staged
         pieces = []
         for p in held:
