@@ -37,11 +37,20 @@ from pipeline.coord.events import DeltaAvailable
 from pipeline.coord.shards import RankFolder, register_rank
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError, DeltasyncError, MismatchError
+from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import mixsum
-from pipeline.format.manifest import DTYPES, PIECES_SCHEMA, Kind, Manifest, dtype_name
+from pipeline.format.manifest import (
+    DTYPES,
+    PIECES_SCHEMA,
+    Kind,
+    Manifest,
+    dtype_name,
+    version_prefix,
+)
 from pipeline.format.regions import Region
 from pipeline.format.shards import RankLayout, RankPiece, layout_digest, write_layout
+from pipeline.publish import offline
 from pipeline.publish.compaction import compact
 from pipeline.publish.diff import DeltaTask
 from pipeline.publish.parallel import fanout_from_json, fanout_to_json, start_fanout
@@ -336,6 +345,14 @@ def test_box_pieces_in_process(redis_url: str, tmp_path: Path) -> None:
     assert_same_state({n: target.tensor(n) for n in target.specs()}, held, "after refusal")
     assert node.step_once() == 3
     assert_same_state({n: target.tensor(n) for n in target.specs()}, states[3], "replica")
+
+    # Offline apply of the box-pieced delta folder to a checkpoint of its base.
+    base = tmp_path / "base.safetensors"
+    write_checkpoint(base, [(n, states[2][n]) for n in MODEL])
+    out = tmp_path / "applied.safetensors"
+    offline.apply_delta(base, tmp_path / "store" / version_prefix(RUN, "delta", 3), out)
+    with CheckpointReader(out) as applied:
+        assert_same_state({n: applied.get(n) for n in MODEL}, states[3], "offline apply")
 
     # Compaction rebuilds the chain part by part into an anchor that keeps the boxes.
     assert compact(store, RUN, 3).kind == "anchor"

@@ -168,6 +168,7 @@ class _Objects:
         self.manifest = manifest
         self._key: str | None = None
         self._obj: DeltaObject | None = None
+        self._all: dict[str, DeltaObject] = {}
 
     def raw(self, entry: ObjectEntry) -> bytes:
         path = self.folder / entry.key
@@ -180,6 +181,13 @@ class _Objects:
         return data
 
     def get(self, key: str) -> DeltaObject:
+        if self.manifest.is_pieced:
+            # A sharded run's tensors span every rank's objects: all held (a delta's
+            # objects are ~2% of the model), each read and checked once.
+            if key not in self._all:
+                data = self.raw(self.manifest.object_entry(key))
+                self._all[key] = read_delta(data, object_name=str(self.folder / key))
+            return self._all[key]
         if key != self._key:
             self._obj = None  # drop the previous object before loading the next
             data = self.raw(self.manifest.object_entry(key))
@@ -210,11 +218,6 @@ def apply_delta(
     if out.exists():
         raise ConfigError(f"{out} already exists")
     manifest = read_delta_manifest(folder)
-    if manifest.is_pieced:
-        # Its objects hold flat pieces; a sharded run's versions are applied from a store.
-        raise ConfigError(
-            f"delta {folder} is stored in pieces (a sharded run): offline apply cannot read it"
-        )
     if manifest.parent_state_hash is None:
         raise CorruptObjectError(f"delta {folder} does not name the state of its base")
     objects = _Objects(folder, manifest)
@@ -236,8 +239,18 @@ def apply_delta(
                     )
                 seen[name] = digest
                 entry = entries[name]
-                if entry.changed:
-                    apply_patch(tensor, objects.get(entry.object).decode(name, tensor))
+                for piece in entry.stored if entry.changed else ():
+                    if not piece.changed:
+                        continue
+                    delta = objects.get(piece.object)
+                    if not entry.pieces:
+                        apply_patch(tensor, delta.decode(name, tensor))
+                        continue
+                    # A sharded run's piece: decoded against its region's elements.
+                    region = entry.region(piece)
+                    part = region.take(tensor).clone()
+                    apply_patch(part, delta.decode(name, part))
+                    region.put(tensor, part)
                 if algorithm.full(tensor) != entry.hash:
                     raise CorruptObjectError(
                         f"delta {folder}: tensor {name!r} does not match its hash after apply"
