@@ -150,6 +150,14 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
         }
         if rank == 1:
             mapping["ints"] = torch.arange(5, dtype=torch.int64)
+        # Pipeline stages: each stage's tensors on its own dp sub-mesh of a (pp, dp)
+        # mesh; "pp" is no parallel dimension (no tensor is placed on it), so both
+        # stages stage theirs.
+        stages = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        stage = stages.get_coordinate()[0]
+        mapping[f"stage{stage}"] = distribute_tensor(
+            torch.arange(12.0).reshape(4, 3) + 100 * stage, stages["dp"], [Shard(0)]
+        )
         done = maps.emit_shards(0, mapping)
         results["maps"] = {"completed": done.completed, "folder": done.folder}
         _write(folder, f"rank-{rank}.json", results)

@@ -367,6 +367,9 @@ def test_fsdp2_ranks_emit_their_shards_and_the_steps_reassemble_bit_for_bit(
     assert torch.equal(got["cube"], _as_int(torch.arange(105.0).reshape(3, 5, 7)))
     assert torch.equal(got["rows"], _as_int(torch.arange(24.0).reshape(8, 3)))
     assert torch.equal(got["ints"], torch.arange(5, dtype=torch.int64))
+    for stage in (0, 1):
+        want = torch.arange(12.0).reshape(4, 3) + 100 * stage
+        assert torch.equal(got[f"stage{stage}"], _as_int(want))
     boxes = {
         p.name: p.size
         for entry in rank_folders(r, "maps", 0).values()
