@@ -449,14 +449,21 @@ def test_compaction_keeps_the_pieces_and_a_new_replica_bootstraps_from_it(
         publish_anchor(store, RUN, 9, iter(()), parent=3, reason="x", expected=following)
 
 
-def test_offline_apply_refuses_a_pieced_delta(
+def test_offline_apply_of_a_pieced_delta_is_bit_exact_and_checks_its_base(
     built: PiecedRun, store: FileStore, tmp_path: Path
 ) -> None:
     folder = Path(store.root) / built.manifests[1].key
     base = tmp_path / "base.safetensors"
     save_state(built.states[0], base)
-    with pytest.raises(ConfigError, match="pieces"):
-        offline_apply(base, folder.parent, tmp_path / "out")
+    offline_apply(base, folder.parent, tmp_path / "out")
+    with CheckpointReader(tmp_path / "out") as reader:
+        assert_state({n: reader.get(n) for n in built.states[1]}, built.states[1])
+    wrong = tmp_path / "wrong.safetensors"
+    save_state(built.states[1], wrong)  # not the delta's base
+    with pytest.raises((MismatchError, CorruptObjectError)) as info:
+        offline_apply(wrong, folder.parent, tmp_path / "out-wrong")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out-wrong").exists()
 
 
 def test_a_chain_that_changes_its_pieces_is_refused(built: PiecedRun, store: FileStore) -> None:
