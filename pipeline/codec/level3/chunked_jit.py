@@ -496,6 +496,67 @@ def _bits_at(words: Any, at: int) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def _contents(
+    base: Any,
+    bits: Any,
+    sign0: int,
+    o_first: int,
+    o_lo: int,
+    o_hi: int,
+    out_pos: Any,
+    out_new: Any,
+    out_old: Any,
+    mags: Any,
+    gaps: Any,
+    state: Any,
+    bstop: int,
+    changed: int,
+    top: Any,
+    write: bool,
+    ahead: int,
+) -> int:
+    """Contents of changes ``o_lo .. o_hi - 1`` (positions in ``out_pos``), written
+    into ``base`` with ``write`` right after their old contents are kept. ``state``:
+    the index of the next large-magnitude code, the change it falls on, the next
+    large magnitude. Returns how far it got (``o_hi`` unless the contents are damaged)."""
+    one = np.uint64(1)
+    bi = state[0]
+    next_big = state[1]
+    mi = state[2]
+    for o in range(o_lo, o_hi):
+        if ahead and o + ahead < o_hi:
+            prefetch_write(base, out_pos[o + ahead])
+        j = o - o_first
+        pos = out_pos[o]
+        s = sign0 + j
+        negative = (bits[s >> 3] >> (7 - (s & 7))) & 1
+        m = one
+        if j == next_big:
+            m = (np.uint64(mags[mi]) + np.uint64(2)) & top
+            if m <= one:
+                return o
+            mi += 1
+            bi += 1
+            if bi < bstop:
+                next_big += gaps[bi] + 1
+                if next_big >= changed:
+                    return o
+            else:
+                next_big = changed
+        d = (top + one - m) & top if negative else m
+        old = base[pos]
+        new = (np.uint64(old) + d) & top
+        out_old[o] = old
+        out_new[o] = new
+        if write:
+            base[pos] = new
+    state[0] = bi
+    state[1] = next_big
+    state[2] = mi
+    return o_hi
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def _walk_buckets(
     base: Any,
     lo: int,
@@ -508,10 +569,20 @@ def _walk_buckets(
     ranks: Any,
     out_pos: Any,
     o_first: int,
-) -> bool:
+    bits: Any,
+    sign0: int,
+    out_new: Any,
+    out_old: Any,
+    mags: Any,
+    state: Any,
+    top: Any,
+    write: bool,
+) -> int:
     """Positions of a chunk's changes, coded as gaps between ranks within their
     buckets (``gaps[gend[k - 1]:gend[k]]`` for bucket k), into ``out_pos`` from
-    ``o_first`` on; False when a rank falls past its bucket's elements.
+    ``o_first`` on, each block's contents (_contents) right after its positions, while
+    its lines are in cache. Returns DONE or BAD_POSITION / BAD_CONTENTS, with
+    ``state[3]`` the end of the changes whose contents it wrote.
 
     Without a branch per change: each bucket's ranks become bits of a bitmap
     (``ranks[k]``, zero on entry and left zero); then each block of 64 elements
@@ -528,12 +599,13 @@ def _walk_buckets(
             rank += gaps[t] + 1
             if rank >= size:
                 _clear(ranks, groups, size)
-                return False
+                return BAD_POSITION
             row[rank >> 6] |= one << np.uint64(rank & 63)
         start = gend[k]
     s0 = s1 = s2 = s3 = np.int64(0)
     o = np.int64(o_first)
     o_end = o_first + changed
+    state[3] = o_first
     last_lane = np.uint64(LANES - 1)
     i = lo
     while i < hi and o < o_end:
@@ -552,6 +624,7 @@ def _walk_buckets(
         # A block holds 0, 1 or 2 changes about equally often: the first three go
         # out without a branch on the count (a slot past the last change is
         # overwritten by the next one, and stays within the chunk's outputs).
+        o_block = o
         if o + 3 <= o_end:
             for _ in range(3):
                 out_pos[o] = i + np.int64(min(trailing_zeros(chosen), last_lane))
@@ -560,13 +633,37 @@ def _walk_buckets(
         while chosen:
             if o >= o_end:  # only a damaged record sets more bits than it has changes
                 _clear(ranks, groups, size)
-                return False
+                return BAD_POSITION
             out_pos[o] = i + np.int64(trailing_zeros(chosen))
             o += 1
             chosen &= chosen - one
+        if o > o_block:
+            done = _contents(
+                base,
+                bits,
+                sign0,
+                o_first,
+                o_block,
+                o,
+                out_pos,
+                out_new,
+                out_old,
+                mags,
+                gaps,
+                state,
+                gend[groups],
+                changed,
+                top,
+                write,
+                0,
+            )
+            state[3] = done
+            if done < o:
+                _clear(ranks, groups, size)
+                return BAD_CONTENTS
         i += LANES
     _clear(ranks, groups, size)
-    return bool(o == o_end)
+    return DONE if o == o_end else BAD_POSITION
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -608,6 +705,7 @@ def decode_chunks(
     top = np.uint64((1 << (8 * width)) - 1) if width < 8 else ~np.uint64(0)
     one = np.uint64(1)
     gend = np.zeros(5, np.int64)
+    state = np.zeros(4, np.int64)
     for c in range(first, stop):
         lo = c * chunk
         hi = min(n, lo + chunk)
@@ -669,8 +767,15 @@ def decode_chunks(
         if pad and (np.uint64(bits[(end >> 3) - 1]) & ((one << np.uint64(pad)) - one)):
             return c - first, BAD_FIXED
         o_first = out_at[c]
-        o = o_first
+        o_end = o_first + changed
+        bt = gend[groups - 1]
+        bstop = gend[groups]
+        state[0] = bt
+        state[1] = gaps[bt] if bt < bstop else changed
+        state[2] = big_at[c]
+        status = DONE
         if groups == 1:
+            o = o_first
             pos = lo - 1
             for t in range(gend[0]):
                 pos += gaps[t] + 1
@@ -678,45 +783,56 @@ def decode_chunks(
                     return c - first, BAD_POSITION
                 out_pos[o] = pos
                 o += 1
-        elif not _walk_buckets(
-            base, lo, hi, bounds, groups, magnitude, gaps, gend, ranks, out_pos, o
-        ):
-            return c - first, BAD_POSITION
-        # Contents, in position order; large magnitudes' indices follow the buckets' codes.
-        bt = gend[groups - 1]
-        bstop = gend[groups]
-        bi = bt
-        next_big = gaps[bt] if bt < bstop else changed
-        mi = big_at[c]
-        ahead = 16
-        for j in range(changed):
-            if j + ahead < changed:
-                prefetch_write(base, out_pos[o_first + j + ahead])
-            pos = out_pos[o_first + j]
-            s = sign0 + j
-            negative = (bits[s >> 3] >> (7 - (s & 7))) & 1
-            m = one
-            if j == next_big:
-                m = (np.uint64(mags[mi]) + np.uint64(2)) & top
-                if m <= one:
-                    return c - first, BAD_CONTENTS
-                mi += 1
-                bi += 1
-                if bi < bstop:
-                    next_big += gaps[bi] + 1
-                    if next_big >= changed:
-                        return c - first, BAD_CONTENTS
-                else:
-                    next_big = changed
-            d = (top + one - m) & top if negative else m
-            old = base[pos]
-            out_old[o_first + j] = old
-            out_new[o_first + j] = (np.uint64(old) + d) & top
-        if bi != bstop:
-            return c - first, BAD_CONTENTS
-        if write:
-            for j in range(o_first, o_first + changed):
-                base[out_pos[j]] = out_new[j]
+            done = _contents(
+                base,
+                bits,
+                sign0,
+                o_first,
+                o_first,
+                o_end,
+                out_pos,
+                out_new,
+                out_old,
+                mags,
+                gaps,
+                state,
+                bstop,
+                changed,
+                top,
+                write,
+                16,
+            )
+        else:
+            status = _walk_buckets(
+                base,
+                lo,
+                hi,
+                bounds,
+                groups,
+                magnitude,
+                gaps,
+                gend,
+                ranks,
+                out_pos,
+                o_first,
+                bits,
+                sign0,
+                out_new,
+                out_old,
+                mags,
+                state,
+                top,
+                write,
+            )
+            done = state[3]
+        if status == DONE and (done < o_end or state[0] != bstop):
+            status = BAD_CONTENTS
+        if status != DONE:
+            # Damaged: put back what this chunk wrote (its old contents were kept first).
+            if write:
+                for j in range(o_first, done):
+                    base[out_pos[j]] = out_old[j]
+            return c - first, status
     return stop - first, DONE
 
 
