@@ -4,9 +4,9 @@ In a pieced version (manifest schema 3) each object holds, per piece, a 1-D reco
 the piece's elements named by the tensor. A delta's record decodes against the held
 tensor's elements of the piece's region (the base its encoder saw: a flat slice, or a
 box, see pipeline.format.regions); its positions, placed by the region, are a patch of
-the whole tensor. A tensor's patch is the union of
-its pieces' (disjoint, in order), and its proof covers them all: the held hash plus
-every piece's change (mixsum is additive over flat positions) must be the entry's
+the whole tensor. A tensor's patch is the union of its pieces' (disjoint; boxes'
+sorted into flat order), and its proof covers them all: the held hash plus every
+piece's change (mixsum is additive over flat positions) must be the entry's
 hash, which the parser checked is the sum of the piece hashes. Nothing is written
 here: targets write the proven patches as they write any other.
 """
