@@ -69,7 +69,7 @@ def sharded_model() -> tuple[TinyLM, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def train_step(model: TinyLM, optimizer: torch.optim.Optimizer, step: int) -> None:
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     """One real AdamW step on a batch drawn from ``step``."""
     g = torch.Generator().manual_seed(step)
     tokens = torch.randint(0, VOCAB, BATCH, generator=g)
@@ -342,6 +342,89 @@ def e2e_rank(
                 torch.save(full, folder / f"expected-{step}.pt")
                 go = folder / f"go-{step}"
                 while not go.exists():
+                    time.sleep(0.05)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class TPBlock(nn.Module):
+    """Attention-like and MLP-like halves: q/up made column-parallel (Shard(0) weights),
+    o/down row-parallel (Shard(1) weights, replicated biases)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(WIDTH, 10)
+        self.o = nn.Linear(10, WIDTH)
+        self.up = nn.Linear(WIDTH, 14)
+        self.down = nn.Linear(14, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.o(torch.tanh(self.q(x)))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class TinyTP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)  # left out of TP: on the dp slice only
+        self.blocks = nn.ModuleList([TPBlock(), TPBlock()])
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def tp_rank(
+    rank: int, world: int, port: int, envs: dict[str, dict[str, str]], out: str, steps: int
+) -> None:
+    """One rank of a (dp=2, tp=2) mesh for tests/test_sharded_e2e.py: the blocks made
+    tensor-parallel over ``tp``, then FSDP2 ``fully_shard`` over ``dp``, real AdamW
+    steps, ``emit_shards`` after each; rank 0 saves the gathered state (test only) and
+    all wait for ``go-<step>``, as in ``e2e_rank``."""
+    os.environ.update(envs[host_of(rank)])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from workers.sharded_trainer import ShardedEmitter
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    folder = Path(out)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(SEED)
+        model = TinyTP()
+        for block in model.blocks:
+            plan = {"q": ColwiseParallel(), "o": RowwiseParallel()}
+            parallelize_module(
+                block, mesh["tp"], plan | {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            )
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        emitter = ShardedEmitter("e2e")
+        for step in range(1, steps + 1):
+            train_step(model, optimizer, step)
+            emitter.emit_shards(step, model)
+            full = {k: v.full_tensor().to(torch.bfloat16) for k, v in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, folder / f"expected-{step}.pt")
+                while not (folder / f"go-{step}").exists():
                     time.sleep(0.05)
             dist.barrier()
     finally:
