@@ -344,11 +344,10 @@ def gathered_update(
         old = np.empty(where.size, data.dtype)
         new = np.empty_like(old)
         out = np.empty(2, np.uint64)
-        if runs is not None:
+        if runs is not None:  # a box: its changes mixed at their positions in the tensor
             mixed = _mixed(where, data.size, runs)
-            failed = jit.gathered_update_at(
-                where, mixed, data, diffs.view(data.dtype), old, new, out
-            )
+            failed = jit.gather(where, data, diffs.view(data.dtype), old, new)
+            out[:] = jit.change_sum(mixed, old, new) if failed == 0 else 0
         else:
             failed = jit.gathered_update(where, data, diffs.view(data.dtype), old, new, out, offset)
         if failed < 0:

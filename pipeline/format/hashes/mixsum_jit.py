@@ -133,11 +133,8 @@ def gathered_update(
     does not check bounds by itself). The gather is a loop
     of its own: with the hash in the same loop each cold-cache miss stalled it
     (6-10x slower at 2M positions in a 1.2 GB state)."""
-    size = held.size
-    for k in range(positions.size):
-        if positions[k] < 0 or positions[k] >= size:
-            return -1
-    _gather(positions, held, diffs, old, new)
+    if gather(positions, held, diffs, old, new) < 0:
+        return -1
     sa = np.uint64(0)
     sb = np.uint64(0)
     for k in range(positions.size):
@@ -152,32 +149,15 @@ def gathered_update(
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _gather(positions: Any, held: Any, diffs: Any, old: Any, new: Any) -> None:
-    for k in range(positions.size):
-        o = held[positions[k]]
-        old[k] = o
-        new[k] = o + diffs[k]
-
-
-@jit  # type: ignore[untyped-decorator,misc]
-def gathered_update_at(
-    positions: Any, mixed: Any, held: Any, diffs: Any, old: Any, new: Any, out: Any
-) -> int:
-    """:func:`gathered_update` of a piece whose element ``positions[k]`` sits at flat
-    position ``mixed[k]`` of its tensor (a box: see pipeline.format.regions)."""
+def gather(positions: Any, held: Any, diffs: Any, old: Any, new: Any) -> int:
+    """``old = held[positions]``, ``new = old + diffs`` (wrapping in the width); -1,
+    nothing read, at a position out of range (compiled code checks no bounds itself)."""
     size = held.size
     for k in range(positions.size):
         if positions[k] < 0 or positions[k] >= size:
             return -1
-    _gather(positions, held, diffs, old, new)
-    sa = np.uint64(0)
-    sb = np.uint64(0)
     for k in range(positions.size):
-        i = np.uint64(mixed[k])
-        na, nc = _lanes(i, np.uint64(new[k]))
-        oa, oc = _lanes(i, np.uint64(old[k]))
-        sa += na - oa
-        sb += nc - oc
-    out[0] = sa
-    out[1] = sb
+        o = held[positions[k]]
+        old[k] = o
+        new[k] = o + diffs[k]
     return 0
