@@ -31,22 +31,22 @@ def host_of(rank: int) -> str:
 
 
 class Block(nn.Module):
-    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
+        self.up = nn.Linear(WIDTH, HIDDEN)
+        self.down = nn.Linear(HIDDEN, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(x)))
 
 
 class TinyLM(nn.Module):
-    def __init__(self, width: int = WIDTH, hidden: int = HIDDEN) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList([Block(width, hidden), Block(width, hidden)])
-        self.norm = nn.RMSNorm(width)
-        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm = nn.RMSNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -88,13 +88,18 @@ def _write(out: Path, name: str, doc: dict[str, Any]) -> None:
     (out / name).write_text(json.dumps(doc))
 
 
-def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
+def _host_env(rank: int, port: int, env: dict[str, str], out: str) -> None:
+    """A spawned rank's environment: its emulated host's name and staging folder."""
     os.environ.update(env)
     host = host_of(rank)
     os.environ["DELTASYNC_DIFF_HOST"] = host
     os.environ["DELTASYNC_STAGING"] = str(Path(out) / host / "staging")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+
+
+def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
+    _host_env(rank, port, env, out)
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -166,41 +171,18 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
 
 
 def tp_fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
-    """One rank of FSDP2 over tensor parallelism on a (dp=2, tp=2) mesh: the blocks'
-    ``up`` column-parallel (Shard(0)) and ``down`` row-parallel (Shard(1)), then
-    ``fully_shard`` over dp; real AdamW steps, emitted after each."""
-    os.environ.update(env)
-    host = host_of(rank)
-    os.environ["DELTASYNC_DIFF_HOST"] = host
-    os.environ["DELTASYNC_STAGING"] = str(Path(out) / host / "staging")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    """One rank of ``tp_sharded_model`` (FSDP2 over tensor parallelism) for
+    tests/test_sharded_emit.py: real AdamW steps, emitted after each."""
+    _host_env(rank, port, env, out)
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     from workers.sharded_trainer import ShardedEmitter
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)
     try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        torch.manual_seed(SEED)
-        model = TinyLM(width=8, hidden=12)  # tensor-parallel dimensions divide by tp
-        for block in model.blocks:
-            parallelize_module(
-                block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
-            )
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = tp_sharded_model()
         emitter = ShardedEmitter("tp")
-        placements: dict[str, str] = {}
         for step in range(1, 4):
             train_step(model, optimizer, step)
             done = emitter.emit_shards(step, model)
@@ -379,6 +361,31 @@ class TinyTP(nn.Module):
         return out
 
 
+def tp_sharded_model() -> tuple[TinyTP, torch.optim.Optimizer]:
+    """TinyTP on a (dp=2, tp=2) mesh: each block made tensor-parallel over ``tp`` (q/up
+    column-parallel, o/down row-parallel), then FSDP2 ``fully_shard`` over ``dp``; its
+    AdamW, the same on every rank (the process group initialised)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(SEED)
+    model = TinyTP()
+    for block in model.blocks:
+        plan = {"q": ColwiseParallel(), "o": RowwiseParallel()}
+        parallelize_module(
+            block, mesh["tp"], plan | {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        )
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def tp_rank(
     rank: int, world: int, port: int, envs: dict[str, dict[str, str]], out: str, steps: int
 ) -> None:
@@ -393,30 +400,13 @@ def tp_rank(
     import time
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     from workers.sharded_trainer import ShardedEmitter
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)
     try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        torch.manual_seed(SEED)
-        model = TinyTP()
-        for block in model.blocks:
-            plan = {"q": ColwiseParallel(), "o": RowwiseParallel()}
-            parallelize_module(
-                block, mesh["tp"], plan | {"up": ColwiseParallel(), "down": RowwiseParallel()}
-            )
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = tp_sharded_model()
         emitter = ShardedEmitter("e2e")
         for step in range(1, steps + 1):
             train_step(model, optimizer, step)

@@ -34,6 +34,11 @@ def _manifest() -> m.Manifest:
         for i, (a, b) in enumerate(RANGES)
     )
     entry = m.TensorEntry("w", "bfloat16", (10, 7), ALG.full(flat), objects[0].key, 0, pieces)
+    return pieced_anchor(objects, entry)
+
+
+def pieced_anchor(objects: tuple[m.ObjectEntry, ...], entry: m.TensorEntry) -> m.Manifest:
+    """Anchor 0 of run ``r``: the one tensor ``entry``, in pieces over ``objects``."""
     return m.Manifest(
         run="r",
         version=0,

@@ -16,6 +16,7 @@ from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.regions import Region, tiling_error
 from pipeline.format.shards import RankLayout, RankPiece, read_layout, write_layout
+from tests.test_manifest_pieces import pieced_anchor
 
 ALG = content_hashes.get(content_hashes.MIXSUM)
 
@@ -171,20 +172,7 @@ def _box_manifest() -> m.Manifest:
         m.Piece.at(objects[i].key, b, ALG.piece(b.take(whole), b)) for i, b in enumerate(boxes)
     )
     entry = m.TensorEntry("w", "bfloat16", shape, ALG.full(whole), objects[0].key, 0, pieces)
-    return m.Manifest(
-        run="r",
-        version=0,
-        kind="anchor",
-        parent=None,
-        anchor=0,
-        codec=m.CodecInfo("safetensors", 1),
-        objects=objects,
-        tensors=(entry,),
-        state_hash=m.compute_state_hash([entry]),
-        created=m.now_iso(),
-        schema=m.PIECES_SCHEMA,
-        content_hash=content_hashes.MIXSUM,
-    )
+    return pieced_anchor(objects, entry)
 
 
 def test_a_box_pieced_manifest_round_trips() -> None:

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ import torch.multiprocessing as mp
 from pipeline.coord.connection import redis_client
 from pipeline.coord.stream import ENTRY_FIELD, stream_key
 from pipeline.format.hashes import content_hashes
-from pipeline.format.manifest import PIECES_SCHEMA
+from pipeline.format.manifest import PIECES_SCHEMA, Manifest
 from pipeline.rollout.node import RolloutNode
 from pipeline.store import ObjectStore, open_store
 from pipeline.targets.patching import int_view
@@ -150,21 +151,52 @@ def cluster(redis_url: str, s3_url: str, tmp_path: Path) -> Iterator[Cluster]:
         c.close()
 
 
+@contextmanager
+def _ranks(
+    rank_main: Callable[..., None], cluster: Cluster, tmp_path: Path, steps: int
+) -> Iterator[None]:
+    """``WORLD`` trainer ranks of ``rank_main`` running while the block runs, joined at
+    its end; on a failure the workers' log tail is printed and the ranks killed."""
+    ranks = mp.start_processes(
+        rank_main,
+        args=(WORLD, _free_port(), cluster.envs, str(tmp_path), steps),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        yield
+        while not ranks.join(timeout=1):
+            pass
+    except BaseException:
+        print(cluster.log_tail())
+        raise
+    finally:
+        for proc in ranks.processes:
+            if proc.is_alive():
+                proc.kill()
+
+
+def _published(store: ObjectStore, step: int, expected: Mapping[str, torch.Tensor]) -> Manifest:
+    """Version ``step`` once published: pieced, every rank's part in an object of its
+    own (written by its host), its hashes those of the gathered state."""
+    wait_for(lambda: _head(store) == step, f"version {step}", 300)
+    manifest = chain.load_manifest(store, RUN, "anchor" if step == 1 else "delta", step)
+    assert manifest.schema == PIECES_SCHEMA and manifest.is_pieced
+    assert {o.key[:11] for o in manifest.objects} == {f"part-r{r:05d}" for r in range(WORLD)}
+    for entry in manifest.tensors:
+        assert entry.hash == ALGORITHM.full(expected[entry.name]), entry.name
+    return manifest
+
+
 def test_fsdp2_ranks_on_two_hosts_reach_a_replica_bit_for_bit(
     cluster: Cluster, redis_url: str, s3_url: str, tmp_path: Path
 ) -> None:
     store = open_store(s3_url)
     cluster.diff_worker("h0-diff", "h0")
     cluster.diff_worker("h1-diff", "h1")
-    ranks = mp.start_processes(
-        sharded_ranks.e2e_rank,
-        args=(WORLD, _free_port(), cluster.envs, str(tmp_path), STEPS),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    target, node = _replica(store)
-    try:
+    with _ranks(sharded_ranks.e2e_rank, cluster, tmp_path, STEPS):
+        target, node = _replica(store)  # waits for the ranks' first anchor
         for step in range(1, STEPS + 1):
             wait_for(lambda s=step: (tmp_path / f"expected-{s}.pt").exists(), f"step {step}", 300)
             expected = torch.load(tmp_path / f"expected-{step}.pt")
@@ -173,18 +205,8 @@ def test_fsdp2_ranks_on_two_hosts_reach_a_replica_bit_for_bit(
                 error = json.loads((tmp_path / "error-3-2.json").read_text())["error"]
                 assert "bad" in error and "\n" not in error
             else:
-                wait_for(lambda s=step: _head(store) == s, f"version {step}", 300)
-                manifest = chain.load_manifest(store, RUN, "anchor" if step == 1 else "delta", step)
-                assert manifest.schema == PIECES_SCHEMA and manifest.is_pieced
-                # Every rank's pieces went to an object of its own (one host each).
-                assert {o.key[:11] for o in manifest.objects} == {
-                    f"part-r{r:05d}" for r in range(WORLD)
-                }
-                # The manifest's hashes are those of the gathered state...
-                for entry in manifest.tensors:
-                    assert entry.hash == ALGORITHM.full(expected[entry.name]), entry.name
-                # ...and the replica holds it, bit for bit.
-                assert node.step_once() == step
+                manifest = _published(store, step, expected)
+                assert node.step_once() == step  # and the replica holds it, bit for bit
                 _same_bits(_held(target), expected)
             if step == 3:  # the next step's part on h1 is taken by a worker killed mid-part
                 cluster.stop("h1-diff")
@@ -199,15 +221,6 @@ def test_fsdp2_ranks_on_two_hosts_reach_a_replica_bit_for_bit(
                 time.sleep(1.0)
                 assert _head(store) == 3, "no manifest while h1's part is not recorded"
                 cluster.diff_worker("h1-diff-2", "h1")
-        while not ranks.join(timeout=1):
-            pass
-    except BaseException:
-        print(cluster.log_tail())
-        raise
-    finally:
-        for proc in ranks.processes:
-            if proc.is_alive():
-                proc.kill()
 
     index = chain.list_versions(store, RUN)
     assert index.anchors == (1,) and index.deltas == (3, 4, 5)  # step 2 never published
@@ -236,41 +249,17 @@ def test_fsdp2_over_tensor_parallel_ranks_reach_a_replica_bit_for_bit(
     store = open_store(s3_url)
     cluster.diff_worker("h0-diff", "h0")
     cluster.diff_worker("h1-diff", "h1")
-    ranks = mp.start_processes(
-        sharded_ranks.tp_rank,
-        args=(WORLD, _free_port(), cluster.envs, str(tmp_path), TP_STEPS),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    target, node = _replica(store)
-    try:
+    with _ranks(sharded_ranks.tp_rank, cluster, tmp_path, TP_STEPS):
+        target, node = _replica(store)
         for step in range(1, TP_STEPS + 1):
             wait_for(lambda s=step: (tmp_path / f"expected-{s}.pt").exists(), f"step {step}", 300)
             expected = torch.load(tmp_path / f"expected-{step}.pt")
-            wait_for(lambda s=step: _head(store) == s, f"version {step}", 300)
-            manifest = chain.load_manifest(store, RUN, "anchor" if step == 1 else "delta", step)
-            assert manifest.is_pieced
-            # Every rank's part written by its own host's worker, the first anchor too.
-            assert {o.key[:11] for o in manifest.objects} == {
-                f"part-r{r:05d}" for r in range(WORLD)
-            }
+            manifest = _published(store, step, expected)
             pieces = {e.name: e.pieces for e in manifest.tensors}
             assert all(p.is_box for p in pieces["blocks.0.o.weight"])  # Shard(1) x Shard(0)
             # Off TP: held alike by both tp ranks of a dp slice, staged once.
             assert len(pieces["embed.weight"]) == 2
-            for entry in manifest.tensors:
-                assert entry.hash == ALGORITHM.full(expected[entry.name]), entry.name
             assert node.step_once() == step, node.last_error
             _same_bits(_held(target), expected)
             (tmp_path / f"go-{step}").touch()
-        while not ranks.join(timeout=1):
-            pass
-    except BaseException:
-        print(cluster.log_tail())
-        raise
-    finally:
-        for proc in ranks.processes:
-            if proc.is_alive():
-                proc.kill()
     assert chain.list_versions(store, RUN).deltas == tuple(range(2, TP_STEPS + 1))

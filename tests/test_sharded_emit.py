@@ -9,6 +9,7 @@ import math
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _spawn_ranks(rank_main: Callable[..., None], redis_url: str, tmp_path: Path) -> None:
+    """``WORLD`` ranks of ``rank_main`` in a gloo group, each choosing its own host."""
+    env = deltasync_env(redis_url, tmp_path)
+    env.pop("DELTASYNC_DIFF_HOST", None)
+    mp.spawn(rank_main, args=(WORLD, _free_port(), env, str(tmp_path)), nprocs=WORLD, join=True)
+
+
 def _reassemble(r: Any, run: str, step: int, world: int) -> dict[str, torch.Tensor]:
     """The full tensors of ``step`` from every rank's folder, as integer views; every
     element must be covered exactly once."""
@@ -314,14 +322,7 @@ def _jobs(r: Any) -> dict[str, dict[str, Any]]:
 def test_fsdp2_ranks_emit_their_shards_and_the_steps_reassemble_bit_for_bit(
     redis_url: str, tmp_path: Path
 ) -> None:
-    env = deltasync_env(redis_url, tmp_path)
-    env.pop("DELTASYNC_DIFF_HOST", None)
-    mp.spawn(
-        sharded_ranks.fsdp_rank,
-        args=(WORLD, _free_port(), env, str(tmp_path)),
-        nprocs=WORLD,
-        join=True,
-    )
+    _spawn_ranks(sharded_ranks.fsdp_rank, redis_url, tmp_path)
     r = redis_client(redis_url)
     results = {
         rank: json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(WORLD)
@@ -386,14 +387,7 @@ def test_fsdp2_over_tensor_parallel_ranks_emit_boxes_that_reassemble_bit_for_bit
 ) -> None:
     """A (dp=2, tp=2) mesh: column- and row-parallel weights under FSDP2, real AdamW
     steps; every rank stages only its chunk, the row-parallel ones as boxes."""
-    env = deltasync_env(redis_url, tmp_path)
-    env.pop("DELTASYNC_DIFF_HOST", None)
-    mp.spawn(
-        sharded_ranks.tp_fsdp_rank,
-        args=(WORLD, _free_port(), env, str(tmp_path)),
-        nprocs=WORLD,
-        join=True,
-    )
+    _spawn_ranks(sharded_ranks.tp_fsdp_rank, redis_url, tmp_path)
     r = redis_client(redis_url)
     placements = json.loads((tmp_path / "tp-placements-0.json").read_text())
     assert "Shard(dim=1)" in placements["blocks.0.down.weight"]  # row-parallel, kept by FSDP
