@@ -9,7 +9,9 @@ alternating in one process (so both see the same load).
   read-back, against one confirmed pass (pipeline/targets/confirmed.py);
 - diff: one part's encode (level 1) plus its new mixsum-128 hashes with
   ``--diff-changes`` changes, as a second decode of the object and a gather, against
-  the hashes taken in the encode's own scan (``on_changes``). The hashes of the two
+  the hashes taken in the encode's own scan (``on_changes``): with the base read
+  again at the changed positions (the hook before 2026-12-02), and with the base
+  contents the scan took (now); the encode alone is the floor. The hashes of the
   variants are checked equal.
 """
 
@@ -21,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +34,7 @@ from emulator import make_state
 
 from pipeline.codec import encode_delta, read_delta
 from pipeline.codec.compiled import kernels
-from pipeline.format.hashes import content_hashes
+from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.publish.diff import scan_hasher, updated_hashes
 from pipeline.targets import confirmed_jit
 
@@ -82,7 +85,20 @@ def main() -> None:
     pairs = list(changed_pairs(held, int(args.diff_changes), 1))
     print("| encode + new hashes | best s | median s |\n| --- | --- | --- |")
     again: list[float] = []
+    regather: list[float] = []
     scan: list[float] = []
+    alone: list[float] = []
+    bases = {name: base for name, base, _ in pairs}
+
+    def regathering_hook() -> tuple[Any, dict[str, str]]:
+        out: dict[str, str] = {}
+
+        def hook(name: str, positions: Any, diffs: Any, old: Any) -> None:
+            flat = mixsum.int_flat(bases[name])
+            out[name] = algorithm.gathered(parent[name], flat, positions, diffs)[0]
+
+        return hook, out
+
     for _ in range(args.reps + 1):
         started = time.perf_counter()
         data = encode_delta(pairs, 1)
@@ -94,8 +110,19 @@ def main() -> None:
         got = updated_hashes(read_delta(data, object_name="p"), pairs, parent, algorithm, scanned)
         scan.append(time.perf_counter() - started)
         assert got == want
+        started = time.perf_counter()
+        hook, scanned = regathering_hook()
+        data = encode_delta(pairs, 1, on_changes=hook)
+        got = updated_hashes(read_delta(data, object_name="p"), pairs, parent, algorithm, scanned)
+        regather.append(time.perf_counter() - started)
+        assert got == want
+        started = time.perf_counter()
+        encode_delta(pairs, 1)
+        alone.append(time.perf_counter() - started)
     print(row("encode, then decode again + gather + hash", again))
-    print(row("hashes in the encode's scan", scan))
+    print(row("hashes in the encode's scan, the base read again", regather))
+    print(row("hashes in the encode's scan, from the base it took", scan))
+    print(row("encode alone (no hashes)", alone))
     print(f"load {os.getloadavg()}")
 
 

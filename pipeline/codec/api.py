@@ -358,12 +358,14 @@ def encode_delta(
     pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
     level: int = DEFAULT_LEVEL,
     *,
-    on_changes: Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any]], None] | None = None,
+    on_changes: Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]], None]
+    | None = None,
 ) -> bytes:
     """One delta object for (name, base, new) pairs of equal dtype and shape.
-    ``on_changes(name, positions, new - base)`` is called for each changed tensor with
-    what the encoder's scan found (on an encoding thread; the arrays are valid during
-    the call only), so that a caller needs no second pass over the changes."""
+    ``on_changes(name, positions, new - base, base)`` is called for each changed tensor
+    with what the encoder's scan found, in the unsigned integer view (on an encoding
+    thread; the arrays are valid during the call only), so that a caller needs no
+    second pass over the changes nor over the base."""
     if level not in LEVELS:
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
     entries: dict[str, npt.NDArray[np.uint8]] = {}

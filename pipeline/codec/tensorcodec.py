@@ -69,9 +69,15 @@ def roles(encoding: str, params: dict[str, Any]) -> tuple[str, ...] | None:
     return positions.ROLES[encoding] + contents.ROLES[method]
 
 
-def find_changes(base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
-    """Positions where two flat arrays differ, and the differences new - base there
-    (wrapping).
+# (positions, new - base there (wrapping), base there) of a tensor's changed elements.
+Changes = tuple[I64, AnyUInt, AnyUInt]
+# The scan's buffers (positions, differences, base contents), count and resume point.
+Scanned = tuple[I64, AnyUInt, AnyUInt, int, int]
+
+
+def find_changes(base: AnyUInt, new: AnyUInt) -> Changes:
+    """Positions where two flat arrays differ, the differences new - base there
+    (wrapping) and the base contents there.
 
     Compiled: one vectorised pass (fused.scan_diffs). numpy: compares 8-byte
     words first and looks inside the few words that differ; with a few percent
@@ -84,7 +90,7 @@ def find_changes(base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
     aligned = base.ctypes.data % 8 == 0 and new.ctypes.data % 8 == 0
     if base.size < 64 or not aligned:
         where = np.flatnonzero(base != new)
-        return where, new[where] - base[where]
+        return where, new[where] - base[where], base[where]
     main = base.size - base.size % lanes
     words = np.flatnonzero(base[:main].view(np.uint64) != new[:main].view(np.uint64))
     base_lanes = base[:main].view(np.uint64)[words].view(base.dtype)
@@ -92,12 +98,14 @@ def find_changes(base: AnyUInt, new: AnyUInt) -> tuple[I64, AnyUInt]:
     inner = np.flatnonzero(base_lanes != new_lanes)
     shift = lanes.bit_length() - 1
     where = (words[inner >> shift] << shift) | (inner & (lanes - 1))
-    diff = new_lanes[inner] - base_lanes[inner]
+    old = base_lanes[inner]
+    diff = new_lanes[inner] - old
     if main < base.size:
         tail = np.flatnonzero(base[main:] != new[main:]) + main
         where = np.concatenate([where, tail])
         diff = np.concatenate([diff, new[tail] - base[tail]])
-    return where, diff
+        old = np.concatenate([old, base[tail]])
+    return where, diff, old
 
 
 def _scan_capacity(numel: int) -> int:
@@ -110,8 +118,8 @@ def _scan_compiled(
     compiled: Any,
     base: AnyUInt,
     new: AnyUInt,
-    done: tuple[I64, AnyUInt, int, int] | None = None,
-) -> tuple[I64, AnyUInt]:
+    done: Scanned | None = None,
+) -> Changes:
     """Views into per-thread scratch buffers (contents.scratch): encode_tensor
     consumes them before it scans the next tensor. ``done``: the buffers, count
     and resume point of a scan that already ran."""
@@ -119,38 +127,44 @@ def _scan_compiled(
         capacity = _scan_capacity(base.size)
         out_pos = contents.scratch("positions", capacity, np.int64)
         out_diff = contents.scratch("diffs", capacity, base.dtype)
-        count, start = compiled.scan_diffs(base, new, out_pos, out_diff, 0)
+        out_old = contents.scratch("olds", capacity, base.dtype)
+        count, start = compiled.scan_diffs(base, new, out_pos, out_diff, out_old, 0)
     else:
-        out_pos, out_diff, count, start = done
+        out_pos, out_diff, out_old, count, start = done
         capacity = out_pos.size
     if start >= base.size:
-        return out_pos[:count], out_diff[:count]
-    pieces = [(out_pos[:count].copy(), out_diff[:count].copy())]
+        return out_pos[:count], out_diff[:count], out_old[:count]
+    pieces = [(out_pos[:count].copy(), out_diff[:count].copy(), out_old[:count].copy())]
     while start < base.size:
         capacity = min(2 * capacity, base.size - start + 2 * fused.LANES)
         out_pos = np.empty(capacity, np.int64)
         out_diff = np.empty(capacity, base.dtype)
-        count, start = compiled.scan_diffs(base, new, out_pos, out_diff, start)
-        pieces.append((out_pos[:count], out_diff[:count]))
-    return np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces])
+        out_old = np.empty(capacity, base.dtype)
+        count, start = compiled.scan_diffs(base, new, out_pos, out_diff, out_old, start)
+        pieces.append((out_pos[:count], out_diff[:count], out_old[:count]))
+    return (
+        np.concatenate([p[0] for p in pieces]),
+        np.concatenate([p[1] for p in pieces]),
+        np.concatenate([p[2] for p in pieces]),
+    )
 
 
-def _changes(
-    base_flat: torch.Tensor, new_flat: torch.Tensor, info: DtypeInfo
-) -> tuple[I64, AnyUInt]:
-    """Positions of changed elements and the differences new - base there (unsigned)."""
+def _changes(base_flat: torch.Tensor, new_flat: torch.Tensor, info: DtypeInfo) -> Changes:
+    """Positions of changed elements, the differences new - base there and the base
+    contents there (unsigned)."""
     unsigned = info.unsigned
     if base_flat.device.type == "cpu":
         return find_changes(base_flat.numpy().view(unsigned), new_flat.numpy().view(unsigned))
     where_t = torch.nonzero(torch.ne(base_flat, new_flat)).view(-1)
     base_vals = to_numpy(base_flat[where_t]).view(unsigned)
-    return to_numpy(where_t), to_numpy(new_flat[where_t]).view(unsigned) - base_vals
+    return to_numpy(where_t), to_numpy(new_flat[where_t]).view(unsigned) - base_vals, base_vals
 
 
-# Called with (positions, new - base modulo the width, unsigned) of a tensor's changed
-# elements as the encoder's own scan found them, on the encoding thread, before the
-# next tensor is scanned (the arrays may be scratch reused after it returns).
-OnChanges = Callable[[I64, AnyUInt], None]
+# Called with (positions, new - base modulo the width, base there), unsigned, of a
+# tensor's changed elements as the encoder's own scan found them, on the encoding
+# thread, before the next tensor is scanned (the arrays may be scratch reused after it
+# returns).
+OnChanges = Callable[[I64, AnyUInt, AnyUInt], None]
 
 
 def encode_tensor(
@@ -179,16 +193,17 @@ def encode_tensor(
         encoded, scanned = _encode_sparse_compiled(compiled, base_np, new_np)
         if encoded is not None:
             if on_changes is not None:  # done: the scan ran to the end
-                on_changes(scanned[0][: scanned[2]], scanned[1][: scanned[2]])
+                count = scanned[3]
+                on_changes(scanned[0][:count], scanned[1][:count], scanned[2][:count])
             return encoded
-        where, diff = _scan_compiled(compiled, base_np, new_np, scanned)
+        where, diff, old = _scan_compiled(compiled, base_np, new_np, scanned)
     else:
-        where, diff = _changes(base_flat, new_flat, info)
+        where, diff, old = _changes(base_flat, new_flat, info)
     changed = where.size
     if changed == 0:
         return Encoded("same", 0)
     if on_changes is not None:
-        on_changes(where, diff)
+        on_changes(where, diff, old)
     content_streams, content_params = contents.encode_contents(diff)
 
     candidates: list[Encoded] = []
@@ -198,8 +213,7 @@ def encode_tensor(
         if level >= 2 and info.exponent is not None:
             index = ClassIndex.build(base_flat, info)
             shift, top = info.exponent
-            base_vals = to_numpy(base_flat).view(info.unsigned)[where]
-            classes = ((base_vals >> shift) & top).astype(np.int64)
+            classes = ((old >> shift) & top).astype(np.int64)
             streams, params = positions.encode_classed(where, classes, index)
             candidates.append(Encoded("classed", changed, streams, params))
     if changed >= numel * BITMAP_MIN_DENSITY:
@@ -232,12 +246,12 @@ def _encode_chunked(
     """Level 3: the ``chunked`` encoding, or a level-1 one where that is smaller
     (many changes, or differences mostly above one unit)."""
     numel = base_flat.numel()
-    where, diff = _changes(base_flat, new_flat, info)
+    where, diff, old = _changes(base_flat, new_flat, info)
     changed = where.size
     if changed == 0:
         return Encoded("same", 0)
     if on_changes is not None:
-        on_changes(where, diff)
+        on_changes(where, diff, old)
     base_np = to_numpy(base_flat).view(info.unsigned)
     found = chunked.encode(walker, base_np, where, diff, info)
     best = Encoded("chunked", changed, found.streams, found.params)
@@ -255,7 +269,8 @@ _workspaces = threading.local()
 def _workspace(numel: int, dtype: np.dtype[Any]) -> tuple[npt.NDArray[Any], ...]:
     """Per-thread buffers for fused.encode_sparse, big enough for ``numel``
     elements of ``dtype`` and reused (the kernel reads their sizes as capacities):
-    positions, differences, large-magnitude indices, magnitudes, streams, planes."""
+    positions, differences, base contents, large-magnitude indices, magnitudes,
+    streams, planes."""
     cache: dict[str, tuple[int, tuple[npt.NDArray[Any], ...]]] | None = getattr(
         _workspaces, "cache", None
     )
@@ -269,6 +284,7 @@ def _workspace(numel: int, dtype: np.dtype[Any]) -> tuple[npt.NDArray[Any], ...]
     buffers = (
         np.empty(capacity, np.int64),
         np.empty(capacity, dtype),
+        np.empty(capacity, dtype),
         np.empty(capacity, np.int64),
         np.empty(capacity, dtype),
         np.empty(numel // 8 + 1024, np.uint8),
@@ -280,7 +296,7 @@ def _workspace(numel: int, dtype: np.dtype[Any]) -> tuple[npt.NDArray[Any], ...]
 
 def _encode_sparse_compiled(
     compiled: Any, base: AnyUInt, new: AnyUInt
-) -> tuple[Encoded | None, tuple[I64, AnyUInt, int, int]]:
+) -> tuple[Encoded | None, Scanned]:
     """The common case (few changes, mostly +-1 units in the last place) in one
     compiled call (fused.encode_sparse): the same bytes as the general path,
     without its per-stream Python and compiled-call overhead. Otherwise None and
@@ -288,14 +304,14 @@ def _encode_sparse_compiled(
     buffers = _workspace(base.size, base.dtype)
     result = compiled.encode_sparse(base, new, *buffers)
     status, changed, resume, param = result[:4]
-    scanned = (buffers[0], buffers[1], changed, resume)
+    scanned = (buffers[0], buffers[1], buffers[2], changed, resume)
     if status != fused.DONE:
         return None, scanned
     nbig, big_param = result[7], result[8]
     head = result[4] + result[5] + result[6] + result[9] + result[10]
-    mags = contents.compress(buffers[5][: nbig * base.itemsize]) if nbig else np.zeros(0, np.uint8)
+    mags = contents.compress(buffers[6][: nbig * base.itemsize]) if nbig else np.zeros(0, np.uint8)
     blob = np.empty(head + mags.size, np.uint8)
-    blob[:head] = buffers[4][:head]
+    blob[:head] = buffers[5][:head]
     blob[head:] = mags
     streams: dict[str, U8] = {}
     offset = 0

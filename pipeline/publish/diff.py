@@ -224,21 +224,27 @@ def scan_hasher(
     held: dict[str, str],
     algorithm: HashAlgorithm,
     regions: dict[str, Region] | None = None,
-) -> tuple[Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any]], None], dict[str, str]]:
+) -> tuple[
+    Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]], None], dict[str, str]
+]:
     """(the encoder's ``on_changes`` hook, the new hashes it fills): each changed
     tensor's new content hash from its base's (``held``) and the changes the encode's
-    own scan found, on the encoding thread while the tensor is still in cache: no
-    second decode of the object, no second pass over its changes. The hash comes from
+    own scan found, with the base contents the scan took at the changed positions:
+    no second decode of the object, no second read of the base. The hash comes from
     the true base and new (not from the object's decoding), so a replica that
     decodes the object into anything else refuses it. A piece's positions are its
     own; ``regions`` places them in the tensor."""
-    bases = {name: base for name, base, _ in pairs}
+    widths = {name: base.element_size() for name, base, _ in pairs}
     at = regions or {}
     out: dict[str, str] = {}
 
-    def hook(name: str, positions: npt.NDArray[np.int64], diffs: npt.NDArray[Any]) -> None:
-        flat = mixsum.int_flat(bases[name])
-        out[name] = algorithm.gathered(held[name], flat, positions, diffs, at.get(name))[0]
+    def hook(
+        name: str, positions: npt.NDArray[np.int64], diffs: npt.NDArray[Any], old: npt.NDArray[Any]
+    ) -> None:
+        region = at.get(name)
+        where = positions if region is None else region.positions(positions)
+        new = old + diffs  # wraps in the unsigned width, as the scan took it
+        out[name] = algorithm.updated(held[name], where, old, new, widths[name])
 
     return hook, out
 

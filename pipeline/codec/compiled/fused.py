@@ -2,7 +2,8 @@
 
 - ``scan_diffs``: one pass over base and new that compares 64 elements at a time
   as vectors (a bit mask of the differing lanes) and writes only the changed
-  positions and their differences new - base; no mask, no word index.
+  positions, their differences new - base and the base contents there (for a
+  content hash of the change); no mask, no word index.
 - ``signmag_diffs``: the sign-magnitude split of those differences.
 - ``walk_sparse``: walks the Rice-coded gaps and the sign-magnitude contents of
   a ``sparse`` / ``signmag`` record together and either writes new = base + diff

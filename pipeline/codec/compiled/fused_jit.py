@@ -159,10 +159,11 @@ def peek(stream: Any, bit: int) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def scan_diffs(base: Any, new: Any, out_pos: Any, out_diff: Any, start: int) -> Any:
-    """Changed elements from ``start`` on (a multiple of 64): positions and
-    new - base (wrapping), until the outputs could overflow: (elements
-    written, where to resume).
+def scan_diffs(base: Any, new: Any, out_pos: Any, out_diff: Any, out_old: Any, start: int) -> Any:
+    """Changed elements from ``start`` on (a multiple of 64): positions, new - base
+    (wrapping) and base there, until the outputs could overflow: (elements written,
+    where to resume). The base contents are taken while they are in cache, so that
+    a content hash of the change needs no second, scattered read of the base.
 
     Each 64-lane mask is compacted into four output slots without branches
     (a branch per lane or per mask mispredicts at a few percent changed);
@@ -182,12 +183,14 @@ def scan_diffs(base: Any, new: Any, out_pos: Any, out_diff: Any, start: int) -> 
             p = i + min(trailing_zeros(mask), last)
             out_pos[k] = p
             out_diff[k] = new[p] - base[p]
+            out_old[k] = base[p]
             k += mask != 0
             mask &= mask - one
         while mask:
             p = i + trailing_zeros(mask)
             out_pos[k] = p
             out_diff[k] = new[p] - base[p]
+            out_old[k] = base[p]
             k += 1
             mask &= mask - one
         i += LANES
@@ -196,6 +199,7 @@ def scan_diffs(base: Any, new: Any, out_pos: Any, out_diff: Any, start: int) -> 
     for p in range(i, n):
         out_pos[k] = p
         out_diff[k] = new[p] - base[p]
+        out_old[k] = base[p]
         k += base[p] != new[p]
     return k, n
 
@@ -468,7 +472,15 @@ def rice_write(positions: Any, count: int, param: int, out: Any, uindex: int, fi
 
 @jit  # type: ignore[untyped-decorator,misc]
 def encode_sparse(
-    base: Any, new: Any, pos: Any, diff: Any, big: Any, mags: Any, out: Any, planes: Any
+    base: Any,
+    new: Any,
+    pos: Any,
+    diff: Any,
+    old: Any,
+    big: Any,
+    mags: Any,
+    out: Any,
+    planes: Any,
 ) -> Any:
     """The whole level-1 encoding of the common case in one call: scan, then
     Rice-coded positions and sign-magnitude contents, the same bytes as the
@@ -478,13 +490,13 @@ def encode_sparse(
 
     Returns (status, changed, resume, param, unary bytes, fixed bytes, sign
     bytes, large magnitudes, their param, their unary bytes, their fixed bytes).
-    With status FALLBACK the scan's results are in pos / diff up to ``changed``
+    With status FALLBACK the scan's results are in pos / diff / old up to ``changed``
     (resume from ``resume`` when that is short of the end) and another encoding
     applies: a bitmap may be smaller (at least 1/32 changed), the byte-plane
     contents are (under 2/3 of differences are +-1), or ``out`` is too small."""
     n = base.size
     width = base.itemsize
-    changed, resume = scan_diffs(base, new, pos, diff, 0)
+    changed, resume = scan_diffs(base, new, pos, diff, old, 0)
     nothing = (FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0)
     if resume < n or changed == 0 or 32 * changed >= n:
         return nothing
