@@ -190,6 +190,10 @@ def test_damaged_streams_leave_the_target_untouched(damage: object) -> None:
     assert torch.equal(bits(target), bits(base))
     with pytest.raises(CorruptObjectError, match="'w'"):
         obj.decode("w", base)
+    held = base.clone()
+    with pytest.raises(CorruptObjectError, match="'w'"):
+        obj.gathered("w", held)
+    assert torch.equal(bits(held), bits(base))
     with compiled_kernels(False), pytest.raises(CorruptObjectError, match="'w'"):
         read_delta(damaged, object_name="obj").apply_to("w", base.clone())
 
@@ -328,3 +332,41 @@ def test_compiled_kernels_refuse_constants_they_were_not_written_for() -> None:
     )
     assert done.returncode != 0
     assert "CONSTANTS says" in done.stderr and "BATCH=128" in done.stderr
+
+
+@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
+def test_the_gathering_walk_gives_positions_new_and_old_contents_on_every_dtype() -> None:
+    """What a replica's proof takes from one walk (``DeltaObject.gathered``): the
+    positions and differences the streams give, the held tensor read there and left
+    as it was, on every dtype the walk handles; None where it does not apply."""
+    gen = np.random.default_rng(12)
+    walked: set[torch.dtype] = set()
+    for i, dtype in enumerate(DTYPES):
+        width = torch.empty(0, dtype=dtype).element_size()
+        raw = torch.from_numpy(gen.integers(0, 256, size=20011 * width).astype(np.uint8))
+        base = raw.view(dtype) if dtype != torch.bool else (raw & 1).view(torch.bool)
+        moved = bits(base.clone()).view(-1)
+        spots = torch.from_numpy(gen.choice(moved.numel(), moved.numel() // 50, replace=False))
+        if dtype == torch.bool:
+            moved[spots] ^= 1
+        else:  # mostly +-1 in the last place: the walk's sign-magnitude contents
+            moved[spots] += torch.from_numpy(gen.choice([-1, 1, 1, 2], spots.numel())).to(
+                moved.dtype
+            )
+        new = moved.view(torch.uint8).view(dtype) if dtype == torch.bool else moved.view(dtype)
+        obj = read_delta(encode_delta([(f"t{i}", base, new)]))
+        held = base.clone()
+        found = obj.gathered(f"t{i}", held)
+        assert torch.equal(bits(held), bits(base))
+        if found is None:  # wider than 4 bytes: not walked
+            assert width > 4, dtype
+            continue
+        walked.add(dtype)
+        positions, new_bits, old_bits = found
+        want = torch.nonzero(bits(base).view(-1) != bits(new).view(-1)).view(-1).numpy()
+        assert np.array_equal(positions, want), dtype
+        flat_old = bits(base).view(-1).numpy().view(old_bits.dtype)
+        flat_new = bits(new).view(-1).numpy().view(new_bits.dtype)
+        assert np.array_equal(old_bits, flat_old[want]), dtype
+        assert np.array_equal(new_bits, flat_new[want]), dtype
+    assert {torch.bfloat16, torch.float16, torch.float32, torch.bool} <= walked, walked

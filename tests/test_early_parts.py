@@ -71,10 +71,13 @@ def objects_of(store: FileStore, manifest: Manifest) -> dict[str, bytes]:
 
 def count_decodes(monkeypatch: pytest.MonkeyPatch, trainer: Trainer) -> list[str]:
     """Names of the tensors the proof decodes from here on, each once (the one-pass
-    proof of xxh3-128; the incremental one's positions and differences from the
-    streams, or its plain decode where those depend on the base)."""
+    proof of xxh3-128; the incremental one's walk gathering the changed elements, or
+    its positions and differences from the streams, or its plain decode where those
+    depend on the base)."""
     calls: list[str] = []
-    methods = ["decode_hashed"] if trainer.content_hash == XXH3 else ["differences", "decode"]
+    methods = (
+        ["decode_hashed"] if trainer.content_hash == XXH3 else ["gathered", "differences", "decode"]
+    )
     for method in methods:
         real = getattr(api.DeltaObject, method)
 

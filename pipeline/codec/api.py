@@ -246,7 +246,27 @@ class DeltaObject:
             target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
         else:  # the walk only bounds positions by its size: host pages never touched
             target = np.empty(base.numel(), record.info.unsigned)
-        return self._walk(walker, name, record, target, fused.DIFFS)
+        return self._walk(walker, name, record, target, fused.DIFFS)[:2]
+
+    def gathered(
+        self, name: str, base: torch.Tensor
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]] | None:
+        """(positions, new contents, old contents), unsigned, of ``name``'s changed
+        elements, ``base`` (a CPU tensor, not written) read at the changed positions
+        within the one walk of the streams: what a content hash updated from the
+        changes needs, and the patch. None where the walk does not apply (another
+        device or encoding: :meth:`differences` then)."""
+        record = self._record(name, base)
+        walker = fused.get()
+        if (
+            walker is None
+            or base.device.type != "cpu"
+            or record.changed == 0
+            or not walk_applies(record.encoding, record.params, record.info)
+        ):
+            return None
+        target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
+        return self._walk(walker, name, record, target, fused.GATHER)
 
     def apply_to(
         self, name: str, tensor: torch.Tensor, *, undo: bool = False
@@ -286,7 +306,7 @@ class DeltaObject:
         if not tensor.is_contiguous():
             raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
         target = tensor.detach().view(info.view).view(-1).numpy().view(info.unsigned)
-        where, old_np = self._walk(walker, name, record, target, fused.APPLY, record_out=undo)
+        where, old_np, _ = self._walk(walker, name, record, target, fused.APPLY, record_out=undo)
         if not undo:
             return None
         return TensorPatch(
@@ -319,7 +339,7 @@ class DeltaObject:
         mode: int,
         *,
         record_out: bool = True,
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any]]:
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]]:
         """``walk_sparse`` over ``name``'s streams; a damaged stream is a one-line
         CorruptObjectError naming the object and the tensor."""
         try:

@@ -349,7 +349,10 @@ def decode_tensor(
             walker = fused.get() if base_flat.device.type == "cpu" else None
             if walker is not None and walk_applies(encoding, params, info):
                 base_np = base_flat.numpy().view(unsigned)
-                return walk_sparse(walker, streams, params, changed, base_np, info, fused.DECODE)
+                where, new, _ = walk_sparse(
+                    walker, streams, params, changed, base_np, info, fused.DECODE
+                )
+                return where, new
             if encoding == "sparse":
                 where = positions.decode_sparse(streams, params, changed, numel)
             elif encoding == "bitmap":
@@ -444,10 +447,11 @@ def walk_sparse(
     mode: int,
     *,
     record: bool = True,
-) -> tuple[I64, AnyUInt]:
+) -> tuple[I64, AnyUInt, AnyUInt]:
     """Positions and contents of a sparse / signmag record in one pass over
     ``target`` (the base; fused.APPLY writes the new contents into it and returns
-    the old ones, fused.DECODE returns the new ones). Damaged streams raise
+    the old ones, fused.DECODE returns the new ones, fused.GATHER the new ones and,
+    third, the old ones; the third is empty otherwise). Damaged streams raise
     DamagedStreamError with ``target`` unchanged."""
     unsigned = info.unsigned
     unary, fixed, param = streams["unary"], streams["fixed"], int(params["rice"])
@@ -474,8 +478,20 @@ def walk_sparse(
     size = changed if record else 0
     out_pos = np.empty(size, np.int64)
     out_val = np.empty(size, unsigned)
+    out_old = np.empty(size if mode == fused.GATHER else 0, unsigned)
     done, status = walker.walk_sparse(
-        unary, fixed, param, changed, signs, big_ends, planes, target, mode, out_pos, out_val
+        unary,
+        fixed,
+        param,
+        changed,
+        signs,
+        big_ends,
+        planes,
+        target,
+        mode,
+        out_pos,
+        out_val,
+        out_old,
     )
     if status != fused.DONE:
         if mode == fused.APPLY and done:
@@ -492,10 +508,11 @@ def walk_sparse(
                 fused.UNDO,
                 empty_pos,
                 empty_val,
+                empty_val,
             )
         if status == fused.BAD_POSITION:
             raise DamagedStreamError(f"a position is out of range for {target.size} elements")
         if status == fused.BAD_CONTENTS:
             raise DamagedStreamError("contents hold a zero difference for a changed element")
         raise DamagedStreamError("position streams do not hold the recorded gaps")
-    return out_pos, out_val
+    return out_pos, out_val, out_old

@@ -8,8 +8,9 @@
 - ``walk_sparse``: walks the Rice-coded gaps and the sign-magnitude contents of
   a ``sparse`` / ``signmag`` record together and either writes new = base + diff
   straight into the target (apply, recording the old contents if asked), only
-  records positions and new contents (decode), or takes a prefix of an apply
-  back (undo).
+  records positions and new contents (decode), records positions, new and old
+  contents (gather, for a content hash of the change), or takes a prefix of an
+  apply back (undo).
 
 They produce and consume exactly the streams of rice.py and contents.py. A few
 LLVM intrinsics (vector compare to a bit mask, count leading / trailing zeros,
@@ -36,6 +37,7 @@ from pipeline.codec.compiled.fused_constants import (
     DIFFS,
     DONE,
     FALLBACK,
+    GATHER,
     LANES,
     MAX_PARAM,
     UNDO,
@@ -51,6 +53,7 @@ __all__ = [
     "DIFFS",
     "DONE",
     "FALLBACK",
+    "GATHER",
     "LANES",
     "MAX_PARAM",
     "UNDO",

@@ -12,6 +12,7 @@ APPLY = 0
 DECODE = 1
 UNDO = 2
 DIFFS = 3  # records positions and differences; never reads the target
+GATHER = 4  # records positions, new and old contents; writes nothing
 
 # walk_sparse outcomes
 DONE = 0

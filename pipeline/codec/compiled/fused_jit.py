@@ -24,6 +24,7 @@ from pipeline.codec.compiled.fused_constants import (
     DIFFS,
     DONE,
     FALLBACK,
+    GATHER,
     LANES,
     MAX_PARAM,
     UNDO,
@@ -34,10 +35,13 @@ from pipeline.codec.compiled.fused_constants import (
 # fails while it disagrees with fused_constants.py: changing a constant means editing this file
 # too, which invalidates the cache (a checkout updated by git otherwise keeps kernels
 # built with the old values).
-CONSTANTS = "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 DONE=0 BAD=1,2,3 FALLBACK=1"
+CONSTANTS = (
+    "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 GATHER=4 DONE=0 BAD=1,2,3 FALLBACK=1"
+)
 _LIVE = (
     f"LANES={LANES} BATCH={BATCH} MAX_PARAM={MAX_PARAM} DECODE={DECODE} UNDO={UNDO} "
-    f"DIFFS={DIFFS} DONE={DONE} BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS} FALLBACK={FALLBACK}"
+    f"DIFFS={DIFFS} GATHER={GATHER} DONE={DONE} "
+    f"BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS} FALLBACK={FALLBACK}"
 )
 if CONSTANTS != _LIVE:
     raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused_constants.py {_LIVE!r}")
@@ -256,6 +260,7 @@ def write_batch(
     mode: int,
     out_pos: Any,
     out_val: Any,
+    out_old: Any,
 ) -> None:
     """target[positions] += diffs for one batch of walk_sparse (see there)."""
     record = out_pos.size > 0
@@ -263,6 +268,14 @@ def write_batch(
         for b in range(size):
             out_pos[first + b] = positions[b]
             out_val[first + b] = diffs[b]  # modulo the element width
+        return
+    if mode == GATHER:
+        for b in range(size):
+            p = positions[b]
+            old = target[p]
+            out_pos[first + b] = p
+            out_val[first + b] = old + diffs[b]
+            out_old[first + b] = old
         return
     for b in range(size):
         p = positions[b]
@@ -288,6 +301,7 @@ def walk_sparse(
     mode: int,
     out_pos: Any,
     out_val: Any,
+    out_old: Any,
 ) -> Any:
     """Walk ``count`` Rice-coded positions (unary + fixed streams, parameter
     ``param``) with their sign-magnitude contents over ``target``, the base
@@ -299,7 +313,9 @@ def walk_sparse(
     positions and old contents; DECODE writes nothing and records positions
     and new contents; UNDO takes back the first ``count`` elements of an APPLY;
     DIFFS records positions and differences (new - old modulo the element
-    width) and touches nothing of ``target`` but its size.
+    width) and touches nothing of ``target`` but its size; GATHER writes nothing
+    and records positions, new contents and the old ones (``out_old``: what a
+    content hash of the change needs, the target read once).
 
     Works in batches, each in short loops: find where the batch's unary codes
     end (trailing zeros of bit-reversed words: one cheap dependency per element
@@ -383,6 +399,7 @@ def walk_sparse(
                 mode,
                 out_pos,
                 out_val,
+                out_old,
             )
     if count:
         last = ((count - 1) // BATCH) * BATCH
@@ -396,6 +413,7 @@ def walk_sparse(
             mode,
             out_pos,
             out_val,
+            out_old,
         )
     # Exactly ``count`` codes, the last in the last byte, then zero padding.
     if word != 0 or (prev_end >> 3) != unary.size - 1:
