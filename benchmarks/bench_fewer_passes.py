@@ -12,7 +12,11 @@ alternating in one process (so both see the same load).
   the hashes taken in the encode's own scan (``on_changes``): with the base read
   again at the changed positions (the hook before 2026-12-02), and with the base
   contents the scan took (now); the encode alone is the floor. The hashes of the
-  variants are checked equal.
+  variants are checked equal;
+- proof: a replica's proof of that delta (positions, old and new contents, new
+  hashes), as a walk for the differences then a gather of the held contents
+  (before 2026-12-02), against one walk that gathers them (``DeltaObject.gathered``).
+  The hashes are checked equal to the diff's.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_incremental import changed_pairs, shapes_for
-from emulator import make_state
+from emulator import UniformEmulator, make_state
 
 from pipeline.codec import encode_delta, read_delta
 from pipeline.codec.compiled import kernels
@@ -122,7 +126,51 @@ def main() -> None:
     print(row("encode, then decode again + gather + hash", again))
     print(row("hashes in the encode's scan, the base read again", regather))
     print(row("hashes in the encode's scan, from the base it took", scan))
-    print(row("encode alone (no hashes)", alone))
+    print(row("encode alone (no hashes)", alone), flush=True)
+
+    # The proof on bench_e2e's updates: a third of the changes +-2, so about half the
+    # tensors keep sign-magnitude contents (walked) and half take byte planes.
+    news = {n: t.clone() for n, t in held.items()}
+    UniformEmulator(args.diff_changes / total, seed=2).step_(news)
+    pairs = [(n, held[n], news[n]) for n in held]
+    want = {n: algorithm.full(t) for n, t in news.items()}
+    delta = read_delta(encode_delta(pairs, 1), object_name="p")
+    walkable = sum(delta.gathered(n, b) is not None for n, b, _ in pairs)
+    print(f"{walkable} of {len(pairs)} tensors walked")
+    print("| replica proof | best s | median s |\n| --- | --- | --- |")
+    two_passes: list[float] = []
+    one_walk: list[float] = []
+    for _ in range(args.reps + 1):
+        started = time.perf_counter()
+        digests = {}
+        for name, base, _ in pairs:
+            found = delta.differences(name, base)
+            if found is None:  # unchanged
+                digests[name] = parent[name]
+                continue
+            flat = mixsum.int_flat(base)
+            digests[name] = algorithm.gathered(parent[name], flat, *found)[0]
+        two_passes.append(time.perf_counter() - started)
+        assert digests == want
+        started = time.perf_counter()
+        digests = {}
+        for name, base, _ in pairs:
+            walked = delta.gathered(name, base)
+            if walked is None:  # unchanged, or not the walk's encoding
+                found = delta.differences(name, base)
+                flat = mixsum.int_flat(base)
+                digests[name] = (
+                    parent[name]
+                    if found is None
+                    else (algorithm.gathered(parent[name], flat, *found)[0])
+                )
+                continue
+            at, new, old = walked
+            digests[name] = algorithm.updated(parent[name], at, old, new, base.element_size())
+        one_walk.append(time.perf_counter() - started)
+        assert digests == want
+    print(row("walk for the differences, then gather + hash", two_passes))
+    print(row("one walk gathering the held contents, then hash", one_walk))
     print(f"load {os.getloadavg()}")
 
 
