@@ -131,3 +131,33 @@ def test_a_node_refuses_to_go_back(tmp_path: Path) -> None:
     assert isinstance(node.last_error, ChainError)
     assert "refusing to go back" in str(node.last_error)
     assert node.applied_version == 2
+
+
+def test_a_binding_made_between_the_store_read_and_the_redis_read_is_accepted(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node starting while the run's first publish binds it: its read of the store
+    finds no instance, the publisher then records one and binds Redis, and the node's
+    read of Redis sees that binding. The node reads the store again and accepts it
+    (it used to refuse, naming its own store as holding no instance)."""
+    store = FileStore(tmp_path / "store")
+    client = redis_client(redis_url)
+    real = run_binding.read_instance
+    calls: list[int] = []
+
+    def publisher_in_between(found_in: FileStore, run: str) -> run_binding.RunInstance | None:
+        calls.append(1)
+        if len(calls) == 1:  # the node's first read: nothing yet; the publisher binds now
+            empty = real(found_in, run)
+            run_binding.bind_store(client, run, store)
+            return empty
+        return real(found_in, run)
+
+    monkeypatch.setattr(run_binding, "read_instance", publisher_in_between)
+    instance = run_binding.check_store(client, RUN, store)
+    monkeypatch.undo()
+    assert instance is not None and instance == run_binding.read_instance(store, RUN)
+    assert run_binding.bound(client, RUN) == (store.url, instance.instance)
+    other = FileStore(tmp_path / "other")  # a store that never held the run still refuses
+    with pytest.raises(run_binding.StoreBindingError, match="holds no instance of it"):
+        run_binding.check_store(client, RUN, other)

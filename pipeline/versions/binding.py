@@ -118,6 +118,10 @@ def check(client: Any, run: str, store: ObjectStore, instance: RunInstance | Non
 def check_store(client: Any, run: str, store: ObjectStore) -> RunInstance | None:
     """The run's instance after checking that ``store`` is the one Redis binds it to."""
     instance = read_instance(store, run)
+    if instance is None and bound(client, run) is not None:
+        # A publisher records the instance in its store before it binds Redis: a
+        # binding seen after an empty read may have been made since, so read again.
+        instance = read_instance(store, run)
     check(client, run, store, instance)
     return instance
 
@@ -136,7 +140,7 @@ def instance_for_publish(store: ObjectStore, run: str) -> RunInstance:
 def bind_store(client: Any, run: str, store: ObjectStore) -> RunInstance:
     """Before publishing to ``run``: StoreBindingError if Redis binds it to another
     store (checked before anything is written here), else bind it to this one."""
-    check(client, run, store, read_instance(store, run))
+    check_store(client, run, store)
     instance = instance_for_publish(store, run)
     bind(client, run, store, instance)
     return instance
