@@ -12,7 +12,7 @@ from typing import Any
 import numba  # type: ignore[import-untyped]
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped]
-from numba.core import cgutils, types  # type: ignore[import-untyped]
+from numba.core import types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_constants import (
@@ -29,6 +29,7 @@ from pipeline.codec.compiled.fused_constants import (
     MAX_PARAM,
     UNDO,
 )
+from pipeline.intrinsics_jit import prefetch_write
 
 # numba's disk cache is keyed on this file alone and freezes the constants imported
 # above at their values when compiled. This line names those values, and the import
@@ -94,29 +95,6 @@ def load_be64(typingctx: Any, stream: Any, index: Any) -> Any:
         return builder.bswap(builder.load(pointer, align=1))
 
     return types.uint64(stream, index), codegen
-
-
-@intrinsic  # type: ignore[untyped-decorator,misc]
-def prefetch_write(typingctx: Any, array: Any, index: Any) -> Any:
-    """Hint that array[index] is about to be written (no effect on results)."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-        byte_pointer = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        function = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
-            "llvm.prefetch.p0",
-        )
-        address = builder.bitcast(builder.gep(data, [args[1]]), byte_pointer)
-        # write, high temporal locality, data cache
-        builder.call(
-            function, [address, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)]
-        )
-        return context.get_dummy_value()
-
-    return types.none(array, index), codegen
 
 
 @intrinsic  # type: ignore[untyped-decorator,misc]

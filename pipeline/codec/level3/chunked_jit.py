@@ -22,11 +22,11 @@ from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_jit import (
     peek,
-    prefetch_write,
     put_bits,
     put_tail,
     trailing_zeros,
 )
+from pipeline.intrinsics_jit import prefetch_write
 
 jit = numba.njit(cache=True, nogil=True)
 

@@ -13,6 +13,7 @@ import numba  # type: ignore[import-untyped]
 import numpy as np
 
 from pipeline.format.hashes.mixsum import KEYS
+from pipeline.intrinsics_jit import AHEAD, prefetch_read
 
 jit = numba.njit(cache=True, nogil=True)
 
@@ -156,7 +157,10 @@ def gather(positions: Any, held: Any, diffs: Any, old: Any, new: Any) -> int:
     for k in range(positions.size):
         if positions[k] < 0 or positions[k] >= size:
             return -1
-    for k in range(positions.size):
+    n = positions.size
+    for k in range(n):
+        if k + AHEAD < n:  # the lines of later positions requested while this one waits
+            prefetch_read(held, positions[k + AHEAD])
         o = held[positions[k]]
         old[k] = o
         new[k] = o + diffs[k]

@@ -1,0 +1,56 @@
+"""LLVM intrinsics shared by the compiled loops (numba), imported only where numba is
+installed: cache-line prefetch hints for scattered reads and writes.
+
+A hint never changes a result, so a loop cached on disk by numba (``cache=True``, keyed
+on its own file alone) that inlined an older version of these stays correct.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir  # type: ignore[import-untyped]
+from numba.core import cgutils, types  # type: ignore[import-untyped]
+from numba.extending import intrinsic  # type: ignore[import-untyped]
+
+# How far ahead a scattered loop prefetches, in elements: at 2% changed a 64-element
+# lead keeps about a dozen misses in flight (2.4x faster than no hint for a gather
+# over a 272 MB tensor).
+AHEAD = 64
+
+
+def _prefetch(context: Any, builder: Any, sig: Any, args: Any, write: int) -> Any:
+    data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+    byte_pointer = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    function = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
+        "llvm.prefetch.p0",
+    )
+    address = builder.bitcast(builder.gep(data, [args[1]]), byte_pointer)
+    # (address, read 0 / write 1, high temporal locality, data cache)
+    builder.call(
+        function, [address, ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+    )
+    return context.get_dummy_value()
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def prefetch_write(typingctx: Any, array: Any, index: Any) -> Any:
+    """Hint that array[index] is about to be written (no effect on results)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return _prefetch(context, builder, sig, args, 1)
+
+    return types.none(array, index), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def prefetch_read(typingctx: Any, array: Any, index: Any) -> Any:
+    """Hint that array[index] is about to be read (no effect on results)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return _prefetch(context, builder, sig, args, 0)
+
+    return types.none(array, index), codegen
