@@ -140,35 +140,26 @@ def main() -> None:
     print("| replica proof | best s | median s |\n| --- | --- | --- |")
     two_passes: list[float] = []
     one_walk: list[float] = []
+
+    def in_two_passes(name: str, base: torch.Tensor) -> str:
+        found = delta.differences(name, base)
+        if found is None:  # unchanged
+            return parent[name]
+        return algorithm.gathered(parent[name], mixsum.int_flat(base), *found)[0]
+
+    def in_one_walk(name: str, base: torch.Tensor) -> str:
+        walked = delta.gathered(name, base)
+        if walked is None:  # unchanged, or not the walk's encoding
+            return in_two_passes(name, base)
+        at, new, old = walked
+        return algorithm.updated(parent[name], at, old, new, base.element_size())
+
     for _ in range(args.reps + 1):
-        started = time.perf_counter()
-        digests = {}
-        for name, base, _ in pairs:
-            found = delta.differences(name, base)
-            if found is None:  # unchanged
-                digests[name] = parent[name]
-                continue
-            flat = mixsum.int_flat(base)
-            digests[name] = algorithm.gathered(parent[name], flat, *found)[0]
-        two_passes.append(time.perf_counter() - started)
-        assert digests == want
-        started = time.perf_counter()
-        digests = {}
-        for name, base, _ in pairs:
-            walked = delta.gathered(name, base)
-            if walked is None:  # unchanged, or not the walk's encoding
-                found = delta.differences(name, base)
-                flat = mixsum.int_flat(base)
-                digests[name] = (
-                    parent[name]
-                    if found is None
-                    else (algorithm.gathered(parent[name], flat, *found)[0])
-                )
-                continue
-            at, new, old = walked
-            digests[name] = algorithm.updated(parent[name], at, old, new, base.element_size())
-        one_walk.append(time.perf_counter() - started)
-        assert digests == want
+        for prove, times in ((in_two_passes, two_passes), (in_one_walk, one_walk)):
+            started = time.perf_counter()
+            digests = {name: prove(name, base) for name, base, _ in pairs}
+            times.append(time.perf_counter() - started)
+            assert digests == want
     print(row("walk for the differences, then gather + hash", two_passes))
     print(row("one walk gathering the held contents, then hash", one_walk))
     print(f"load {os.getloadavg()}")

@@ -235,12 +235,8 @@ class DeltaObject:
         ``name``'s changed elements, read from the streams alone: ``base`` (any device)
         gives the size and is not read. None where the walk does not apply."""
         record = self._record(name, base)
-        walker = fused.get()
-        if (
-            walker is None
-            or record.changed == 0
-            or not walk_applies(record.encoding, record.params, record.info)
-        ):
+        walker = _walker(record)
+        if walker is None:
             return None
         if base.device.type == "cpu":
             target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
@@ -250,23 +246,25 @@ class DeltaObject:
 
     def gathered(
         self, name: str, base: torch.Tensor
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]] | None:
-        """(positions, new contents, old contents), unsigned, of ``name``'s changed
-        elements, ``base`` (a CPU tensor, not written) read at the changed positions
-        within the one walk of the streams: what a content hash updated from the
-        changes needs, and the patch. None where the walk does not apply (another
-        device or encoding: :meth:`differences` then)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(positions, new contents, old contents) of ``name``'s changed elements, the
+        contents in the dtype's integer view, ``base`` (a CPU tensor, not written) read
+        at the changed positions within the one walk of the streams: what a content
+        hash updated from the changes needs, and the patch. None where the walk does
+        not apply (another device or encoding: :meth:`differences` then)."""
         record = self._record(name, base)
-        walker = fused.get()
-        if (
-            walker is None
-            or base.device.type != "cpu"
-            or record.changed == 0
-            or not walk_applies(record.encoding, record.params, record.info)
-        ):
+        walker = _walker(record) if base.device.type == "cpu" else None
+        if walker is None:
             return None
-        target = int_view_flat(base, record.info).numpy().view(record.info.unsigned)
-        return self._walk(walker, name, record, target, fused.GATHER)
+        info = record.info
+        target = int_view_flat(base, info).numpy().view(info.unsigned)
+        where, new, old = self._walk(walker, name, record, target, fused.GATHER)
+        view = _numpy_dtype(info.view)
+        return (
+            torch.from_numpy(where),
+            torch.from_numpy(new.view(view)),
+            torch.from_numpy(old.view(view)),
+        )
 
     def apply_to(
         self, name: str, tensor: torch.Tensor, *, undo: bool = False
@@ -372,6 +370,19 @@ class DeltaObject:
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:
     return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _walker(record: TensorRecord) -> Any | None:
+    """The compiled walk for a record it handles (changed, sparse positions with
+    sign-magnitude contents), else None."""
+    walker = fused.get()
+    if (
+        walker is None
+        or record.changed == 0
+        or not walk_applies(record.encoding, record.params, record.info)
+    ):
+        return None
+    return walker
 
 
 def encode_delta(

@@ -124,18 +124,16 @@ def prove_pieced(
             delta = parsed[piece.object]
             part = _slice(held, entry, piece)
             region = entry.region(piece)
-            walked = guarded(delta.gathered, entry, part) if held_hash is not None else None
-            found = None
-            if walked is None and held_hash is not None:
-                found = guarded(delta.differences, entry, part)
+            walked = found = None
+            if held_hash is not None:
+                walked = guarded(delta.gathered, entry, part)
+                if walked is None:
+                    found = guarded(delta.differences, entry, part)
             if walked is not None:
                 # One walk of the streams over the piece (CPU), read at its changed
                 # elements only: positions, new and old contents, then the hash update.
-                local, new_np, old_np = walked
-                view = flat.numpy().dtype
-                at = region.positions(torch.from_numpy(local))
-                old = torch.from_numpy(old_np.view(view))
-                new = torch.from_numpy(new_np.view(view))
+                local, new, old = walked
+                at = region.positions(local)
                 digest = algorithm.updated(digest, at, old, new, held.element_size())
             elif found is not None:
                 # From the streams alone, then one pass over the changed elements of the

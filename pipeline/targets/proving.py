@@ -250,13 +250,10 @@ def _incremental_one(
     if walked is not None:
         # One walk of the streams over the held tensor, read at the changed positions
         # only: positions, new and old contents; then the hash update from them.
-        at, new_np, old_np = walked
-        view = flat.numpy().dtype
-        digest = algorithm.updated(held_hash(entry.name), at, old_np, new_np, flat.element_size())
-        where_t = torch.from_numpy(at)
-        new_t = torch.from_numpy(new_np.view(view))
-        patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), where_t, new_t)
-        return HashedPatch(patch, torch.from_numpy(old_np.view(view)), digest)
+        at, new, old = walked
+        digest = algorithm.updated(held_hash(entry.name), at, old, new, flat.element_size())
+        patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), at, new)
+        return HashedPatch(patch, old, digest)
     found = guarded(delta.differences, entry, held)
     if found is not None:
         # Positions and differences from the streams alone, then one pass over the

@@ -154,10 +154,10 @@ def gather(positions: Any, held: Any, diffs: Any, old: Any, new: Any) -> int:
     """``old = held[positions]``, ``new = old + diffs`` (wrapping in the width); -1,
     nothing read, at a position out of range (compiled code checks no bounds itself)."""
     size = held.size
-    for k in range(positions.size):
+    n = positions.size
+    for k in range(n):
         if positions[k] < 0 or positions[k] >= size:
             return -1
-    n = positions.size
     for k in range(n):
         if k + AHEAD < n:  # the lines of later positions requested while this one waits
             prefetch_read(held, positions[k + AHEAD])
