@@ -82,6 +82,8 @@ def test_boxes_must_form_a_grid_each_cell_once() -> None:
     assert tiling_error(math.prod(shape), grid[::-1]) is None  # any order
     assert "once" in str(tiling_error(math.prod(shape), [*grid[:-1], grid[0]]))
     assert "cells once" in str(tiling_error(math.prod(shape), grid[:-1]))
+    # A whole grid of another tensor's shape: its cells are all there, its size is not.
+    assert "not 211" in str(tiling_error(211, grid))
     # An L-shaped split covers every element once but is no grid: refused by design
     # (DTensor chunks always form one, and a grid is checked in O(pieces)).
     l_shape = [

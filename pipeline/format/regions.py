@@ -150,6 +150,8 @@ def tiling_error(numel: int, regions: Sequence[Region]) -> str | None:
             at = r.offset[0] + r.size[0]
         return None if at == numel else f"its pieces cover {at} of its {numel} elements"
     shape = regions[0].shape
+    if math.prod(shape) != numel:
+        return f"its boxes tile a {list(shape)} grid of {math.prod(shape)} elements, not {numel}"
     cells = 1
     for d, n in enumerate(shape):
         cuts = sorted({(r.offset[d], r.size[d]) for r in regions})
