@@ -150,8 +150,9 @@ def tiling_error(numel: int, regions: Sequence[Region]) -> str | None:
             at = r.offset[0] + r.size[0]
         return None if at == numel else f"its pieces cover {at} of its {numel} elements"
     shape = regions[0].shape
-    if math.prod(shape) != numel:
-        return f"its boxes tile a {list(shape)} grid of {math.prod(shape)} elements, not {numel}"
+    grid_numel = math.prod(shape)
+    if grid_numel != numel:
+        return f"its boxes tile a {list(shape)} grid of {grid_numel} elements, not {numel}"
     cells = 1
     for d, n in enumerate(shape):
         cuts = sorted({(r.offset[d], r.size[d]) for r in regions})
