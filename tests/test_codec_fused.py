@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import apply_patch, encode_delta, read_delta, rice
+from pipeline.codec import apply_patch, contents, encode_delta, read_delta, rice
 from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container
 from pipeline.errors import CorruptObjectError, MismatchError
@@ -368,3 +368,99 @@ def test_the_gathering_walk_gives_positions_new_and_old_contents_on_every_dtype(
         assert torch.equal(old_bits, bits(base).view(-1)[want]), dtype
         assert torch.equal(new_bits, bits(new).view(-1)[want]), dtype
     assert {torch.bfloat16, torch.float16, torch.float32, torch.bool} <= walked, walked
+
+
+def _planes_object(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+    """A 2% update of steps -3..3 (a third of them +-1 at most): the encoder keeps
+    byte-plane contents, which the walk reads zigzagged."""
+    gen = np.random.default_rng(seed)
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(gen.integers(0, 256, size=30011 * width).astype(np.uint8))
+    base = raw.view(dtype)
+    moved = bits(base.clone()).view(-1)
+    spots = torch.from_numpy(gen.choice(moved.numel(), moved.numel() // 50, replace=False))
+    steps = gen.choice([-3, -2, -1, 1, 2, 3], spots.numel())
+    moved[spots] += torch.from_numpy(steps).to(moved.dtype)
+    new = moved.view(dtype)
+    data = encode_delta([("w", base, new)])
+    record = json.loads(read_container(data, "x").metadata["tensors"])[0]
+    assert record["encoding"] == "sparse" and record["params"]["contents"] == "planes", dtype
+    return base, new, data
+
+
+WALKED_WIDTHS = [
+    d for d in DTYPES if d != torch.bool and torch.empty(0, dtype=d).element_size() <= 4
+]
+
+
+@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("dtype", WALKED_WIDTHS, ids=str)
+def test_byte_plane_records_are_walked_bit_for_bit(dtype: torch.dtype) -> None:
+    """Sparse records with byte-plane contents take the one compiled walk (apply,
+    gather, differences, undo) and give what the numpy reference path gives."""
+    base, new, data = _planes_object(dtype, 31)
+    want = torch.nonzero(bits(base).view(-1) != bits(new).view(-1)).view(-1)
+    with compiled_kernels(False):
+        reference = read_delta(data).decode("w", base)
+    obj = read_delta(data)
+    held = base.clone()
+    found = obj.gathered("w", held)
+    assert found is not None, "byte-plane records are walked"
+    positions, new_bits, old_bits = found
+    assert torch.equal(bits(held), bits(base))
+    assert torch.equal(positions, want) and torch.equal(reference.positions, want)
+    assert torch.equal(new_bits, bits(new).view(-1)[want])
+    assert torch.equal(reference.values, new_bits)
+    assert torch.equal(old_bits, bits(base).view(-1)[want])
+    differences = obj.differences("w", base)
+    assert differences is not None
+    width_mask = (1 << (8 * base.element_size())) - 1
+    expected = (new_bits.numpy().astype(np.int64) - old_bits.numpy().astype(np.int64)) & width_mask
+    assert np.array_equal(differences[0], want.numpy())
+    assert np.array_equal(differences[1].astype(np.int64), expected)
+    target = base.clone()
+    undo = obj.apply_to("w", target, undo=True)
+    assert undo is not None and torch.equal(bits(target), bits(new))
+    assert torch.equal(undo.values, old_bits)
+    obj.undo_apply("w", target)
+    assert torch.equal(bits(target), bits(base))
+
+
+@pytest.mark.parametrize("compiled", PATHS)
+def test_a_zero_byte_plane_difference_is_refused_with_the_target_untouched(
+    compiled: bool,
+) -> None:
+    """A crafted byte-plane frame (valid checksum) that zeroes one changed element's
+    difference, late in the tensor so a walk has written batches before it."""
+    base, _, data = _planes_object(torch.bfloat16, 32)
+    record = json.loads(read_container(data, "x").metadata["tensors"])[0]
+    changed, values_size = record["changed"], record["streams"]["values"]
+    raw = np.frombuffer(
+        contents.decompress(read_container(data, "x").streams["w"][-values_size:], 2 * changed)
+        or b"",
+        np.uint8,
+    ).copy()
+    raw[changed - 3 :: changed] = 0  # both planes of the third-last element
+    frame = contents.compress(raw)
+
+    def resize(meta: dict[str, str], records: list[dict[str, object]]) -> None:
+        streams = records[0]["streams"]
+        assert isinstance(streams, dict)
+        streams["values"] = int(frame.size)
+
+    def replace(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
+        blob = entries["w"]
+        entries["w"] = np.concatenate([blob[: blob.size - values_size], frame])
+
+    damaged = rebuild(data, resize, replace)
+    with compiled_kernels(compiled):
+        obj = read_delta(damaged, object_name="obj")
+        target = base.clone()
+        with pytest.raises(CorruptObjectError, match="zero difference"):
+            obj.apply_to("w", target)
+        assert torch.equal(bits(target), bits(base))
+        with pytest.raises(CorruptObjectError, match="zero difference"):
+            obj.decode("w", base)
+        if compiled:
+            with pytest.raises(CorruptObjectError, match="zero difference"):
+                obj.gathered("w", base.clone())

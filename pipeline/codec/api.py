@@ -373,8 +373,8 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:
 
 
 def _walker(record: TensorRecord) -> Any | None:
-    """The compiled walk for a record it handles (changed, sparse positions with
-    sign-magnitude contents), else None."""
+    """The compiled walk for a record it handles (changed, sparse positions, either
+    contents), else None."""
     walker = fused.get()
     if (
         walker is None

@@ -433,8 +433,9 @@ def decode_differences(
 
 
 def walk_applies(encoding: str, params: dict[str, Any], info: DtypeInfo) -> bool:
-    """Whether ``walk_sparse`` handles a record (the common case)."""
-    return encoding == "sparse" and params.get("contents") == "signmag" and info.width <= 4
+    """Whether ``walk_sparse`` handles a record (the common case: sparse positions,
+    either contents)."""
+    return encoding == "sparse" and params.get("contents") in contents.METHODS and info.width <= 4
 
 
 def walk_sparse(
@@ -448,33 +449,43 @@ def walk_sparse(
     *,
     record: bool = True,
 ) -> tuple[I64, AnyUInt, AnyUInt]:
-    """Positions and contents of a sparse / signmag record in one pass over
+    """Positions and contents of a sparse record (either contents) in one pass over
     ``target`` (the base; fused.APPLY writes the new contents into it and returns
     the old ones, fused.DECODE returns the new ones, fused.GATHER the new ones and,
     third, the old ones; the third is empty otherwise). Damaged streams raise
     DamagedStreamError with ``target`` unchanged."""
     unsigned = info.unsigned
     unary, fixed, param = streams["unary"], streams["fixed"], int(params["rice"])
-    signs = streams["sign"]
     # The walk reads these unchecked: their sizes must be what the counts say.
-    if fixed.size != rice.fixed_nbytes(changed, param) or signs.size != (changed + 7) // 8:
-        raise DamagedStreamError("position or sign stream has the wrong size")
-    nbig, big_param = int(params["big"]), int(params["big_rice"])
-    # Indices of large magnitudes, then a sentinel that keeps the walk off their end.
-    big_ends = np.empty(nbig + 1, np.int64)
-    big = rice.decode_positions(
-        streams["big_unary"], streams["big_fixed"], nbig, big_param, changed
-    )
-    if big is None:
-        raise DamagedStreamError("large-difference streams do not hold the recorded count")
-    big_ends[:nbig] = big
-    big_ends[nbig] = changed
-    planes: U8 = np.zeros(0, np.uint8)
-    if nbig:
-        raw = contents.decompress(streams["mags"], nbig * info.width)
+    if fixed.size != rice.fixed_nbytes(changed, param):
+        raise DamagedStreamError("position stream has the wrong size")
+    zigzag = params["contents"] == "planes"
+    if zigzag:
+        signs: U8 = np.zeros(0, np.uint8)
+        big_ends = np.array([changed], np.int64)  # the sentinel alone
+        raw = contents.decompress(streams["values"], changed * info.width)
         if raw is None:
             raise DamagedStreamError("contents frame does not decompress to the recorded size")
-        planes = np.frombuffer(raw, np.uint8)
+        planes: U8 = np.frombuffer(raw, np.uint8)
+    else:
+        signs, planes = streams["sign"], np.zeros(0, np.uint8)
+        if signs.size != (changed + 7) // 8:
+            raise DamagedStreamError("sign stream has the wrong size")
+        nbig, big_param = int(params["big"]), int(params["big_rice"])
+        # Indices of large magnitudes, then a sentinel that keeps the walk off their end.
+        big_ends = np.empty(nbig + 1, np.int64)
+        big = rice.decode_positions(
+            streams["big_unary"], streams["big_fixed"], nbig, big_param, changed
+        )
+        if big is None:
+            raise DamagedStreamError("large-difference streams do not hold the recorded count")
+        big_ends[:nbig] = big
+        big_ends[nbig] = changed
+        if nbig:
+            raw = contents.decompress(streams["mags"], nbig * info.width)
+            if raw is None:
+                raise DamagedStreamError("contents frame does not decompress to the recorded size")
+            planes = np.frombuffer(raw, np.uint8)
     size = changed if record else 0
     out_pos = np.empty(size, np.int64)
     out_val = np.empty(size, unsigned)
@@ -487,6 +498,7 @@ def walk_sparse(
         signs,
         big_ends,
         planes,
+        zigzag,
         target,
         mode,
         out_pos,
@@ -504,6 +516,7 @@ def walk_sparse(
                 signs,
                 big_ends,
                 planes,
+                zigzag,
                 target,
                 fused.UNDO,
                 empty_pos,

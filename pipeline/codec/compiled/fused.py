@@ -5,9 +5,10 @@
   positions, their differences new - base and the base contents there (for a
   content hash of the change); no mask, no word index.
 - ``signmag_diffs``: the sign-magnitude split of those differences.
-- ``walk_sparse``: walks the Rice-coded gaps and the sign-magnitude contents of
-  a ``sparse`` / ``signmag`` record together and either writes new = base + diff
-  straight into the target (apply, recording the old contents if asked), only
+- ``walk_sparse``: walks the Rice-coded gaps and the contents (sign-magnitude,
+  or zigzagged byte planes) of a ``sparse`` record together and either writes
+  new = base + diff straight into the target (apply, recording the old contents
+  if asked), only
   records positions and new contents (decode), records positions, new and old
   contents (gather, for a content hash of the change), or takes a prefix of an
   apply back (undo).

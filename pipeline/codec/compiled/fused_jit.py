@@ -275,6 +275,7 @@ def walk_sparse(
     signs: Any,
     big: Any,
     planes: Any,
+    zigzag: bool,
     target: Any,
     mode: int,
     out_pos: Any,
@@ -282,10 +283,13 @@ def walk_sparse(
     out_old: Any,
 ) -> Any:
     """Walk ``count`` Rice-coded positions (unary + fixed streams, parameter
-    ``param``) with their sign-magnitude contents over ``target``, the base
+    ``param``) with their contents over ``target``, the base contents. Sign-magnitude
     contents: sign bits, ascending indices of magnitudes above one followed by a
     sentinel >= count, and those magnitudes - 2 as byte planes (``planes``, least
-    significant plane first, as many planes as target's element width).
+    significant plane first, as many planes as target's element width). With
+    ``zigzag`` (byte-plane contents), ``planes`` holds every difference of the
+    record zigzagged (``planes.size // width`` bytes a plane: an UNDO walks a prefix
+    of them), ``signs`` is empty and ``big`` only the sentinel.
 
     APPLY writes target[p] += diff and, when ``out_pos`` is not empty, records
     positions and old contents; DECODE writes nothing and records positions
@@ -307,6 +311,7 @@ def walk_sparse(
     numel = target.size
     width = target.itemsize
     nbig = big.size - 1
+    stride = planes.size // width
     top = (1 << (8 * width)) - 1
     one = np.uint64(1)
     low = np.uint64(63 - param)
@@ -354,8 +359,17 @@ def walk_sparse(
             if mode != DIFFS:
                 prefetch_write(target, pos)
             batch_pos[b] = pos
-            negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
-            batch_diff[b] = (1 ^ -negative) + negative
+            if zigzag:
+                code = np.int64(0)
+                for plane in range(width):
+                    code |= np.int64(planes[plane * stride + i]) << (8 * plane)
+                if code == 0:
+                    return written, BAD_CONTENTS
+                odd = code & 1
+                batch_diff[b] = (((code >> 1) ^ -odd) ^ -flip) + flip
+            else:
+                negative = ((signs[i >> 3] >> (7 - (i & 7))) & 1) ^ flip
+                batch_diff[b] = (1 ^ -negative) + negative
         while big[j] < first + size:
             i = big[j]
             magnitude = np.int64(2)
