@@ -1,6 +1,7 @@
 """Host memory and pause of a torch-target apply: decoded patches kept vs walked.
 
     python benchmarks/bench_apply_memory.py [--params 0.6e9] [--density 0.02] [--reps 3]
+                                            [--hash mixsum-128|xxh3-128]
 
 A bf16 state shaped like Qwen2.5-0.5B gets one emulated optimizer step (the update
 emulator of bench_e2e.py, about 2% of elements changed); the delta is encoded with the
@@ -11,6 +12,9 @@ mode then applies it, in a fresh process, to a fresh copy of the base weights:
 memory the apply added (VmHWM after the apply minus the resident size before it,
 the peak reset through /proc/self/clear_refs), the apply time and the pause (time
 under the target's lock). Every apply is checked bit for bit against the new state.
+``--hash`` is the manifest's content hash: with mixsum-128 (new runs) the target holds
+its tensors' hashes before the apply, as a node does after its bootstrap, and the apply
+is O(changed); with xxh3-128 (schema-1 runs) the apply re-reads the touched tensors.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from benchmarks.emulator import (  # noqa: E402
     qwen_like_shapes,
 )
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta  # noqa: E402
-from pipeline.format.hashes.hashing import content_hash, sha256_bytes  # noqa: E402
+from pipeline.format.hashes import content_hashes  # noqa: E402
+from pipeline.format.hashes.hashing import sha256_bytes  # noqa: E402
 from pipeline.format.manifest import (  # noqa: E402
     CodecInfo,
     Manifest,
@@ -59,8 +64,9 @@ def _status_kib(field: str) -> int:
 
 
 def build(
-    params: float, density: float
+    params: float, density: float, algorithm: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Manifest, dict[str, bytes]]:
+    content_hash = content_hashes.get(algorithm).full
     base = make_state(qwen_like_shapes(params), seed=0)
     new = {n: t.clone() for n, t in base.items()}
     profile = calibrated_profile("small").tuned_for(new.values(), density)
@@ -88,19 +94,21 @@ def build(
         codec=CodecInfo(CODEC_NAME, CODEC_VERSION, 1),
         objects=tuple(ObjectEntry(k, len(d), sha256_bytes(d)) for k, d in objects.items()),
         tensors=tuple(entries), state_hash=compute_state_hash(entries), created=now_iso(),
-        parent_state_hash=compute_state_hash(parent),
+        parent_state_hash=compute_state_hash(parent), content_hash=algorithm,
     )  # fmt: skip
     return base, new, manifest, objects
 
 
 def one_mode(args: argparse.Namespace) -> None:
     """In this process: build, apply in ``args.mode`` ``args.reps`` times, print JSON."""
-    base, new, manifest, objects = build(args.params, args.density)
+    base, new, manifest, objects = build(args.params, args.density, args.hash)
     budget = 0 if args.mode == "walked" else 1 << 40
     rows = []
     for _ in range(args.reps):
         held = {n: t.clone() for n, t in base.items()}
         target = TorchTarget(held, patch_memory_bytes=budget)
+        if content_hashes.get(args.hash).incremental:
+            target.hashes(algorithm=args.hash)  # held since the bootstrap's full proof
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM)
         before = _status_kib("VmRSS")
@@ -122,6 +130,12 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=0.6e9)
     parser.add_argument("--density", type=float, default=0.02)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--hash",
+        choices=[content_hashes.MIXSUM, content_hashes.XXH3],
+        default=content_hashes.MIXSUM,
+        help="the manifest's content hash (default: mixsum-128, as new runs)",
+    )
     parser.add_argument("--mode", choices=["patches", "walked"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:
@@ -133,7 +147,7 @@ def main() -> None:
     for mode in ("patches", "walked"):
         done = subprocess.run(
             [sys.executable, __file__, "--mode", mode, "--params", str(args.params),
-             "--density", str(args.density), "--reps", str(args.reps)],
+             "--density", str(args.density), "--reps", str(args.reps), "--hash", args.hash],
             capture_output=True, text=True, check=True, env=env,
         )  # fmt: skip
         result = json.loads(done.stdout.strip().splitlines()[-1])

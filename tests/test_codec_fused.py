@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import apply_patch, contents, encode_delta, read_delta, rice
+from pipeline.codec import apply_patch, contents, encode_delta, read_delta, rice, tensorcodec
 from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container
+from pipeline.codec.dtypes import info_for
+from pipeline.codec.tensorcodec import encode_tensor
 from pipeline.errors import CorruptObjectError, MismatchError
 from tests.pipeline_helpers import REPO
 from tests.test_codec_errors import rebuild
@@ -464,3 +466,32 @@ def test_a_zero_byte_plane_difference_is_refused_with_the_target_untouched(
         if compiled:
             with pytest.raises(CorruptObjectError, match="zero difference"):
                 obj.gathered("w", base.clone())
+
+
+@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("contents_method", ["signmag", "planes"])
+def test_a_confirmed_walk_reads_its_writes_back_from_memory(contents_method: str) -> None:
+    """fused.CONFIRM reads each written batch back from the target's memory: over a
+    target whose elements all share one address (stride 0), later writes overwrite
+    earlier ones, and only the confirmed walk notices; it then walks back what it
+    wrote. A plain target is written exactly as by APPLY."""
+    gen = np.random.default_rng(41)
+    base = torch.from_numpy(gen.integers(-(2**15), 2**15, 40000).astype(np.int16))
+    new = base.clone()
+    where = torch.from_numpy(np.sort(gen.choice(40000, 800, replace=False)))
+    steps = [-1, 1] if contents_method == "signmag" else [-3, -2, 2, 3]
+    new[where] += torch.from_numpy(gen.choice(steps, 800).astype(np.int16))
+    info = info_for(torch.bfloat16, "w")
+    encoded = encode_tensor(base, new, info, 1)
+    assert encoded.encoding == "sparse" and encoded.params["contents"] == contents_method
+    walker = fused.get()
+    args = (walker, encoded.streams, encoded.params, encoded.changed)
+    plain = base.numpy().view(np.uint16).copy()
+    tensorcodec.walk_sparse(*args, plain, info, fused.CONFIRM, record=False)
+    assert np.array_equal(plain, new.numpy().view(np.uint16))
+    cell = np.zeros(1, np.uint16)
+    one_address = np.lib.stride_tricks.as_strided(cell, shape=(40000,), strides=(0,))
+    tensorcodec.walk_sparse(*args, one_address, info, fused.APPLY, record=False)  # unnoticed
+    cell[:] = 0
+    with pytest.raises(tensorcodec.ReadBackError, match="read back"):
+        tensorcodec.walk_sparse(*args, one_address, info, fused.CONFIRM, record=False)

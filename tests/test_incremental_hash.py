@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.codec import apply_patch, encode_delta, read_delta
+from pipeline.codec import DeltaObject, apply_patch, encode_delta, read_delta
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.stream import EventStream
@@ -159,6 +159,46 @@ def test_a_patch_written_to_a_wrong_position_is_caught_and_rolled_back(
     monkeypatch.undo()
     assert node.step_once() == v  # recovered from the store
     assert_holds(held, trainer.states[v])
+
+
+def counted_walks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """(name, whether its writes were read back) of each tensor written by walking its
+    delta (no patch kept) from here on."""
+    calls: list[tuple[str, bool]] = []
+    real = DeltaObject.apply_to
+
+    def apply_to(self: DeltaObject, name: str, tensor: torch.Tensor, **kw: Any) -> Any:
+        calls.append((name, bool(kw.get("confirm"))))
+        return real(self, name, tensor, **kw)
+
+    monkeypatch.setattr(DeltaObject, "apply_to", apply_to)
+    return calls
+
+
+def test_a_replica_over_its_patch_budget_walks_its_writes_in_o_changed(
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no memory for patches (``DELTASYNC_PATCH_MEMORY_MB=0``) a mixsum-128
+    replica keeps only hashes: its tensors are proven from the changes, then written
+    by walking their deltas, each batch read back in the walk, hashing nothing in
+    full; bit for bit."""
+    trainer.publish()
+    held = {n: torch.zeros_like(t) for n, t in trainer.states[0].items()}
+    node = RolloutNode(store, RUN, TorchTarget(held, patch_memory_bytes=0), node_id="n")
+    assert node.step_once() == 0
+    trainer.publish()
+    assert node.step_once() == 1  # (the first apply proves the bootstrap in full)
+    for _ in range(2):
+        v = trainer.publish()
+        full = count_full_hashes(monkeypatch)
+        walked = counted_walks(monkeypatch)
+        assert node.step_once() == v
+        monkeypatch.undo()
+        assert full == [], "an apply hashed a tensor in full"
+        changed = [e.name for e in chain.load_manifest(store, RUN, "delta", v).tensors if e.changed]
+        assert walked and {n for n, _ in walked} <= set(changed)
+        assert all(confirmed for _, confirmed in walked), "a walked write was not read back"
+        assert_holds(held, trainer.states[v])
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from pipeline.codec.records import TensorRecord, parse_record
 from pipeline.codec.tensorcodec import (
     DamagedStreamError,
     Encoded,
+    ReadBackError,
     decode_differences,
     decode_tensor,
     encode_tensor,
@@ -266,8 +267,14 @@ class DeltaObject:
             torch.from_numpy(old.view(view)),
         )
 
+    def walks(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`apply_to` of ``name`` into ``tensor`` decodes straight into it
+        with the compiled walk, so that :meth:`undo_apply` can take it back."""
+        record = self._record(name, tensor)
+        return tensor.device.type == "cpu" and _walker(record) is not None
+
     def apply_to(
-        self, name: str, tensor: torch.Tensor, *, undo: bool = False
+        self, name: str, tensor: torch.Tensor, *, undo: bool = False, confirm: bool = False
     ) -> TensorPatch | None:
         """Turn ``tensor`` (holding the exact base version of this tensor) into the new
         version in place, decoding straight into it where that is possible (CPU
@@ -276,9 +283,14 @@ class DeltaObject:
 
         With ``undo``, returns the patch that restores the base (positions and old
         contents), e.g. for a rollback log. A damaged stream raises
-        CorruptObjectError and leaves ``tensor`` as it was."""
+        CorruptObjectError and leaves ``tensor`` as it was. With ``confirm`` (only
+        where :meth:`walks`), each batch of written positions is read back from
+        ``tensor`` within the walk: MismatchError, with what was written walked
+        back, if one does not hold its new contents."""
         record = self._record(name, tensor)
         info = record.info
+        if confirm and not self.walks(name, tensor):
+            raise TargetError(f"tensor {name!r}: a confirmed write needs the compiled walk")
         if record.changed == 0:
             if not undo:
                 return None
@@ -304,7 +316,11 @@ class DeltaObject:
         if not tensor.is_contiguous():
             raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
         target = tensor.detach().view(info.view).view(-1).numpy().view(info.unsigned)
-        where, old_np, _ = self._walk(walker, name, record, target, fused.APPLY, record_out=undo)
+        mode = fused.CONFIRM if confirm else fused.APPLY
+        try:
+            where, old_np, _ = self._walk(walker, name, record, target, mode, record_out=undo)
+        except ReadBackError as exc:
+            raise MismatchError(f"tensor {name}: read back after the write: {exc}") from None
         if not undo:
             return None
         return TensorPatch(

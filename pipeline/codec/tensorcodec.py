@@ -42,6 +42,11 @@ class DamagedStreamError(Exception):
     """A stream does not decode to what its record promises (reason in the message)."""
 
 
+class ReadBackError(Exception):
+    """A confirmed walk (fused.CONFIRM) read a written position back and found other
+    contents than it wrote."""
+
+
 @dataclass
 class Encoded:
     encoding: str
@@ -451,9 +456,10 @@ def walk_sparse(
 ) -> tuple[I64, AnyUInt, AnyUInt]:
     """Positions and contents of a sparse record (either contents) in one pass over
     ``target`` (the base; fused.APPLY writes the new contents into it and returns
-    the old ones, fused.DECODE returns the new ones, fused.GATHER the new ones and,
-    third, the old ones; the third is empty otherwise). Damaged streams raise
-    DamagedStreamError with ``target`` unchanged."""
+    the old ones, fused.CONFIRM too, reading each batch back: ReadBackError, what
+    was written walked back, if one differs; fused.DECODE returns the new ones,
+    fused.GATHER the new ones and, third, the old ones; the third is empty
+    otherwise). Damaged streams raise DamagedStreamError with ``target`` unchanged."""
     unsigned = info.unsigned
     unary, fixed, param = streams["unary"], streams["fixed"], int(params["rice"])
     # The walk reads these unchecked: their sizes must be what the counts say.
@@ -506,7 +512,7 @@ def walk_sparse(
         out_old,
     )
     if status != fused.DONE:
-        if mode == fused.APPLY and done:
+        if mode in (fused.APPLY, fused.CONFIRM) and done:
             empty_pos, empty_val = np.empty(0, np.int64), np.empty(0, unsigned)
             walker.walk_sparse(
                 unary,
@@ -523,6 +529,8 @@ def walk_sparse(
                 empty_val,
                 empty_val,
             )
+        if status == fused.BAD_READBACK:
+            raise ReadBackError("a written position, read back, does not hold its new contents")
         if status == fused.BAD_POSITION:
             raise DamagedStreamError(f"a position is out of range for {target.size} elements")
         if status == fused.BAD_CONTENTS:

@@ -164,13 +164,7 @@ def _prove_one(
     kept; nothing is written."""
     found = early.get(entry.name)
     if isinstance(found, ProvenDigest):
-        if found.changed != entry.changed:
-            raise MismatchError(
-                f"tensor {entry.name}: early proof changes {found.changed} elements, "
-                f"manifest says {entry.changed}"
-            )
-        _check_digest(entry, found.digest)
-        return Walk(entry.name, delta, entry.changed), found.digest, None
+        return _early_walk(entry, delta, found), found.digest, None
     hashed = found
     if hashed is None:
         hashed = guarded(delta.decode_hashed, entry, held)
@@ -189,6 +183,18 @@ def _prove_one(
     return hashed.patch, hashed.digest, hashed.old
 
 
+def _early_walk(entry: TensorEntry, delta: DeltaObject, found: ProvenDigest) -> Walk:
+    """The walk of a tensor whose early proof kept only its hash, checked against the
+    manifest's entry."""
+    if found.changed != entry.changed:
+        raise MismatchError(
+            f"tensor {entry.name}: early proof changes {found.changed} elements, "
+            f"manifest says {entry.changed}"
+        )
+    _check_digest(entry, found.digest)
+    return Walk(entry.name, delta, entry.changed)
+
+
 def prove_incremental(
     entries: Sequence[TensorEntry],
     objects: Mapping[str, bytes],
@@ -197,26 +203,45 @@ def prove_incremental(
     held_hash: Callable[[str], str],
     algorithm: HashAlgorithm,
     early: Mapping[str, EarlyResult] | None = None,
+    *,
+    keep_patches: bool = True,
 ) -> ProvenPatches:
     """:func:`prove_entries` for an incremental content hash: each touched tensor's
     hash after its patch is the held hash (``held_hash(name)``, proven when the
     tensor was last hashed in full) plus the changes, with the old contents read at
     the changed positions only. Nothing else of the weights is read; nothing is
     written. The patches live on their tensors' devices, as do the hash updates.
-    ``early`` results (from :func:`prove_object_incremental`) are checked, not redone."""
+    ``early`` results (from :func:`prove_object_incremental`) are checked, not redone.
+
+    Without ``keep_patches``, CPU tensors whose delta the compiled walk reads keep
+    only their hash and come back as ``walks`` (written by walking the delta again),
+    as for :func:`prove_entries`."""
     found = early or {}
 
-    def one(entry: TensorEntry, delta: DeltaObject, held: torch.Tensor) -> HashedPatch:
+    def one(
+        entry: TensorEntry, delta: DeltaObject, held: torch.Tensor, spec: TensorSpec
+    ) -> TensorPatch | Walk:
         done = found.get(entry.name)
-        if isinstance(done, HashedPatch):
-            return done
-        return _incremental_one(entry, delta, held, held_hash, algorithm)
+        if isinstance(done, ProvenDigest):
+            return _early_walk(entry, delta, done)
+        hashed = (
+            done if done is not None else _incremental_one(entry, delta, held, held_hash, algorithm)
+        )
+        check_patch(hashed.patch, entry, spec)
+        _check_digest(entry, hashed.digest)
+        # The walk's own encodings only: a walked write is undone by walking back. The
+        # patch goes here, on the proving thread, so that patches do not pile up.
+        if done is None and not keep_patches and delta.walks(entry.name, held):
+            return Walk(entry.name, delta, entry.changed)
+        olds[entry.name] = hashed.old
+        return hashed.patch
 
+    olds: dict[str, torch.Tensor] = {}  # each thread sets its own tensors' entries
     changes = list(changed_entries(entries, objects, base, specs))
     # Tensors on PROVE_THREADS threads (the walk, gathers and hash updates release
     # the GIL); the first at fault in manifest order is reported.
     if PROVE_THREADS > 1 and len(changes) > 1:
-        futures = [_provers().submit(one, e, d, h) for e, d, h, _ in changes]
+        futures = [_provers().submit(one, *change) for change in changes]
         try:
             results = [f.result() for f in futures]
         except BaseException:
@@ -225,14 +250,15 @@ def prove_incremental(
             wait(futures)
             raise
     else:
-        results = [one(e, d, h) for e, d, h, _ in changes]
+        results = [one(*change) for change in changes]
     proven = ProvenPatches([], {}, {})
-    for (entry, _, _, spec), hashed in zip(changes, results, strict=True):
-        check_patch(hashed.patch, entry, spec)
-        _check_digest(entry, hashed.digest)
-        proven.patches.append(hashed.patch)
-        proven.hashes[entry.name] = hashed.digest
-        proven.old_values[entry.name] = hashed.old
+    for (entry, _, _, _), done in zip(changes, results, strict=True):
+        proven.hashes[entry.name] = entry.hash  # checked against it above
+        if isinstance(done, Walk):
+            proven.walks.append(done)
+        else:
+            proven.patches.append(done)
+            proven.old_values[entry.name] = olds[entry.name]
     return proven
 
 
@@ -282,14 +308,22 @@ def prove_object_incremental(
     base: Callable[[str], torch.Tensor],
     held_hash: Callable[[str], str],
     algorithm: HashAlgorithm,
+    keep_patches: Callable[[int], bool] = lambda _: True,
 ) -> dict[str, EarlyResult]:
     """:func:`prove_object` for an incremental content hash (see
-    :func:`prove_incremental`): every changed tensor of one object, O(changed)."""
+    :func:`prove_incremental`): every changed tensor of one object, O(changed). Where
+    ``keep_patches(bytes the object's patches would take)`` says no, CPU tensors the
+    compiled walk reads keep only their hash (:class:`ProvenDigest`: walked in the
+    write); the others are left to the proof with the manifest."""
     delta = parse_objects({key: data}, [key])[key]
+    keep = keep_patches(sum(patch_bytes(i.changed, i.dtype) for i in delta.tensors))
     out: dict[str, EarlyResult] = {}
     for info in delta.tensors:
         held = base(info.name)
         if info.changed == 0 or _a_piece(info.shape, held):
+            continue
+        walkable = delta.walks(info.name, held)
+        if not keep and not walkable:
             continue
         named = TensorEntry(
             name=info.name,
@@ -299,7 +333,8 @@ def prove_object_incremental(
             object=key,
             changed=info.changed,
         )
-        out[info.name] = _incremental_one(named, delta, held, held_hash, algorithm)
+        hashed = _incremental_one(named, delta, held, held_hash, algorithm)
+        out[info.name] = hashed if keep else ProvenDigest(hashed.digest, info.changed)
     return out
 
 

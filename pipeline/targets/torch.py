@@ -391,6 +391,7 @@ class TorchTarget:
                     self.tensor,
                     lambda name: self._cached_hash(self._canonical[name]),
                     self._algorithm,
+                    self._early_keep,
                 )
             else:
                 hashed = prove_object(key, data, self.tensor, self._early_keep)
@@ -454,6 +455,7 @@ class TorchTarget:
                     lambda name: self._cached_hash(self._canonical[name]),
                     algorithm,
                     early_used,
+                    keep_patches=_patch_bytes(manifest) <= self.patch_memory_bytes,
                 )
                 patches = proven.patches
             else:
@@ -513,7 +515,12 @@ class TorchTarget:
                         read_back=algorithm.incremental and verify != "none",
                     )
                     try:
-                        apply_walks(list(walks.values()), self.tensor, recheck)
+                        apply_walks(
+                            list(walks.values()),
+                            self.tensor,
+                            recheck,
+                            confirm=algorithm.incremental and verify != "none",
+                        )
                     except BaseException:
                         applied.rollback()
                         raise

@@ -49,11 +49,16 @@ def apply_walks(
     walks: Sequence[Walk],
     tensor: Callable[[str], torch.Tensor],
     expected: Mapping[str, str] | None,
+    *,
+    confirm: bool = False,
 ) -> WalkedDeltas:
     """Write every walk into ``tensor(name)``, all or nothing: a failure (a damaged
-    stream, or with ``expected`` a written tensor whose hash differs) walks back
-    what was written and raises. A large write runs on two threads, as patches do
-    (the compiled walk releases the GIL)."""
+    stream, with ``expected`` a written tensor whose hash differs, or with
+    ``confirm`` a written position that, read back within the walk, does not hold its
+    new contents) walks back what was written and raises. The read-back is what an
+    incremental content hash needs after a write (O(changed), as for patches: see
+    :mod:`pipeline.targets.confirmed`). A large write runs on two threads, as patches
+    do (the compiled walk releases the GIL)."""
     written = WalkedDeltas({}, tensor)
     try:
         # Both threads record what they wrote in one list (appends are atomic).
@@ -61,7 +66,7 @@ def apply_walks(
             walks,
             lambda w: w.changed,
             True,
-            lambda part, faulty: _walk(part, tensor, written._done, faulty),
+            lambda part, faulty: _walk(part, tensor, written._done, faulty, confirm),
         )
         if expected is not None:
             written.hashes.update(rehash_written([w.name for w in walks], tensor, expected))
@@ -72,10 +77,15 @@ def apply_walks(
 
 
 def _walk(
-    walks: Sequence[Walk], tensor: Callable[[str], torch.Tensor], done: list[Walk], faulty: bool
+    walks: Sequence[Walk],
+    tensor: Callable[[str], torch.Tensor],
+    done: list[Walk],
+    faulty: bool,
+    confirm: bool,
 ) -> None:
     for walk in walks:
-        walk.delta.apply_to(walk.name, tensor(walk.name))  # undoes itself on damage
+        # Undoes itself on damage, and on a failed read-back.
+        walk.delta.apply_to(walk.name, tensor(walk.name), confirm=confirm)
         done.append(walk)
         if faulty:
             faults.point("target.mid_walk")

@@ -13,12 +13,14 @@ DECODE = 1
 UNDO = 2
 DIFFS = 3  # records positions and differences; never reads the target
 GATHER = 4  # records positions, new and old contents; writes nothing
+CONFIRM = 5  # APPLY, each batch read back from the target right after its writes
 
 # walk_sparse outcomes
 DONE = 0
 BAD_UNARY = 1  # the unary stream ends early or holds more or fewer codes
 BAD_POSITION = 2  # a gap leads past the end of the tensor
 BAD_CONTENTS = 3  # a magnitude wraps to zero
+BAD_READBACK = 4  # CONFIRM: a written position does not hold what was written
 
 # encode_sparse outcome besides DONE: another encoding applies
 FALLBACK = 1

@@ -18,8 +18,10 @@ from numba.extending import intrinsic  # type: ignore[import-untyped]
 from pipeline.codec.compiled.fused_constants import (
     BAD_CONTENTS,
     BAD_POSITION,
+    BAD_READBACK,
     BAD_UNARY,
     BATCH,
+    CONFIRM,
     DECODE,
     DIFFS,
     DONE,
@@ -37,12 +39,13 @@ from pipeline.intrinsics_jit import prefetch_write
 # too, which invalidates the cache (a checkout updated by git otherwise keeps kernels
 # built with the old values).
 CONSTANTS = (
-    "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 GATHER=4 DONE=0 BAD=1,2,3 FALLBACK=1"
+    "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 GATHER=4 CONFIRM=5 DONE=0 "
+    "BAD=1,2,3,4 FALLBACK=1"
 )
 _LIVE = (
     f"LANES={LANES} BATCH={BATCH} MAX_PARAM={MAX_PARAM} DECODE={DECODE} UNDO={UNDO} "
-    f"DIFFS={DIFFS} GATHER={GATHER} DONE={DONE} "
-    f"BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS} FALLBACK={FALLBACK}"
+    f"DIFFS={DIFFS} GATHER={GATHER} CONFIRM={CONFIRM} DONE={DONE} "
+    f"BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS},{BAD_READBACK} FALLBACK={FALLBACK}"
 )
 if CONSTANTS != _LIVE:
     raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused_constants.py {_LIVE!r}")
@@ -239,14 +242,17 @@ def write_batch(
     out_pos: Any,
     out_val: Any,
     out_old: Any,
-) -> None:
-    """target[positions] += diffs for one batch of walk_sparse (see there)."""
+    written: Any,
+) -> int:
+    """target[positions] += diffs for one batch of walk_sparse (see there): -1, or
+    for CONFIRM the index in the batch of the first position that, read back, does
+    not hold what was written (``written`` keeps the batch's new contents)."""
     record = out_pos.size > 0
     if mode == DIFFS:
         for b in range(size):
             out_pos[first + b] = positions[b]
             out_val[first + b] = diffs[b]  # modulo the element width
-        return
+        return -1
     if mode == GATHER:
         for b in range(size):
             p = positions[b]
@@ -254,16 +260,25 @@ def write_batch(
             out_pos[first + b] = p
             out_val[first + b] = old + diffs[b]
             out_old[first + b] = old
-        return
+        return -1
     for b in range(size):
         p = positions[b]
         old = target[p]
         value = old + diffs[b]
         if mode != DECODE:
             target[p] = value
+        if mode == CONFIRM:
+            written[b] = value
         if record:
             out_pos[first + b] = p
             out_val[first + b] = value if mode == DECODE else old
+    if mode == CONFIRM:
+        # The batch's lines are still in L1/L2. ``written`` may alias ``target`` as far
+        # as the compiler knows, so each of these is a load from the target's memory.
+        for b in range(size):
+            if target[positions[b]] != written[b]:
+                return b
+    return -1
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -292,7 +307,9 @@ def walk_sparse(
     of them), ``signs`` is empty and ``big`` only the sentinel.
 
     APPLY writes target[p] += diff and, when ``out_pos`` is not empty, records
-    positions and old contents; DECODE writes nothing and records positions
+    positions and old contents; CONFIRM is APPLY with each batch read back right
+    after its writes (BAD_READBACK, with the batch counted as done, if a position
+    does not hold what was written); DECODE writes nothing and records positions
     and new contents; UNDO takes back the first ``count`` elements of an APPLY;
     DIFFS records positions and differences (new - old modulo the element
     width) and touches nothing of ``target`` but its size; GATHER writes nothing
@@ -327,6 +344,7 @@ def walk_sparse(
     # previous one, whose lines had a batch's time to arrive, is written.
     pos_buffers = np.empty((2, BATCH), np.int64)
     diff_buffers = np.empty((2, BATCH), np.int64)
+    written_buffer = np.empty(BATCH if mode == CONFIRM else 0, target.dtype)
     for first in range(0, count, BATCH):
         size = min(BATCH, count - first)
         batch_pos = pos_buffers[(first // BATCH) & 1]
@@ -382,31 +400,41 @@ def walk_sparse(
             j += 1
         if first:
             previous = ((first // BATCH) - 1) & 1
+            if (
+                write_batch(
+                    target,
+                    pos_buffers[previous],
+                    diff_buffers[previous],
+                    BATCH,
+                    first - BATCH,
+                    mode,
+                    out_pos,
+                    out_val,
+                    out_old,
+                    written_buffer,
+                )
+                >= 0
+            ):
+                return first, BAD_READBACK
+    if count:
+        last = ((count - 1) // BATCH) * BATCH
+        slot = (last // BATCH) & 1
+        if (
             write_batch(
                 target,
-                pos_buffers[previous],
-                diff_buffers[previous],
-                BATCH,
-                first - BATCH,
+                pos_buffers[slot],
+                diff_buffers[slot],
+                count - last,
+                last,
                 mode,
                 out_pos,
                 out_val,
                 out_old,
+                written_buffer,
             )
-    if count:
-        last = ((count - 1) // BATCH) * BATCH
-        slot = (last // BATCH) & 1
-        write_batch(
-            target,
-            pos_buffers[slot],
-            diff_buffers[slot],
-            count - last,
-            last,
-            mode,
-            out_pos,
-            out_val,
-            out_old,
-        )
+            >= 0
+        ):
+            return count, BAD_READBACK
     # Exactly ``count`` codes, the last in the last byte, then zero padding.
     if word != 0 or (prev_end >> 3) != unary.size - 1:
         return count, BAD_UNARY
