@@ -6,15 +6,17 @@ in a file store), not by the diff side."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from pipeline.codec import encode_delta
+from pipeline.codec import DeltaObject, encode_delta
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError, TargetError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import sha256_bytes
@@ -195,6 +197,63 @@ def test_replica_holds_every_version_of_the_chain(
         report = target.apply_delta(manifest, objects, "touched", early)
         assert report.changed == manifest.extra["changed"] and report.early_tensors == 0
         assert_state(held_state(target), built.states[version])
+
+
+def test_a_replica_over_its_patch_budget_walks_each_piece_bit_exact(
+    store: FileStore, level: int
+) -> None:
+    """With no memory for patches (``DELTASYNC_PATCH_MEMORY_MB=0``) a sharded run's
+    tensors are proven whole, then written by walking each piece's record into its
+    range of the held tensor (level 1's sparse records; others keep their patches)."""
+    built = build_pieced_run(store, RUN, deltas=3, level=level)
+    setup = TargetSetup(store=store, run=RUN, stop=threading.Event(), patch_memory_bytes=0)
+    target = TorchTarget.for_node(setup)
+    assert target is not None
+    loaded = chain.load_manifest(store, RUN, "anchor", 0)
+    target.load_pieces(stream_anchor_pieces(store, loaded, inline, 1, False))
+    for version in range(1, 4):
+        manifest = built.manifests[version]
+        report = target.apply_delta(manifest, objects_of(store, manifest), "touched")
+        assert report.changed == manifest.extra["changed"]
+        touched = sum(1 for e in manifest.tensors if e.changed)
+        # The builder's runs give every level some level-1 sparse records.
+        assert 0 < report.walked <= touched, report
+        assert_state(held_state(target), built.states[version])
+        assert target.hashes() == {t.name: t.hash for t in manifest.tensors}
+
+
+@pytest.mark.parametrize("fail_on", [1, 4])
+def test_a_walked_pieced_write_failing_midway_leaves_every_tensor_as_it_was(
+    store: FileStore, monkeypatch: pytest.MonkeyPatch, fail_on: int
+) -> None:
+    """Pieces already walked into their ranges are walked back, patched tensors
+    restored; the same version then applies."""
+    built = build_pieced_run(store, RUN, deltas=1, level=1)
+    setup = TargetSetup(store=store, run=RUN, stop=threading.Event(), patch_memory_bytes=0)
+    target = TorchTarget.for_node(setup)
+    assert target is not None
+    loaded = chain.load_manifest(store, RUN, "anchor", 0)
+    target.load_pieces(stream_anchor_pieces(store, loaded, inline, 1, False))
+    manifest = built.manifests[1]
+    before = {n: t.clone() for n, t in held_state(target).items()}
+    hashes = target.hashes(algorithm=ALGORITHM.name)
+    real = DeltaObject.apply_to
+    calls = itertools.count(1)  # two writer threads may call at once
+
+    def apply_to(self: DeltaObject, name: str, tensor: torch.Tensor, **kw: Any) -> Any:
+        if next(calls) == fail_on:
+            raise RuntimeError("device lost during the write")
+        return real(self, name, tensor, **kw)
+
+    monkeypatch.setattr(DeltaObject, "apply_to", apply_to)
+    with pytest.raises(RuntimeError, match="device lost"):
+        target.apply_delta(manifest, objects_of(store, manifest), "touched")
+    monkeypatch.undo()
+    assert next(calls) > fail_on  # the write had begun
+    assert_state(held_state(target), before)
+    assert target.hashes(algorithm=ALGORITHM.name) == hashes
+    target.apply_delta(manifest, objects_of(store, manifest), "touched")
+    assert_state(held_state(target), built.states[1])
 
 
 def inline(fn: Callable[..., object], *args: object) -> Future[object]:

@@ -289,13 +289,13 @@ class DeltaObject:
         back, if one does not hold its new contents."""
         record = self._record(name, tensor)
         info = record.info
-        if confirm and not self.walks(name, tensor):
-            raise TargetError(f"tensor {name!r}: a confirmed write needs the compiled walk")
         if record.changed == 0:
             if not undo:
                 return None
             nothing = torch.zeros(0, dtype=torch.int64, device=tensor.device)
             return TensorPatch(name, info.dtype, record.shape, nothing, nothing.to(info.view))
+        if confirm and not self.walks(name, tensor):
+            raise TargetError(f"tensor {name!r}: a confirmed write needs the compiled walk")
         if record.encoding == "chunked" and tensor.device.type == "cpu" and chunked.compiled():
             if not tensor.is_contiguous():
                 raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")

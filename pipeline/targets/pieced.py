@@ -32,6 +32,7 @@ from pipeline.targets.patching import (
     parse_objects,
 )
 from pipeline.targets.proving import ProvenPatches
+from pipeline.targets.walking import Walk
 
 # (tensor name, piece, its 1-D elements): what a pieced anchor hands a target.
 AnchorPiece = tuple[str, Piece, torch.Tensor]
@@ -100,13 +101,19 @@ def prove_pieced(
     specs: Mapping[str, TensorSpec],
     held_hash: Callable[[str], str] | None,
     algorithm: HashAlgorithm,
+    *,
+    keep_patches: bool = True,
 ) -> ProvenPatches:
     """Whole-tensor patches of a pieced delta's changed tensors, proven against the
     manifest (with ``held_hash``: the hash each held tensor is known by; None decodes
     without proving), with the old contents at their positions; nothing is written.
     The caller checked the objects' sizes and sha256. ``base(name)`` is the held
     tensor (contiguous). A record of the wrong size or count, a patch out of range or
-    a hash that does not come out is a one-line MismatchError / CorruptObjectError."""
+    a hash that does not come out is a one-line MismatchError / CorruptObjectError.
+
+    Without ``keep_patches``, a proven CPU tensor whose pieces are all flat runs the
+    compiled walk reads keeps only its hash: it comes back as one walk per piece
+    (``ProvenPatches.walks``), written by walking each record into its span."""
     if held_hash is not None and not algorithm.incremental:
         raise ConfigError(f"content hash {algorithm.name} cannot prove a tensor stored in pieces")
     parsed, changed = _changed_pieces(entries, objects, specs)
@@ -120,6 +127,8 @@ def prove_pieced(
         where: list[torch.Tensor] = []
         olds: list[torch.Tensor] = []
         news: list[torch.Tensor] = []
+        walks = _walks(entry, pieces, parsed, held) if not keep_patches and held_hash else None
+        counted = 0
         for piece in pieces:
             delta = parsed[piece.object]
             part = _slice(held, entry, piece)
@@ -159,9 +168,23 @@ def prove_pieced(
                 new = patch.values.to(flat.device).view(flat.dtype)
                 if held_hash is not None:
                     digest = algorithm.updated(digest, at, old, new, held.element_size())
+            if walks is not None:
+                counted += int(at.numel())  # proven; its patch is not kept
+                continue
             where.append(at)
             olds.append(old)
             news.append(new)
+        if walks is not None:
+            if counted != entry.changed:
+                raise CorruptObjectError(
+                    f"tensor {entry.name}: decoded {counted} positions, manifest says "
+                    f"{entry.changed}"
+                )
+            if digest != entry.hash:
+                raise hash_mismatch(entry.name, digest, entry.hash)
+            proven.hashes[entry.name] = digest
+            proven.walks.extend(walks)
+            continue
         at, new_all, old_all = torch.cat(where), torch.cat(news), torch.cat(olds)
         if any(p.is_box for p in pieces):
             # Boxes interleave in flat order: their disjoint positions sorted into one patch.
@@ -176,6 +199,30 @@ def prove_pieced(
         proven.patches.append(whole)
         proven.old_values[entry.name] = old_all
     return proven
+
+
+def _walks(
+    entry: TensorEntry,
+    pieces: Sequence[Piece],
+    parsed: Mapping[str, DeltaObject],
+    held: torch.Tensor,
+) -> list[Walk] | None:
+    """One walk per piece of ``entry`` if every piece can be written by walking its
+    record into a view of the held tensor (CPU, flat runs, the walk's encodings), else
+    None (its patch is kept)."""
+    walks = []
+    for piece in pieces:
+        region = entry.region(piece)
+        if not region.is_contiguous:
+            return None
+        span = (region.start, region.stop) if entry.pieces else None
+        walk = Walk(entry.name, parsed[piece.object], 0, span)
+        target = walk.target(held)
+        if not parsed[piece.object].walks(entry.name, target):
+            return None
+        changed = parsed[piece.object].info(entry.name).changed
+        walks.append(Walk(entry.name, walk.delta, changed, span))
+    return walks
 
 
 def anchor_pieces(data: bytes, manifest: Manifest, key: str) -> Iterator[AnchorPiece]:

@@ -438,6 +438,7 @@ class TorchTarget:
                     specs,
                     None if verify == "none" else self._held_hash,
                     algorithm,
+                    keep_patches=_patch_bytes(manifest) <= self.patch_memory_bytes,
                 )
                 patches = proven.patches
             elif verify == "none":
@@ -472,16 +473,19 @@ class TorchTarget:
                 patches = proven.patches
             # A tied weight carried under both names decodes twice: write it once.
             touched: dict[str, TensorPatch] = {}
-            walks: dict[str, Walk] = {}
+            walks: dict[str, list[Walk]] = {}  # a sharded run's tensor: one per piece
             for patch in patches:
                 touched.setdefault(self._canonical[patch.name], patch)
             for walk in proven.walks if proven is not None else ():
                 canonical = self._canonical[walk.name]
-                if canonical not in touched:
-                    walks.setdefault(canonical, walk)
+                if canonical in touched:
+                    continue
+                mine = walks.setdefault(canonical, [])
+                if not mine or mine[0].name == walk.name:
+                    mine.append(walk)
             # canonical -> the name its patch or walk was decoded under
             written = {c: p.name for c, p in touched.items()}
-            written.update({c: w.name for c, w in walks.items()})
+            written.update({c: w[0].name for c, w in walks.items()})
             # Untouched tensors do not change: check them now, before any write
             # (fresh hashes for "all", the hashes known since their last change else).
             for canonical, entry in entries.items():
@@ -516,7 +520,7 @@ class TorchTarget:
                     )
                     try:
                         apply_walks(
-                            list(walks.values()),
+                            [w for each in walks.values() for w in each],
                             self.tensor,
                             recheck,
                             confirm=algorithm.incremental and verify != "none",
@@ -531,7 +535,7 @@ class TorchTarget:
                     self._hash_cache[canonical] = new_hashes.get(name, entries[canonical].hash)
                 self._checkpoint_names = [e.name for e in manifest.tensors]
         changed = sum(int(p.positions.numel()) for p in touched.values())
-        changed += sum(w.changed for w in walks.values())
+        changed += sum(w.changed for each in walks.values() for w in each)
         log.debug(
             "delta applied",
             run=manifest.run,

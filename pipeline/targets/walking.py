@@ -23,11 +23,21 @@ from pipeline.testing import faults
 
 @dataclass(frozen=True)
 class Walk:
-    """A tensor proven against its manifest hash whose patch was not kept."""
+    """A tensor proven against its manifest hash whose patch was not kept; for a
+    sharded run's piece, ``span`` is the flat elements ``[start, stop)`` of the tensor
+    its record covers (one walk per piece; None: the whole tensor)."""
 
     name: str
     delta: DeltaObject
     changed: int
+    span: tuple[int, int] | None = None
+
+    def target(self, held: torch.Tensor) -> torch.Tensor:
+        """What the record decodes into: ``held`` or a view of its span."""
+        if self.span is None:
+            return held
+        start, stop = self.span
+        return held.detach().view(-1)[start:stop]
 
 
 @dataclass
@@ -42,7 +52,7 @@ class WalkedDeltas:
         """Restore every written tensor (idempotent), newest first."""
         while self._done:
             walk = self._done.pop()
-            walk.delta.undo_apply(walk.name, self._tensor(walk.name))
+            walk.delta.undo_apply(walk.name, walk.target(self._tensor(walk.name)))
 
 
 def apply_walks(
@@ -85,7 +95,7 @@ def _walk(
 ) -> None:
     for walk in walks:
         # Undoes itself on damage, and on a failed read-back.
-        walk.delta.apply_to(walk.name, tensor(walk.name), confirm=confirm)
+        walk.delta.apply_to(walk.name, walk.target(tensor(walk.name)), confirm=confirm)
         done.append(walk)
         if faulty:
             faults.point("target.mid_walk")
