@@ -26,7 +26,7 @@ from pipeline.publish.diff import scan_hasher, updated_hashes
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.targets import confirmed, patching
+from pipeline.targets import confirmed, patching, proving
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.versions import chain
@@ -175,8 +175,9 @@ def counted_walks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     return calls
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 def test_a_replica_over_its_patch_budget_walks_its_writes_in_o_changed(
-    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
     """With no memory for patches (``DELTASYNC_PATCH_MEMORY_MB=0``) a mixsum-128
     replica keeps only hashes: its tensors are proven from the changes, then written
@@ -190,6 +191,7 @@ def test_a_replica_over_its_patch_budget_walks_its_writes_in_o_changed(
     assert node.step_once() == 1  # (the first apply proves the bootstrap in full)
     for _ in range(2):
         v = trainer.publish()
+        monkeypatch.setattr(proving, "PROVE_THREADS", threads)  # (2: the proving pool)
         full = count_full_hashes(monkeypatch)
         walked = counted_walks(monkeypatch)
         assert node.step_once() == v
