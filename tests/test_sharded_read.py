@@ -6,12 +6,10 @@ in a file store), not by the diff side."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -38,6 +36,7 @@ from pipeline.testing.synthetic import save_state
 from pipeline.versions import chain
 from pipeline.versions.verify import verify
 from tests.sharded_store import ALGORITHM, PiecedRun, build_pieced_run, rank_part
+from tests.test_walked_apply import failing_on_call
 
 RUN = "sharded"
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -206,11 +205,7 @@ def test_a_replica_over_its_patch_budget_walks_each_piece_bit_exact(
     tensors are proven whole, then written by walking each piece's record into its
     range of the held tensor (level 1's sparse records; others keep their patches)."""
     built = build_pieced_run(store, RUN, deltas=3, level=level)
-    setup = TargetSetup(store=store, run=RUN, stop=threading.Event(), patch_memory_bytes=0)
-    target = TorchTarget.for_node(setup)
-    assert target is not None
-    loaded = chain.load_manifest(store, RUN, "anchor", 0)
-    target.load_pieces(stream_anchor_pieces(store, loaded, inline, 1, False))
+    target = walking_target(store)
     for version in range(1, 4):
         manifest = built.manifests[version]
         report = target.apply_delta(manifest, objects_of(store, manifest), "touched")
@@ -222,6 +217,16 @@ def test_a_replica_over_its_patch_budget_walks_each_piece_bit_exact(
         assert target.hashes() == {t.name: t.hash for t in manifest.tensors}
 
 
+def walking_target(store: FileStore) -> TorchTarget:
+    """A node's torch target with no memory for patches, holding the anchor."""
+    setup = TargetSetup(store=store, run=RUN, stop=threading.Event(), patch_memory_bytes=0)
+    target = TorchTarget.for_node(setup)
+    assert target is not None
+    loaded = chain.load_manifest(store, RUN, "anchor", 0)
+    target.load_pieces(stream_anchor_pieces(store, loaded, inline, 1, False))
+    return target
+
+
 @pytest.mark.parametrize("fail_on", [1, 4])
 def test_a_walked_pieced_write_failing_midway_leaves_every_tensor_as_it_was(
     store: FileStore, monkeypatch: pytest.MonkeyPatch, fail_on: int
@@ -229,27 +234,14 @@ def test_a_walked_pieced_write_failing_midway_leaves_every_tensor_as_it_was(
     """Pieces already walked into their ranges are walked back, patched tensors
     restored; the same version then applies."""
     built = build_pieced_run(store, RUN, deltas=1, level=1)
-    setup = TargetSetup(store=store, run=RUN, stop=threading.Event(), patch_memory_bytes=0)
-    target = TorchTarget.for_node(setup)
-    assert target is not None
-    loaded = chain.load_manifest(store, RUN, "anchor", 0)
-    target.load_pieces(stream_anchor_pieces(store, loaded, inline, 1, False))
+    target = walking_target(store)
     manifest = built.manifests[1]
     before = {n: t.clone() for n, t in held_state(target).items()}
     hashes = target.hashes(algorithm=ALGORITHM.name)
-    real = DeltaObject.apply_to
-    calls = itertools.count(1)  # two writer threads may call at once
-
-    def apply_to(self: DeltaObject, name: str, tensor: torch.Tensor, **kw: Any) -> Any:
-        if next(calls) == fail_on:
-            raise RuntimeError("device lost during the write")
-        return real(self, name, tensor, **kw)
-
-    monkeypatch.setattr(DeltaObject, "apply_to", apply_to)
-    with pytest.raises(RuntimeError, match="device lost"):
+    monkeypatch.setattr(DeltaObject, "apply_to", failing_on_call(fail_on))
+    with pytest.raises(RuntimeError, match="device lost"):  # at the fail_on-th walk
         target.apply_delta(manifest, objects_of(store, manifest), "touched")
     monkeypatch.undo()
-    assert next(calls) > fail_on  # the write had begun
     assert_state(held_state(target), before)
     assert target.hashes(algorithm=ALGORITHM.name) == hashes
     target.apply_delta(manifest, objects_of(store, manifest), "touched")

@@ -102,7 +102,8 @@ def test_walked_chain_is_bit_exact_and_keeps_no_patches() -> None:
     assert {n: t.data_ptr() for n, t in held.items()} == ids
 
 
-def _failing_on_call(number: int) -> Callable[..., Any]:
+def failing_on_call(number: int) -> Callable[..., Any]:
+    """``DeltaObject.apply_to`` failing at its ``number``-th call from now on."""
     real = DeltaObject.apply_to
     calls = itertools.count(1)  # two writer threads may call at once
 
@@ -126,7 +127,7 @@ def test_a_write_failing_midway_leaves_every_tensor_as_it_was(
     assert len(proven.walks) >= 3 and proven.patches  # walked and patched tensors both
     before = {n: t.clone() for n, t in held.items()}
     hashes = target.hashes()
-    monkeypatch.setattr(DeltaObject, "apply_to", _failing_on_call(fail_on))
+    monkeypatch.setattr(DeltaObject, "apply_to", failing_on_call(fail_on))
     with pytest.raises(RuntimeError, match="device lost"):
         target.apply_delta(manifest, objects, "touched")
     assert_bitwise_equal(held, before)  # patched tensors and walked ones restored
@@ -188,7 +189,7 @@ def test_a_two_thread_walked_write_failing_anywhere_is_walked_back(
     )
     assert mine and other, "the write should run on two threads"
     before = {n: t.clone() for n, t in held.items()}
-    monkeypatch.setattr(DeltaObject, "apply_to", _failing_on_call(fail_on))
+    monkeypatch.setattr(DeltaObject, "apply_to", failing_on_call(fail_on))
     with pytest.raises(RuntimeError, match="device lost"):
         target.apply_delta(manifest, objects, "touched")
     assert_bitwise_equal(held, before)
