@@ -215,13 +215,12 @@ def _walks(
         region = entry.region(piece)
         if not region.is_contiguous:
             return None
+        delta = parsed[piece.object]
         span = (region.start, region.stop) if entry.pieces else None
-        walk = Walk(entry.name, parsed[piece.object], 0, span)
-        target = walk.target(held)
-        if not parsed[piece.object].walks(entry.name, target):
+        walk = Walk(entry.name, delta, delta.info(entry.name).changed, span)
+        if not delta.walks(entry.name, walk.target(held)):
             return None
-        changed = parsed[piece.object].info(entry.name).changed
-        walks.append(Walk(entry.name, walk.delta, changed, span))
+        walks.append(walk)
     return walks
 
 

@@ -322,9 +322,8 @@ def prove_object_incremental(
         held = base(info.name)
         if info.changed == 0 or _a_piece(info.shape, held):
             continue
-        walkable = delta.walks(info.name, held)
-        if not keep and not walkable:
-            continue
+        if not keep and not delta.walks(info.name, held):
+            continue  # left to the proof with the manifest
         named = TensorEntry(
             name=info.name,
             dtype=dtype_name(info.dtype),
