@@ -68,6 +68,25 @@ def rebuild(data: bytes, edit_meta: object = None, edit_entries: object = None) 
     return write_container(entries, meta)
 
 
+def with_last_stream(data: bytes, role: str, frame: np.ndarray) -> bytes:  # type: ignore[type-arg]
+    """``data`` (one tensor, ``w``) with its record's last stream, ``role``, replaced by
+    ``frame`` and the record's size for it updated (a valid checksum)."""
+    streams = json.loads(read_container(data, "x").metadata["tensors"])[0]["streams"]
+    assert list(streams)[-1] == role, streams
+    old_size = streams[role]
+
+    def resize(meta: dict[str, str], records: list[dict[str, object]]) -> None:
+        sizes = records[0]["streams"]
+        assert isinstance(sizes, dict)
+        sizes[role] = int(frame.size)
+
+    def replace(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
+        blob = entries["w"]
+        entries["w"] = np.concatenate([blob[: blob.size - old_size], frame])
+
+    return rebuild(data, resize, replace)
+
+
 def decode_all(data: bytes) -> None:
     obj = read_delta(data, object_name="obj")
     for name, base in BASES.items():
@@ -253,22 +272,11 @@ def test_magnitude_wrapping_to_zero_is_caught(compiled: bool) -> None:
     step = torch.where(index % 50 == 0, 3, torch.where(index % 10 == 0, 1, 0))
     new = (base.view(torch.int16) + step).to(torch.int16)
     data = encode_delta([("w", base, new.view(torch.bfloat16))])
-
-    def wrap(meta: dict[str, str], records: list[dict[str, object]]) -> None:
-        streams = records[0]["streams"]
-        assert isinstance(streams, dict)
-        streams["mags"] = int(wrapped.size)
-
-    def replace_mags(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
-        blob = entries["w"]
-        entries["w"] = np.concatenate([blob[: blob.size - mags_size], wrapped])
-
     record = json.loads(read_container(data, "x").metadata["tensors"])[0]
     assert record["params"]["contents"] == "signmag"
-    mags_size = record["streams"]["mags"]
     big = record["params"]["big"]
     wrapped = contents.encode_planes(np.full(big, 0xFFFE, np.uint16))  # + 2 wraps to 0
-    damaged = rebuild(data, wrap, replace_mags)
+    damaged = with_last_stream(data, "mags", wrapped)
     saved = kernels.ENABLED
     kernels.ENABLED = compiled
     try:

@@ -18,7 +18,7 @@ from pipeline.codec.dtypes import info_for
 from pipeline.codec.tensorcodec import encode_tensor
 from pipeline.errors import CorruptObjectError, MismatchError
 from tests.pipeline_helpers import REPO
-from tests.test_codec_errors import rebuild
+from tests.test_codec_errors import rebuild, with_last_stream
 from tests.test_codec_roundtrip import DTYPES, PATHS, bits, compiled_kernels, realistic_update
 
 U64 = np.uint64
@@ -443,18 +443,7 @@ def test_a_zero_byte_plane_difference_is_refused_with_the_target_untouched(
         np.uint8,
     ).copy()
     raw[changed - 3 :: changed] = 0  # both planes of the third-last element
-    frame = contents.compress(raw)
-
-    def resize(meta: dict[str, str], records: list[dict[str, object]]) -> None:
-        streams = records[0]["streams"]
-        assert isinstance(streams, dict)
-        streams["values"] = int(frame.size)
-
-    def replace(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
-        blob = entries["w"]
-        entries["w"] = np.concatenate([blob[: blob.size - values_size], frame])
-
-    damaged = rebuild(data, resize, replace)
+    damaged = with_last_stream(data, "values", contents.compress(raw))
     with compiled_kernels(compiled):
         obj = read_delta(damaged, object_name="obj")
         target = base.clone()
