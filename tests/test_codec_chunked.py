@@ -349,16 +349,23 @@ def test_a_clean_decode_follows_damaged_ones() -> None:
         assert torch.equal(again.values, expected.values)
 
 
-def test_software_deposit_matches_the_definition() -> None:
-    """The fallback of pdep for CPUs without BMI2 (this one may have it)."""
+def test_selecting_deposit_matches_the_definition() -> None:
+    """The stand-in for pdep where it is slow or missing (Zen 1 and 2, no BMI2), on
+    random words and on the edges: empty and full masks, x with bits past the mask's
+    count (they have no place), every single bit."""
     jit = pytest.importorskip("pipeline.codec.level3.chunked_jit")
     gen = np.random.default_rng(3)
-    for _ in range(200):
-        x, mask = (int(v) for v in gen.integers(0, 1 << 63, size=2, dtype=np.int64))
-        x |= int(gen.integers(0, 2)) << 63
+    full = (1 << 64) - 1
+    words = [int(v) for v in gen.integers(0, 1 << 63, size=400, dtype=np.int64)]
+    words = [w | (int(gen.integers(0, 2)) << 63) for w in words]
+    cases = list(zip(words[::2], words[1::2], strict=True))
+    cases += [(full, 0), (full, full), (0, full), (1, 1 << 63), (1 << 63, full)]
+    cases += [(1 << k, full) for k in range(64)] + [(full, 1 << k) for k in range(64)]
+    cases += [(x & words[i] & words[i + 1], m) for i, (x, m) in enumerate(cases[:150])]
+    for x, mask in cases:
         want, taken = 0, 0
         for bit in range(64):
             if mask >> bit & 1:
                 want |= (x >> taken & 1) << bit
                 taken += 1
-        assert int(jit._soft_pdep(np.uint64(x), np.uint64(mask))) == want
+        assert int(jit._select_deposit(np.uint64(x), np.uint64(mask))) == want, (hex(x), hex(mask))

@@ -95,23 +95,54 @@ def _pdep(typingctx: Any, x: Any, mask: Any) -> Any:
     return types.uint64(types.uint64, types.uint64), codegen
 
 
+# The position of the r-th set bit (from 0) of byte v, at SELECT_IN_BYTE[8 * v + r].
+SELECT_IN_BYTE = np.array(
+    [[b for b in range(8) if v >> b & 1] + [0] * (8 - v.bit_count()) for v in range(256)],
+    np.uint8,
+).reshape(-1)
+_L8, _H8 = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
+_M1, _M2 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333)
+_M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
+
+
 @jit  # type: ignore[untyped-decorator,misc]
-def _soft_pdep(x: Any, mask: Any) -> Any:
+def _select_deposit(x: Any, mask: Any) -> Any:
+    """pdep by selecting, for each set bit k of x, the k-th set bit of mask: its byte
+    from the bytes' running popcounts (one subtraction compares all eight), its place
+    in the byte from a table. A few operations per set bit of x, which holds about one
+    change per block."""
+    one = np.uint64(1)
+    n = popcount(mask)
+    # Only the low n bits of x have a place (n = 64 keeps all).
+    x &= ((one << (n & np.uint64(63))) - one) | (np.uint64(0) - (n >> np.uint64(6)))
     out = np.uint64(0)
-    bit = np.uint64(1)
-    m = mask
-    while m:
-        lowest = m & (~m + np.uint64(1))
-        if x & bit:
-            out |= lowest
-        m ^= lowest
-        bit <<= np.uint64(1)
+    if x == 0:
+        return out
+    s = mask - ((mask >> one) & _M1)
+    s = (s & _M2) + ((s >> np.uint64(2)) & _M2)
+    s = ((s + (s >> np.uint64(4))) & _M4) * _L8  # byte i: set bits in bytes 0..i
+    while x:
+        k = np.uint64(trailing_zeros(x))
+        # Bytes whose running count is at most k: their high bit stays clear.
+        byte = popcount(~((s | _H8) - _L8 * (k + one)) & _H8)
+        shift = np.uint64(8) * byte
+        before = ((s << np.uint64(8)) >> shift) & np.uint64(255)
+        v = (mask >> shift) & np.uint64(255)
+        out |= one << (shift + np.uint64(SELECT_IN_BYTE[v * np.uint64(8) + k - before]))
+        x &= x - one
     return out
 
 
-# The low bits of x onto the set bits of mask, lowest first: one instruction where
-# the CPU has BMI2 (numba's disk cache is keyed on the CPU's features), else a loop.
-deposit = _pdep if "+bmi2" in llvm.get_host_cpu_features().flatten() else _soft_pdep
+def _fast_pdep() -> bool:
+    """BMI2's pdep is one instruction on Intel and on AMD from Zen 3; Zen 1 and 2
+    run it as microcode, about 250 cycles here, slower than selecting."""
+    cpu = llvm.get_host_cpu_name()
+    return "+bmi2" in llvm.get_host_cpu_features().flatten() and cpu not in {"znver1", "znver2"}
+
+
+# The low bits of x onto the set bits of mask, lowest first (numba's disk cache is
+# keyed on the CPU's name and features, so each CPU gets its own choice compiled).
+deposit = _pdep if _fast_pdep() else _select_deposit
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -587,7 +618,7 @@ def _walk_buckets(
     Without a branch per change: each bucket's ranks become bits of a bitmap
     (``ranks[k]``, zero on entry and left zero); then each block of 64 elements
     takes, per bucket, as many bits of that bitmap as the block has elements of
-    the bucket and deposits them onto those elements' lanes (pdep)."""
+    the bucket and deposits them onto those elements' lanes (``deposit``)."""
     size = hi - lo
     changed = gend[groups - 1]
     one = np.uint64(1)
