@@ -14,6 +14,7 @@ import torch
 
 from pipeline.codec import encode_delta, read_delta
 from pipeline.codec.container import read_container
+from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.codec.level3 import chunked
 from pipeline.errors import DeltasyncError
 from tests.test_codec_errors import rebuild
@@ -369,3 +370,70 @@ def test_selecting_deposit_matches_the_definition() -> None:
                 want |= (x >> taken & 1) << bit
                 taken += 1
         assert int(jit._select_deposit(np.uint64(x), np.uint64(mask))) == want, (hex(x), hex(mask))
+
+
+def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
+    """The compiled table check gives each kind of inconsistency its reason, and a
+    consistent table the offsets the decoder needs."""
+    gen = np.random.default_rng(5)
+    base = weights(3 * 4096 + 100, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    info = BY_DTYPE[torch.bfloat16]
+    old_u = bits(base).reshape(-1).numpy().view(np.uint16)
+    new_u = bits(new).reshape(-1).numpy().view(np.uint16)
+    where = np.flatnonzero(old_u != new_u)
+    enc = chunked.encode(chunked.encoder(), old_u, where, new_u[where] - old_u[where], info)
+    numel, changed = base.numel(), int(where.size)
+    good = chunked.layout(enc.streams, enc.params, changed, numel, info)
+    assert isinstance(good, chunked.Layout)
+    assert good.table.shape[0] == 4 and good.groups > 1
+    assert good.changes.tolist() == [int(c) for c in np.bincount(where >> 12, minlength=4)]
+    assert good.out_at.tolist() == [0, *np.cumsum(good.changes)[:-1].tolist()]
+    assert good.starts.tolist() == [0, *np.cumsum(good.table[:, 0])[:-1].tolist()]
+
+    def reason(edit: object) -> object:
+        table = good.table.copy()
+        streams = dict(enc.streams)
+        if callable(edit):
+            edit(table)
+            streams["table"] = chunked.write_varints(table.reshape(-1))
+        else:
+            streams["table"] = np.asarray(edit, np.uint8)
+        return chunked.layout(streams, enc.params, changed, numel, info)
+
+    g = good.groups
+    table_bytes = enc.streams["table"]
+    assert reason(table_bytes[:-1]) == "chunk table does not hold its numbers"
+    assert reason(np.append(table_bytes, 0)) == "chunk table does not hold its numbers"
+    assert reason(np.append(table_bytes[:-1], [0x80, 0])) == "chunk table does not hold its numbers"
+    assert reason(lambda t: t.__setitem__((0, 2), 41)) == "a Rice parameter is out of range"
+    assert reason(lambda t: t.__setitem__((1, 1), 5000)) == "a chunk's counts exceed its elements"
+    big_more = (0, 1 + 2 * g)
+    assert reason(lambda t: t.__setitem__(big_more, t[0, 1 : 2 * g : 2].sum() + 1)) == (
+        "a chunk's counts exceed its elements"
+    )
+
+    def move_a_change(t: np.ndarray) -> None:  # type: ignore[type-arg]
+        t[0, 1] -= 1
+        t[1, 1] += 1
+
+    moved = reason(move_a_change)
+    assert isinstance(moved, chunked.Layout)  # consistent in sum; the decoder catches it
+    assert reason(lambda t: t.__setitem__((0, 1), t[0, 1] - 1)) == (
+        "chunk counts do not add up to the record's"
+    )
+
+    def move_bytes(t: np.ndarray) -> None:  # type: ignore[type-arg]
+        t[0, 0] += 1
+        t[1, 0] -= 1
+
+    assert isinstance(reason(move_bytes), chunked.Layout)
+    assert reason(lambda t: t.__setitem__((3, 0), t[3, 0] + 1)) == (
+        "chunk byte counts do not add up to the bit stream"
+    )
+    assert reason(lambda t: t.__setitem__((0, 0), 1 << 48)) == (
+        "chunk byte counts do not add up to the bit stream"
+    )
+    assert reason(lambda t: t.__setitem__((0, 0), 0)) == (
+        "a chunk has fewer bits than its codes need"
+    )

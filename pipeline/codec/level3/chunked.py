@@ -69,6 +69,17 @@ _REASONS = {
 }
 
 
+# read_table's outcomes (chunked_jit.py), other than 0 (consistent).
+_TABLE_REASONS = {
+    1: "chunk table does not hold its numbers",
+    2: "a Rice parameter is out of range",
+    3: "a chunk's counts exceed its elements",
+    4: "chunk counts do not add up to the record's",
+    5: "chunk byte counts do not add up to the bit stream",
+    6: "a chunk has fewer bits than its codes need",
+}
+
+
 class ChunkedError(Exception):
     """Chunked streams do not decode to what the record promises."""
 
@@ -82,9 +93,10 @@ def compiled() -> Any | None:
 
 
 def encoder() -> Any:
-    """The chunked kernels for encoding. Level 3 is only written by them, whether or
-    not the compiled paths are switched off, so that its bytes never depend on the
-    path taken; without numba, level 3 cannot be written."""
+    """The chunked kernels for encoding and for checking a record's chunk table.
+    Level 3 is only written by them, whether or not the compiled paths are switched
+    off, so that its bytes never depend on the path taken; without numba, level 3
+    can be neither written nor read."""
     found = _build()
     if found is None:
         raise CodecError("codec level 3 needs the compiled kernels (numba is not installed)")
@@ -128,23 +140,6 @@ def write_varints(values: I64) -> U8:
     spread = np.repeat(v, nbytes)
     more = (index < np.repeat(nbytes, nbytes) - 1).astype(np.uint64) << np.uint64(7)
     out: U8 = (((spread >> (7 * index).astype(np.uint64)) & np.uint64(127)) | more).astype(np.uint8)
-    return out
-
-
-def read_varints(data: U8, count: int) -> I64 | None:
-    """Exactly ``count`` canonical LEB128 integers below 2**49 filling ``data``, or None."""
-    if count == 0:
-        return np.zeros(0, np.int64) if data.size == 0 else None
-    ends = np.flatnonzero(data < 128)
-    if ends.size != count or int(ends[-1]) != data.size - 1:
-        return None
-    starts = np.concatenate([np.zeros(1, np.int64), ends[:-1] + 1])
-    lengths = ends - starts + 1
-    if int(lengths.max()) > 7 or bool(((data[ends] == 0) & (lengths > 1)).any()):
-        return None
-    index = np.arange(data.size, dtype=np.int64) - np.repeat(starts, lengths)
-    parts = (data & 127).astype(np.int64) << (7 * index)
-    out: I64 = np.add.reduceat(parts, starts)
     return out
 
 
@@ -292,42 +287,31 @@ def layout(
     big = params.get("big")
     if type(big) is not int or not 0 <= big <= changed:
         return f"count of large differences {big!r} not within 0..{changed}"
-    chunk = 1 << log2
-    nchunks = -(-numel // chunk)
-    groups = len(raw_bounds) + 1
-    columns = 2 * groups + 3
-    if streams["table"].size > 8 * nchunks * columns:
-        return "chunk table is too long"
-    numbers = read_varints(streams["table"], nchunks * columns)
-    if numbers is None:
-        return "chunk table does not hold its numbers"
-    table = numbers.reshape(nchunks, columns)
-    counts = table[:, 1::2]
-    param_cols = table[:, 2::2]
-    if int(param_cols.max(initial=0)) > MAX_PARAM:
-        return "a Rice parameter is out of range"
-    changes = counts[:, :groups].sum(axis=1)
-    sizes = np.full(nchunks, chunk, np.int64)
-    if nchunks:
-        sizes[-1] = numel - (nchunks - 1) * chunk
-    if bool((changes > sizes).any()) or bool((counts[:, groups] > changes).any()):
-        return "a chunk's counts exceed its elements"
-    if int(changes.sum()) != changed or int(counts[:, groups].sum()) != big:
-        return "chunk counts do not add up to the record's"
-    nbytes = table[:, 0]
-    if int(nbytes.sum()) != streams["bits"].size:
-        return "chunk byte counts do not add up to the bit stream"
-    least = counts.sum(axis=1) + (counts * param_cols).sum(axis=1) + changes
-    if bool((8 * nbytes < least).any()):
-        return "a chunk has fewer bits than its codes need"
     width = info.width
     mags = streams["mags"]
     if (mags.size > 0) != (big > 0) or (big and contents.frame_content_size(mags) != big * width):
         return "magnitude frame does not match the count of large differences"
-    starts = np.cumsum(nbytes) - nbytes
-    out_at = np.cumsum(changes) - changes
-    big_counts = counts[:, groups]
-    big_at = np.cumsum(big_counts) - big_counts
+    chunk = 1 << log2
+    nchunks = -(-numel // chunk)
+    groups = len(raw_bounds) + 1
+    table = np.empty((nchunks, 2 * groups + 3), np.int64)
+    starts, changes, out_at, big_at = np.empty((4, nchunks), np.int64)
+    found = encoder().read_table(
+        streams["table"],
+        groups,
+        chunk,
+        numel,
+        changed,
+        big,
+        streams["bits"].size,
+        table,
+        starts,
+        changes,
+        out_at,
+        big_at,
+    )
+    if found:
+        return _TABLE_REASONS[found]
     bounds = np.asarray(raw_bounds, np.int64)
     return Layout(chunk, bounds, table, starts, changes, out_at, big_at)
 

@@ -867,6 +867,94 @@ def decode_chunks(
     return stop - first, DONE
 
 
+# Outcomes of read_table (chunked.py names them).
+TABLE_OK = 0
+TABLE_NUMBERS = 1
+TABLE_PARAM = 2
+TABLE_COUNTS = 3
+TABLE_TOTALS = 4
+TABLE_BYTES = 5
+TABLE_SHORT = 6
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def read_table(
+    data: Any,
+    groups: int,
+    chunk: int,
+    numel: int,
+    changed: int,
+    big: int,
+    nbits: int,
+    table: Any,
+    starts: Any,
+    changes: Any,
+    out_at: Any,
+    big_at: Any,
+) -> int:
+    """Parse a chunk table of ``table.shape[0] * (2 * groups + 3)`` canonical LEB128
+    varints (below 2**49) filling ``data`` into ``table``, check its numbers against
+    the record's, and set each chunk's byte offset in ``bits``, count of changes,
+    and index of its first change and first large magnitude. TABLE_OK or the first
+    inconsistency found."""
+    nchunks, columns = table.shape
+    at = 0
+    for c in range(nchunks):
+        for j in range(columns):
+            value = np.int64(0)
+            length = 0
+            while True:
+                if at >= data.size or length == 7:
+                    return TABLE_NUMBERS
+                byte = np.int64(data[at])
+                at += 1
+                value |= (byte & 127) << (7 * length)
+                length += 1
+                if byte < 128:
+                    if byte == 0 and length > 1:  # not canonical
+                        return TABLE_NUMBERS
+                    break
+            table[c, j] = value
+    if at != data.size:
+        return TABLE_NUMBERS
+    offset = 0
+    seen = 0
+    seen_big = 0
+    for c in range(nchunks):
+        size = min(chunk, numel - c * chunk)
+        count = 0
+        codes = 0
+        cost = 0
+        for k in range(groups + 1):
+            n = table[c, 1 + 2 * k]
+            p = table[c, 2 + 2 * k]
+            if p > MAX_PARAM:
+                return TABLE_PARAM
+            if k < groups:
+                count += n
+            codes += n
+            cost += n * p
+        nbig = table[c, 1 + 2 * groups]
+        if count > size or nbig > count:
+            return TABLE_COUNTS
+        if 8 * table[c, 0] < codes + cost + count:
+            return TABLE_SHORT
+        if table[c, 0] > nbits - offset:  # also keeps the running sums from wrapping
+            return TABLE_BYTES
+        starts[c] = offset
+        changes[c] = count
+        out_at[c] = seen
+        big_at[c] = seen_big
+        offset += table[c, 0]
+        seen += count
+        seen_big += nbig
+    if seen != changed or seen_big != big:
+        return TABLE_TOTALS
+    if offset != nbits:
+        return TABLE_BYTES
+    return TABLE_OK
+
+
 @jit  # type: ignore[untyped-decorator,misc]
 def restore(target: Any, out_pos: Any, out_old: Any, a: int, b: int) -> None:
     for j in range(a, b):
@@ -878,5 +966,6 @@ CHUNKED = SimpleNamespace(
     choose_groups=choose_groups,
     encode_chunks=encode_chunks,
     decode_chunks=decode_chunks,
+    read_table=read_table,
     restore=restore,
 )
