@@ -110,11 +110,8 @@ def _select_deposit(x: Any, mask: Any) -> Any:
     """pdep by selecting, for each set bit k of x, the k-th set bit of mask: its byte
     from the bytes' running popcounts (one subtraction compares all eight), its place
     in the byte from a table. A few operations per set bit of x, which holds about one
-    change per block."""
+    change per block. x must have no bits past the count of mask's (``_low``)."""
     one = np.uint64(1)
-    n = popcount(mask)
-    # Only the low n bits of x have a place (n = 64 keeps all).
-    x &= ((one << (n & np.uint64(63))) - one) | (np.uint64(0) - (n >> np.uint64(6)))
     out = np.uint64(0)
     if x == 0:
         return out
@@ -131,6 +128,13 @@ def _select_deposit(x: Any, mask: Any) -> Any:
         out |= one << (shift + np.uint64(SELECT_IN_BYTE[v * np.uint64(8) + k - before]))
         x &= x - one
     return out
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _low(x: Any, n: Any) -> Any:
+    """The low n bits of x, n at most 64."""
+    one = np.uint64(1)
+    return x & (((one << (n & np.uint64(63))) - one) | (np.uint64(0) - (n >> np.uint64(6))))
 
 
 def _fast_pdep() -> bool:
@@ -644,14 +648,23 @@ def _walk_buckets(
             m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
         else:
             m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
-        chosen = deposit(_bits_at(ranks[0], s0), m0) | deposit(_bits_at(ranks[1], s1), m1)
-        s0 += np.int64(popcount(m0))
-        s1 += np.int64(popcount(m1))
+        n0, n1 = popcount(m0), popcount(m1)
+        x0, x1 = _low(_bits_at(ranks[0], s0), n0), _low(_bits_at(ranks[1], s1), n1)
+        s0 += np.int64(n0)
+        s1 += np.int64(n1)
+        x2 = x3 = np.uint64(0)
         if groups > 2:
-            chosen |= deposit(_bits_at(ranks[2], s2), m2)
-            s2 += np.int64(popcount(m2))
-            chosen |= deposit(_bits_at(ranks[3], s3), m3)
-            s3 += np.int64(popcount(m3))
+            n2, n3 = popcount(m2), popcount(m3)
+            x2, x3 = _low(_bits_at(ranks[2], s2), n2), _low(_bits_at(ranks[3], s3), n3)
+            s2 += np.int64(n2)
+            s3 += np.int64(n3)
+        # Most blocks with no change in one bucket have none in any: one branch.
+        if (x0 | x1 | x2 | x3) == 0:
+            i += LANES
+            continue
+        chosen = deposit(x0, m0) | deposit(x1, m1)
+        if groups > 2:
+            chosen |= deposit(x2, m2) | deposit(x3, m3)
         # A block holds 0, 1 or 2 changes about equally often: the first three go
         # out without a branch on the count (a slot past the last change is
         # overwritten by the next one, and stays within the chunk's outputs).
