@@ -127,20 +127,11 @@ def padded_bounds(bounds: I64, info: DtypeInfo) -> npt.NDArray[np.uint64]:
 
 
 def write_varints(values: I64) -> U8:
-    """Non-negative integers as LEB128 (7 bits a byte, low first, high bit: more)."""
-    v = values.astype(np.uint64)
-    nbytes = np.ones(v.size, np.int64)
-    rest = v >> np.uint64(7)
-    while rest.any():
-        nbytes += rest > 0
-        rest >>= np.uint64(7)
-    total = int(nbytes.sum())
-    starts = np.cumsum(nbytes) - nbytes
-    index = np.arange(total, dtype=np.int64) - np.repeat(starts, nbytes)
-    spread = np.repeat(v, nbytes)
-    more = (index < np.repeat(nbytes, nbytes) - 1).astype(np.uint64) << np.uint64(7)
-    out: U8 = (((spread >> (7 * index).astype(np.uint64)) & np.uint64(127)) | more).astype(np.uint8)
-    return out
+    """Non-negative integers below 2**63 as LEB128 (7 bits a byte, low first, high
+    bit: more)."""
+    out = np.empty(10 * values.size, np.uint8)
+    used = encoder().write_varints(values, out)
+    return out[:used].copy()
 
 
 # ----------------------------------------------------------------------------- encode

@@ -880,6 +880,22 @@ def decode_chunks(
     return stop - first, DONE
 
 
+@jit  # type: ignore[untyped-decorator,misc]
+def write_varints(values: Any, out: Any) -> int:
+    """Non-negative integers as LEB128 into ``out`` (7 bits a byte, low first, high
+    bit: more); returns the bytes written."""
+    at = 0
+    for i in range(values.size):
+        v = np.uint64(values[i])
+        while v >= np.uint64(128):
+            out[at] = np.uint8((v & np.uint64(127)) | np.uint64(128))
+            v >>= np.uint64(7)
+            at += 1
+        out[at] = np.uint8(v)
+        at += 1
+    return at
+
+
 # Outcomes of read_table (chunked.py names them).
 TABLE_OK = 0
 TABLE_NUMBERS = 1
@@ -980,5 +996,6 @@ CHUNKED = SimpleNamespace(
     encode_chunks=encode_chunks,
     decode_chunks=decode_chunks,
     read_table=read_table,
+    write_varints=write_varints,
     restore=restore,
 )
