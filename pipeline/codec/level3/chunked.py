@@ -209,6 +209,9 @@ def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInf
     order = _buffer("order", changed, np.int64)
     block_rows = (min(chunk, numel) + 63) >> 6
     blocks = _buffer("blocks", 8 * block_rows, np.uint64).reshape(block_rows, 8)
+    most = min(chunk, numel, changed)  # changes of one chunk, at most
+    big_gaps = _buffer("big_gaps", most, np.int64)
+    signs = _buffer("signs", (most + 63) >> 6, np.uint64)
     used, nbig = walker.encode_chunks(
         base,
         where,
@@ -224,6 +227,8 @@ def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInf
         group,
         order,
         blocks,
+        big_gaps,
+        signs,
     )
     streams = {
         "table": write_varints(table.reshape(-1)),

@@ -350,6 +350,8 @@ def encode_chunks(
     group: Any,
     order: Any,
     blocks: Any,
+    big_gaps: Any,
+    signs: Any,
 ) -> Any:
     """Every chunk's bit stream into ``out`` and its numbers into ``table`` (one row
     per chunk: bytes, then count and Rice parameter of each of ``groups`` buckets and
@@ -441,17 +443,28 @@ def encode_chunks(
             k = group[j]
             order[fill[k]] = j
             fill[k] += 1
-        # Large magnitudes: their indices in change order, magnitudes - 2.
+        # Large magnitudes (their gaps in change order into big_gaps, magnitudes - 2
+        # into mags) and signs (packed, 64 a word), in one pass.
         big_first = nbig
         prev = -1
+        word = np.uint64(0)
         for j in range(a, b):
             d = np.uint64(diff[j])
-            m = (top + one - d) & top if d >= half else d
+            negative = d >= half
+            word = (word << one) | np.uint64(negative)
+            if ((j - a) & 63) == 63:
+                signs[(j - a) >> 6] = word
+                word = np.uint64(0)
+            m = (top + one - d) & top if negative else d
             if m > one:
                 mags[nbig] = m - two
+                g = (j - a) - prev - 1
+                big_gaps[nbig - big_first] = g
                 nbig += 1
-                totals[4] += (j - a) - prev - 1
+                totals[4] += g
                 prev = j - a
+        if (b - a) & 63:
+            signs[(b - a) >> 6] = word
         bc = nbig - big_first
         counts[4] = bc
         bp = _guess_param(bc, totals[4])
@@ -468,17 +481,12 @@ def encode_chunks(
                 acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
                 q -= np.uint64(32)
             acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
-        prev = -1
-        for j in range(a, b):
-            d = np.uint64(diff[j])
-            m = (top + one - d) & top if d >= half else d
-            if m > one:
-                q = np.uint64((j - a) - prev - 1) >> bpu
-                prev = j - a
-                while q >= np.uint64(32):
-                    acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
-                    q -= np.uint64(32)
-                acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
+        for t in range(bc):
+            q = np.uint64(big_gaps[t]) >> bpu
+            while q >= np.uint64(32):
+                acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
+                q -= np.uint64(32)
+            acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
         # Their fixed-width low bits, in the same order.
         for t in range(a, b):
             j = order[t]
@@ -488,25 +496,18 @@ def encode_chunks(
                 acc, held, index = put_bits(out, acc, held, index, np.uint64(gaps[j]) & low, p)
         if bp:
             low = (one << bpu) - one
-            prev = -1
-            for j in range(a, b):
-                d = np.uint64(diff[j])
-                m = (top + one - d) & top if d >= half else d
-                if m > one:
-                    g = np.uint64((j - a) - prev - 1)
-                    prev = j - a
-                    acc, held, index = put_bits(out, acc, held, index, g & low, bp)
-        # Signs, 32 at a time.
-        word = np.uint64(0)
-        filled = 0
-        for j in range(a, b):
-            word = (word << one) | np.uint64(diff[j] >= half)
-            filled += 1
-            if filled == 32:
-                acc, held, index = put_bits(out, acc, held, index, word, 32)
-                word = np.uint64(0)
-                filled = 0
-        if filled:
+            for t in range(bc):
+                acc, held, index = put_bits(out, acc, held, index, np.uint64(big_gaps[t]) & low, bp)
+        # Signs, 32 at a time (put_bits takes at most 40).
+        for w in range((b - a + 63) >> 6):
+            filled = min(64, b - a - 64 * w)
+            word = signs[w]
+            if filled > 32:
+                acc, held, index = put_bits(
+                    out, acc, held, index, word >> np.uint64(32), filled - 32
+                )
+                word &= np.uint64(0xFFFFFFFF)
+                filled = 32
             acc, held, index = put_bits(out, acc, held, index, word, filled)
         put_tail(out, index, acc, held)
         index += (held + 7) >> 3
