@@ -439,3 +439,29 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
     assert reason(lambda t: t.__setitem__((0, 0), 0)) == (
         "a chunk has fewer bits than its codes need"
     )
+
+
+@pytest.mark.parametrize(
+    ("cpu", "features", "fast"),
+    [
+        ("znver1", "+avx2,+bmi2", False),
+        ("znver2", "+avx2,+bmi2", False),
+        ("znver3", "+avx2,+bmi2", True),
+        ("skylake", "+avx2,+bmi2", True),
+        ("skylake", "+avx2,-bmi2", False),
+    ],
+)
+def test_pdep_only_where_it_is_one_instruction(
+    monkeypatch: pytest.MonkeyPatch, cpu: str, features: str, fast: bool
+) -> None:
+    """Zen 1 and 2 run pdep as microcode (about 250 cycles): the selecting deposit
+    serves there, as on CPUs without BMI2."""
+    jit = pytest.importorskip("pipeline.codec.level3.chunked_jit")
+
+    class Features:
+        def flatten(self) -> str:
+            return features
+
+    monkeypatch.setattr(jit.llvm, "get_host_cpu_name", lambda: cpu)
+    monkeypatch.setattr(jit.llvm, "get_host_cpu_features", Features)
+    assert jit._fast_pdep() is fast
