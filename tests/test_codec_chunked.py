@@ -393,7 +393,7 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
     assert good.out_at.tolist() == [0, *np.cumsum(good.changes)[:-1].tolist()]
     assert good.starts.tolist() == [0, *np.cumsum(good.table[:, 0])[:-1].tolist()]
 
-    def reason(edit: object) -> object:
+    def edited(edit: object) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
         table = good.table.copy()
         streams = dict(enc.streams)
         if callable(edit):
@@ -401,7 +401,21 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
             streams["table"] = chunked.write_varints(table.reshape(-1))
         else:
             streams["table"] = np.asarray(edit, np.uint8)
-        return chunked.layout(streams, enc.params, changed, numel, info)
+        return streams
+
+    def reason(edit: object) -> object:
+        return chunked.layout(edited(edit), enc.params, changed, numel, info)
+
+    def refused_by_the_decoder(edit: object) -> None:
+        """A table consistent in its sums: the layout passes, the decode refuses it
+        and leaves the target as it was."""
+        streams = edited(edit)
+        found = chunked.layout(streams, enc.params, changed, numel, info)
+        assert isinstance(found, chunked.Layout)
+        target = old_u.copy()
+        with pytest.raises(chunked.ChunkedError):
+            chunked.decode(chunked.compiled(), streams, found, changed, target, info, write=True)
+        assert np.array_equal(target, old_u)
 
     g = good.groups
     table_bytes = enc.streams["table"]
@@ -419,8 +433,7 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
         t[0, 1] -= 1
         t[1, 1] += 1
 
-    moved = reason(move_a_change)
-    assert isinstance(moved, chunked.Layout)  # consistent in sum; the decoder catches it
+    refused_by_the_decoder(move_a_change)
     assert reason(lambda t: t.__setitem__((0, 1), t[0, 1] - 1)) == (
         "chunk counts do not add up to the record's"
     )
@@ -429,7 +442,7 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
         t[0, 0] += 1
         t[1, 0] -= 1
 
-    assert isinstance(reason(move_bytes), chunked.Layout)
+    refused_by_the_decoder(move_bytes)
     assert reason(lambda t: t.__setitem__((3, 0), t[3, 0] + 1)) == (
         "chunk byte counts do not add up to the bit stream"
     )

@@ -69,14 +69,15 @@ _REASONS = {
 }
 
 
-# read_table's outcomes (chunked_jit.py), other than 0 (consistent).
+# read_table's outcomes other than TABLE_OK (0), as chunked_jit.py numbers them.
+TABLE_NUMBERS, TABLE_PARAM, TABLE_COUNTS, TABLE_TOTALS, TABLE_BYTES, TABLE_SHORT = range(1, 7)
 _TABLE_REASONS = {
-    1: "chunk table does not hold its numbers",
-    2: "a Rice parameter is out of range",
-    3: "a chunk's counts exceed its elements",
-    4: "chunk counts do not add up to the record's",
-    5: "chunk byte counts do not add up to the bit stream",
-    6: "a chunk has fewer bits than its codes need",
+    TABLE_NUMBERS: "chunk table does not hold its numbers",
+    TABLE_PARAM: "a Rice parameter is out of range",
+    TABLE_COUNTS: "a chunk's counts exceed its elements",
+    TABLE_TOTALS: "chunk counts do not add up to the record's",
+    TABLE_BYTES: "chunk byte counts do not add up to the bit stream",
+    TABLE_SHORT: "a chunk has fewer bits than its codes need",
 }
 
 
