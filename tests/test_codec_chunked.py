@@ -327,6 +327,70 @@ def test_hostile_stream_sizes() -> None:
             _try_all(rebuild(data, edit_meta=change), base)
 
 
+def test_unary_codes_that_run_past_their_chunk_are_refused() -> None:
+    """A chunk whose bits hold no end of a code (the first chunk's bytes zeroed, or
+    every chunk's) is refused by name, on one thread and on two, with the weights
+    untouched: the word-at-a-time unary reader stops at each chunk's last byte."""
+    data, base = _fuzz_object()
+    record = read_delta(data, object_name="x")._records["w"]
+    assert record.layout is not None and record.layout.table.shape[0] > 2
+    table_bytes = record.streams["table"]
+    first_chunk = int(record.layout.table[0, 0])
+    for lo, hi in ((0, first_chunk), (0, record.streams["bits"])):
+
+        def edit(found: dict[str, np.ndarray], a: int = lo, b: int = hi) -> None:  # type: ignore[type-arg]
+            found["streams"][table_bytes + a : table_bytes + b] = 0
+
+        damaged = read_delta(rebuild(data, edit_entries=edit), object_name="damaged")
+        with pytest.raises(DeltasyncError, match="unary codes run past its bytes"):
+            damaged.decode("w", base)
+        for threads in (1, 2):
+            buffer, target = _guarded(base)
+            before = buffer.clone()
+            with (
+                pytest.MonkeyPatch.context() as patch,
+                pytest.raises(DeltasyncError, match="unary codes run past its bytes"),
+            ):
+                patch.setattr(chunked, "DECODE_THREADS", threads)
+                patch.setattr(chunked, "MIN_CHANGES_PER_THREAD", 1)
+                damaged.apply_to("w", target)
+            assert torch.equal(buffer, before)
+
+
+def test_both_decoders_refuse_the_same_damage() -> None:
+    """The compiled walk and the torch-ops decoder, given the same damaged streams
+    (with a valid checksum), both refuse them or both decode the same changes."""
+    data, base = _fuzz_object()
+    size = int(read_container(data, "x").streams["streams"].size)
+    gen = np.random.default_rng(3)
+    compared = 0
+    for _ in range(200):
+        spots = gen.integers(0, size, size=2)
+        values = gen.integers(0, 256, size=2).astype(np.uint8)
+
+        def edit(
+            found: dict[str, np.ndarray], s: np.ndarray = spots, v: np.ndarray = values
+        ) -> None:  # type: ignore[type-arg]
+            found["streams"][s] = v
+
+        try:
+            obj = read_delta(rebuild(data, edit_entries=edit), object_name="fuzz")
+        except DeltasyncError:
+            continue
+        outcomes = []
+        for enabled in (True, False):
+            with compiled_kernels(enabled):
+                try:
+                    patch = obj.decode("w", base)
+                except DeltasyncError:
+                    outcomes.append(None)
+                else:
+                    outcomes.append((patch.positions.tolist(), patch.values.tolist()))
+        assert outcomes[0] == outcomes[1]
+        compared += 1
+    assert compared > 100
+
+
 def test_a_clean_decode_follows_damaged_ones() -> None:
     """The decoder's reused scratch (rank bitmaps) is left clean by a damaged chunk."""
     data, base = _fuzz_object()

@@ -21,6 +21,7 @@ from numba.core import cgutils, types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_jit import (
+    bit_reverse,
     peek,
     put_bits,
     put_tail,
@@ -31,6 +32,7 @@ from pipeline.intrinsics_jit import prefetch_write
 jit = numba.njit(cache=True, nogil=True)
 
 LANES = 64
+WINDOW = np.uint64((1 << 56) - 1)  # the stream bits a peek guarantees, less one
 MAX_PARAM = 40
 # Outcomes of decode_chunks (chunked.py names them).
 DONE = 0
@@ -71,14 +73,6 @@ def below_mask(typingctx: Any, a: Any, start: Any, bound: Any, magnitude: Any) -
 def popcount(typingctx: Any, x: Any) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.ctpop(args[0])
-
-    return types.uint64(types.uint64), codegen
-
-
-@intrinsic  # type: ignore[untyped-decorator,misc]
-def leading_zeros(typingctx: Any, x: Any) -> Any:
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
 
     return types.uint64(types.uint64), codegen
 
@@ -763,33 +757,37 @@ def decode_chunks(
             if k < groups:
                 changed += table[c, 1 + 2 * k]
             gend[k] = total
-        # Unary codes of every group; a quotient past what the chunk can hold is damage.
-        u = bit0
-        k = 0
-        for t in range(total):
-            while t >= gend[k]:
-                k += 1
+        # Unary codes of every group, word by word: the ends of codes are the set bits
+        # of the bit-reversed window (trailing zeros, no load per code). A quotient
+        # past what the chunk can hold, or too few ends before the chunk's last bit,
+        # is damage.
+        prev = bit0 - 1  # the end of the previous code
+        t = 0
+        for k in range(groups + 1):
             limit = (chunk if k < groups else changed) >> table[c, 2 + 2 * k]
-            q = np.int64(0)
-            while True:
+            stop_t = gend[k]
+            u = prev + 1
+            while t < stop_t:
                 if u >= end:
                     return c - first, BAD_UNARY
-                word = peek(bits, u)
-                if word:
-                    z = np.int64(leading_zeros(word))
-                    if u + z >= end:
+                # peek guarantees 57 stream bits: take 56, none at or past ``end``.
+                w = bit_reverse(peek(bits, u)) & WINDOW
+                if end - u < 56:
+                    w &= (one << np.uint64(end - u)) - one
+                while w and t < stop_t:
+                    e = u + np.int64(trailing_zeros(w))
+                    q = e - prev - 1
+                    if q > limit:
                         return c - first, BAD_UNARY
-                    q += z
-                    u += z + 1
-                    break
-                # All zeros: peek guarantees only 57 stream bits.
-                q += 56
-                u += 56
-                if q > limit:
-                    return c - first, BAD_UNARY
-            if q > limit:
-                return c - first, BAD_UNARY
-            gaps[t] = q
+                    gaps[t] = q
+                    prev = e
+                    t += 1
+                    w &= w - one
+                if t < stop_t:
+                    u += 56
+                    if u - prev - 1 > limit:
+                        return c - first, BAD_UNARY
+        u = prev + 1
         # Fixed-width low bits, group by group.
         f = u
         t = 0
