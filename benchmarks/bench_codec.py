@@ -10,11 +10,14 @@ information bound, the container's own bytes, and timings against
 ``torch.clone`` of the same weights
 (both its median, mostly paying page faults for fresh memory, and its fastest,
 warm run). ``apply_to`` decodes straight into the weights; ``decode+apply_patch``
-materialises the patch first. ``--device cuda`` puts base, new and the weights
-written into on the GPU (the clone reference too) and synchronises the device
-before each time is taken; the two-thread walk is CPU-only and left out there,
-as are level 3's timings of the largest tensor with its chunks decoded on 1, 2
-and 4 threads.
+materialises the patch first. Each level-3 task runs right after its level-1
+counterpart in every round, and the ratio of each such pair is reported too (median,
+min and max over the rounds): on a machine whose speed drifts, a ratio of two
+minimums taken seconds apart can move by more than a change does.
+``--device cuda`` puts base, new and the weights written into on the GPU (the
+clone reference too) and synchronises the device before each time is taken; the
+two-thread walk is CPU-only and left out there, as are level 3's timings of the
+largest tensor with its chunks decoded on 1, 2 and 4 threads.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
 State = dict[str, torch.Tensor]
 COPY_INTO = "copy_ into preallocated weights"
+# Level-3 tasks and the level-1 task each is compared with (run just before it).
+PAIRS = (
+    ("diff+encode, level 3", "diff+encode, level 1, compiled"),
+    ("apply_to, level 3", "apply_to, level 1, compiled"),
+    ("decode+apply_patch, level 3", "decode+apply_patch, level 1, compiled"),
+)
 
 
 def log2_binomial(n: int, k: int) -> float:
@@ -224,16 +233,21 @@ def main() -> None:
 
         if compiled and kernels.get() is None:
             continue
+        # Level 3 right after level 1 in each round, so that each pair of times is
+        # taken on the same machine (PAIRS below).
         tasks[f"diff+encode, level 1, {path}"] = switched(encode_task(1))
+        if compiled:
+            tasks["diff+encode, level 3"] = encode_task(3)
         tasks[f"apply_to, level 1, {path}"] = switched(apply_to_task(objects[1]))
+        if compiled:
+            tasks["apply_to, level 3"] = apply_to_task(objects[3])
         if compiled and on_cpu:
             tasks["apply_to on 2 threads, level 1, compiled"] = two_threads_task(objects[1])
         tasks[f"decode+apply_patch, level 1, {path}"] = switched(decode_task(objects[1]))
+        if compiled:
+            tasks["decode+apply_patch, level 3"] = decode_task(objects[3])
     tasks["diff+encode, level 2"] = encode_task(2)
     tasks["decode+apply, level 2"] = decode_task(objects[2])
-    tasks["diff+encode, level 3"] = encode_task(3)
-    tasks["apply_to, level 3"] = apply_to_task(objects[3])
-    tasks["decode+apply_patch, level 3"] = decode_task(objects[3])
     # The largest tensor alone, its chunks decoded on 1, 2 and 4 threads.
     # The largest tensor with the most changes (the embedding and the head tie in size).
     changes = {k: int((int_bits(base[k]) != int_bits(new[k])).sum()) for k in new}
@@ -295,9 +309,9 @@ def main() -> None:
         print(f"{label:<34}{size:>12.0f}{size / changed:>11.3f}{size / bound:>9.3f}")
     print(f"largest tensor: {largest}, {new[largest].numel()} elements, {changes[largest]} changed")
     for level, data in objects.items():
-        header, records, entries = container_sizes(data)
+        header_bytes, records, entries = container_sizes(data)
         print(
-            f"container, level {level}: header {header} bytes (records JSON {records}) "
+            f"container, level {level}: header {header_bytes} bytes (records JSON {records}) "
             f"for {len(new)} tensors, {entries} with an entry"
         )
     print()
@@ -309,6 +323,15 @@ def main() -> None:
         row = f"{label:<36}{median:>10.4f}{min(runs):>10.4f}"
         print(f"{row}{median / t_clone:>9.2f}{median / t_warm:>8.2f}")
     print(f"x clone: median / median clone; x warm: median / fastest copy ({t_warm:.4f} s)")
+    pairs_timed = [(a, b) for a, b in PAIRS if a in times and b in times]
+    if pairs_timed:
+        print()
+        print(f"{'level 3 / level 1, run by run':<36}{'median':>10}{'min':>10}{'max':>9}")
+        for task_3, task_1 in pairs_timed:
+            ratios = [x / y for x, y in zip(times[task_3], times[task_1], strict=True)]
+            row = f"{task_3:<36}{statistics.median(ratios):>10.2f}{min(ratios):>10.2f}"
+            print(f"{row}{max(ratios):>9.2f}")
+        print("each ratio: a level-3 run over the level-1 run just before it, same round")
 
 
 if __name__ == "__main__":
