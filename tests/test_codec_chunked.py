@@ -448,7 +448,9 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
     old_u = bits(base).reshape(-1).numpy().view(np.uint16)
     new_u = bits(new).reshape(-1).numpy().view(np.uint16)
     where = np.flatnonzero(old_u != new_u)
-    enc = chunked.encode(chunked.encoder(), old_u, where, new_u[where] - old_u[where], info)
+    enc = chunked.encode(
+        chunked.encoder(), old_u, where, new_u[where] - old_u[where], old_u[where], info
+    )
     numel, changed = base.numel(), int(where.size)
     good = chunked.layout(enc.streams, enc.params, changed, numel, info)
     assert isinstance(good, chunked.Layout)

@@ -258,7 +258,7 @@ def _encode_chunked(
     if on_changes is not None:
         on_changes(where, diff, old)
     base_np = to_numpy(base_flat).view(info.unsigned)
-    found = chunked.encode(walker, base_np, where, diff, info)
+    found = chunked.encode(walker, base_np, where, diff, old, info)
     best = Encoded("chunked", changed, found.streams, found.params)
     if changed >= numel * BITMAP_MIN_DENSITY or 3 * int(found.params["big"]) > changed:
         other = encode_tensor(base_flat, new_flat, info, 1)

@@ -144,17 +144,17 @@ class EncodedChunks:
     params: dict[str, Any]
 
 
-def choose_bounds(walker: Any, base: AnyUInt, where: I64, info: DtypeInfo, nchunks: int) -> I64:
+def choose_bounds(walker: Any, base: AnyUInt, olds: AnyUInt, info: DtypeInfo, nchunks: int) -> I64:
     """Magnitude thresholds that split the elements into the buckets whose changes
-    cost the fewest bits, from the classes of the changed elements and of a fixed
-    sample of all elements (deterministic)."""
-    if info.exponent is None or where.size < 64:
+    cost the fewest bits, from the classes of the changed elements (their base
+    contents ``olds``) and of a fixed sample of all elements (deterministic)."""
+    if info.exponent is None or olds.size < 64:
         return np.zeros(0, np.int64)
     shift, top = info.exponent
     runs = min(SAMPLE_RUNS, max(1, base.size // SAMPLE_RUN))
     sample = np.zeros(top + 1, np.float64)
     hit = np.zeros(top + 1, np.float64)
-    walker.class_counts(base, where, shift, top, runs, SAMPLE_RUN, sample, hit)
+    walker.class_counts(base, olds, shift, top, runs, SAMPLE_RUN, sample, hit)
     present = np.flatnonzero((sample > 0) | (hit > 0))
     if present.size < 2:
         return np.zeros(0, np.int64)
@@ -192,25 +192,25 @@ def _zeroed_ranks(words: int) -> npt.NDArray[np.uint64]:
     return held
 
 
-def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInfo) -> EncodedChunks:
+def encode(
+    walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, olds: AnyUInt, info: DtypeInfo
+) -> EncodedChunks:
     """The chunked streams of a tensor's changes (positions ascending, differences
-    new - base as unsigned integers)."""
+    new - base and the base contents there, as unsigned integers)."""
     numel = base.size
     chunk = 1 << CHUNK_LOG2
     nchunks = -(-numel // chunk)
-    bounds = choose_bounds(walker, base, where, info, nchunks)
+    bounds = choose_bounds(walker, base, olds, info, nchunks)
     groups = bounds.size + 1
     table = np.zeros((nchunks, 2 * groups + 3), np.int64)
     changed = where.size
     capacity = (2 * numel + (2 * MAX_PARAM + 8) * changed) // 8 + nchunks + 64
     out = _buffer("bits", capacity, np.uint8)
     mags = _buffer("mags", changed, base.dtype)
-    gaps = _buffer("gaps", changed, np.int64)
-    group = _buffer("group", changed, np.int8)
-    order = _buffer("order", changed, np.int64)
+    most = min(chunk, numel, changed)  # changes of one chunk, at most
+    by_bucket = _buffer("by_bucket", groups * most, np.int64)  # a range per bucket
     block_rows = (min(chunk, numel) + 63) >> 6
     blocks = _buffer("blocks", 8 * block_rows, np.uint64).reshape(block_rows, 8)
-    most = min(chunk, numel, changed)  # changes of one chunk, at most
     big_gaps = _buffer("big_gaps", most, np.int64)
     signs = _buffer("signs", (most + 63) >> 6, np.uint64)
     used, nbig = walker.encode_chunks(
@@ -224,9 +224,7 @@ def encode(walker: Any, base: AnyUInt, where: I64, diff: AnyUInt, info: DtypeInf
         table,
         out,
         mags,
-        gaps,
-        group,
-        order,
+        by_bucket,
         blocks,
         big_gaps,
         signs,

@@ -154,10 +154,11 @@ def bucket_of(value: Any, bounds: Any, magnitude: Any) -> int:
 
 @jit  # type: ignore[untyped-decorator,misc]
 def class_counts(
-    base: Any, where: Any, shift: int, top: int, runs: int, run_len: int, sample: Any, hit: Any
+    base: Any, olds: Any, shift: int, top: int, runs: int, run_len: int, sample: Any, hit: Any
 ) -> None:
     """Exponent-class histograms: of ``runs`` evenly spaced runs of ``run_len``
-    elements (``sample``) and of the changed elements (``hit``)."""
+    elements of ``base`` (``sample``) and of the changed elements, from their base
+    contents ``olds`` as the scan took them (``hit``)."""
     n = base.size
     s = np.uint64(shift)
     t = np.uint64(top)
@@ -166,8 +167,8 @@ def class_counts(
         lo = r * step
         for i in range(lo, min(n, lo + run_len)):
             sample[(np.uint64(base[i]) >> s) & t] += 1
-    for j in range(where.size):
-        hit[(np.uint64(base[where[j]]) >> s) & t] += 1
+    for j in range(olds.size):
+        hit[(np.uint64(olds[j]) >> s) & t] += 1
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -279,15 +280,16 @@ def _bucket_gaps(
     groups: int,
     magnitude: Any,
     gaps: Any,
-    group: Any,
+    stride: int,
     blocks: Any,
     last: Any,
     counts: Any,
 ) -> None:
-    """Bucket (into ``group``) and gap from the bucket's previous change, in ranks
-    within the bucket (into ``gaps``), of the chunk's changes ``where[a:b]``,
-    elements ``lo .. hi - 1`` (``last``: -1 per bucket on entry, ``counts``: 0; they
-    end as each bucket's last rank and count of changes). Two passes without a branch
+    """Gap from the bucket's previous change, in ranks within the bucket, of each of
+    the chunk's changes ``where[a:b]`` (elements ``lo .. hi - 1``): bucket k's in
+    change order from ``gaps[k * stride]`` on (``stride``: at least ``b - a``).
+    ``last``: -1 per bucket on entry, ``counts``: 0; they end as each bucket's last
+    rank and count of changes. Two passes without a branch
     on the data: every block's bucket masks and the counts of each bucket before
     it (``blocks``, one row of eight per block), then per change a look-up."""
     one = np.uint64(1)
@@ -322,9 +324,8 @@ def _bucket_gaps(
         )
         below = line[k] & ((one << bit) - one)
         rank = np.int64(line[4 + k] + popcount(below))
-        gaps[j] = rank - last[k] - 1
+        gaps[k * stride + counts[k]] = rank - last[k] - 1
         last[k] = rank
-        group[j] = k
         counts[k] += 1
 
 
@@ -340,9 +341,7 @@ def encode_chunks(
     table: Any,
     out: Any,
     mags: Any,
-    gaps: Any,
-    group: Any,
-    order: Any,
+    by_bucket: Any,
     blocks: Any,
     big_gaps: Any,
     signs: Any,
@@ -365,7 +364,6 @@ def encode_chunks(
     params = np.zeros(5, np.int64)
     firsts = np.zeros(4, np.int64)
     costs = np.zeros(12, np.int64)
-    fill = np.zeros(4, np.int64)
     ptr = 0
     index = 0
     nbig = 0
@@ -376,16 +374,16 @@ def encode_chunks(
         while ptr < where.size and where[ptr] < hi:
             ptr += 1
         b = ptr
-        # Gaps between ranks within each bucket (chunk-local) into gaps[], buckets
-        # into group[], with each bucket's count and sum of gaps.
+        # Gaps between ranks within each bucket (chunk-local), bucket k's into
+        # by_bucket[k * stride:], with each bucket's count and sum of gaps.
         last[:] = -1
         counts[:] = 0
         totals[:] = 0
+        stride = b - a
         if groups == 1:
             for j in range(a, b):
-                gaps[j] = where[j] - lo - last[0] - 1
+                by_bucket[j - a] = where[j] - lo - last[0] - 1
                 last[0] = where[j] - lo
-                group[j] = 0
             counts[0] = b - a
             totals[0] = last[0] + 1 - (b - a)
         else:
@@ -399,8 +397,8 @@ def encode_chunks(
                 bounds,
                 groups,
                 magnitude,
-                gaps,
-                group,
+                by_bucket,
+                stride,
                 blocks,
                 last,
                 counts,
@@ -410,14 +408,21 @@ def encode_chunks(
                 totals[k] = last[k] + 1 - counts[k]
         for k in range(groups):
             firsts[k] = max(0, _guess_param(counts[k], totals[k]) - 1)
-        costs[:] = 0
-        for j in range(a, b):
-            k = group[j]
-            g = gaps[j]
+        # Each bucket's Rice parameter from the costs of three candidates, over the
+        # bucket's own range of ``by_bucket``.
+        for k in range(groups):
             f = firsts[k]
-            costs[3 * k] += g >> f
-            costs[3 * k + 1] += g >> min(f + 1, MAX_PARAM)
-            costs[3 * k + 2] += g >> min(f + 2, MAX_PARAM)
+            f1 = min(f + 1, MAX_PARAM)
+            f2 = min(f + 2, MAX_PARAM)
+            c0 = c1 = c2 = 0
+            for t in range(k * stride, k * stride + counts[k]):
+                g = by_bucket[t]
+                c0 += g >> f
+                c1 += g >> f1
+                c2 += g >> f2
+            costs[3 * k] = c0
+            costs[3 * k + 1] = c1
+            costs[3 * k + 2] = c2
         for k in range(groups):
             best = 0
             best_cost = -1
@@ -428,20 +433,14 @@ def encode_chunks(
                     best_cost = cost
                     best = p
             params[k] = best if counts[k] else 0
-        # Changes in bucket order (a counting sort), for writing bucket by bucket.
-        run = a
-        for k in range(groups):
-            fill[k] = run
-            run += counts[k]
-        for j in range(a, b):
-            k = group[j]
-            order[fill[k]] = j
-            fill[k] += 1
         # Large magnitudes (their gaps in change order into big_gaps, magnitudes - 2
         # into mags) and signs (packed, 64 a word), in one pass.
+        # Without a branch on the magnitude (about one change in ten is large, at
+        # random): each slot is written and kept only when the magnitude is large.
         big_first = nbig
         prev = -1
         word = np.uint64(0)
+        big_total = 0
         for j in range(a, b):
             d = np.uint64(diff[j])
             negative = d >= half
@@ -450,13 +449,14 @@ def encode_chunks(
                 signs[(j - a) >> 6] = word
                 word = np.uint64(0)
             m = (top + one - d) & top if negative else d
-            if m > one:
-                mags[nbig] = m - two
-                g = (j - a) - prev - 1
-                big_gaps[nbig - big_first] = g
-                nbig += 1
-                totals[4] += g
-                prev = j - a
+            large = int(m > one)
+            g = (j - a) - prev - 1
+            mags[nbig] = m - two
+            big_gaps[nbig - big_first] = g
+            nbig += large
+            big_total += large * g
+            prev += large * (g + 1)
+        totals[4] += big_total
         if (b - a) & 63:
             signs[(b - a) >> 6] = word
         bc = nbig - big_first
@@ -468,13 +468,14 @@ def encode_chunks(
         acc = np.uint64(0)
         held = 0
         # Unary codes, bucket by bucket, then those of the large magnitudes.
-        for t in range(a, b):
-            j = order[t]
-            q = np.uint64(gaps[j]) >> np.uint64(params[group[j]])
-            while q >= np.uint64(32):
-                acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
-                q -= np.uint64(32)
-            acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
+        for k in range(groups):
+            p = np.uint64(params[k])
+            for t in range(k * stride, k * stride + counts[k]):
+                q = np.uint64(by_bucket[t]) >> p
+                while q >= np.uint64(32):
+                    acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
+                    q -= np.uint64(32)
+                acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
         for t in range(bc):
             q = np.uint64(big_gaps[t]) >> bpu
             while q >= np.uint64(32):
@@ -482,12 +483,14 @@ def encode_chunks(
                 q -= np.uint64(32)
             acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
         # Their fixed-width low bits, in the same order.
-        for t in range(a, b):
-            j = order[t]
-            p = params[group[j]]
+        for k in range(groups):
+            p = params[k]
             if p:
                 low = (one << np.uint64(p)) - one
-                acc, held, index = put_bits(out, acc, held, index, np.uint64(gaps[j]) & low, p)
+                for t in range(k * stride, k * stride + counts[k]):
+                    acc, held, index = put_bits(
+                        out, acc, held, index, np.uint64(by_bucket[t]) & low, p
+                    )
         if bp:
             low = (one << bpu) - one
             for t in range(bc):
