@@ -223,6 +223,23 @@ def _try_all(data: bytes, base: torch.Tensor) -> None:
     assert torch.equal(buffer[-guard:], before[-guard:])
 
 
+def _two_bytes_replaced(data: bytes, copies: int, seed: int) -> Iterator[bytes]:
+    """``copies`` objects of ``data`` with two random bytes of its one entry replaced
+    and the checksum rebuilt, so that the damage reaches the decoders."""
+    size = int(read_container(data, "x").streams["streams"].size)
+    gen = np.random.default_rng(seed)
+    for _ in range(copies):
+        spots = gen.integers(0, size, size=2)
+        values = gen.integers(0, 256, size=2).astype(np.uint8)
+
+        def edit(
+            found: dict[str, np.ndarray], s: np.ndarray = spots, v: np.ndarray = values
+        ) -> None:  # type: ignore[type-arg]
+            found["streams"][s] = v
+
+        yield rebuild(data, edit_entries=edit)
+
+
 def test_hostile_bytes_in_every_stream() -> None:
     data, base = _fuzz_object()
     entries = read_container(data, "x").streams
@@ -361,20 +378,10 @@ def test_both_decoders_refuse_the_same_damage() -> None:
     """The compiled walk and the torch-ops decoder, given the same damaged streams
     (with a valid checksum), both refuse them or both decode the same changes."""
     data, base = _fuzz_object()
-    size = int(read_container(data, "x").streams["streams"].size)
-    gen = np.random.default_rng(3)
     compared = 0
-    for _ in range(200):
-        spots = gen.integers(0, size, size=2)
-        values = gen.integers(0, 256, size=2).astype(np.uint8)
-
-        def edit(
-            found: dict[str, np.ndarray], s: np.ndarray = spots, v: np.ndarray = values
-        ) -> None:  # type: ignore[type-arg]
-            found["streams"][s] = v
-
+    for damaged in _two_bytes_replaced(data, 200, seed=3):
         try:
-            obj = read_delta(rebuild(data, edit_entries=edit), object_name="fuzz")
+            obj = read_delta(damaged, object_name="fuzz")
         except DeltasyncError:
             continue
         outcomes = []
@@ -396,19 +403,9 @@ def test_a_clean_decode_follows_damaged_ones() -> None:
     data, base = _fuzz_object()
     obj = read_delta(data, object_name="clean")
     expected = obj.decode("w", base)
-    size = int(read_container(data, "x").streams["streams"].size)
-    gen = np.random.default_rng(2)
-    for _ in range(60):
-        spots = gen.integers(0, size, size=2)
-        values = gen.integers(0, 256, size=2).astype(np.uint8)
-
-        def edit(
-            found: dict[str, np.ndarray], s: np.ndarray = spots, v: np.ndarray = values
-        ) -> None:  # type: ignore[type-arg]
-            found["streams"][s] = v
-
+    for damaged in _two_bytes_replaced(data, 60, seed=2):
         with contextlib.suppress(DeltasyncError):
-            read_delta(rebuild(data, edit_entries=edit), object_name="fuzz").decode("w", base)
+            read_delta(damaged, object_name="fuzz").decode("w", base)
         again = obj.decode("w", base)
         assert torch.equal(again.positions, expected.positions)
         assert torch.equal(again.values, expected.values)
