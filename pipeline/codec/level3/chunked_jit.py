@@ -289,9 +289,9 @@ def _bucket_gaps(
     the chunk's changes ``where[a:b]`` (elements ``lo .. hi - 1``): bucket k's in
     change order from ``gaps[k * stride]`` on (``stride``: at least ``b - a``).
     ``last``: -1 per bucket on entry, ``counts``: 0; they end as each bucket's last
-    rank and count of changes. Two passes without a branch
-    on the data: every block's bucket masks and the counts of each bucket before
-    it (``blocks``, one row of eight per block), then per change a look-up."""
+    rank and count of changes. Two passes without a branch on the data: every
+    block's bucket masks and the counts of each bucket before it (``blocks``, one
+    row of eight per block), then per change a look-up."""
     one = np.uint64(1)
     s0 = s1 = s2 = s3 = np.uint64(0)
     for i in range(lo, hi, LANES):
