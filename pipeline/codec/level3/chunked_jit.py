@@ -363,7 +363,6 @@ def encode_chunks(
     totals = np.zeros(5, np.int64)
     params = np.zeros(5, np.int64)
     firsts = np.zeros(4, np.int64)
-    costs = np.zeros(12, np.int64)
     ptr = 0
     index = 0
     nbig = 0
@@ -408,8 +407,8 @@ def encode_chunks(
                 totals[k] = last[k] + 1 - counts[k]
         for k in range(groups):
             firsts[k] = max(0, _guess_param(counts[k], totals[k]) - 1)
-        # Each bucket's Rice parameter from the costs of three candidates, over the
-        # bucket's own range of ``by_bucket``.
+        # Each bucket's Rice parameter: the cheapest of three candidates, their unary
+        # bits summed over the bucket's own range of ``by_bucket``.
         for k in range(groups):
             f = firsts[k]
             f1 = min(f + 1, MAX_PARAM)
@@ -420,23 +419,18 @@ def encode_chunks(
                 c0 += g >> f
                 c1 += g >> f1
                 c2 += g >> f2
-            costs[3 * k] = c0
-            costs[3 * k + 1] = c1
-            costs[3 * k + 2] = c2
-        for k in range(groups):
-            best = 0
-            best_cost = -1
-            for t in range(3):
-                p = min(firsts[k] + t, MAX_PARAM)
-                cost = costs[3 * k + t] + counts[k] * (1 + p)
-                if best_cost < 0 or cost < best_cost:
-                    best_cost = cost
-                    best = p
+            best = f
+            best_cost = c0 + counts[k] * (1 + f)
+            if c1 + counts[k] * (1 + f1) < best_cost:
+                best = f1
+                best_cost = c1 + counts[k] * (1 + f1)
+            if c2 + counts[k] * (1 + f2) < best_cost:
+                best = f2
             params[k] = best if counts[k] else 0
         # Large magnitudes (their gaps in change order into big_gaps, magnitudes - 2
-        # into mags) and signs (packed, 64 a word), in one pass.
-        # Without a branch on the magnitude (about one change in ten is large, at
-        # random): each slot is written and kept only when the magnitude is large.
+        # into mags) and signs (packed, 64 a word), in one pass without a branch on
+        # the magnitude (about one change in ten is large, at random): each slot is
+        # written, and kept only when the magnitude is large.
         big_first = nbig
         prev = -1
         word = np.uint64(0)
