@@ -411,6 +411,45 @@ def test_a_clean_decode_follows_damaged_ones() -> None:
         assert torch.equal(again.values, expected.values)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("small_chance", [0.3, 0.9])
+def test_the_scan_ranks_every_change_in_its_bucket(
+    small_chunks: None, dtype: torch.dtype, small_chance: float
+) -> None:
+    """scan_ranked against the definition: each change's rank is the count of
+    elements of its chunk before it in its magnitude bucket. Dense changes (more
+    than 6%) make the scan resume into new buffers mid-chunk; the tensor ends in a
+    partial block."""
+    gen = np.random.default_rng(int(small_chance * 100))
+    numel = 11 * 4096 + 1000 + 37
+    base = weights(numel, gen, dtype)
+    info = BY_DTYPE[dtype]
+    old_u = bits(base).reshape(-1).numpy().view(info.unsigned)
+    size = base.float().abs().numpy()
+    chance = np.where(size < 0.01, small_chance, np.where(size < 0.05, small_chance / 10, 0.0))
+    new_u = old_u + (gen.random(numel) < chance).astype(info.unsigned)
+    walker = chunked.encoder()
+    found = chunked.scan(walker, old_u, new_u, info)
+    assert found.bounds.size >= 1
+    where = np.flatnonzero(old_u != new_u)
+    assert (where.size > numel // 16 + 128) == (small_chance > 0.5)  # resumed or not
+    assert np.array_equal(found.where, where)
+    assert np.array_equal(found.diff, new_u[where] - old_u[where])
+    assert np.array_equal(found.old, old_u[where])
+    magnitude = old_u.astype(np.uint64) & np.uint64(chunked.magnitude_mask(info))
+    bucket = np.searchsorted(found.bounds.astype(np.uint64), magnitude, side="right")
+    expected = np.empty(where.size, np.int64)
+    for c in range(-(-numel // 4096)):
+        lo, hi = c * 4096, min(numel, (c + 1) * 4096)
+        for g in range(found.bounds.size + 1):
+            members = np.flatnonzero(bucket[lo:hi] == g) + lo
+            rank_of = np.full(numel, -1, np.int64)
+            rank_of[members] = np.arange(members.size)
+            picked = (where >= lo) & (where < hi) & (bucket[where] == g)
+            expected[picked] = rank_of[where[picked]] * 4 + g
+    assert np.array_equal(found.ranks, expected)
+
+
 def test_selecting_deposit_matches_the_definition() -> None:
     """The stand-in for pdep where it is slow or missing (Zen 1 and 2, no BMI2), on
     random words and on the edges: empty and full masks, x with bits past the mask's
@@ -445,9 +484,10 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
     old_u = bits(base).reshape(-1).numpy().view(np.uint16)
     new_u = bits(new).reshape(-1).numpy().view(np.uint16)
     where = np.flatnonzero(old_u != new_u)
-    enc = chunked.encode(
-        chunked.encoder(), old_u, where, new_u[where] - old_u[where], old_u[where], info
-    )
+    walker = chunked.encoder()
+    found = chunked.scan(walker, old_u, new_u, info)
+    assert np.array_equal(found.where, where)
+    enc = chunked.encode(walker, old_u, found)
     numel, changed = base.numel(), int(where.size)
     good = chunked.layout(enc.streams, enc.params, changed, numel, info)
     assert isinstance(good, chunked.Layout)

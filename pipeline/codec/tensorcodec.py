@@ -251,14 +251,14 @@ def _encode_chunked(
     """Level 3: the ``chunked`` encoding, or a level-1 one where that is smaller
     (many changes, or differences mostly above one unit)."""
     numel = base_flat.numel()
-    where, diff, old = _changes(base_flat, new_flat, info)
-    changed = where.size
+    base_np = to_numpy(base_flat).view(info.unsigned)
+    scanned = chunked.scan(walker, base_np, to_numpy(new_flat).view(info.unsigned), info)
+    changed = scanned.where.size
     if changed == 0:
         return Encoded("same", 0)
     if on_changes is not None:
-        on_changes(where, diff, old)
-    base_np = to_numpy(base_flat).view(info.unsigned)
-    found = chunked.encode(walker, base_np, where, diff, old, info)
+        on_changes(scanned.where, scanned.diff, scanned.old)
+    found = chunked.encode(walker, base_np, scanned)
     best = Encoded("chunked", changed, found.streams, found.params)
     if changed >= numel * BITMAP_MIN_DENSITY or 3 * int(found.params["big"]) > changed:
         other = encode_tensor(base_flat, new_flat, info, 1)

@@ -22,6 +22,7 @@ from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_jit import (
     bit_reverse,
+    neq_mask,
     peek,
     put_bits,
     put_tail,
@@ -65,6 +66,34 @@ def below_mask(typingctx: Any, a: Any, start: Any, bound: Any, magnitude: Any) -
         masked = builder.and_(loaded, splat(args[3]))
         below = builder.icmp_unsigned("<", masked, splat(args[2]))
         return builder.bitcast(below, ir.IntType(64))
+
+    return signature, codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def shifted_at_least(typingctx: Any, a: Any, start: Any, add: Any, bound: Any) -> Any:
+    """Bit j set where a[start + j] + add (wrapping at the element's width) >= bound,
+    j < 64 (one vector compare)."""
+    signature = types.uint64(a, start, types.uint64, types.uint64)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        element = context.get_data_type(sig.args[0].dtype)
+        vector = ir.VectorType(element, LANES)
+        array = context.make_array(sig.args[0])(context, builder, value=args[0])
+        pointer = builder.bitcast(builder.gep(array.data, [args[1]]), vector.as_pointer())
+        loaded = builder.load(pointer, align=1)
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+
+        def splat(value: Any) -> Any:
+            scalar = builder.trunc(value, element) if element.width < 64 else value
+            one = builder.insert_element(
+                ir.Constant(vector, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0)
+            )
+            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
+
+        shifted = builder.add(loaded, splat(args[2]))
+        above = builder.icmp_unsigned(">=", shifted, splat(args[3]))
+        return builder.bitcast(above, ir.IntType(64))
 
     return signature, codegen
 
@@ -153,22 +182,62 @@ def bucket_of(value: Any, bounds: Any, magnitude: Any) -> int:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def class_counts(
-    base: Any, olds: Any, shift: int, top: int, runs: int, run_len: int, sample: Any, hit: Any
-) -> None:
-    """Exponent-class histograms: of ``runs`` evenly spaced runs of ``run_len``
-    elements of ``base`` (``sample``) and of the changed elements, from their base
-    contents ``olds`` as the scan took them (``hit``)."""
+def sample_classes(
+    base: Any,
+    new: Any,
+    shift: int,
+    top: int,
+    runs: int,
+    run_len: int,
+    every: int,
+    member_len: int,
+    sample: Any,
+    hit: Any,
+) -> int:
+    """Exponent-class histograms from a fixed sample (deterministic): ``runs``
+    evenly spaced runs of ``run_len`` elements. ``hit``: the base contents of the
+    changed elements in them (compared 64 at a time, so that only the changes cost
+    more than reading); ``sample``: all elements of the first ``member_len`` of
+    every ``every``-th run (the same memory, read once). Returns the elements the
+    runs cover."""
     n = base.size
     s = np.uint64(shift)
     t = np.uint64(top)
+    one = np.uint64(1)
     step = n // runs
+    # Four histograms taken in turn: most elements share a few classes, and one
+    # histogram would make each count wait for the one before.
+    four = np.zeros((4, top + 1), np.int64)
+    covered = 0
     for r in range(runs):
         lo = r * step
-        for i in range(lo, min(n, lo + run_len)):
-            sample[(np.uint64(base[i]) >> s) & t] += 1
-    for j in range(olds.size):
-        hit[(np.uint64(olds[j]) >> s) & t] += 1
+        hi = min(n, lo + run_len)
+        if r % every == 0:
+            end = min(hi, lo + member_len)
+            i = lo
+            while i + 4 <= end:
+                four[0, (np.uint64(base[i]) >> s) & t] += 1
+                four[1, (np.uint64(base[i + 1]) >> s) & t] += 1
+                four[2, (np.uint64(base[i + 2]) >> s) & t] += 1
+                four[3, (np.uint64(base[i + 3]) >> s) & t] += 1
+                i += 4
+            for p in range(i, end):
+                four[0, (np.uint64(base[p]) >> s) & t] += 1
+        i = lo
+        while i + LANES <= hi:
+            mask = neq_mask(base, new, i)
+            while mask:
+                p = i + trailing_zeros(mask)
+                hit[(np.uint64(base[p]) >> s) & t] += 1
+                mask &= mask - one
+            i += LANES
+        for p in range(i, hi):
+            if base[p] != new[p]:
+                hit[(np.uint64(base[p]) >> s) & t] += 1
+        covered += hi - lo
+    for c in range(top + 1):
+        sample[c] += four[0, c] + four[1, c] + four[2, c] + four[3, c]
+    return covered
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -225,6 +294,55 @@ def choose_groups(
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def choose_bounds(
+    base: Any,
+    new: Any,
+    shift: int,
+    top: int,
+    runs: int,
+    run_len: int,
+    every: int,
+    member_len: int,
+    max_groups: int,
+    penalty: float,
+    walk: float,
+    out: Any,
+) -> int:
+    """chunked.choose_bounds in one call: the sampled histograms, then the groups
+    of classes; their first classes' bounds (class << shift) into ``out``. Returns
+    the count of bounds."""
+    n = base.size
+    sample = np.zeros(top + 1)
+    hit = np.zeros(top + 1)
+    covered = sample_classes(base, new, shift, top, runs, run_len, every, member_len, sample, hit)
+    scale = n / covered
+    present = 0
+    hits = 0.0
+    sampled = 0.0
+    for c in range(top + 1):
+        present += sample[c] > 0 or hit[c] > 0
+        hits += hit[c] * scale
+        sampled += sample[c]
+    if present < 2 or hits < 64.0:
+        return 0
+    classes = np.empty(present, np.int64)
+    members = np.empty(present)
+    hit_of = np.empty(present)
+    j = 0
+    for c in range(top + 1):
+        if sample[c] > 0 or hit[c] > 0:
+            classes[j] = c
+            members[j] = sample[c] * (n / max(sampled, 1.0))
+            hit_of[j] = hit[c] * scale
+            j += 1
+    cuts = np.zeros(max_groups, np.int64)
+    groups = choose_groups(members, hit_of, max_groups, penalty, walk, cuts)
+    for g in range(groups - 1):
+        out[g] = classes[cuts[g]] << shift
+    return int(groups - 1)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def _guess_param(count: int, total: int) -> int:
     if count == 0:
         return 0
@@ -269,64 +387,105 @@ def _tail_masks(base: Any, i: int, hi: int, bounds: Any, magnitude: Any) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _bucket_gaps(
+def _rank_code(line: Any, lane: Any) -> Any:
+    """rank * 4 + bucket of lane ``lane`` of a block whose bucket masks are
+    ``line[0:4]`` and whose buckets' counts before it are ``line[4:8]``. Exactly one
+    bucket holds the lane: its index without branches."""
+    one = np.uint64(1)
+    k = (
+        np.int64((line[1] >> lane) & one)
+        + 2 * np.int64((line[2] >> lane) & one)
+        + 3 * np.int64((line[3] >> lane) & one)
+    )
+    rank = line[4 + k] + popcount(line[k] & ((one << lane) - one))
+    return np.int64(rank) * 4 + k
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def scan_ranked(
     base: Any,
-    where: Any,
-    a: int,
-    b: int,
-    lo: int,
-    hi: int,
+    new: Any,
+    chunk: int,
     bounds: Any,
     groups: int,
     magnitude: Any,
-    gaps: Any,
-    stride: int,
-    blocks: Any,
-    last: Any,
-    counts: Any,
-) -> None:
-    """Gap from the bucket's previous change, in ranks within the bucket, of each of
-    the chunk's changes ``where[a:b]`` (elements ``lo .. hi - 1``): bucket k's in
-    change order from ``gaps[k * stride]`` on (``stride``: at least ``b - a``).
-    ``last``: -1 per bucket on entry, ``counts``: 0; they end as each bucket's last
-    rank and count of changes. Two passes without a branch on the data: every
-    block's bucket masks and the counts of each bucket before it (``blocks``, one
-    row of eight per block), then per change a look-up."""
+    out_pos: Any,
+    out_diff: Any,
+    out_old: Any,
+    out_rank: Any,
+    running: Any,
+    start: int,
+) -> Any:
+    """fused_jit.scan_diffs that also ranks each change among the elements of its
+    magnitude bucket in its chunk (``out_rank``: rank * 4 + bucket), from the base
+    it has in registers: level 3's only pass over base and new. ``running``: each
+    bucket's count so far in the chunk of ``start``, kept for a resumed scan.
+    Returns (elements written, where to resume)."""
+    n = base.size
+    main = n - n % LANES
+    cap = out_pos.size
     one = np.uint64(1)
-    s0 = s1 = s2 = s3 = np.uint64(0)
-    for i in range(lo, hi, LANES):
-        if i + LANES <= hi:
-            m0, m1, m2, m3 = _four_masks(base, i, bounds, magnitude, groups)
-        else:
-            m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
-        line = blocks[(i - lo) >> 6]
-        line[0] = m0
-        line[1] = m1
-        line[2] = m2
-        line[3] = m3
-        line[4] = s0
-        line[5] = s1
-        line[6] = s2
-        line[7] = s3
-        s0 += popcount(m0)
-        s1 += popcount(m1)
-        s2 += popcount(m2)
-        s3 += popcount(m3)
-    for j in range(a, b):
-        offset = where[j] - lo
-        line = blocks[offset >> 6]
-        bit = np.uint64(offset & 63)
-        # Exactly one bucket holds the element: its index without branches.
-        k = (
-            np.int64((line[1] >> bit) & one)
-            + 2 * np.int64((line[2] >> bit) & one)
-            + 3 * np.int64((line[3] >> bit) & one)
-        )
-        below = line[k] & ((one << bit) - one)
-        rank = np.int64(line[4 + k] + popcount(below))
-        gaps[k * stride + counts[k]] = rank - last[k] - 1
-        last[k] = rank
-        counts[k] += 1
+    zero = np.uint64(0)
+    last = np.uint64(LANES - 1)
+    line = np.empty(8, np.uint64)
+    for g in range(4):
+        line[4 + g] = running[g]
+    line[0], line[1], line[2], line[3] = ~zero, zero, zero, zero
+    within = chunk - 1
+    # Unsigned indices: numba checks signed ones for wrapping around, at every access.
+    ku = np.uint64(0)
+    iu = np.uint64(start)
+    capu = np.uint64(cap)
+    mainu = np.uint64(main)
+    lanes = np.uint64(LANES)
+    withinu = np.uint64(chunk - 1)
+    while iu < mainu and ku + lanes <= capu:
+        if (iu & withinu) == zero:
+            line[4] = line[5] = line[6] = line[7] = zero
+        if groups > 1:
+            m0, m1, m2, m3 = _four_masks(base, iu, bounds, magnitude, groups)
+            line[0], line[1], line[2], line[3] = m0, m1, m2, m3
+        mask = neq_mask(base, new, iu)
+        for _ in range(2):
+            lane = min(trailing_zeros(mask), last)
+            p = iu + lane
+            out_pos[ku] = p
+            out_diff[ku] = new[p] - base[p]
+            out_old[ku] = base[p]
+            out_rank[ku] = _rank_code(line, lane)
+            ku += np.uint64(mask != zero)
+            mask &= mask - one
+        while mask:
+            lane = trailing_zeros(mask)
+            p = iu + lane
+            out_pos[ku] = p
+            out_diff[ku] = new[p] - base[p]
+            out_old[ku] = base[p]
+            out_rank[ku] = _rank_code(line, lane)
+            ku += one
+            mask &= mask - one
+        for g in range(4):
+            line[4 + g] += popcount(line[g])
+        iu += lanes
+    k = np.int64(ku)
+    i = np.int64(iu)
+    if i == main and k + LANES <= cap:
+        # The last, partial block, one element at a time.
+        if main < n and (i & within) == 0:
+            line[4] = line[5] = line[6] = line[7] = zero
+        for p in range(main, n):
+            g = bucket_of(base[p], bounds, magnitude)
+            if base[p] != new[p]:
+                out_pos[k] = p
+                out_diff[k] = new[p] - base[p]
+                out_old[k] = base[p]
+                out_rank[k] = np.int64(line[4 + g]) * 4 + g
+                k += 1
+            line[4 + g] += one
+        i = np.int64(n)
+    for g in range(4):
+        running[g] = line[4 + g]
+    return k, i
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -334,29 +493,29 @@ def encode_chunks(
     base: Any,
     where: Any,
     diff: Any,
+    ranks: Any,
     chunk: int,
-    bounds: Any,
     groups: int,
-    magnitude: Any,
     table: Any,
     out: Any,
     mags: Any,
     by_bucket: Any,
-    blocks: Any,
     big_gaps: Any,
     signs: Any,
 ) -> Any:
     """Every chunk's bit stream into ``out`` and its numbers into ``table`` (one row
     per chunk: bytes, then count and Rice parameter of each of ``groups`` buckets and
-    of the large magnitudes); large magnitudes - 2 into ``mags``. ``bounds``: three
-    thresholds, padded past the magnitudes. Returns (bytes, count of large
-    magnitudes)."""
+    of the large magnitudes); large magnitudes - 2 into ``mags``. ``ranks``: scan_ranked's rank
+    codes of the changes (read only with more than one bucket). Returns (bytes,
+    count of large magnitudes)."""
     n = base.size
     width = base.itemsize
     top = np.uint64((1 << (8 * width)) - 1) if width < 8 else ~np.uint64(0)
     half = (top >> np.uint64(1)) + np.uint64(1)
+    zero = np.uint64(0)
     one = np.uint64(1)
     two = np.uint64(2)
+    three = np.uint64(3)
     nchunks = table.shape[0]
     last = np.zeros(4, np.int64)
     counts = np.zeros(5, np.int64)
@@ -386,22 +545,17 @@ def encode_chunks(
             counts[0] = b - a
             totals[0] = last[0] + 1 - (b - a)
         else:
-            _bucket_gaps(
-                base,
-                where,
-                a,
-                b,
-                lo,
-                hi,
-                bounds,
-                groups,
-                magnitude,
-                by_bucket,
-                stride,
-                blocks,
-                last,
-                counts,
-            )
+            # Unsigned indices: numba checks signed ones for wrapping around.
+            ju = np.uint64(a)
+            us = np.uint64(stride)
+            while ju < np.uint64(b):
+                code = np.uint64(ranks[ju])
+                bucket = code & three
+                rank = np.int64(code >> two)
+                by_bucket[bucket * us + np.uint64(counts[bucket])] = rank - last[bucket] - 1
+                last[bucket] = rank
+                counts[bucket] += 1
+                ju += one
             for k in range(groups):
                 # Each bucket's gaps sum to its last rank + 1 - its count.
                 totals[k] = last[k] + 1 - counts[k]
@@ -414,7 +568,7 @@ def encode_chunks(
             f1 = min(f + 1, MAX_PARAM)
             f2 = min(f + 2, MAX_PARAM)
             c0 = c1 = c2 = 0
-            for t in range(k * stride, k * stride + counts[k]):
+            for t in range(np.uint64(k * stride), np.uint64(k * stride + counts[k])):
                 g = by_bucket[t]
                 c0 += g >> f
                 c1 += g >> f1
@@ -428,23 +582,38 @@ def encode_chunks(
                 best = f2
             params[k] = best if counts[k] else 0
         # Large magnitudes (their gaps in change order into big_gaps, magnitudes - 2
-        # into mags) and signs (packed, 64 a word), in one pass without a branch on
-        # the magnitude (about one change in ten is large, at random): each slot is
-        # written, and kept only when the magnitude is large.
+        # into mags) and signs (packed, 64 a word), in one pass.
         big_first = nbig
         prev = -1
-        word = np.uint64(0)
         big_total = 0
-        for j in range(a, b):
-            d = np.uint64(diff[j])
+        j = a
+        # 64 changes at a time: signs from one vector compare (d >= half), large
+        # magnitudes (d not 1 or -1: d + 1 >= 3) from another, then only those.
+        while j + LANES <= b:
+            signs[(j - a) >> 6] = bit_reverse(shifted_at_least(diff, j, zero, half))
+            large_lanes = shifted_at_least(diff, j, one, three)
+            while large_lanes:
+                at = j + int(trailing_zeros(large_lanes))
+                d = np.uint64(diff[at])
+                m = (top + one - d) & top if d >= half else d
+                g = (at - a) - prev - 1
+                mags[nbig] = m - two
+                big_gaps[nbig - big_first] = g
+                nbig += 1
+                big_total += g
+                prev = at - a
+                large_lanes &= large_lanes - one
+            j += LANES
+        # The last, partial word: branch-free, each slot written and kept only when
+        # the magnitude is large.
+        word = np.uint64(0)
+        for at in range(j, b):
+            d = np.uint64(diff[at])
             negative = d >= half
             word = (word << one) | np.uint64(negative)
-            if ((j - a) & 63) == 63:
-                signs[(j - a) >> 6] = word
-                word = np.uint64(0)
             m = (top + one - d) & top if negative else d
             large = int(m > one)
-            g = (j - a) - prev - 1
+            g = (at - a) - prev - 1
             mags[nbig] = m - two
             big_gaps[nbig - big_first] = g
             nbig += large
@@ -464,7 +633,7 @@ def encode_chunks(
         # Unary codes, bucket by bucket, then those of the large magnitudes.
         for k in range(groups):
             p = np.uint64(params[k])
-            for t in range(k * stride, k * stride + counts[k]):
+            for t in range(np.uint64(k * stride), np.uint64(k * stride + counts[k])):
                 q = np.uint64(by_bucket[t]) >> p
                 while q >= np.uint64(32):
                     acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
@@ -481,7 +650,7 @@ def encode_chunks(
             p = params[k]
             if p:
                 low = (one << np.uint64(p)) - one
-                for t in range(k * stride, k * stride + counts[k]):
+                for t in range(np.uint64(k * stride), np.uint64(k * stride + counts[k])):
                     acc, held, index = put_bits(
                         out, acc, held, index, np.uint64(by_bucket[t]) & low, p
                     )
@@ -987,7 +1156,8 @@ def restore(target: Any, out_pos: Any, out_old: Any, a: int, b: int) -> None:
 
 
 CHUNKED = SimpleNamespace(
-    class_counts=class_counts,
+    choose_bounds=choose_bounds,
+    scan_ranked=scan_ranked,
     choose_groups=choose_groups,
     encode_chunks=encode_chunks,
     decode_chunks=decode_chunks,
