@@ -166,6 +166,7 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
         done = maps.emit_shards(0, mapping)
         results["maps"] = {"completed": done.completed, "folder": done.folder}
         _write(folder, f"rank-{rank}.json", results)
+        dist.barrier()  # no rank tears gloo down while a peer's collective still runs
     finally:
         dist.destroy_process_group()
 
@@ -192,6 +193,7 @@ def tp_fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str
             _write(folder, f"tp-rank-{rank}-{step}.json", {"completed": done.completed})
         placements = {k: str(tuple(v.placements)) for k, v in model.state_dict().items()}
         _write(folder, f"tp-placements-{rank}.json", placements)
+        dist.barrier()  # no rank tears gloo down while a peer's collective still runs
     finally:
         dist.destroy_process_group()
 
@@ -247,6 +249,7 @@ def transformers_rank(rank: int, world: int, port: int, env: dict[str, str], out
                 fully_shard(layer)
             fully_shard(model)
             ShardedEmitter(run).emit_shards(0, model)
+        dist.barrier()  # no rank tears gloo down while a peer's collective still runs
     finally:
         dist.destroy_process_group()
 
