@@ -140,6 +140,34 @@ def test_long_unary_codes(dtype: torch.dtype) -> None:
     check_object(encode_delta([("w", base, new)], level=3), [("w", base, new)])
 
 
+@pytest.mark.parametrize("kind", ["uniform", "large", "conditioned"])
+def test_level_3_is_never_larger_than_level_1(kind: str) -> None:
+    """Level 3 tries level 1 only where that can be smaller: changes the buckets do
+    not tell apart at a bitmap's density, differences mostly above one unit. Where
+    buckets pay, the chunked record stands and is smaller."""
+    gen = np.random.default_rng(len(kind))
+    base = weights(1 << 18, gen, torch.bfloat16)
+    flat = bits(base).reshape(-1)
+    if kind == "conditioned":
+        size = base.float().abs().reshape(-1).numpy()
+        where = torch.from_numpy(gen.random(flat.numel()) < np.where(size < 0.02, 0.4, 0.02))
+        step = torch.ones_like(flat)
+    else:
+        where = torch.from_numpy(gen.random(flat.numel()) < 0.1)
+        sizes = [1, -1] if kind == "uniform" else [-900, 700, 1, 3000]
+        step = torch.from_numpy(gen.choice(sizes, size=flat.numel())).to(flat.dtype)
+    new = torch.where(where, flat + step, flat).view(torch.bfloat16)
+    pairs = [("w", base, new)]
+    level_1, level_3 = encode_delta(pairs, level=1), encode_delta(pairs, level=3)
+    check_object(level_3, pairs)
+    assert len(level_3) <= len(level_1)
+    record = read_delta(level_3)._records["w"]
+    assert (record.encoding == "chunked") == (kind == "conditioned")
+    if kind == "conditioned":
+        assert record.layout is not None and record.layout.groups > 1
+        assert len(level_3) < 0.95 * len(level_1)
+
+
 def test_chunking_costs_little() -> None:
     """Chunks of 4096 elements against one chunk for the whole tensor: the table and
     the per-chunk byte padding stay within 1% at the default chunk size's scale."""

@@ -248,8 +248,12 @@ def _encode_chunked(
     info: DtypeInfo,
     on_changes: OnChanges | None = None,
 ) -> Encoded:
-    """Level 3: the ``chunked`` encoding, or a level-1 one where that is smaller
-    (many changes, or differences mostly above one unit)."""
+    """Level 3: the ``chunked`` encoding, or a level-1 one where that is smaller.
+    Level 1 is tried only where it can be: differences mostly above one unit, a
+    quarter or more changed (its dense encoding), or changes that the buckets do
+    not tell apart at a bitmap's density. Where buckets pay, chunked positions cost
+    less than Rice gaps and a bitmap (9-14% less on realistic dense updates,
+    docs/PERFORMANCE.md), and the level-1 encode would double the work."""
     numel = base_flat.numel()
     base_np = to_numpy(base_flat).view(info.unsigned)
     scanned = chunked.scan(walker, base_np, to_numpy(new_flat).view(info.unsigned), info)
@@ -260,7 +264,12 @@ def _encode_chunked(
         on_changes(scanned.where, scanned.diff, scanned.old)
     found = chunked.encode(walker, base_np, scanned)
     best = Encoded("chunked", changed, found.streams, found.params)
-    if changed >= numel * BITMAP_MIN_DENSITY or 3 * int(found.params["big"]) > changed:
+    bucketed = bool(found.params["bounds"])
+    if (
+        3 * int(found.params["big"]) > changed
+        or changed >= numel * DENSE_MIN_DENSITY
+        or (not bucketed and changed >= numel * BITMAP_MIN_DENSITY)
+    ):
         other = encode_tensor(base_flat, new_flat, info, 1)
         if other.nbytes < best.nbytes:
             best = other
