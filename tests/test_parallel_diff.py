@@ -76,6 +76,12 @@ def _parts_encoded(log: Path) -> list[tuple[int, str]]:
     return done
 
 
+def _workers_up(redis_url: str) -> int:
+    from rq import Worker
+
+    return len(Worker.all(connection=redis_client(redis_url)))
+
+
 def test_two_workers_diff_parts_of_each_version(redis_url: str, tmp_path: Path) -> None:
     run = "par"
     env = deltasync_env(
@@ -93,13 +99,18 @@ def test_two_workers_diff_parts_of_each_version(redis_url: str, tmp_path: Path) 
     trainer: dict[int, dict[str, torch.Tensor]] = {}
     logs = tmp_path / "logs"
     with processes(env, logs, diff1=["worker", "diff"], diff2=["worker", "diff"]):
+        # Both up, and one step at a time: a worker still importing torch, or
+        # holding a later step's job while it waits for the run's diff lease, cannot
+        # help, and the tiny model's parts take milliseconds. With every step emitted
+        # at once the coordinator sometimes encoded every part of every version.
+        wait_for(lambda: _workers_up(redis_url) == 2, "both diff workers")
         state = generator.state()
         for step in range(STEPS):
             if step:
                 state = generator.step()
             trainer[step] = {n: t.clone() for n, t in state.items()}
             assert emitter.emit_state(step, state).event_id is not None
-        wait_for(lambda: chain.list_versions(store, run).head == STEPS - 1, "the head")
+            wait_for(lambda s=step: chain.list_versions(store, run).head == s, f"version {step}")
 
     index = chain.list_versions(store, run)
     assert index.versions == tuple(range(STEPS)), "every step published, in order"
