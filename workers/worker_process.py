@@ -24,11 +24,28 @@ log = get_logger(__name__)
 
 QUEUES = {"diff": queues.DIFF_QUEUE, "compact": queues.COMPACT_QUEUE}
 MAINTENANCE_INTERVAL_S = 60
+# How long the thread reading rq's command channel waits per poll. rq polls 60 s;
+# redis-py joins that thread without a timeout when rq unsubscribes, and a thread that
+# has read the unsubscribe reply first waits out its whole poll: a worker sent SIGTERM
+# after jobs took up to a minute to exit (compose.yaml's grace is 60 s, then SIGKILL).
+COMMAND_POLL_S = 1.0
 JOB_RUNNING = threading.Event()  # set while this process performs a job
 
 
 class JobWorker(SimpleWorker):  # type: ignore[misc]
     """A SimpleWorker whose jobs start and end with no log context left by the last one."""
+
+    def subscribe(self) -> None:
+        """rq's subscription to this worker's command channel, polled every
+        COMMAND_POLL_S instead of 60 s, so that a stop waits at most that long."""
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(  # type: ignore[assignment]  # rq: None
+            sleep_time=COMMAND_POLL_S,
+            daemon=True,
+            exception_handler=self._pubsub_exception_handler,
+        )
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         clear_context()
