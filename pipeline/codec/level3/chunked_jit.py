@@ -43,26 +43,34 @@ BAD_POSITION = 3
 BAD_CONTENTS = 4
 
 
+def _lanes_and_splat(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+    """Codegen shared by the lane compares: the 64 elements of array args[0] from
+    index args[1] as one vector, and a function that broadcasts a uint64 scalar to
+    a vector of that element type."""
+    element = context.get_data_type(sig.args[0].dtype)
+    vector = ir.VectorType(element, LANES)
+    array = context.make_array(sig.args[0])(context, builder, value=args[0])
+    pointer = builder.bitcast(builder.gep(array.data, [args[1]]), vector.as_pointer())
+    loaded = builder.load(pointer, align=1)
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+
+    def splat(value: Any) -> Any:
+        scalar = builder.trunc(value, element) if element.width < 64 else value
+        one = builder.insert_element(
+            ir.Constant(vector, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0)
+        )
+        return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
+
+    return loaded, splat
+
+
 @intrinsic  # type: ignore[untyped-decorator,misc]
 def below_mask(typingctx: Any, a: Any, start: Any, bound: Any, magnitude: Any) -> Any:
     """Bit j set where (a[start + j] & magnitude) < bound, j < 64 (one vector compare)."""
     signature = types.uint64(a, start, types.uint64, types.uint64)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        element = context.get_data_type(sig.args[0].dtype)
-        vector = ir.VectorType(element, LANES)
-        array = context.make_array(sig.args[0])(context, builder, value=args[0])
-        pointer = builder.bitcast(builder.gep(array.data, [args[1]]), vector.as_pointer())
-        loaded = builder.load(pointer, align=1)
-        zeros = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
-
-        def splat(value: Any) -> Any:
-            scalar = builder.trunc(value, element) if element.width < 64 else value
-            one = builder.insert_element(
-                ir.Constant(vector, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0)
-            )
-            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
-
+        loaded, splat = _lanes_and_splat(context, builder, sig, args)
         masked = builder.and_(loaded, splat(args[3]))
         below = builder.icmp_unsigned("<", masked, splat(args[2]))
         return builder.bitcast(below, ir.IntType(64))
@@ -77,20 +85,7 @@ def shifted_at_least(typingctx: Any, a: Any, start: Any, add: Any, bound: Any) -
     signature = types.uint64(a, start, types.uint64, types.uint64)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        element = context.get_data_type(sig.args[0].dtype)
-        vector = ir.VectorType(element, LANES)
-        array = context.make_array(sig.args[0])(context, builder, value=args[0])
-        pointer = builder.bitcast(builder.gep(array.data, [args[1]]), vector.as_pointer())
-        loaded = builder.load(pointer, align=1)
-        zeros = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
-
-        def splat(value: Any) -> Any:
-            scalar = builder.trunc(value, element) if element.width < 64 else value
-            one = builder.insert_element(
-                ir.Constant(vector, ir.Undefined), scalar, ir.Constant(ir.IntType(32), 0)
-            )
-            return builder.shuffle_vector(one, ir.Constant(vector, ir.Undefined), zeros)
-
+        loaded, splat = _lanes_and_splat(context, builder, sig, args)
         shifted = builder.add(loaded, splat(args[2]))
         above = builder.icmp_unsigned(">=", shifted, splat(args[3]))
         return builder.bitcast(above, ir.IntType(64))
@@ -431,7 +426,6 @@ def scan_ranked(
     for g in range(4):
         line[4 + g] = running[g]
     line[0], line[1], line[2], line[3] = ~zero, zero, zero, zero
-    within = chunk - 1
     # Unsigned indices: numba checks signed ones for wrapping around, at every access.
     ku = np.uint64(0)
     iu = np.uint64(start)
@@ -471,7 +465,7 @@ def scan_ranked(
     i = np.int64(iu)
     if i == main and k + LANES <= cap:
         # The last, partial block, one element at a time.
-        if main < n and (i & within) == 0:
+        if main < n and (iu & withinu) == zero:
             line[4] = line[5] = line[6] = line[7] = zero
         for p in range(main, n):
             g = bucket_of(base[p], bounds, magnitude)
