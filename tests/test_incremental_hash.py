@@ -203,6 +203,25 @@ def test_a_replica_over_its_patch_budget_walks_its_writes_in_o_changed(
         assert_holds(held, trainer.states[v])
 
 
+def test_a_replica_over_its_patch_budget_verifying_all_rehashes_with_the_runs_hash(
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--verify all`` rehashes every written tensor in full: walked ones too, with
+    the run's content hash (mixsum-128), not the default one."""
+    trainer.publish()
+    held = {n: torch.zeros_like(t) for n, t in trainer.states[0].items()}
+    target = TorchTarget(held, patch_memory_bytes=0)
+    node = RolloutNode(store, RUN, target, node_id="n", verify="all")
+    assert node.step_once() == 0
+    walked = counted_walks(monkeypatch)
+    for _ in range(2):
+        v = trainer.publish()
+        assert node.step_once() == v
+        assert_holds(held, trainer.states[v])
+        assert target.hashes() == {n: mixsum.full(t) for n, t in trainer.states[v].items()}
+    assert walked, "no tensor was walked"
+
+
 @pytest.fixture
 def events(redis_url: str) -> Iterator[EventStream]:
     client = redis_client(redis_url)

@@ -523,6 +523,7 @@ class TorchTarget:
                             [w for each in walks.values() for w in each],
                             self.tensor,
                             recheck,
+                            full=algorithm.full,
                             confirm=algorithm.incremental and verify != "none",
                         )
                     except BaseException:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.codec import DeltaObject
+from pipeline.format.hashes.hashing import content_hash
 from pipeline.targets.patching import rehash_written, write_on_two_threads
 from pipeline.testing import faults
 
@@ -60,15 +61,16 @@ def apply_walks(
     tensor: Callable[[str], torch.Tensor],
     expected: Mapping[str, str] | None,
     *,
+    full: Callable[[torch.Tensor], str] = content_hash,
     confirm: bool = False,
 ) -> WalkedDeltas:
     """Write every walk into ``tensor(name)``, all or nothing: a failure (a damaged
-    stream, with ``expected`` a written tensor whose hash differs, or with
-    ``confirm`` a written position that, read back within the walk, does not hold its
-    new contents) walks back what was written and raises. The read-back is what an
-    incremental content hash needs after a write (O(changed), as for patches: see
-    :mod:`pipeline.targets.confirmed`). A large write runs on two threads, as patches
-    do (the compiled walk releases the GIL)."""
+    stream; with ``expected``, a written tensor whose hash by ``full``, the run's
+    content hash, differs; with ``confirm``, a written position that, read back
+    within the walk, does not hold its new contents) walks back what was written and
+    raises. The read-back is what an incremental content hash needs after a write
+    (O(changed), as for patches: see :mod:`pipeline.targets.confirmed`). A large
+    write runs on two threads, as patches do (the compiled walk releases the GIL)."""
     written = WalkedDeltas({}, tensor)
     try:
         # Both threads record what they wrote in one list (appends are atomic).
@@ -79,7 +81,8 @@ def apply_walks(
             lambda part, faulty: _walk(part, tensor, written._done, faulty, confirm),
         )
         if expected is not None:
-            written.hashes.update(rehash_written([w.name for w in walks], tensor, expected))
+            names = [w.name for w in walks]
+            written.hashes.update(rehash_written(names, tensor, expected, full))
         return written
     except BaseException:
         written.rollback()
