@@ -299,9 +299,10 @@ class Settings:
         metadata=_var(
             "DELTASYNC_PATCH_MEMORY_MB",
             "1024",
-            "Rollout nodes (torch target, CPU) keep a version's decoded patches in memory "
-            "up to this size (about 12 bytes per changed bf16 element); a larger delta is "
-            "decoded again straight into the weights, at about 1.2 bytes, for a longer pause.",
+            "Rollout nodes (torch target on CPU, and each vLLM worker) keep a version's "
+            "decoded patches in memory up to this size (about 12 bytes per changed bf16 "
+            "element); a larger delta is decoded again straight into the weights (a vLLM "
+            "worker's shadow), at about 1.2 bytes, for a longer pause.",
         ),
     )
     anchor_compression: str = field(

@@ -15,6 +15,7 @@ import torch
 from pipeline.errors import TargetError
 from pipeline.format.manifest import TensorEntry
 from pipeline.format.tensors import TensorSpec
+from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES
 from pipeline.targets.vllm.protocol import (
     PrepareRequest,
     PrepareSummary,
@@ -34,6 +35,7 @@ def request() -> PrepareRequest:
         parent_state_hash="cd" * 16,
         content_hash="xxh3-128",
         early={"part-0.safetensors": "ef" * 32},
+        patch_memory_bytes=5 << 20,
     )
 
 
@@ -57,6 +59,8 @@ def test_prepare_request_survives_pickle_and_json_shaped_trips() -> None:
         ({"entries": [{"name": "w"}]}, r"no dtype"),
         ({"objects": {"k": "a path"}}, r"object 'k' is str, not bytes"),
         ({"early": {"k": 1}}, r"early must map str to str"),
+        ({"patch_memory_bytes": -1}, r"patch_memory_bytes is -1, not >= 0"),
+        ({"patch_memory_bytes": False}, r"patch_memory_bytes is bool, not int"),
     ],
 )
 def test_a_bad_prepare_request_is_a_one_line_target_error(
@@ -65,6 +69,12 @@ def test_a_bad_prepare_request_is_a_one_line_target_error(
     wire: dict[str, Any] = {**request().wire(), **change}
     with pytest.raises(TargetError, match=rf"^vLLM RPC: bad prepare request: {message}$"):
         PrepareRequest.parse(wire)
+
+
+def test_a_request_without_a_patch_budget_gets_the_default() -> None:
+    wire: dict[str, Any] = request().wire()
+    del wire["patch_memory_bytes"]
+    assert PrepareRequest.parse(wire).patch_memory_bytes == DEFAULT_PATCH_MEMORY_BYTES
 
 
 def test_an_entry_of_unknown_dtype_is_refused_at_the_boundary() -> None:
@@ -79,7 +89,7 @@ def test_specs_and_summaries_round_trip() -> None:
     assert specs_from_wire(json.loads(json.dumps(specs_to_wire(specs)))) == specs
     with pytest.raises(TargetError, match=r"^vLLM RPC: bad specs: shape '4' is not a list"):
         specs_from_wire({"a": {"dtype": "bfloat16", "shape": "4"}})
-    summary = PrepareSummary(tensors=2, changed=10, early_tensors=1)
+    summary = PrepareSummary(tensors=2, changed=10, early_tensors=1, walked=1)
     assert PrepareSummary.parse(summary.wire()) == summary
     with pytest.raises(TargetError, match="no early_tensors"):
         PrepareSummary.parse({"tensors": 2, "changed": 10})

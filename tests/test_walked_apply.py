@@ -14,9 +14,10 @@ import torch
 from pipeline.codec import DeltaObject, HashedPatch, encode_delta, read_delta
 from pipeline.errors import MismatchError, TargetError
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.targets.patching import split_for_two_writers
+from pipeline.targets.patching import int_view, split_for_two_writers
 from pipeline.targets.proving import ProvenDigest, decode_and_prove
 from pipeline.targets.torch import TorchTarget
+from pipeline.targets.walking import Walk, written_patch
 from tests.test_torch_target import (
     assert_bitwise_equal,
     bits,
@@ -72,6 +73,47 @@ def test_undo_apply_refuses_an_encoding_it_cannot_walk() -> None:
     obj = read_delta(encode_delta([("t", base, new)]), object_name="o")
     with pytest.raises(TargetError, match="cannot be walked back"):
         obj.undo_apply("t", new.clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+def test_the_patch_a_walk_wrote_is_read_back_from_the_written_tensor(dtype: torch.dtype) -> None:
+    """``written_patch``: what a walk wrote (positions from the delta, contents from
+    the tensor), for a whole tensor and for a tensor written as two pieces in either
+    order; the same positions and bits as the patch the delta decodes."""
+    g = torch.Generator().manual_seed(5)
+    base = (torch.randn(64, 64, generator=g) * 4).to(dtype)
+    new = base.clone()
+    positions = torch.randperm(base.numel(), generator=g)[:80]
+    int_view(new).view(-1)[positions] += 1
+    delta = read_delta(encode_delta([("t", base, new)]), object_name="o")
+    want = delta.decode("t", base)
+    held = base.clone()
+    walk = Walk("t", delta, 80)
+    assert delta.walks("t", held)
+    delta.apply_to("t", held)
+    got = written_patch("t", [walk], held)
+    assert torch.equal(got.positions, want.positions)
+    assert torch.equal(got.values, want.values)
+    assert torch.equal(bits(held), bits(new))
+
+    # The same change in two flat pieces, each its own record.
+    cut = 1500
+    flat_base, flat_new = base.view(-1), new.view(-1)
+    pieces = read_delta(
+        encode_delta(
+            [("lo", flat_base[:cut], flat_new[:cut]), ("hi", flat_base[cut:], flat_new[cut:])]
+        ),
+        object_name="p",
+    )
+    changed = {n: pieces.info(n).changed for n in ("lo", "hi")}
+    assert all(changed.values())
+    walks = [
+        Walk("hi", pieces, changed["hi"], (cut, base.numel())),
+        Walk("lo", pieces, changed["lo"], (0, cut)),
+    ]
+    got = written_patch("t", walks, new)
+    assert torch.equal(got.positions, want.positions)
+    assert torch.equal(got.values, want.values)
 
 
 def test_walked_chain_is_bit_exact_and_keeps_no_patches() -> None:

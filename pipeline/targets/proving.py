@@ -20,7 +20,7 @@ from pipeline import cpus
 from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
 from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.format.hashes.content_hashes import XXH3, HashAlgorithm
-from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.patching import (
     changed_entries,
@@ -49,10 +49,21 @@ class ProvenDigest:
 EarlyResult = HashedPatch | ProvenDigest
 
 
+# Decoded patches (positions, new and old contents: about 12 bytes per changed bf16
+# element) a version may hold in host memory; above it, proven tensors are written by
+# walking their deltas instead (pipeline/targets/walking.py), at about 1.2 bytes.
+DEFAULT_PATCH_MEMORY_BYTES = 1 << 30
+
+
 def patch_bytes(changed: int, dtype: torch.dtype) -> int:
     """Host memory of a decoded patch kept until its write: int64 positions, new and
     old contents per changed element."""
     return changed * (8 + 2 * dtype.itemsize)
+
+
+def patches_bytes(entries: Sequence[TensorEntry]) -> int:
+    """Host memory the decoded patches of a delta's ``entries`` would take until written."""
+    return sum(patch_bytes(e.changed, dtype_from_name(e.dtype)) for e in entries)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class TargetSetup:
     stop: threading.Event
     device: str = "cpu"  # where a torch target holds its tensors
     model_path: Path | None = None  # a checkpoint (torch) or a model folder (vLLM)
-    patch_memory_bytes: int | None = None  # a torch target's budget for kept patches
+    patch_memory_bytes: int | None = None  # budget for kept patches (None: the default)
     # vLLM ``LLM`` options over the node's defaults (``pipeline.targets.vllm.startup``).
     engine_options: Mapping[str, Any] = field(default_factory=dict)
     # An engine started by the caller (a served ``ServedEngine``) instead of one of ours.

@@ -27,7 +27,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import state_hash
-from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.format.matching import check_tensors
 from pipeline.format.regions import Region, tiling_error
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
@@ -40,12 +40,13 @@ from pipeline.targets.patching import (
 )
 from pipeline.targets.pieced import AnchorPiece, prove_pieced
 from pipeline.targets.proving import (
+    DEFAULT_PATCH_MEMORY_BYTES,
     EarlyProof,
     EarlyResult,
     ProvenPatches,
     decode_and_prove,
     early_patches,
-    patch_bytes,
+    patches_bytes,
     prove_incremental,
     prove_object,
     prove_object_incremental,
@@ -74,12 +75,6 @@ def _sync(devices: Iterable[torch.device]) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-
-
-# Decoded patches (positions, new and old contents: about 12 bytes per changed bf16
-# element) a version may hold in host memory; above it, proven tensors are written by
-# walking their deltas instead (pipeline/targets/walking.py), at about 1.2 bytes.
-DEFAULT_PATCH_MEMORY_BYTES = 1 << 30
 
 
 class TorchTarget:
@@ -438,7 +433,7 @@ class TorchTarget:
                     specs,
                     None if verify == "none" else self._held_hash,
                     algorithm,
-                    keep_patches=_patch_bytes(manifest) <= self.patch_memory_bytes,
+                    keep_patches=patches_bytes(manifest.tensors) <= self.patch_memory_bytes,
                 )
                 patches = proven.patches
             elif verify == "none":
@@ -456,7 +451,7 @@ class TorchTarget:
                     lambda name: self._cached_hash(self._canonical[name]),
                     algorithm,
                     early_used,
-                    keep_patches=_patch_bytes(manifest) <= self.patch_memory_bytes,
+                    keep_patches=patches_bytes(manifest.tensors) <= self.patch_memory_bytes,
                 )
                 patches = proven.patches
             else:
@@ -468,7 +463,7 @@ class TorchTarget:
                     self.tensor,
                     specs,
                     early_used,
-                    keep_patches=_patch_bytes(manifest) <= self.patch_memory_bytes,
+                    keep_patches=patches_bytes(manifest.tensors) <= self.patch_memory_bytes,
                 )
                 patches = proven.patches
             # A tied weight carried under both names decodes twice: write it once.
@@ -594,8 +589,3 @@ class TorchTarget:
             with self.lock:
                 copy = self._tensors[self._canonical[name]].to("cpu", copy=True)
             yield name, copy
-
-
-def _patch_bytes(manifest: Manifest) -> int:
-    """Host memory the decoded patches of ``manifest`` would take until written."""
-    return sum(patch_bytes(e.changed, dtype_from_name(e.dtype)) for e in manifest.tensors)

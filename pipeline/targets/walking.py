@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.codec import DeltaObject
+from pipeline.codec import DeltaObject, TensorPatch
+from pipeline.errors import TargetError
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.targets.patching import rehash_written, write_on_two_threads
+from pipeline.targets.patching import int_view, rehash_written, write_on_two_threads
 from pipeline.testing import faults
 
 
@@ -39,6 +40,27 @@ class Walk:
             return held
         start, stop = self.span
         return held.detach().view(-1)[start:stop]
+
+    def positions(self, held: torch.Tensor) -> torch.Tensor:
+        """The flat positions in ``held`` this walk writes, from the delta's streams
+        alone (``held`` gives the size and is not read)."""
+        found = self.delta.differences(self.name, self.target(held))
+        if found is None:
+            raise TargetError(f"tensor {self.name!r}: its delta gives no positions alone")
+        positions = torch.from_numpy(found[0])
+        return positions if self.span is None else positions + self.span[0]
+
+
+def written_patch(name: str, walks: Sequence[Walk], held: torch.Tensor) -> TensorPatch:
+    """The patch that ``walks`` wrote into ``held``: their positions, and the contents
+    ``held`` now has there. For a writer that must pass on what changed (the vLLM
+    worker's push into the engine) without having kept the patch: built one tensor
+    at a time, so memory stays at one tensor's positions."""
+    positions = torch.cat([walk.positions(held) for walk in walks])
+    if len(walks) > 1:  # a sharded run's pieces, in any order
+        positions = positions.sort().values
+    values = int_view(held.detach()).reshape(-1).index_select(0, positions)
+    return TensorPatch(name, held.dtype, tuple(held.shape), positions, values)
 
 
 @dataclass

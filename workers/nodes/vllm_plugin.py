@@ -42,7 +42,7 @@ from pipeline.store import open_store
 from pipeline.targets.base import VerifyMode
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.extension import DeltasyncWorkerExtension
-from pipeline.targets.vllm.protocol import PrepareRequest
+from pipeline.targets.vllm.protocol import PrepareRequest, PrepareSummary
 from pipeline.targets.vllm.target import _raise
 from pipeline.targets.vllm.worker_state import Envelope
 from pipeline.versions import chain
@@ -187,11 +187,19 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
             verify = "all" if info.verify == "all" else "none"
         for manifest in path:
             fetched = fetch_delta(store, manifest, False)
-            request = PrepareRequest.for_delta(manifest, fetched.objects, verify).wire()
-            _unwrap(self.host.deltasync_prepare(request))
+            request = PrepareRequest.for_delta(
+                manifest, fetched.objects, verify, patch_memory_bytes=settings.patch_memory_mb << 20
+            ).wire()
+            summary = PrepareSummary.parse(_unwrap(self.host.deltasync_prepare(request)))
             _unwrap(self.host.deltasync_commit())
             self.version = manifest.version
-            log.info("deltasync version applied", run=info.run, version=manifest.version)
+            log.info(
+                "deltasync version applied",
+                run=info.run,
+                version=manifest.version,
+                tensors=summary.tensors,
+                walked=summary.walked,
+            )
 
     def _load_anchor(self, store: Any, anchor: Manifest) -> None:
         self.run, self.version = anchor.run, None  # mid-load: no provable version

@@ -33,7 +33,12 @@ from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
 from pipeline.targets.pieced import prove_pieced
-from pipeline.targets.proving import early_results, prove_entries, prove_incremental
+from pipeline.targets.proving import (
+    early_results,
+    patches_bytes,
+    prove_entries,
+    prove_incremental,
+)
 from pipeline.targets.vllm.cpu import computes_from_weight
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.mapping import (
@@ -46,6 +51,7 @@ from pipeline.targets.vllm.mapping import (
     scatter_positions,
     scatter_rows,
     source_box,
+    whole_box,
 )
 from pipeline.targets.vllm.protocol import (
     PrepareRequest,
@@ -65,6 +71,7 @@ from pipeline.targets.vllm.worker_state import (
     failed,
     ok,
 )
+from pipeline.targets.walking import Walk, apply_walks, written_patch
 
 log = structlog.get_logger(__name__)
 
@@ -185,21 +192,36 @@ class DeltasyncWorkerExtension:
         modules = {state.routes[n].module for n in names} - {None}
         return sorted(n for n, r in state.routes.items() if r.module in modules)
 
-    def _ds_push(self, state: WorkerState, names: list[str], patches: dict[str, Any]) -> None:
-        """Bring the model in line with the shadow for ``names``."""
+    def _ds_push(self, state: WorkerState, pending: Pending) -> None:
+        """Bring the model in line with the shadow for the tensors ``pending`` wrote:
+        in place where the parameter holds the checkpoint's bits (a walked tensor's
+        delta walked again into the parameter where it holds the whole tensor as one
+        block, else its changes read back from the shadow, one tensor at a time),
+        else through vLLM's loading path."""
         model = self._ds_model()
+        patches = {p.name: p for p in pending.applied.patches}
         reload: list[str] = []
         with torch.no_grad():
-            for name in names:
+            for name in pending.touched:
                 route = state.routes[name]
                 if route.parameter is None:
                     continue
                 placement = state.placements.get(name)
-                patch = patches.get(name)
-                if placement is None or patch is None:
+                if placement is None:
                     reload.append(name)
                     continue
                 param = model.get_parameter(placement.parameter)
+                patch = patches.get(name)
+                if patch is None:  # walked into the shadow
+                    walks = pending.walks[name]
+                    box = whole_box(param, placement, state.shadow[name])
+                    if box is not None:
+                        # The box holds the shadow's old bits (see _ds_placements):
+                        # the proven delta walks into it as into the shadow.
+                        for walk in walks:
+                            walk.delta.apply_to(walk.name, walk.target(box), confirm=True)
+                        continue
+                    patch = written_patch(name, walks, state.shadow[name])
                 shape = tuple(state.shadow[name].shape)
                 rows = scatter_rows(placement, shape, patch.positions)
                 if rows is not None:
@@ -311,9 +333,13 @@ class DeltasyncWorkerExtension:
         ``request``: a ``PrepareRequest`` on the wire (``protocol.PrepareWire``): the
         version, verify mode, parent state hash and content hash, the manifest's
         entries, the objects (key -> bytes), optionally sha256 (key -> hex digest,
-        checked here) and early (key -> sha256 of the objects whose early proofs,
+        checked here), early (key -> sha256 of the objects whose early proofs,
         started with ``deltasync_prove_start``, may stand in for their decode and
-        hash). Answers a ``PrepareSummary``. Any failure leaves the shadow as it was.
+        hash) and the patch budget: a delta whose decoded patches would take more
+        host memory keeps none for the tensors the compiled walk reads; they are
+        proven, then walked into the shadow, and their commit reads what changed
+        back from it one tensor at a time. Answers a ``PrepareSummary``. Any failure
+        leaves the shadow as it was.
         """
 
         def run() -> SummaryWire:
@@ -340,6 +366,9 @@ class DeltasyncWorkerExtension:
             if verify != "none":
                 check_base(state, entries, parsed.parent_state_hash, verify)
             shadow = state.shadow.__getitem__
+            # Without a proof nothing is walked: a walk is written only once proven.
+            keep = verify == "none" or patches_bytes(entries) <= parsed.patch_memory_bytes
+            walks: list[Walk] = []
             if any(e.pieces for e in entries):
                 # A sharded run: each piece decoded against the shadow's flat slice into
                 # a whole-tensor patch, proven whole; early proofs leave pieces alone.
@@ -351,8 +380,10 @@ class DeltasyncWorkerExtension:
                     specs,
                     None if verify == "none" else state.hash_of,
                     algorithm,
+                    keep_patches=keep,
                 )
                 patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
+                walks = proven.walks
                 incremental = verify != "none"
             elif verify == "none":
                 patches, hashes = decode_entries(entries, objects, shadow, specs), {}
@@ -361,32 +392,53 @@ class DeltasyncWorkerExtension:
                 # O(changed): held hashes plus the changes, old contents read at the
                 # changed positions only; the written positions are read back.
                 proven = prove_incremental(
-                    entries, objects, shadow, specs, state.hash_of, algorithm, ready
+                    entries,
+                    objects,
+                    shadow,
+                    specs,
+                    state.hash_of,
+                    algorithm,
+                    ready,
+                    keep_patches=keep,
                 )
                 patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
+                walks = proven.walks
             else:
                 # Each patched tensor's hash is proven against its entry before any
                 # write to the shadow (one pass per tensor on CPU).
-                proven = prove_entries(entries, objects, shadow, specs, ready)
+                proven = prove_entries(entries, objects, shadow, specs, ready, keep_patches=keep)
                 patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
-            for patch in patches:
-                if state.routes.get(patch.name) is None:
-                    raise TargetError(f"tensor {patch.name}: no place for it in the vLLM model")
+                walks = proven.walks
+            by_name: dict[str, list[Walk]] = {}
+            for walk in walks:
+                by_name.setdefault(walk.name, []).append(walk)
+            for name in [*(patch.name for patch in patches), *by_name]:
+                if state.routes.get(name) is None:
+                    raise TargetError(f"tensor {name}: no place for it in the vLLM model")
             # "all" also rehashes the written tensors, as the torch target does.
             recheck = {e.name: e.hash for e in entries} if verify == "all" else None
             state.early.wrote()
             applied = apply_verified(
                 patches, shadow, recheck, old_values, full=algorithm.full, read_back=incremental
             )
-            touched = [patch.name for patch in patches]
+            try:
+                walked = apply_walks(
+                    walks, shadow, recheck, full=algorithm.full, confirm=incremental
+                )
+            except BaseException:
+                applied.rollback()
+                raise
+            touched = [*(patch.name for patch in patches), *by_name]
             for name in touched:
                 state.hashes.pop(name, None)
             state.hashes.update(hashes)
-            state.pending = Pending(parsed.version, applied, touched)
+            state.pending = Pending(parsed.version, applied, touched, walked, by_name)
+            changed = sum(int(p.positions.numel()) for p in patches)
             return PrepareSummary(
-                tensors=len(patches),
-                changed=sum(int(p.positions.numel()) for p in patches),
+                tensors=len(touched),
+                changed=changed + sum(w.changed for w in walks),
                 early_tensors=len(ready) if verify != "none" else 0,
+                walked=len(by_name),
             ).wire()
 
         return enveloped(run)
@@ -462,12 +514,11 @@ class DeltasyncWorkerExtension:
             if pending is None:
                 raise TargetError("vLLM worker: commit without a prepared delta")
             started = time.perf_counter()
-            patches = {p.name: p for p in pending.applied.patches}
             try:
-                self._ds_push(state, pending.touched, patches)
+                self._ds_push(state, pending)
             except Exception:
                 state.early.wrote()
-                pending.applied.rollback()
+                pending.rollback()
                 for name in pending.touched:
                     state.hashes.pop(name, None)
                 state.pending = None
@@ -489,7 +540,7 @@ class DeltasyncWorkerExtension:
             if pending is None:
                 return False
             state.early.wrote()
-            pending.applied.rollback()
+            pending.rollback()
             for name in pending.touched:
                 state.hashes.pop(name, None)
             state.pending = None

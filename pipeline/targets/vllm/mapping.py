@@ -301,6 +301,23 @@ def scatter_positions(
     return keep, flat[keep]
 
 
+def whole_box(param: torch.Tensor, placement: Placement, held: torch.Tensor) -> torch.Tensor | None:
+    """The box of a CPU parameter that holds the whole checkpoint tensor ``held`` as
+    one contiguous block in the checkpoint's layout (a plain linear, a norm, one part
+    of a fused linear on an unsharded rank): what a delta can be walked into directly.
+    None where it is not (a slice on this rank, a strided box, another device), or
+    where the box shares ``held``'s memory (a walk adds differences: not twice)."""
+    shape = tuple(held.shape)
+    if placement.size != shape or any(placement.source_offset):
+        return None
+    box = gather_placed(param, placement)
+    if box.device.type != "cpu" or not box.is_contiguous() or box.dtype != held.dtype:
+        return None
+    if box.untyped_storage().data_ptr() == held.untyped_storage().data_ptr():
+        return None
+    return box
+
+
 def gather_placed(param: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The box of the parameter that holds the placed checkpoint values."""
     return placed_view(param, placement)[

@@ -22,6 +22,7 @@ from pipeline.format.regions import Region, tiling_error
 from pipeline.format.tensors import TensorSpec
 from pipeline.targets.base import VerifyMode
 from pipeline.targets.patching import check_objects
+from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES
 
 _T = TypeVar("_T")
 _VERIFY_MODES: tuple[VerifyMode, ...] = ("touched", "all", "none")
@@ -70,12 +71,14 @@ class PrepareWire(TypedDict, total=False):
     objects: dict[str, Any]  # key -> bytes (a file path on the JSON route)
     sha256: dict[str, str]
     early: dict[str, str]
+    patch_memory_bytes: int
 
 
 class SummaryWire(TypedDict):
     tensors: int
     changed: int
     early_tensors: int
+    walked: int
 
 
 def _bad(what: str, problem: str) -> TargetError:
@@ -225,7 +228,9 @@ def entry_from_wire(doc: object, what: str = "prepare request") -> TensorEntry:
 @dataclass(frozen=True)
 class PrepareRequest:
     """A delta for the workers' ``deltasync_prepare``: its entries and objects, how to
-    verify it, and which objects' early proofs may stand in for their decode."""
+    verify it, which objects' early proofs may stand in for their decode, and how much
+    host memory its decoded patches may take (above it, tensors the compiled walk
+    reads are written by walking their deltas: ``DELTASYNC_PATCH_MEMORY_MB``)."""
 
     version: int
     verify: VerifyMode
@@ -235,6 +240,7 @@ class PrepareRequest:
     content_hash: str | None = None  # None: keep the algorithm in use
     sha256: Mapping[str, str] = field(default_factory=dict)  # key -> digest, checked there
     early: Mapping[str, str] = field(default_factory=dict)  # key -> sha256 proved early
+    patch_memory_bytes: int = DEFAULT_PATCH_MEMORY_BYTES
 
     @classmethod
     def for_delta(
@@ -243,6 +249,7 @@ class PrepareRequest:
         objects: Mapping[str, bytes],
         verify: VerifyMode,
         early: Mapping[str, str] | None = None,
+        patch_memory_bytes: int = DEFAULT_PATCH_MEMORY_BYTES,
     ) -> PrepareRequest:
         """The request for a delta whose objects were downloaded (checked here:
         present, sizes and sha256). ``early``: key -> sha256 of the objects the
@@ -257,6 +264,7 @@ class PrepareRequest:
             parent_state_hash=manifest.parent_state_hash,
             content_hash=manifest.content_hash,
             early={o.key: o.sha256 for o in manifest.objects if early.get(o.key) == o.sha256},
+            patch_memory_bytes=patch_memory_bytes,
         )
 
     def wire(self) -> PrepareWire:
@@ -269,6 +277,7 @@ class PrepareRequest:
             "objects": dict(self.objects),
             "sha256": dict(self.sha256),
             "early": dict(self.early),
+            "patch_memory_bytes": self.patch_memory_bytes,
         }
 
     @classmethod
@@ -284,6 +293,11 @@ class PrepareRequest:
         for key, data in objects.items():
             if not isinstance(data, bytes | bytearray | memoryview):
                 raise _bad(what, f"object {key!r} is {type(data).__name__}, not bytes")
+        budget = DEFAULT_PATCH_MEMORY_BYTES
+        if "patch_memory_bytes" in request:
+            budget = _get(request, "patch_memory_bytes", int, what)
+            if budget < 0:
+                raise _bad(what, f"patch_memory_bytes is {budget}, not >= 0")
         return cls(
             version=_get(request, "version", int, what),
             verify=mode,
@@ -293,23 +307,26 @@ class PrepareRequest:
             content_hash=_optional_str(request, "content_hash", what),
             sha256=_str_map(request, "sha256", what),
             early=_str_map(request, "early", what),
+            patch_memory_bytes=budget,
         )
 
 
 @dataclass(frozen=True)
 class PrepareSummary:
     """A worker's answer to a prepare: tensors patched, elements written, tensors
-    whose early proofs were used."""
+    whose early proofs were used, tensors walked into the shadow (no patch kept)."""
 
     tensors: int
     changed: int
     early_tensors: int = 0
+    walked: int = 0
 
     def wire(self) -> SummaryWire:
         return {
             "tensors": self.tensors,
             "changed": self.changed,
             "early_tensors": self.early_tensors,
+            "walked": self.walked,
         }
 
     @classmethod
@@ -320,6 +337,7 @@ class PrepareSummary:
             _get(summary, "tensors", int, what),
             _get(summary, "changed", int, what),
             _get(summary, "early_tensors", int, what),
+            _get(summary, "walked", int, what),
         )
 
 

@@ -30,6 +30,7 @@ from pipeline.errors import ConfigError, DeltasyncError, MismatchError, TargetEr
 from pipeline.format.manifest import Manifest
 from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
 from pipeline.targets.pieced import AnchorPiece, whole_tensors
+from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES
 from pipeline.targets.setup import TargetSetup, anchor_specs
 from pipeline.targets.vllm.engine import as_driver
 from pipeline.targets.vllm.protocol import (
@@ -62,10 +63,14 @@ class VllmTarget:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         expected_specs: Mapping[str, TensorSpec] | None = None,
         background_prepare: bool = True,
+        patch_memory_bytes: int = DEFAULT_PATCH_MEMORY_BYTES,
     ) -> None:
         """``expected_specs``: the checkpoint tensors an engine that holds no deltasync
         state yet (started on dummy weights) is to take; ``specs()`` answers them, once
-        the model's loader accepted every name, until ``load_state`` fills the engine."""
+        the model's loader accepted every name, until ``load_state`` fills the engine.
+        ``patch_memory_bytes``: the host memory each worker's decoded patches of one
+        delta may take; above it the workers walk the deltas instead
+        (``DELTASYNC_PATCH_MEMORY_MB``)."""
         self.llm = llm
         # A vllm.LLM, or a driver of a served engine (pipeline.targets.vllm.engine).
         self.engine = as_driver(llm)
@@ -74,6 +79,7 @@ class VllmTarget:
         # Decode and verify deltas on a worker thread while the engine serves (the
         # pause is then the commit alone); False: one blocking prepare RPC.
         self.background_prepare = background_prepare
+        self.patch_memory_bytes = patch_memory_bytes
         self.version: int | None = None  # last applied version, when known
         self._specs: dict[str, TensorSpec] | None = None
         # Seconds spent in each phase of the last apply_delta (prepare, commit, reset).
@@ -97,7 +103,10 @@ class VllmTarget:
         specs = anchor_specs(setup.store, setup.run, setup.stop, setup.refused)
         if specs is None:
             return None
-        return cls(engine, expected_specs=specs)
+        budget = setup.patch_memory_bytes
+        if budget is None:
+            return cls(engine, expected_specs=specs)
+        return cls(engine, expected_specs=specs, patch_memory_bytes=budget)
 
     # --- RPC plumbing ---------------------------------------------------------------
 
@@ -202,7 +211,9 @@ class VllmTarget:
                 f"delta {manifest.run} v{manifest.version} has parent {manifest.parent}, "
                 f"vLLM target holds v{self.version}"
             )
-        request = PrepareRequest.for_delta(manifest, objects, verify, self._early).wire()
+        request = PrepareRequest.for_delta(
+            manifest, objects, verify, self._early, self.patch_memory_bytes
+        ).wire()
         self._early = {}  # the workers drop every early proof at this prepare
         started = time.perf_counter()
         prepared = self._prepare(request)
@@ -233,6 +244,7 @@ class VllmTarget:
             version=manifest.version,
             tensors=summary.tensors,
             changed=summary.changed,
+            walked=summary.walked,
             pause_s=round(pause, 6),
         )
         return ApplyReport(
@@ -240,6 +252,7 @@ class VllmTarget:
             summary.tensors,
             summary.changed,
             pause,
+            walked=summary.walked,
             early_tensors=summary.early_tensors,
         )
 

@@ -28,6 +28,7 @@ from pipeline.targets.base import TensorSpec
 from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.patching import AppliedPatches
 from pipeline.targets.vllm.mapping import Placement, Route
+from pipeline.targets.walking import Walk, WalkedDeltas
 
 log = structlog.get_logger(__name__)
 
@@ -56,11 +57,21 @@ def enveloped(call: Callable[[], object]) -> Envelope:
 
 @dataclass
 class Pending:
-    """A verified delta written to the shadow but not yet pushed into the model."""
+    """A verified delta written to the shadow but not yet pushed into the model:
+    patches kept, and tensors walked into the shadow over the patch budget (``walks``
+    by tensor name; their push reads the written contents back from the shadow)."""
 
     version: int
     applied: AppliedPatches
     touched: list[str]
+    walked: WalkedDeltas | None = None
+    walks: dict[str, list[Walk]] = field(default_factory=dict)
+
+    def rollback(self) -> None:
+        """Put the shadow back as it was before the prepare (idempotent)."""
+        if self.walked is not None:
+            self.walked.rollback()
+        self.applied.rollback()
 
 
 @dataclass
