@@ -7,6 +7,9 @@ vLLM engine with the deltasync worker extension, and measures in the same run:
   elements by one bf16 unit (the typical RL step): pause = commit RPC + prefix-cache
   reset, as ApplyReport.pause_s (the prepare, decoding and verifying on a worker
   thread, runs while the engine could serve); apply = prepare + pause;
+- walked: the same delta with no memory for decoded patches
+  (``DELTASYNC_PATCH_MEMORY_MB=0``: the workers walk it into their shadow, and the
+  commit reads the changes back from it), right after each kept apply;
 - reload: vLLM's own ``reload_weights`` of the whole checkpoint from the local
   safetensors folder, plus the prefix-cache reset (alternating with the deltas, so
   both see the same load on a shared machine);
@@ -50,6 +53,8 @@ from pipeline.format.manifest import (
     dtype_name,
     now_iso,
 )
+from pipeline.targets.base import ApplyReport
+from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES
 from pipeline.targets.vllm.target import EXTENSION_CLS, VllmTarget, start_engine
 
 
@@ -113,6 +118,35 @@ def delta(
         created=now_iso(),
     )
     return manifest, {key: data}
+
+
+class Walked:
+    """Applies with no memory for decoded patches: pauses, applies, phases."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self.applies: list[float] = []
+        self.phases: dict[str, list[float]] = {}
+        self.tensors: list[int] = []
+
+    def add(self, target: VllmTarget, report: ApplyReport) -> None:
+        self.pauses.append(report.pause_s)
+        self.applies.append(sum(target.last_timings.values()))
+        self.tensors.append(report.walked)
+        for phase, seconds in target.last_timings.items():
+            self.phases.setdefault(phase, []).append(seconds)
+
+    def summary(self, kept_pause: float, kept_apply: float) -> dict[str, Any]:
+        pause, apply = statistics.median(self.pauses), statistics.median(self.applies)
+        return {
+            "tensors_walked": self.tensors[0] if self.tensors else 0,
+            "pause_s_median": pause,
+            "apply_s_median": round(apply, 5),
+            "pause_over_kept": round(pause / kept_pause, 3),
+            "apply_over_kept": round(apply / kept_apply, 3),
+            "pause_s_all": [round(p, 5) for p in self.pauses],
+            "phases_s_median": {k: round(statistics.median(v), 5) for k, v in self.phases.items()},
+        }
 
 
 def engine(folder: Path, plain: bool) -> Any:
@@ -189,23 +223,28 @@ def main() -> None:
         ratios: list[float] = []
         applies: list[float] = []
         phases: dict[str, list[float]] = {}
-        for i in range(args.repeats):
+        walked = Walked()
+        for _ in range(args.repeats):
             started = time.perf_counter()
             llm.collective_rpc(
                 "reload_weights", kwargs={"weights_path": str(folder), "is_checkpoint_format": True}
             )
             llm.reset_prefix_cache()
             reload_pauses.append(time.perf_counter() - started)
-            # Deltas 0 -> 1 and 1 -> 0 in turn, from the target's shadow; the model
-            # was reset to version 0 by the reload, which changes nothing in the
-            # work a delta does (the same elements are written).
-            manifest, objects = forward if i % 2 == 0 else back
+            # Each round: 0 -> 1 with patches kept, then 1 -> 0 walked, from the
+            # target's shadow (back at version 0 for the next round). The reload put
+            # the model at version 0, which changes nothing in the work a delta does
+            # (the same elements are written).
             target.version = None
-            delta_pauses.append(target.apply_delta(manifest, objects, "touched").pause_s)
+            target.patch_memory_bytes = DEFAULT_PATCH_MEMORY_BYTES
+            delta_pauses.append(target.apply_delta(*forward, "touched").pause_s)
             ratios.append(delta_pauses[-1] / reload_pauses[-1])
             applies.append(sum(target.last_timings.values()))
             for phase, seconds in target.last_timings.items():
                 phases.setdefault(phase, []).append(seconds)
+            target.version = None
+            target.patch_memory_bytes = 0
+            walked.add(target, target.apply_delta(*back, "touched"))
 
         load_files = []
         for _ in range(max(1, args.repeats // 2)):
@@ -238,6 +277,7 @@ def main() -> None:
             "pause_s_all": [round(p, 5) for p in delta_pauses],
             "phases_s_median": {k: round(statistics.median(v), 5) for k, v in phases.items()},
         },
+        "walked": walked.summary(statistics.median(delta_pauses), statistics.median(applies)),
         "reload_weights_s_median": statistics.median(reload_pauses),
         "reload_weights_s_all": [round(p, 5) for p in reload_pauses],
         "pause_over_reload_median": round(statistics.median(ratios), 4),
