@@ -467,6 +467,26 @@ def test_over_the_patch_budget_deltas_are_walked_into_the_model_bit_exact(
 
 
 @on_engine
+def test_over_the_patch_budget_early_proofs_keep_only_their_hashes(
+    walking: Any, chain: Chain
+) -> None:
+    """Early proofs count against the budget too: with none, each keeps only its
+    tensors' hashes, and the apply walks those tensors instead of decoding them into
+    patches again."""
+    for manifest, objects in chain.deltas:
+        for o in manifest.objects:
+            assert walking.start_early_proof(o.key, objects[o.key], o.sha256)
+        report = walking.apply_delta(manifest, objects, "touched")
+        assert report.early_tensors > 0 and 0 < report.walked <= report.tensors, report
+        weights = chain.versions[manifest.version].weights
+        assert walking.hashes() == _hashes(weights)
+        for name, tensor in weights.items():
+            live = walking.read_parameter(name)
+            if live is not None:
+                assert torch.equal(_bits(live), _bits(tensor)), name
+
+
+@on_engine
 def test_a_walked_prepare_is_walked_back_by_abort(walking: Any, chain: Chain) -> None:
     """What a prepare walked into the shadow, an abort (another worker failed) walks
     back bit for bit: the held hashes, recomputed in full, are version 0's again."""

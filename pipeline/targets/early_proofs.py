@@ -19,7 +19,12 @@ import structlog
 import torch
 
 from pipeline.format.hashes.content_hashes import XXH3_ALGORITHM, HashAlgorithm
-from pipeline.targets.proving import EarlyProof, prove_object, prove_object_incremental
+from pipeline.targets.proving import (
+    DEFAULT_PATCH_MEMORY_BYTES,
+    EarlyProof,
+    prove_object,
+    prove_object_incremental,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +47,10 @@ class BackgroundProofs:
         self._algorithm = algorithm
         self._held_hash = held_hash
         self._writes = 0
+        # Patches the proofs may keep until the next write (DELTASYNC_PATCH_MEMORY_MB);
+        # past it a proof keeps only its hashes (the apply walks those tensors).
+        self.patch_memory_bytes = DEFAULT_PATCH_MEMORY_BYTES
+        self._kept_bytes = 0
         self._proofs: dict[tuple[str, str], Future[EarlyProof]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -65,13 +74,24 @@ class BackgroundProofs:
             )
         return True
 
+    def _keep(self, nbytes: int) -> bool:
+        """Whether a proof may keep its patches: while those kept since the last write
+        stay within ``patch_memory_bytes``."""
+        with self._lock:
+            if self._kept_bytes + nbytes > self.patch_memory_bytes:
+                return False
+            self._kept_bytes += nbytes
+            return True
+
     def _prove(self, key: str, data: bytes, sha256: str, generation: str) -> EarlyProof:
         algorithm = self._algorithm()
         if algorithm.incremental and self._held_hash is not None:
-            hashed = prove_object_incremental(key, data, self._base, self._held_hash, algorithm)
+            hashed = prove_object_incremental(
+                key, data, self._base, self._held_hash, algorithm, self._keep
+            )
         else:
             algorithm = XXH3_ALGORITHM
-            hashed = prove_object(key, data, self._base)
+            hashed = prove_object(key, data, self._base, self._keep)
         return EarlyProof(key, sha256, generation, hashed, algorithm.name)
 
     def take(self) -> list[EarlyProof]:
@@ -97,6 +117,7 @@ class BackgroundProofs:
         self.take()
         with self._lock:
             self._writes += 1
+            self._kept_bytes = 0
 
     def close(self) -> None:
         self.wrote()

@@ -34,6 +34,7 @@ from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
 from pipeline.targets.pieced import prove_pieced
 from pipeline.targets.proving import (
+    DEFAULT_PATCH_MEMORY_BYTES,
     early_results,
     patches_bytes,
     prove_entries,
@@ -443,18 +444,28 @@ class DeltasyncWorkerExtension:
 
         return enveloped(run)
 
-    def deltasync_prove_start(self, key: str, data: bytes, sha256: str) -> Envelope:
+    def deltasync_prove_start(
+        self,
+        key: str,
+        data: bytes,
+        sha256: str,
+        patch_memory_bytes: int = DEFAULT_PATCH_MEMORY_BYTES,
+    ) -> Envelope:
         """Start proving one delta object against the shadow before its manifest is
         read (early start: the node got it from a part hint and checked its bytes
         against ``sha256``). Answers at once: True when started, False when the worker
         is busy with a delta or already has it. A later prepare whose ``early`` lists
         the object with this sha256 uses the proof if the shadow was not written
-        since."""
+        since. The proofs keep patches up to ``patch_memory_bytes`` between two
+        writes, then only hashes (those tensors are walked at the prepare)."""
 
         def run() -> bool:
             state = self._ds()
             if state.busy() or not state.loaded:
                 return False
+            if isinstance(patch_memory_bytes, bool) or not isinstance(patch_memory_bytes, int):
+                raise TargetError("vLLM RPC: patch_memory_bytes must be an int")
+            state.early.patch_memory_bytes = patch_memory_bytes
             return state.early.start(key, bytes(data), sha256)
 
         return enveloped(run)

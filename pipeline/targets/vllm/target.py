@@ -263,7 +263,9 @@ class VllmTarget:
         proofs if its manifest lists the object with this sha256 and the shadow was
         not written since. Call it from the thread that drives the engine. False when
         a worker could not start it (busy with a delta, or holding no state)."""
-        answers = self._envelopes("deltasync_prove_start", key, data, sha256)
+        answers = self._envelopes(
+            "deltasync_prove_start", key, data, sha256, self.patch_memory_bytes
+        )
         started = all(answer["ok"] and answer["value"] for answer in answers)
         if started:
             self._early[key] = sha256
