@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,20 @@ def plain_full(step: int) -> torch.Tensor:
     return torch.randn(10, 3, generator=g)
 
 
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` to a temporary name, then rename: the test polls for ``path`` and
+    reads it as soon as it exists, so it must never see a partial file."""
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)
+
+
 def _write(out: Path, name: str, doc: dict[str, Any]) -> None:
-    (out / name).write_text(json.dumps(doc))
+    _atomic(out / name, lambda path: path.write_text(json.dumps(doc)))
+
+
+def _save(out: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    _atomic(out / name, lambda path: torch.save(tensors, path))
 
 
 def _host_env(rank: int, port: int, env: dict[str, str], out: str) -> None:
@@ -129,7 +142,7 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
             # The full state, gathered here for the test's check only.
             full = {k: v.full_tensor() for k, v in model.state_dict().items()}
             if rank == 0:
-                torch.save(full, folder / f"expected-{step}.pt")
+                _save(folder, f"expected-{step}.pt", full)
 
         # Mapping inputs: a replicated DTensor, tensor-parallel slices of dim 1, boxes of
         # a 2-D mesh (FSDP x TP), uneven boxes of a 3-D tensor, a refused Partial, row
@@ -189,7 +202,7 @@ def tp_fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str
             done = emitter.emit_shards(step, model)
             full = {k: v.full_tensor() for k, v in model.state_dict().items()}
             if rank == 0:
-                torch.save(full, folder / f"tp-expected-{step}.pt")
+                _save(folder, f"tp-expected-{step}.pt", full)
             _write(folder, f"tp-rank-{rank}-{step}.json", {"completed": done.completed})
         placements = {k: str(tuple(v.placements)) for k, v in model.state_dict().items()}
         _write(folder, f"tp-placements-{rank}.json", placements)
@@ -324,7 +337,7 @@ def e2e_rank(
                 _write(folder, f"error-{rank}-{step}.json", {"error": str(exc)})
             full = {k: v.full_tensor().to(torch.bfloat16) for k, v in model.state_dict().items()}
             if rank == 0:
-                torch.save(full, folder / f"expected-{step}.pt")
+                _save(folder, f"expected-{step}.pt", full)
                 go = folder / f"go-{step}"
                 while not go.exists():
                     time.sleep(0.05)
@@ -416,7 +429,7 @@ def tp_rank(
             emitter.emit_shards(step, model)
             full = {k: v.full_tensor().to(torch.bfloat16) for k, v in model.state_dict().items()}
             if rank == 0:
-                torch.save(full, folder / f"expected-{step}.pt")
+                _save(folder, f"expected-{step}.pt", full)
                 while not (folder / f"go-{step}").exists():
                     time.sleep(0.05)
             dist.barrier()
