@@ -338,9 +338,9 @@ class DeltasyncWorkerExtension:
         started with ``deltasync_prove_start``, may stand in for their decode and
         hash) and the patch budget: a delta whose decoded patches would take more
         host memory keeps none for the tensors the compiled walk reads; they are
-        proven, then walked into the shadow, and their commit reads what changed
-        back from it one tensor at a time. Answers a ``PrepareSummary``. Any failure
-        leaves the shadow as it was.
+        proven, then walked into the shadow (the commit walks them again into the
+        model, or reads their changes back: ``_ds_push``). Answers a
+        ``PrepareSummary``. Any failure leaves the shadow as it was.
         """
 
         def run() -> SummaryWire:
