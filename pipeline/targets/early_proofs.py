@@ -22,6 +22,7 @@ from pipeline.format.hashes.content_hashes import XXH3_ALGORITHM, HashAlgorithm
 from pipeline.targets.proving import (
     DEFAULT_PATCH_MEMORY_BYTES,
     EarlyProof,
+    PatchAllowance,
     prove_object,
     prove_object_incremental,
 )
@@ -47,10 +48,10 @@ class BackgroundProofs:
         self._algorithm = algorithm
         self._held_hash = held_hash
         self._writes = 0
-        # Patches the proofs may keep until the next write (DELTASYNC_PATCH_MEMORY_MB);
-        # past it a proof keeps only its hashes (the apply walks those tensors).
+        # The budget for patches the proofs keep until the next write (set by the
+        # worker from each proof's request: DELTASYNC_PATCH_MEMORY_MB).
         self.patch_memory_bytes = DEFAULT_PATCH_MEMORY_BYTES
-        self._kept_bytes = 0
+        self._kept = PatchAllowance(lambda: self.patch_memory_bytes)
         self._proofs: dict[tuple[str, str], Future[EarlyProof]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -74,24 +75,15 @@ class BackgroundProofs:
             )
         return True
 
-    def _keep(self, nbytes: int) -> bool:
-        """Whether a proof may keep its patches: while those kept since the last write
-        stay within ``patch_memory_bytes``."""
-        with self._lock:
-            if self._kept_bytes + nbytes > self.patch_memory_bytes:
-                return False
-            self._kept_bytes += nbytes
-            return True
-
     def _prove(self, key: str, data: bytes, sha256: str, generation: str) -> EarlyProof:
         algorithm = self._algorithm()
         if algorithm.incremental and self._held_hash is not None:
             hashed = prove_object_incremental(
-                key, data, self._base, self._held_hash, algorithm, self._keep
+                key, data, self._base, self._held_hash, algorithm, self._kept.admit
             )
         else:
             algorithm = XXH3_ALGORITHM
-            hashed = prove_object(key, data, self._base, self._keep)
+            hashed = prove_object(key, data, self._base, self._kept.admit)
         return EarlyProof(key, sha256, generation, hashed, algorithm.name)
 
     def take(self) -> list[EarlyProof]:
@@ -117,7 +109,7 @@ class BackgroundProofs:
         self.take()
         with self._lock:
             self._writes += 1
-            self._kept_bytes = 0
+        self._kept.reset()
 
     def close(self) -> None:
         self.wrote()

@@ -10,6 +10,7 @@ does the same for one object before its manifest is known (early start), and
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,29 @@ def patch_bytes(changed: int, dtype: torch.dtype) -> int:
 def patches_bytes(entries: Sequence[TensorEntry]) -> int:
     """Host memory the decoded patches of a delta's ``entries`` would take until written."""
     return sum(patch_bytes(e.changed, dtype_from_name(e.dtype)) for e in entries)
+
+
+class PatchAllowance:
+    """Patches early proofs may keep between two writes, up to ``limit()`` bytes (the
+    target's ``DELTASYNC_PATCH_MEMORY_MB``): past it a proof keeps only its hashes and
+    the apply walks those tensors. ``admit`` is the proofs' ``keep_patches``."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def admit(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._kept + nbytes > self._limit():
+                return False
+            self._kept += nbytes
+            return True
+
+    def reset(self) -> None:
+        """A write began: what earlier proofs kept is dropped with them."""
+        with self._lock:
+            self._kept = 0
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from pipeline.targets.proving import (
     DEFAULT_PATCH_MEMORY_BYTES,
     EarlyProof,
     EarlyResult,
+    PatchAllowance,
     ProvenPatches,
     decode_and_prove,
     early_patches,
@@ -127,7 +128,7 @@ class TorchTarget:
         self._token = uuid.uuid4().hex
         self._writes = 0
         self.patch_memory_bytes = patch_memory_bytes
-        self._early_bytes = 0  # patches kept by early proofs since the last write
+        self._early_kept = PatchAllowance(lambda: self.patch_memory_bytes)
 
     @classmethod
     def for_node(cls, setup: TargetSetup) -> TorchTarget | None:
@@ -363,15 +364,7 @@ class TorchTarget:
     def _wrote(self) -> None:
         """A write begins: earlier proofs are stale, and so is what they kept."""
         self._writes += 1
-        self._early_bytes = 0
-
-    def _early_keep(self, nbytes: int) -> bool:
-        """Whether an early proof may keep its patches: while those kept since the last
-        write stay within ``patch_memory_bytes``."""
-        if self._early_bytes + nbytes > self.patch_memory_bytes:
-            return False
-        self._early_bytes += nbytes
-        return True
+        self._early_kept.reset()
 
     def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
         """Decode and hash one delta object against the held weights before its
@@ -386,10 +379,10 @@ class TorchTarget:
                     self.tensor,
                     lambda name: self._cached_hash(self._canonical[name]),
                     self._algorithm,
-                    self._early_keep,
+                    self._early_kept.admit,
                 )
             else:
-                hashed = prove_object(key, data, self.tensor, self._early_keep)
+                hashed = prove_object(key, data, self.tensor, self._early_kept.admit)
         return EarlyProof(key, sha256, generation, hashed, self._algorithm.name)
 
     def apply_delta(

@@ -104,9 +104,11 @@ class VllmTarget:
         if specs is None:
             return None
         budget = setup.patch_memory_bytes
-        if budget is None:
-            return cls(engine, expected_specs=specs)
-        return cls(engine, expected_specs=specs, patch_memory_bytes=budget)
+        return cls(
+            engine,
+            expected_specs=specs,
+            patch_memory_bytes=DEFAULT_PATCH_MEMORY_BYTES if budget is None else budget,
+        )
 
     # --- RPC plumbing ---------------------------------------------------------------
 

@@ -59,18 +59,17 @@ def enveloped(call: Callable[[], object]) -> Envelope:
 class Pending:
     """A verified delta written to the shadow but not yet pushed into the model:
     patches kept, and tensors walked into the shadow over the patch budget (``walks``
-    by tensor name; their push reads the written contents back from the shadow)."""
+    by tensor name; their push walks them again or reads them back: ``_ds_push``)."""
 
     version: int
     applied: AppliedPatches
     touched: list[str]
-    walked: WalkedDeltas | None = None
-    walks: dict[str, list[Walk]] = field(default_factory=dict)
+    walked: WalkedDeltas
+    walks: dict[str, list[Walk]]
 
     def rollback(self) -> None:
         """Put the shadow back as it was before the prepare (idempotent)."""
-        if self.walked is not None:
-            self.walked.rollback()
+        self.walked.rollback()
         self.applied.rollback()
 
 
