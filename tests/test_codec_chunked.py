@@ -426,6 +426,45 @@ def test_both_decoders_refuse_the_same_damage() -> None:
     assert compared > 100
 
 
+@pytest.mark.parametrize("buckets", [True, False])
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+def test_a_damaged_large_magnitude_leaves_the_tensor_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, buckets: bool, which: str
+) -> None:
+    """Contents are written in batches, the large magnitudes after each batch's unit
+    steps: a large magnitude that decodes to 0 or 1 (damage) anywhere in a chunk of
+    thousands of changes refuses the tensor with nothing of it written, on the bucket
+    walk and on a chunk without buckets alike."""
+    if not buckets:  # one bucket everywhere: no walk over the base
+        monkeypatch.setattr(chunked, "GROUP_BITS_PER_ELEMENT", 1e9)
+    gen = np.random.default_rng(5)
+    base = weights(300_000, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    data = encode_delta([("w", base, new)], level=3)
+    obj = read_delta(data, object_name="damaged")
+    record = obj._records["w"]
+    assert record.layout is not None
+    assert (record.layout.groups > 1) == buckets
+    assert record.changed > 10 * 256
+    decode = chunked.large_magnitudes
+
+    def damaged(*args: object) -> np.ndarray:  # type: ignore[type-arg]
+        mags = decode(*args).copy()  # type: ignore[arg-type]
+        assert mags.size > 100
+        at = {"first": 0, "middle": mags.size // 2, "last": mags.size - 1}[which]
+        mags[at] = np.iinfo(mags.dtype).max  # + 2 wraps to 1: not a large magnitude
+        return mags
+
+    target = base.clone()
+    obj.apply_to("w", target)
+    assert torch.equal(bits(target), bits(new))
+    monkeypatch.setattr(chunked, "large_magnitudes", damaged)
+    target = base.clone()
+    with pytest.raises(DeltasyncError, match="large magnitudes"):
+        obj.apply_to("w", target)
+    assert torch.equal(bits(target), bits(base))
+
+
 def test_a_clean_decode_follows_damaged_ones() -> None:
     """The decoder's reused scratch (rank bitmaps) is left clean by a damaged chunk."""
     data, base = _fuzz_object()

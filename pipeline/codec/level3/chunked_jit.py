@@ -33,6 +33,12 @@ from pipeline.intrinsics_jit import prefetch_write
 jit = numba.njit(cache=True, nogil=True)
 
 LANES = 64
+# Changes whose contents a bucket walk writes at once: a few blocks' worth, so their
+# lines are still in L1 and one call serves many blocks.
+WALK_BATCH = 48
+# Changes whose contents a chunk without buckets writes at once, so that the large
+# magnitudes' second pass finds their lines in cache.
+CONTENTS_BATCH = 256
 WINDOW = np.uint64((1 << 56) - 1)  # the stream bits a peek guarantees, less one
 MAX_PARAM = 40
 # Outcomes of decode_chunks (chunked.py names them).
@@ -708,42 +714,84 @@ def _contents(
     """Contents of changes ``o_lo .. o_hi - 1`` (positions in ``out_pos``), written
     into ``base`` with ``write`` right after their old contents are kept. ``state``:
     the index of the next large-magnitude code, the change it falls on, the next
-    large magnitude. Returns how far it got (``o_hi`` unless the contents are damaged)."""
+    large magnitude. Returns ``o_hi``, or ``o_lo`` with nothing of the range
+    written if its large magnitudes are damaged.
+
+    Two passes: every change as a step of one unit, its sign taken without a branch
+    (signs are random: a branch on them is mispredicted half the time); then the
+    large magnitudes (about one change in ten) over the steps just written."""
     one = np.uint64(1)
-    bi = state[0]
-    next_big = state[1]
-    mi = state[2]
+    zero = np.uint64(0)
     for o in range(o_lo, o_hi):
-        if ahead and o + ahead < o_hi:
+        if ahead and o + ahead < o_first + changed:
             prefetch_write(base, out_pos[o + ahead])
-        j = o - o_first
+        s = sign0 + (o - o_first)
+        negative = np.uint64((bits[s >> 3] >> (7 - (s & 7))) & 1)
         pos = out_pos[o]
-        s = sign0 + j
-        negative = (bits[s >> 3] >> (7 - (s & 7))) & 1
-        m = one
-        if j == next_big:
-            m = (np.uint64(mags[mi]) + np.uint64(2)) & top
-            if m <= one:
-                return o
-            mi += 1
-            bi += 1
-            if bi < bstop:
-                next_big += gaps[bi] + 1
-                if next_big >= changed:
-                    return o
-            else:
-                next_big = changed
-        d = (top + one - m) & top if negative else m
         old = base[pos]
-        new = (np.uint64(old) + d) & top
+        new = (np.uint64(old) + ((one ^ (zero - negative)) + negative)) & top
         out_old[o] = old
         out_new[o] = new
         if write:
             base[pos] = new
+    bi = state[0]
+    next_big = state[1]
+    mi = state[2]
+    j_hi = o_hi - o_first
+    while next_big < j_hi:
+        o = o_first + next_big
+        m = (np.uint64(mags[mi]) + np.uint64(2)) & top
+        bad = m <= one
+        mi += 1
+        bi += 1
+        if bi < bstop:
+            next_big += gaps[bi] + 1
+            bad = bad or next_big >= changed
+        else:
+            next_big = changed
+        if bad:
+            if write:
+                for q in range(o_lo, o_hi):
+                    base[out_pos[q]] = out_old[q]
+            return o_lo
+        s = sign0 + (o - o_first)
+        negative = np.uint64((bits[s >> 3] >> (7 - (s & 7))) & 1)
+        new = (np.uint64(out_old[o]) + ((m ^ (zero - negative)) + negative)) & top
+        out_new[o] = new
+        if write:
+            base[out_pos[o]] = new
     state[0] = bi
     state[1] = next_big
     state[2] = mi
     return o_hi
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def _walk_contents(
+    base: Any,
+    bits: Any,
+    sign0: int,
+    o_first: int,
+    o_lo: int,
+    o_hi: int,
+    out_pos: Any,
+    out_new: Any,
+    out_old: Any,
+    mags: Any,
+    gaps: Any,
+    state: Any,
+    bstop: int,
+    changed: int,
+    top: Any,
+    write: bool,
+) -> bool:
+    """_contents of a bucket walk's batch, ``state[3]`` moved past it; False if damaged."""
+    done = _contents(
+        base, bits, sign0, o_first, o_lo, o_hi, out_pos, out_new, out_old,
+        mags, gaps, state, bstop, changed, top, write, 0,
+    )  # fmt: skip
+    state[3] = done
+    return bool(done == o_hi)
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -770,9 +818,10 @@ def _walk_buckets(
 ) -> int:
     """Positions of a chunk's changes, coded as gaps between ranks within their
     buckets (``gaps[gend[k - 1]:gend[k]]`` for bucket k), into ``out_pos`` from
-    ``o_first`` on, each block's contents (_contents) right after its positions, while
-    its lines are in cache. Returns DONE or BAD_POSITION / BAD_CONTENTS, with
-    ``state[3]`` the end of the changes whose contents it wrote.
+    ``o_first`` on, the contents (_contents) of every ``WALK_BATCH`` changes right
+    after their positions, while their lines are in cache. Returns DONE or
+    BAD_POSITION / BAD_CONTENTS, with ``state[3]`` the end of the changes whose
+    contents it wrote.
 
     Without a branch per change: each bucket's ranks become bits of a bitmap
     (``ranks[k]``, zero on entry and left zero); then each block of 64 elements
@@ -796,6 +845,7 @@ def _walk_buckets(
     o = np.int64(o_first)
     o_end = o_first + changed
     state[3] = o_first
+    o_pending = o
     last_lane = np.uint64(LANES - 1)
     i = lo
     while i < hi and o < o_end:
@@ -813,17 +863,14 @@ def _walk_buckets(
             x2, x3 = _low(_bits_at(ranks[2], s2), n2), _low(_bits_at(ranks[3], s3), n3)
             s2 += np.int64(n2)
             s3 += np.int64(n3)
-        # Most blocks with no change in one bucket have none in any: one branch.
-        if (x0 | x1 | x2 | x3) == 0:
-            i += LANES
-            continue
+        # No branch on whether the block holds a change: about a third do not, at
+        # random, and the deposits cost less than the mispredictions.
         chosen = deposit(x0, m0) | deposit(x1, m1)
         if groups > 2:
             chosen |= deposit(x2, m2) | deposit(x3, m3)
         # A block holds 0, 1 or 2 changes about equally often: the first three go
         # out without a branch on the count (a slot past the last change is
         # overwritten by the next one, and stays within the chunk's outputs).
-        o_block = o
         if o + 3 <= o_end:
             for _ in range(3):
                 out_pos[o] = i + np.int64(min(trailing_zeros(chosen), last_lane))
@@ -836,13 +883,13 @@ def _walk_buckets(
             out_pos[o] = i + np.int64(trailing_zeros(chosen))
             o += 1
             chosen &= chosen - one
-        if o > o_block:
-            done = _contents(
+        if o - o_pending >= WALK_BATCH:
+            if not _walk_contents(
                 base,
                 bits,
                 sign0,
                 o_first,
-                o_block,
+                o_pending,
                 o,
                 out_pos,
                 out_new,
@@ -854,13 +901,31 @@ def _walk_buckets(
                 changed,
                 top,
                 write,
-                0,
-            )
-            state[3] = done
-            if done < o:
+            ):
                 _clear(ranks, groups, size)
                 return BAD_CONTENTS
+            o_pending = o
         i += LANES
+    if o > o_pending and not _walk_contents(
+        base,
+        bits,
+        sign0,
+        o_first,
+        o_pending,
+        o,
+        out_pos,
+        out_new,
+        out_old,
+        mags,
+        gaps,
+        state,
+        gend[groups],
+        changed,
+        top,
+        write,
+    ):
+        _clear(ranks, groups, size)
+        return BAD_CONTENTS
     _clear(ranks, groups, size)
     return DONE if o == o_end else BAD_POSITION
 
@@ -986,25 +1051,33 @@ def decode_chunks(
                     return c - first, BAD_POSITION
                 out_pos[o] = pos
                 o += 1
-            done = _contents(
-                base,
-                bits,
-                sign0,
-                o_first,
-                o_first,
-                o_end,
-                out_pos,
-                out_new,
-                out_old,
-                mags,
-                gaps,
-                state,
-                bstop,
-                changed,
-                top,
-                write,
-                16,
-            )
+            # In batches, so that the large magnitudes' lines are still in cache.
+            done = o_first
+            while done < o_end:
+                o_hi = min(done + CONTENTS_BATCH, o_end)
+                reached = _contents(
+                    base,
+                    bits,
+                    sign0,
+                    o_first,
+                    done,
+                    o_hi,
+                    out_pos,
+                    out_new,
+                    out_old,
+                    mags,
+                    gaps,
+                    state,
+                    bstop,
+                    changed,
+                    top,
+                    write,
+                    16,
+                )
+                if reached < o_hi:
+                    done = reached
+                    break
+                done = o_hi
         else:
             status = _walk_buckets(
                 base,
