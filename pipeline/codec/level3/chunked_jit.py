@@ -787,9 +787,24 @@ def _walk_contents(
 ) -> bool:
     """_contents of a bucket walk's batch, ``state[3]`` moved past it; False if damaged."""
     done = _contents(
-        base, bits, sign0, o_first, o_lo, o_hi, out_pos, out_new, out_old,
-        mags, gaps, state, bstop, changed, top, write, 0,
-    )  # fmt: skip
+        base,
+        bits,
+        sign0,
+        o_first,
+        o_lo,
+        o_hi,
+        out_pos,
+        out_new,
+        out_old,
+        mags,
+        gaps,
+        state,
+        bstop,
+        changed,
+        top,
+        write,
+        0,
+    )
     state[3] = done
     return bool(done == o_hi)
 
