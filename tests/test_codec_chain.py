@@ -9,6 +9,8 @@ from pipeline.codec import DEFAULT_LEVEL, apply_patch, encode_delta, read_delta
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 
 @pytest.mark.parametrize(("level", "lr"), [(1, 1e-6), (2, 1e-5)])
 def test_chain_reconstructs_every_version_bitwise(level: int, lr: float) -> None:

@@ -24,7 +24,7 @@ from tests.test_codec_roundtrip import DTYPES, bits, compiled_kernels, realistic
 needs_compiled = pytest.mark.skipif(
     chunked.compiled() is None, reason="level 3 encodes with the compiled kernels (numba)"
 )
-pytestmark = needs_compiled
+pytestmark = [needs_compiled, pytest.mark.kernels]  # rerun with bounds checks
 
 # sha256 of the level-3 object written for pinned_pairs() when the format was fixed.
 PINNED_LEVEL_3 = "102c20d60ab4a8a9d66f01249935dc48e7814c46a2a2361374d5a73658577ea8"

@@ -24,6 +24,8 @@ from pipeline.errors import (
     TargetError,
 )
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 
 def _pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)

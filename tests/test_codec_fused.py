@@ -21,6 +21,8 @@ from tests.pipeline_helpers import REPO
 from tests.test_codec_errors import rebuild, with_last_stream
 from tests.test_codec_roundtrip import DTYPES, PATHS, bits, compiled_kernels, realistic_update
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 U64 = np.uint64
 
 

@@ -13,6 +13,8 @@ from pipeline.publish.offline import apply_delta, create_delta
 from tests.test_checkpoint import same_bits
 from tests.test_offline import _training_pair
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 
 @pytest.mark.skipif(chunked.compiled() is None, reason="level 3 encodes with numba")
 @pytest.mark.parametrize("sharded", [False, True])

@@ -15,6 +15,8 @@ from pipeline.codec import LEVELS, apply_patch, encode_delta, read_delta
 from pipeline.codec.compiled import kernels
 from pipeline.codec.dtypes import BY_DTYPE
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 DTYPES = [
     torch.bfloat16,
     torch.float16,

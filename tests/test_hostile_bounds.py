@@ -42,6 +42,8 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers.trainer import Emitter
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 FUZZ = settings(
     max_examples=int(os.environ.get("DELTASYNC_FUZZ_EXAMPLES", "60")),
     deadline=None,

@@ -26,6 +26,8 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env
 from tests.test_faults_rollout import RUN, PublishedRun, publish_run
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 Damage = Callable[[Path, Path], None]  # (object file, same object of an older version)
 
 

@@ -39,6 +39,8 @@ from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers import queues
 from workers.trainer import Emitter
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 FUZZ = settings(
     # benchmarks/reliability.py raises this for its longer runs.
     max_examples=int(os.environ.get("DELTASYNC_FUZZ_EXAMPLES", "300")),

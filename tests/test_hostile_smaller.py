@@ -23,6 +23,8 @@ from pipeline.store.trust import trusted
 from pipeline.versions import chain
 from pipeline.versions.policy import compaction_reason
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 RUN = "small"
 
 

@@ -33,6 +33,8 @@ from pipeline.versions import chain
 from pipeline.versions.verify import verify
 from tests.test_rollout import RUN, Trainer, assert_holds, empty_target
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

@@ -12,6 +12,8 @@ import torch
 from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import DTYPES
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # Bit patterns that a float compare would merge or reorder, per width.

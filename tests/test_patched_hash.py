@@ -13,6 +13,8 @@ from pipeline.format.hashes import hashing
 from pipeline.format.hashes.hashing import content_hash, patched_content_hash, patched_device_hash
 from pipeline.targets.patching import int_view
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

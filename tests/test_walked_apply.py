@@ -27,6 +27,8 @@ from tests.test_torch_target import (
     state,
 )
 
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
+
 
 def mixed_state() -> dict[str, torch.Tensor]:
     """``state`` plus a tensor that every step changes entirely (not a sparse walk)."""
