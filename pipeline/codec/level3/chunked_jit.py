@@ -767,49 +767,6 @@ def _contents(
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def _walk_contents(
-    base: Any,
-    bits: Any,
-    sign0: int,
-    o_first: int,
-    o_lo: int,
-    o_hi: int,
-    out_pos: Any,
-    out_new: Any,
-    out_old: Any,
-    mags: Any,
-    gaps: Any,
-    state: Any,
-    bstop: int,
-    changed: int,
-    top: Any,
-    write: bool,
-) -> bool:
-    """_contents of a bucket walk's batch, ``state[3]`` moved past it; False if damaged."""
-    done = _contents(
-        base,
-        bits,
-        sign0,
-        o_first,
-        o_lo,
-        o_hi,
-        out_pos,
-        out_new,
-        out_old,
-        mags,
-        gaps,
-        state,
-        bstop,
-        changed,
-        top,
-        write,
-        0,
-    )
-    state[3] = done
-    return bool(done == o_hi)
-
-
-@jit  # type: ignore[untyped-decorator,misc]
 def _walk_buckets(
     base: Any,
     lo: int,
@@ -898,8 +855,10 @@ def _walk_buckets(
             out_pos[o] = i + np.int64(trailing_zeros(chosen))
             o += 1
             chosen &= chosen - one
-        if o - o_pending >= WALK_BATCH:
-            if not _walk_contents(
+        i += LANES
+        # Contents every WALK_BATCH changes, and those of the last ones as the walk ends.
+        if o - o_pending >= WALK_BATCH or (o > o_pending and (i >= hi or o >= o_end)):
+            done = _contents(
                 base,
                 bits,
                 sign0,
@@ -916,31 +875,13 @@ def _walk_buckets(
                 changed,
                 top,
                 write,
-            ):
+                0,
+            )
+            state[3] = done
+            if done < o:
                 _clear(ranks, groups, size)
                 return BAD_CONTENTS
             o_pending = o
-        i += LANES
-    if o > o_pending and not _walk_contents(
-        base,
-        bits,
-        sign0,
-        o_first,
-        o_pending,
-        o,
-        out_pos,
-        out_new,
-        out_old,
-        mags,
-        gaps,
-        state,
-        gend[groups],
-        changed,
-        top,
-        write,
-    ):
-        _clear(ranks, groups, size)
-        return BAD_CONTENTS
     _clear(ranks, groups, size)
     return DONE if o == o_end else BAD_POSITION
 
