@@ -12,7 +12,15 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from pipeline.codec import CODEC_NAME, TensorPatch, apply_patch, contents, encode_delta, read_delta
+from pipeline.codec import (
+    CODEC_NAME,
+    TensorPatch,
+    api,
+    apply_patch,
+    contents,
+    encode_delta,
+    read_delta,
+)
 from pipeline.codec.api import _checksum
 from pipeline.codec.compiled import kernels
 from pipeline.codec.container import read_container, write_container
@@ -260,6 +268,19 @@ def test_encode_input_errors() -> None:
         encode_delta([("w", a, a)], level=9)
     with pytest.raises(CodecError, match="twice"):
         encode_delta([("w", a, a), ("w", a, a)])
+
+
+def test_a_bad_pair_anywhere_stops_the_object_before_any_encoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[str] = []
+    a = torch.zeros(4, dtype=torch.bfloat16)
+    pairs = [*PAIRS, ("late", a, torch.zeros(5, dtype=torch.bfloat16))]
+    for threads in (1, 2):
+        monkeypatch.setattr(api, "ENCODE_THREADS", threads)
+        with pytest.raises(MismatchError, match="late"):
+            encode_delta(pairs, on_changes=lambda name, *_: seen.append(name))
+    assert seen == []
 
 
 def test_all_codec_errors_are_deltasync_errors() -> None:

@@ -6,12 +6,13 @@ import hashlib
 import json
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import apply_patch, contents, encode_delta, read_delta, rice, tensorcodec
+from pipeline.codec import api, apply_patch, contents, encode_delta, read_delta, rice, tensorcodec
 from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container
 from pipeline.codec.dtypes import info_for
@@ -288,6 +289,74 @@ def test_one_call_encoder_matches_the_reference_path(level: int) -> None:
     positions = "sparse" if level == 1 else "classed"
     assert kinds["long_gaps"][0] == kinds["past_capacity"][0] == positions
     obj = read_delta(objects[0], object_name="edges")
+    for name, base, new in pairs:
+        target = base.clone()
+        obj.apply_to(name, target)
+        assert torch.equal(bits(target), bits(new)), name
+
+
+def _split_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Tensors above the (lowered) split size, with a tail that is no whole piece and
+    no whole 64 lanes, and one whose changes crowd a single piece (more than its
+    1/16 share) while the tensor as a whole stays sparse; smaller ones around them."""
+    gen = np.random.default_rng(11)
+    out = []
+    for name, numel, density in [
+        ("small.0", 9_000, 0.02),
+        ("large.uniform", 300_000, 0.02),
+        ("small.1", 40_000, 0.01),
+        ("large.crowded", 200_000, 0.0),
+        ("large.unchanged", 70_000, 0.0),
+        ("small.2", 7, 0.5),
+    ]:
+        base = torch.from_numpy(gen.normal(0, 0.02, numel).astype(np.float32)).to(torch.bfloat16)
+        new = realistic_update(base, density, gen)
+        if name == "large.crowded":  # a quarter of elements 8192..12288 change
+            flat = bits(new).reshape(-1)
+            flat[8192:12288:4] += 1
+        out.append((name, base, new))
+    return out
+
+
+@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("level", [1, 2])
+def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
+    level: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors are encoded largest first on a pool and the largest scanned in pieces
+    by every thread: the object is byte for byte what one thread writes, tensors in
+    the order given, and the encoder hands the same changes to ``on_changes``."""
+    pairs = _split_pairs()
+    monkeypatch.setattr(tensorcodec, "SPLIT_SCAN_ELEMENTS", 50_000)
+    monkeypatch.setattr(tensorcodec, "SPLIT_PIECE_ELEMENTS", 4096)
+    split_results: list[object] = []
+    scan_in_pieces = tensorcodec._scan_in_pieces
+
+    def spy(*args: object) -> tuple[int, int] | None:
+        result = scan_in_pieces(*args)  # type: ignore[arg-type]
+        split_results.append(result)
+        return result
+
+    monkeypatch.setattr(tensorcodec, "_scan_in_pieces", spy)
+    objects, changes = [], []
+    for threads in (1, 3):
+        monkeypatch.setattr(api, "ENCODE_THREADS", threads)
+        seen: dict[str, tuple[bytes, bytes, bytes]] = {}
+
+        def hook(name: str, where: Any, diff: Any, old: Any, seen: dict[str, Any] = seen) -> None:
+            seen[name] = (where.tobytes(), diff.tobytes(), old.tobytes())
+
+        objects.append(encode_delta(pairs, level=level, on_changes=hook))
+        changes.append(seen)
+    assert objects[0] == objects[1]
+    assert changes[0] == changes[1]
+    assert set(changes[0]) == {"small.0", "large.uniform", "small.1", "large.crowded", "small.2"}
+    if level == 1:  # level 2 codes bf16 positions per exponent class, unsplit
+        # Pieces ran for the three large tensors; the crowded one went back to one thread.
+        assert len(split_results) == 3
+        assert sum(r is None for r in split_results) == 1
+    obj = read_delta(objects[1], object_name="split")
+    assert [t.name for t in obj.tensors] == [n for n, _, _ in pairs]
     for name, base, new in pairs:
         target = base.clone()
         obj.apply_to(name, target)

@@ -6,9 +6,8 @@ import functools
 import json
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import xxhash
 
 from pipeline import cpus
-from pipeline.codec import compact
+from pipeline.codec import compact, tensorcodec
 from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
@@ -27,6 +26,7 @@ from pipeline.codec.records import TensorRecord, parse_record
 from pipeline.codec.tensorcodec import (
     DamagedStreamError,
     Encoded,
+    Helpers,
     ReadBackError,
     decode_differences,
     decode_tensor,
@@ -42,9 +42,9 @@ CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
 LEVELS = (1, 2, 3)
 DEFAULT_LEVEL = 1
-# The scan for changes is bound by memory bandwidth: a second thread on a two-CPU
-# machine measured slower than one (hand-offs, a busy neighbour core).
-ENCODE_THREADS = max(1, min(4, cpus.available() // 2))
+# One thread per CPU: the scan for changes is bound by how fast one core pulls
+# lines, not by the bus (two threads scan 2x faster on two CPUs, docs/PERFORMANCE.md).
+ENCODE_THREADS = max(1, min(4, cpus.available()))
 
 
 @dataclass(frozen=True)
@@ -412,67 +412,78 @@ def encode_delta(
     ``on_changes(name, positions, new - base, base)`` is called for each changed tensor
     with what the encoder's scan found, in the unsigned integer view (on an encoding
     thread; the arrays are valid during the call only), so that a caller needs no
-    second pass over the changes nor over the base."""
+    second pass over the changes nor over the base. Every pair is checked before
+    any is encoded; the tensors are then encoded on ENCODE_THREADS threads, the
+    largest first, and the scans of the largest in pieces on all of them."""
     if level not in LEVELS:
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
     entries: dict[str, npt.NDArray[np.uint8]] = {}
     records: list[dict[str, object]] = []
     written: list[TensorRecord] = []
+    # Every pair is checked before any is encoded: a bad one fails the object whole.
+    tasks: list[tuple[str, DtypeInfo, torch.Tensor, torch.Tensor]] = []
     seen: set[str] = set()
-    # Futures when a pool encodes, finished encodings otherwise (a Future per
-    # tensor costs more than some tensors' whole encoding).
-    pending: deque[tuple[str, DtypeInfo, tuple[int, ...], Encoded | Future[Encoded]]] = deque()
+    for name, base, new in pairs:
+        if name in seen:
+            raise CodecError(f"tensor {name!r} appears twice in one delta")
+        if name == "__metadata__":
+            raise CodecError("a tensor cannot be named '__metadata__' in a safetensors file")
+        seen.add(name)
+        if base.dtype != new.dtype or base.shape != new.shape:
+            raise MismatchError(
+                f"tensor {name!r}: base is {base.dtype} {tuple(base.shape)}, new is "
+                f"{new.dtype} {tuple(new.shape)}"
+            )
+        tasks.append((name, info_for(base.dtype, name), base, new))
 
-    def finish_oldest() -> None:
-        name, info, shape, job = pending.popleft()
-        encoded = job if isinstance(job, Encoded) else job.result()
+    def encode(
+        name: str,
+        info: DtypeInfo,
+        base: torch.Tensor,
+        new: torch.Tensor,
+        helpers: Helpers | None = None,
+    ) -> Encoded:
+        hook = None if on_changes is None else functools.partial(on_changes, name)
+        base_flat = int_view_flat(base, info)
+        new_flat = int_view_flat(new.to(base.device), info)
+        return encode_tensor(base_flat, new_flat, info, level, hook, helpers)
+
+    pool = _encode_pool() if ENCODE_THREADS > 1 else None
+    if pool is None:
+        encodings = [encode(*task) for task in tasks]
+    else:
+        # The large tensors are encoded on this thread, the pool's threads taking pieces
+        # of their scans once they are free; the others go to the pool largest first,
+        # so that no large one is left for last while the other threads idle.
+        helpers = Helpers(pool.submit, ENCODE_THREADS)
+        size = [task[2].numel() for task in tasks]
+        large = [i for i in range(len(tasks)) if size[i] >= tensorcodec.SPLIT_SCAN_ELEMENTS]
+        rest = sorted(set(range(len(tasks))) - set(large), key=lambda i: -size[i])
+        futures = {i: pool.submit(encode, *tasks[i]) for i in rest}
+        done: dict[int, Encoded] = {}
+        try:
+            for i in large:
+                done[i] = encode(*tasks[i], helpers)
+            for i, future in futures.items():
+                done[i] = future.result()
+        finally:
+            for future in futures.values():
+                future.cancel()
+            for future in futures.values():
+                if not future.cancelled():
+                    future.exception()  # wait: the caller may free the tensors next
+        encodings = [done[i] for i in range(len(tasks))]
+    for (name, info, base, _), encoded in zip(tasks, encodings, strict=True):
         sizes = {role: int(stream.size) for role, stream in encoded.streams.items()}
         if encoded.blob is not None:
             entries[name] = encoded.blob
         elif encoded.streams:
             entries[name] = np.concatenate(list(encoded.streams.values()))
         record = TensorRecord(
-            name, info, shape, encoded.encoding, encoded.changed, sizes, encoded.params
+            name, info, tuple(base.shape), encoded.encoding, encoded.changed, sizes, encoded.params
         )
         records.append(record.to_json())
         written.append(record)
-
-    # Tensors are encoded on a few threads (the compiled loops and zstd release the
-    # GIL); at most ENCODE_THREADS + 1 pairs are held at once.
-    pool = _encode_pool() if ENCODE_THREADS > 1 else None
-    try:
-        for name, base, new in pairs:
-            if name in seen:
-                raise CodecError(f"tensor {name!r} appears twice in one delta")
-            if name == "__metadata__":
-                raise CodecError("a tensor cannot be named '__metadata__' in a safetensors file")
-            seen.add(name)
-            if base.dtype != new.dtype or base.shape != new.shape:
-                raise MismatchError(
-                    f"tensor {name!r}: base is {base.dtype} {tuple(base.shape)}, new is "
-                    f"{new.dtype} {tuple(new.shape)}"
-                )
-            info = info_for(base.dtype, name)
-            base_flat = int_view_flat(base, info)
-            new_flat = int_view_flat(new.to(base.device), info)
-            job: Encoded | Future[Encoded]
-            hook = None if on_changes is None else functools.partial(on_changes, name)
-            if pool is None:
-                job = encode_tensor(base_flat, new_flat, info, level, hook)
-            else:
-                job = pool.submit(encode_tensor, base_flat, new_flat, info, level, hook)
-            pending.append((name, info, tuple(base.shape), job))
-            if len(pending) > ENCODE_THREADS:
-                finish_oldest()
-        while pending:
-            finish_oldest()
-    finally:
-        futures = [job for *_, job in pending if isinstance(job, Future)]
-        for future in futures:
-            future.cancel()
-        for future in futures:
-            if not future.cancelled():
-                future.exception()  # wait: the caller may free the tensors next
     if level in compact.COMPACT_LEVELS:
         tensors_json, entries = compact.pack(written, entries)
     else:

@@ -14,6 +14,7 @@ Contents are bit-pattern differences new - base in the integer view
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,11 @@ AnyUInt = npt.NDArray[np.unsignedinteger]
 ENCODINGS = ("same", "sparse", "classed", "bitmap", "dense", "chunked")
 BITMAP_MIN_DENSITY = 1 / 32
 DENSE_MIN_DENSITY = 1 / 4
+# A tensor this large has its scan cut into pieces that idle encoding threads help
+# with: alone in its part (an untied lm_head often is), it would keep one thread
+# busy while the others wait.
+SPLIT_SCAN_ELEMENTS = 1 << 24
+SPLIT_PIECE_ELEMENTS = 1 << 22
 
 
 class DamagedStreamError(Exception):
@@ -45,6 +51,15 @@ class DamagedStreamError(Exception):
 class ReadBackError(Exception):
     """A confirmed walk (fused.CONFIRM) read a written position back and found other
     contents than it wrote."""
+
+
+@dataclass(frozen=True)
+class Helpers:
+    """Other threads that may take pieces of a large tensor's scan: ``submit`` runs
+    a function on one of ``threads`` (ThreadPoolExecutor.submit)."""
+
+    submit: Callable[[Callable[[], None]], object]
+    threads: int
 
 
 @dataclass
@@ -178,9 +193,11 @@ def encode_tensor(
     info: DtypeInfo,
     level: int,
     on_changes: OnChanges | None = None,
+    helpers: Helpers | None = None,
 ) -> Encoded:
     """The smallest encoding of the change from base to new (flat integer views).
-    ``on_changes`` gets the changes the scan found, when there are any."""
+    ``on_changes`` gets the changes the scan found, when there are any. ``helpers``:
+    where pieces of a large tensor's scan may run besides this thread."""
     numel = base_flat.numel()
     if numel == 0:
         return Encoded("same", 0)
@@ -195,7 +212,7 @@ def encode_tensor(
     ):
         base_np = base_flat.numpy().view(info.unsigned)
         new_np = new_flat.numpy().view(info.unsigned)
-        encoded, scanned = _encode_sparse_compiled(compiled, base_np, new_np)
+        encoded, scanned = _encode_sparse_compiled(compiled, base_np, new_np, helpers)
         if encoded is not None:
             if on_changes is not None:  # done: the scan ran to the end
                 count = scanned[3]
@@ -309,14 +326,22 @@ def _workspace(numel: int, dtype: np.dtype[Any]) -> tuple[npt.NDArray[Any], ...]
 
 
 def _encode_sparse_compiled(
-    compiled: Any, base: AnyUInt, new: AnyUInt
+    compiled: Any, base: AnyUInt, new: AnyUInt, helpers: Helpers | None = None
 ) -> tuple[Encoded | None, Scanned]:
     """The common case (few changes, mostly +-1 units in the last place) in one
     compiled call (fused.encode_sparse): the same bytes as the general path,
     without its per-stream Python and compiled-call overhead. Otherwise None and
-    the scan's buffers, count and resume point."""
+    the scan's buffers, count and resume point. With ``helpers``, a large tensor is
+    scanned in pieces first (fused.encode_scanned encodes what they found)."""
     buffers = _workspace(base.size, base.dtype)
-    result = compiled.encode_sparse(base, new, *buffers)
+    split = None
+    if helpers is not None and base.size >= SPLIT_SCAN_ELEMENTS:
+        split = _scan_in_pieces(compiled, base, new, buffers[:3], helpers)
+    if split is None:
+        result = compiled.encode_sparse(base, new, *buffers)
+    else:
+        pos, diff, _, *rest = buffers
+        result = compiled.encode_scanned(base, pos, diff, *rest, *split)
     status, changed, resume, param = result[:4]
     scanned = (buffers[0], buffers[1], buffers[2], changed, resume)
     if status != fused.DONE:
@@ -334,6 +359,69 @@ def _encode_sparse_compiled(
         offset += size
     params = {"rice": param, "contents": "signmag", "big": nbig, "big_rice": big_param}
     return Encoded("sparse", changed, streams, params, blob), scanned
+
+
+def _scan_in_pieces(
+    compiled: Any,
+    base: AnyUInt,
+    new: AnyUInt,
+    outs: tuple[npt.NDArray[Any], ...],
+    helpers: Helpers,
+) -> tuple[int, int] | None:
+    """fused.scan_diffs over pieces of SPLIT_PIECE_ELEMENTS, taken in turn by this
+    thread and by ``helpers`` (work queued behind busy threads finds nothing left and
+    returns, so this thread never waits on a piece nobody started). Each piece writes
+    its changes into its own share of ``outs`` (positions, differences, base
+    contents: 1/16 of its elements); they are then moved together. (changes, n) as
+    scan_diffs returns them, or None when a piece held more changes than its share
+    (the caller scans the tensor on one thread instead)."""
+    pos, diff, old = outs
+    n = base.size
+    bounds = [*range(0, n, SPLIT_PIECE_ELEMENTS), n]
+    pieces = len(bounds) - 1
+    found = [(0, 0)] * pieces
+    errors: list[BaseException] = []
+    claims = itertools.count()
+    lock = threading.Lock()
+    left = [pieces]
+    finished = threading.Event()
+
+    def work() -> None:
+        while (r := next(claims)) < pieces:
+            try:
+                start, stop = bounds[r], bounds[r + 1]
+                lo = start // 16
+                hi = bounds[r + 1] // 16 if r + 1 < pieces else pos.size
+                k, at = compiled.scan_diffs(
+                    base[start:stop], new[start:stop], pos[lo:hi], diff[lo:hi], old[lo:hi], 0
+                )
+                pos[lo : lo + k] += start
+                found[r] = (k, start + at)
+            except BaseException as e:  # re-raised by the thread that waits
+                errors.append(e)
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        finished.set()
+
+    for _ in range(min(pieces - 1, helpers.threads)):
+        helpers.submit(work)
+    work()
+    finished.wait()
+    if errors:
+        raise errors[0]
+    total = 0
+    for r, (k, at) in enumerate(found):
+        if at < bounds[r + 1]:
+            return None
+        lo = bounds[r] // 16
+        if lo != total:  # moved down: never past a piece not yet moved
+            pos[total : total + k] = pos[lo : lo + k]
+            diff[total : total + k] = diff[lo : lo + k]
+            old[total : total + k] = old[lo : lo + k]
+        total += k
+    return total, n
 
 
 def decode_tensor(

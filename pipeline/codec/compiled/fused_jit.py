@@ -521,20 +521,38 @@ def encode_sparse(
     planes: Any,
 ) -> Any:
     """The whole level-1 encoding of the common case in one call: scan, then
-    Rice-coded positions and sign-magnitude contents, the same bytes as the
-    step-by-step path. ``out`` receives the streams unary, fixed, sign,
+    Rice-coded positions and sign-magnitude contents (encode_scanned), the same
+    bytes as the step-by-step path."""
+    changed, resume = scan_diffs(base, new, pos, diff, old, 0)
+    return encode_scanned(base, pos, diff, big, mags, out, planes, changed, resume)
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def encode_scanned(
+    base: Any,
+    pos: Any,
+    diff: Any,
+    big: Any,
+    mags: Any,
+    out: Any,
+    planes: Any,
+    changed: int,
+    resume: int,
+) -> Any:
+    """The level-1 encoding of what a scan of ``base`` found (``changed`` entries of
+    pos / diff, the scan stopped at ``resume``): Rice-coded positions and
+    sign-magnitude contents. ``out`` receives the streams unary, fixed, sign,
     big_unary, big_fixed back to back; ``planes`` the magnitudes - 2 as byte
     planes (the caller compresses them).
 
     Returns (status, changed, resume, param, unary bytes, fixed bytes, sign
     bytes, large magnitudes, their param, their unary bytes, their fixed bytes).
-    With status FALLBACK the scan's results are in pos / diff / old up to ``changed``
-    (resume from ``resume`` when that is short of the end) and another encoding
-    applies: a bitmap may be smaller (at least 1/32 changed), the byte-plane
-    contents are (under 2/3 of differences are +-1), or ``out`` is too small."""
+    With status FALLBACK another encoding applies (the scan's results stay in
+    pos / diff for it; resume from ``resume`` when that is short of the end): a
+    bitmap may be smaller (at least 1/32 changed), the byte-plane contents are
+    (under 2/3 of differences are +-1), or ``out`` is too small."""
     n = base.size
     width = base.itemsize
-    changed, resume = scan_diffs(base, new, pos, diff, old, 0)
     nothing = (FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0)
     if resume < n or changed == 0 or 32 * changed >= n:
         return nothing
@@ -607,5 +625,6 @@ FUSED = SimpleNamespace(
     rice_write=rice_write,
     walk_sparse=walk_sparse,
     encode_sparse=encode_sparse,
+    encode_scanned=encode_scanned,
     patch_chunk=patch_chunk,
 )
