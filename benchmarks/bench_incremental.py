@@ -12,7 +12,8 @@ and the delta back. A torch target holding the base applies them in turn with
 are known (the bootstrap's full proof, untimed): xxh3-128 re-reads every touched
 tensor, mixsum-128 reads the changed positions only. The state is held once (a
 2.4B one is 4.8 GB), plus a second copy while the reference, a warm copy of the
-state's bytes into buffers copied to before, is measured. Best of ``2 * --reps``
+state's bytes into buffers copied to before, is measured, and one while each
+delta is encoded (the encoder holds every pair of an object). Best of ``2 * --reps``
 applies and ``--reps`` copies per figure (the machine may be shared).
 """
 
@@ -62,8 +63,8 @@ def changed_pairs(
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, base, new) with ``changes`` changed elements spread over every tensor in
     proportion to its size (+-1 or +-2 in the integer view), one new tensor at a time
-    (a model of several GB is held once; each tensor's changes come from its own
-    seed, so a second call gives the same ones). ``backwards``: (name, new, base), the
+    (each tensor's changes come from its own seed, so a second call gives the same
+    ones). ``backwards``: (name, new, base), the
     delta back. ``hashes[algorithm][name]`` gets each new tensor's content hash."""
     total = sum(t.numel() for t in base.values())
     for index, (name, t) in enumerate(base.items()):
@@ -134,7 +135,7 @@ def main() -> None:
 
 def measure(params: float, args: argparse.Namespace) -> str:
     """One table row: a state of about ``params`` parameters, held once (plus a copy
-    for the reference while that is measured, and one new tensor at a time)."""
+    for the reference while that is measured, and one while each delta is encoded)."""
     held = make_state(shapes_for(params), seed=0)
     if args.device != "cpu":
         held = {n: t.to(args.device) for n, t in held.items()}

@@ -5,7 +5,9 @@ Public API (stable; other modules code against exactly this):
 - ``CODEC_NAME``, ``CODEC_VERSION``, ``LEVELS``, ``DEFAULT_LEVEL``
 - ``encode_delta(pairs, level=DEFAULT_LEVEL) -> bytes``: pairs of
   ``(name, base, new)`` tensors (same dtype and shape, any device) become one
-  delta object: a safetensors file whose metadata names the codec.
+  delta object: a safetensors file whose metadata names the codec. Every pair
+  is taken (and checked) before any is encoded, and held until the object is
+  written.
 - ``read_delta(data, object_name=...) -> DeltaObject``: parse and validate the
   container without decoding tensors (raises CorruptObjectError / CodecError).
 - ``DeltaObject.tensors``: per-tensor ``EncodedTensorInfo`` (name, dtype,

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
@@ -36,6 +37,8 @@ from pipeline.targets.patching import (
     saved_old_values,
 )
 from pipeline.targets.walking import Walk
+
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -144,20 +147,13 @@ def prove_entries(
     tensor's patch per thread instead of growing with every change of the version."""
     early = early or {}
     changes = list(changed_entries(entries, objects, base, specs))
-    if PROVE_THREADS > 1 and len(changes) > 1:
-        pool = _provers()
-        futures = [
-            pool.submit(_prove_one, *change, base, early, keep_patches) for change in changes
-        ]
-        try:
-            results = [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            wait(futures)  # none still reads the weights once the caller goes on
-            raise
-    else:
-        results = [_prove_one(*change, base, early, keep_patches) for change in changes]
+
+    def prove(
+        entry: TensorEntry, delta: DeltaObject, held: torch.Tensor, spec: TensorSpec
+    ) -> tuple[TensorPatch | Walk, str, torch.Tensor | None]:
+        return _prove_one(entry, delta, held, spec, base, early, keep_patches)
+
+    results = _prove_all(prove, changes)
     proven = ProvenPatches([], {}, {})
     for done, digest, old in results:
         proven.hashes[done.name] = digest
@@ -183,6 +179,30 @@ def _provers() -> ThreadPoolExecutor:
     if _prove_pool is None:
         _prove_pool = ThreadPoolExecutor(PROVE_THREADS, thread_name_prefix="deltasync-prove")
     return _prove_pool
+
+
+Change = tuple[TensorEntry, DeltaObject, torch.Tensor, TensorSpec]
+
+
+def _prove_all(prove: Callable[..., _R], changes: list[Change]) -> list[_R]:
+    """``prove(*change)`` for every change, on PROVE_THREADS threads where there are
+    several (the walk, gathers and hash updates release the GIL), the tensors with
+    the most changes first: an embedding or a head left for last would keep one
+    thread busy while the others idle. Results come in the order given, so the first
+    tensor at fault in manifest order is the one raised; none still reads the
+    weights when this returns or raises."""
+    if PROVE_THREADS <= 1 or len(changes) <= 1:
+        return [prove(*change) for change in changes]
+    pool = _provers()
+    order = sorted(range(len(changes)), key=lambda i: -changes[i][0].changed)
+    futures = {i: pool.submit(prove, *changes[i]) for i in order}
+    try:
+        return [futures[i].result() for i in range(len(changes))]
+    except BaseException:
+        for future in futures.values():
+            future.cancel()
+        wait(futures.values())
+        raise
 
 
 def _prove_one(
@@ -273,19 +293,7 @@ def prove_incremental(
 
     olds: dict[str, torch.Tensor] = {}  # each thread sets its own tensors' entries
     changes = list(changed_entries(entries, objects, base, specs))
-    # Tensors on PROVE_THREADS threads (the walk, gathers and hash updates release
-    # the GIL); the first at fault in manifest order is reported.
-    if PROVE_THREADS > 1 and len(changes) > 1:
-        futures = [_provers().submit(one, *change) for change in changes]
-        try:
-            results = [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            wait(futures)
-            raise
-    else:
-        results = [one(*change) for change in changes]
+    results = _prove_all(one, changes)
     proven = ProvenPatches([], {}, {})
     for (entry, _, _, _), done in zip(changes, results, strict=True):
         proven.hashes[entry.name] = entry.hash  # checked against it above
