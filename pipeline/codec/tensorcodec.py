@@ -42,6 +42,9 @@ DENSE_MIN_DENSITY = 1 / 4
 # busy while the others wait.
 SPLIT_SCAN_ELEMENTS = 1 << 24
 SPLIT_PIECE_ELEMENTS = 1 << 22
+# Scan buffers hold one change per SCAN_SHARE elements; a piece of a split scan
+# writes into its own share of them.
+SCAN_SHARE = 16
 
 
 class DamagedStreamError(Exception):
@@ -131,7 +134,7 @@ def find_changes(base: AnyUInt, new: AnyUInt) -> Changes:
 def _scan_capacity(numel: int) -> int:
     """Scan output slots: room for ~6% changed (the scan stops and is resumed into
     larger buffers when more changed)."""
-    return numel // 16 + 2 * fused.LANES
+    return numel // SCAN_SHARE + 2 * fused.LANES
 
 
 def _scan_compiled(
@@ -372,7 +375,7 @@ def _scan_in_pieces(
     thread and by ``helpers`` (work queued behind busy threads finds nothing left and
     returns, so this thread never waits on a piece nobody started). Each piece writes
     its changes into its own share of ``outs`` (positions, differences, base
-    contents: 1/16 of its elements); they are then moved together. (changes, n) as
+    contents: one slot per SCAN_SHARE elements); they are then moved together. (changes, n) as
     scan_diffs returns them, or None when a piece held more changes than its share
     (the caller scans the tensor on one thread instead)."""
     pos, diff, old = outs
@@ -390,8 +393,8 @@ def _scan_in_pieces(
         while (r := next(claims)) < pieces:
             try:
                 start, stop = bounds[r], bounds[r + 1]
-                lo = start // 16
-                hi = bounds[r + 1] // 16 if r + 1 < pieces else pos.size
+                lo = start // SCAN_SHARE
+                hi = stop // SCAN_SHARE if r + 1 < pieces else pos.size
                 k, at = compiled.scan_diffs(
                     base[start:stop], new[start:stop], pos[lo:hi], diff[lo:hi], old[lo:hi], 0
                 )
@@ -415,7 +418,7 @@ def _scan_in_pieces(
     for r, (k, at) in enumerate(found):
         if at < bounds[r + 1]:
             return None
-        lo = bounds[r] // 16
+        lo = bounds[r] // SCAN_SHARE
         if lo != total:  # moved down: never past a piece not yet moved
             pos[total : total + k] = pos[lo : lo + k]
             diff[total : total + k] = diff[lo : lo + k]
