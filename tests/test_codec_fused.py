@@ -297,8 +297,10 @@ def test_one_call_encoder_matches_the_reference_path(level: int) -> None:
 
 def _split_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """Tensors above the (lowered) split size, with a tail that is no whole piece and
-    no whole 64 lanes, and one whose changes crowd a single piece (more than its
-    1/16 share) while the tensor as a whole stays sparse; smaller ones around them."""
+    no whole 64 lanes, one whose changes crowd a single piece (more than its
+    1/16 share) while the tensor as a whole stays sparse, and one whose differences
+    are all 3 units (byte-plane contents, found only after the split coding ran);
+    smaller ones around them."""
     gen = np.random.default_rng(11)
     out = []
     for name, numel, density in [
@@ -307,6 +309,7 @@ def _split_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         ("small.1", 40_000, 0.01),
         ("large.crowded", 200_000, 0.0),
         ("large.unchanged", 70_000, 0.0),
+        ("large.threes", 90_001, 0.0),
         ("small.2", 7, 0.5),
     ]:
         base = torch.from_numpy(gen.normal(0, 0.02, numel).astype(np.float32)).to(torch.bfloat16)
@@ -314,6 +317,14 @@ def _split_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         if name == "large.crowded":  # a quarter of elements 8192..12288 change
             flat = bits(new).reshape(-1)
             flat[8192:12288:4] += 1
+        if name == "large.uniform":  # mostly +-1, as training gives: sign-magnitude
+            flat = bits(base).reshape(-1).clone()
+            where = torch.from_numpy(np.flatnonzero(gen.random(numel) < density))
+            steps = gen.choice([-1] * 5 + [1] * 5 + [2, -2, 300, -1000], size=where.numel())
+            flat[where] += torch.from_numpy(steps.astype(np.int16))
+            new = flat.view(torch.bfloat16)
+        if name == "large.threes":
+            bits(new).reshape(-1)[5::61] += 3
         out.append((name, base, new))
     return out
 
@@ -323,9 +334,10 @@ def _split_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
     level: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Tensors are encoded largest first on a pool and the largest scanned in pieces
-    by every thread: the object is byte for byte what one thread writes, tensors in
-    the order given, and the encoder hands the same changes to ``on_changes``."""
+    """Tensors are encoded largest first on a pool, the largest scanned in pieces
+    by every thread and then coded beside their ``on_changes``: the object is byte
+    for byte what one thread writes, tensors in the order given, and the encoder
+    hands the same changes to ``on_changes``, once per changed tensor."""
     pairs = _split_pairs()
     monkeypatch.setattr(tensorcodec, "SPLIT_SCAN_ELEMENTS", 50_000)
     monkeypatch.setattr(tensorcodec, "SPLIT_PIECE_ELEMENTS", 4096)
@@ -342,18 +354,34 @@ def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
     for threads in (1, 3):
         monkeypatch.setattr(api, "ENCODE_THREADS", threads)
         seen: dict[str, tuple[bytes, bytes, bytes]] = {}
+        calls: list[str] = []
 
-        def hook(name: str, where: Any, diff: Any, old: Any, seen: dict[str, Any] = seen) -> None:
+        def hook(
+            name: str, where: Any, diff: Any, old: Any, seen: Any = seen, calls: Any = calls
+        ) -> None:
             seen[name] = (where.tobytes(), diff.tobytes(), old.tobytes())
+            calls.append(name)
 
         objects.append(encode_delta(pairs, level=level, on_changes=hook))
         changes.append(seen)
+        assert sorted(calls) == sorted(seen)
     assert objects[0] == objects[1]
     assert changes[0] == changes[1]
-    assert set(changes[0]) == {"small.0", "large.uniform", "small.1", "large.crowded", "small.2"}
+    assert set(changes[0]) == {
+        "small.0",
+        "large.uniform",
+        "small.1",
+        "large.crowded",
+        "large.threes",
+        "small.2",
+    }
+    records = json.loads(read_container(objects[1], "split").metadata["tensors"])
+    contents_of = {r["name"]: r["params"].get("contents") for r in records}
+    assert contents_of["large.uniform"] == "signmag"
+    assert contents_of["large.threes"] == "planes"  # after the split coding gave up
     if level == 1:  # level 2 codes bf16 positions per exponent class, unsplit
-        # Pieces ran for the three large tensors; the crowded one went back to one thread.
-        assert len(split_results) == 3
+        # Pieces ran for the four large tensors; the crowded one went back to one thread.
+        assert len(split_results) == 4
         assert sum(r is None for r in split_results) == 1
     obj = read_delta(objects[1], object_name="split")
     assert [t.name for t in obj.tensors] == [n for n, _, _ in pairs]

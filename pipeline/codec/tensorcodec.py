@@ -14,6 +14,7 @@ Contents are bit-pattern differences new - base in the integer view
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Callable
@@ -58,8 +59,9 @@ class ReadBackError(Exception):
 
 @dataclass(frozen=True)
 class Helpers:
-    """Other threads that may take pieces of a large tensor's scan: ``submit`` runs
-    a function on one of ``threads`` (ThreadPoolExecutor.submit)."""
+    """Other threads that may take pieces of a large tensor's encode (its scan, then
+    its coding and ``on_changes``): ``submit`` runs a function on one of ``threads``
+    (ThreadPoolExecutor.submit)."""
 
     submit: Callable[[Callable[[], None]], object]
     threads: int
@@ -215,7 +217,11 @@ def encode_tensor(
     ):
         base_np = base_flat.numpy().view(info.unsigned)
         new_np = new_flat.numpy().view(info.unsigned)
-        encoded, scanned = _encode_sparse_compiled(compiled, base_np, new_np, helpers)
+        encoded, scanned, hooked = _encode_sparse_compiled(
+            compiled, base_np, new_np, helpers, on_changes
+        )
+        if hooked:
+            on_changes = None
         if encoded is not None:
             if on_changes is not None:  # done: the scan ran to the end
                 count = scanned[3]
@@ -329,26 +335,33 @@ def _workspace(numel: int, dtype: np.dtype[Any]) -> tuple[npt.NDArray[Any], ...]
 
 
 def _encode_sparse_compiled(
-    compiled: Any, base: AnyUInt, new: AnyUInt, helpers: Helpers | None = None
-) -> tuple[Encoded | None, Scanned]:
+    compiled: Any,
+    base: AnyUInt,
+    new: AnyUInt,
+    helpers: Helpers | None = None,
+    on_changes: OnChanges | None = None,
+) -> tuple[Encoded | None, Scanned, bool]:
     """The common case (few changes, mostly +-1 units in the last place) in one
     compiled call (fused.encode_sparse): the same bytes as the general path,
     without its per-stream Python and compiled-call overhead. Otherwise None and
     the scan's buffers, count and resume point. With ``helpers``, a large tensor is
-    scanned in pieces first (fused.encode_scanned encodes what they found)."""
+    scanned in pieces first, then its positions, its contents and ``on_changes``
+    run side by side (_code_split). The flag: ``on_changes`` was called (only then;
+    the caller calls it otherwise)."""
     buffers = _workspace(base.size, base.dtype)
     split = None
     if helpers is not None and base.size >= SPLIT_SCAN_ELEMENTS:
         split = _scan_in_pieces(compiled, base, new, buffers[:3], helpers)
+    hooked = False
     if split is None:
         result = compiled.encode_sparse(base, new, *buffers)
     else:
-        pos, diff, _, *rest = buffers
-        result = compiled.encode_scanned(base, pos, diff, *rest, *split)
+        assert helpers is not None
+        result, hooked = _code_split(compiled, base, buffers, split, helpers, on_changes)
     status, changed, resume, param = result[:4]
     scanned = (buffers[0], buffers[1], buffers[2], changed, resume)
     if status != fused.DONE:
-        return None, scanned
+        return None, scanned, hooked
     nbig, big_param = result[7], result[8]
     head = result[4] + result[5] + result[6] + result[9] + result[10]
     mags = contents.compress(buffers[6][: nbig * base.itemsize]) if nbig else np.zeros(0, np.uint8)
@@ -361,7 +374,80 @@ def _encode_sparse_compiled(
         streams[role] = blob[offset : offset + size]
         offset += size
     params = {"rice": param, "contents": "signmag", "big": nbig, "big_rice": big_param}
-    return Encoded("sparse", changed, streams, params, blob), scanned
+    return Encoded("sparse", changed, streams, params, blob), scanned, hooked
+
+
+def _code_split(
+    compiled: Any,
+    base: AnyUInt,
+    buffers: tuple[npt.NDArray[Any], ...],
+    split: tuple[int, int],
+    helpers: Helpers,
+    on_changes: OnChanges | None,
+) -> tuple[tuple[int, ...], bool]:
+    """fused.encode_scanned's result for the finished split scan ``split`` (changes,
+    elements), its steps side by side: the Rice-coded positions, the contents, and
+    ``on_changes`` (which then needs no thread of its own after the coding). The
+    flag: ``on_changes`` was called."""
+    pos, diff, old, big, mags, out, planes = buffers
+    changed, resume = split
+    param, unary_n, fixed_n = compiled.sparse_plan(base.size, pos, changed, resume, out.size)
+    if param < 0:
+        return (fused.FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0), False
+    sign_at = unary_n + fixed_n
+    coded: list[tuple[bool, int, int, int, int]] = []
+
+    def code_contents() -> None:
+        coded.append(
+            compiled.sparse_contents(diff, changed, base.itemsize, big, mags, out, sign_at, planes)
+        )
+
+    def code_positions() -> None:
+        compiled.rice_write(pos, changed, param, out, 0, unary_n)
+
+    tasks = [code_contents]  # the longest first
+    if on_changes is not None:
+        hook = on_changes
+        tasks.append(lambda: hook(pos[:changed], diff[:changed], old[:changed]))
+    tasks.append(code_positions)
+    _share(tasks, helpers)
+    done, nbig, big_param, big_unary_n, big_fixed_n = coded[0]
+    if not done:
+        return (fused.FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0), on_changes is not None
+    sign_n = (changed + 7) >> 3
+    result = (fused.DONE, changed, resume, param, unary_n, fixed_n, sign_n, nbig, big_param)
+    return (*result, big_unary_n, big_fixed_n), on_changes is not None
+
+
+def _share(tasks: list[Callable[[], None]], helpers: Helpers) -> None:
+    """Run each of ``tasks`` once, taken in order by this thread and by ``helpers``
+    that are free: work queued behind busy threads finds nothing left and returns,
+    so this thread never waits on a task nobody started. Returns when every task is
+    done; the first error is raised here."""
+    claims = itertools.count()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    left = [len(tasks)]
+    finished = threading.Event()
+
+    def work() -> None:
+        while (r := next(claims)) < len(tasks):
+            try:
+                tasks[r]()
+            except BaseException as e:  # re-raised by the thread that waits
+                errors.append(e)
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        finished.set()
+
+    for _ in range(min(len(tasks) - 1, helpers.threads)):
+        helpers.submit(work)
+    work()
+    finished.wait()
+    if errors:
+        raise errors[0]
 
 
 def _scan_in_pieces(
@@ -371,49 +457,29 @@ def _scan_in_pieces(
     outs: tuple[npt.NDArray[Any], ...],
     helpers: Helpers,
 ) -> tuple[int, int] | None:
-    """fused.scan_diffs over pieces of SPLIT_PIECE_ELEMENTS, taken in turn by this
-    thread and by ``helpers`` (work queued behind busy threads finds nothing left and
-    returns, so this thread never waits on a piece nobody started). Each piece writes
-    its changes into its own share of ``outs`` (positions, differences, base
-    contents: one slot per SCAN_SHARE elements); they are then moved together. (changes, n) as
-    scan_diffs returns them, or None when a piece held more changes than its share
-    (the caller scans the tensor on one thread instead)."""
+    """fused.scan_diffs over pieces of SPLIT_PIECE_ELEMENTS, shared with ``helpers``
+    (_share). Each piece writes its changes into its own share of ``outs``
+    (positions, differences, base contents: one slot per SCAN_SHARE elements); they
+    are then moved together. (changes, n) as scan_diffs returns them, or None when a
+    piece held more changes than its share (the caller scans the tensor on one
+    thread instead)."""
     pos, diff, old = outs
     n = base.size
     bounds = [*range(0, n, SPLIT_PIECE_ELEMENTS), n]
     pieces = len(bounds) - 1
     found = [(0, 0)] * pieces
-    errors: list[BaseException] = []
-    claims = itertools.count()
-    lock = threading.Lock()
-    left = [pieces]
-    finished = threading.Event()
 
-    def work() -> None:
-        while (r := next(claims)) < pieces:
-            try:
-                start, stop = bounds[r], bounds[r + 1]
-                lo = start // SCAN_SHARE
-                hi = stop // SCAN_SHARE if r + 1 < pieces else pos.size
-                k, at = compiled.scan_diffs(
-                    base[start:stop], new[start:stop], pos[lo:hi], diff[lo:hi], old[lo:hi], 0
-                )
-                pos[lo : lo + k] += start
-                found[r] = (k, start + at)
-            except BaseException as e:  # re-raised by the thread that waits
-                errors.append(e)
-            finally:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        finished.set()
+    def scan(r: int) -> None:
+        start, stop = bounds[r], bounds[r + 1]
+        lo = start // SCAN_SHARE
+        hi = stop // SCAN_SHARE if r + 1 < pieces else pos.size
+        k, at = compiled.scan_diffs(
+            base[start:stop], new[start:stop], pos[lo:hi], diff[lo:hi], old[lo:hi], 0
+        )
+        pos[lo : lo + k] += start
+        found[r] = (k, start + at)
 
-    for _ in range(min(pieces - 1, helpers.threads)):
-        helpers.submit(work)
-    work()
-    finished.wait()
-    if errors:
-        raise errors[0]
+    _share([functools.partial(scan, r) for r in range(pieces)], helpers)
     total = 0
     for r, (k, at) in enumerate(found):
         if at < bounds[r + 1]:

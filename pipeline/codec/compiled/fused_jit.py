@@ -550,38 +550,22 @@ def encode_scanned(
     With status FALLBACK another encoding applies (the scan's results stay in
     pos / diff for it; resume from ``resume`` when that is short of the end): a
     bitmap may be smaller (at least 1/32 changed), the byte-plane contents are
-    (under 2/3 of differences are +-1), or ``out`` is too small."""
-    n = base.size
-    width = base.itemsize
+    (under 2/3 of differences are +-1), or ``out`` is too small.
+
+    Three steps, which a caller may also run apart (the last two on two threads:
+    they write disjoint bytes of ``out``): sparse_plan, sparse_contents, and
+    rice_write of the positions."""
     nothing = (FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0)
-    if resume < n or changed == 0 or 32 * changed >= n:
+    param, unary_n, fixed_n = sparse_plan(base.size, pos, changed, resume, out.size)
+    if param < 0:
         return nothing
-    top = (1 << (8 * width)) - 1
-    param, ubits = rice_choose(pos, changed)
-    unary_n = (ubits + 7) >> 3
-    fixed_n = (changed * param + 7) >> 3
     sign_at = unary_n + fixed_n
-    sign_n = (changed + 7) >> 3
-    if sign_at + sign_n > out.size:
-        return nothing
-    ones, nbig = signmag_diffs(diff[:changed], top, out[sign_at : sign_at + sign_n], big, mags)
-    if 3 * ones < 2 * changed:
-        return nothing
-    big_param = big_ubits = 0
-    if nbig:
-        big_param, big_ubits = rice_choose(big, nbig)
-    big_unary_n = (big_ubits + 7) >> 3
-    big_fixed_n = (nbig * big_param + 7) >> 3
-    big_at = sign_at + sign_n
-    if big_at + big_unary_n + big_fixed_n > out.size:
+    done, nbig, big_param, big_unary_n, big_fixed_n = sparse_contents(
+        diff, changed, base.itemsize, big, mags, out, sign_at, planes
+    )
+    if not done:
         return nothing
     rice_write(pos, changed, param, out, 0, unary_n)
-    if nbig:
-        rice_write(big, nbig, big_param, out, big_at, big_at + big_unary_n)
-        for plane in range(width):
-            shift = 8 * plane
-            for j in range(nbig):
-                planes[plane * nbig + j] = np.uint8((mags[j] >> shift) & 0xFF)
     return (
         DONE,
         changed,
@@ -589,12 +573,61 @@ def encode_scanned(
         param,
         unary_n,
         fixed_n,
-        sign_n,
+        (changed + 7) >> 3,
         nbig,
         big_param,
         big_unary_n,
         big_fixed_n,
     )
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def sparse_plan(n: int, pos: Any, changed: int, resume: int, room: int) -> Any:
+    """The layout of encode_scanned's streams for ``changed`` positions a finished
+    scan of ``n`` elements found: (Rice parameter, unary bytes, fixed bytes), the
+    sign bits following them; the parameter is -1 when another encoding applies
+    (the scan stopped short, nothing or at least 1/32 changed) or when the
+    positions and signs would not fit in ``room`` bytes."""
+    if resume < n or changed == 0 or 32 * changed >= n:
+        return -1, 0, 0
+    param, ubits = rice_choose(pos, changed)
+    unary_n = (ubits + 7) >> 3
+    fixed_n = (changed * param + 7) >> 3
+    if unary_n + fixed_n + ((changed + 7) >> 3) > room:
+        return -1, 0, 0
+    return param, unary_n, fixed_n
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def sparse_contents(
+    diff: Any, changed: int, width: int, big: Any, mags: Any, out: Any, sign_at: int, planes: Any
+) -> Any:
+    """encode_scanned's sign-magnitude contents of ``diff[:changed]`` (elements of
+    ``width`` bytes): the sign bits into ``out`` from byte ``sign_at``, then the
+    Rice-coded indices of magnitudes above one; those magnitudes - 2 as byte planes
+    into ``planes``. Writes no byte of ``out`` before ``sign_at``. (done, large
+    magnitudes, their param, their unary bytes, their fixed bytes); not done when
+    under 2/3 of the differences are +-1 or ``out`` is too small."""
+    top = (1 << (8 * width)) - 1
+    sign_n = (changed + 7) >> 3
+    ones, nbig = signmag_diffs(diff[:changed], top, out[sign_at : sign_at + sign_n], big, mags)
+    if 3 * ones < 2 * changed:
+        return False, 0, 0, 0, 0
+    big_param = big_ubits = 0
+    if nbig:
+        big_param, big_ubits = rice_choose(big, nbig)
+    big_unary_n = (big_ubits + 7) >> 3
+    big_fixed_n = (nbig * big_param + 7) >> 3
+    big_at = sign_at + sign_n
+    if big_at + big_unary_n + big_fixed_n > out.size:
+        return False, 0, 0, 0, 0
+    if nbig:
+        rice_write(big, nbig, big_param, out, big_at, big_at + big_unary_n)
+        for plane in range(width):
+            shift = 8 * plane
+            for j in range(nbig):
+                planes[plane * nbig + j] = np.uint8((mags[j] >> shift) & 0xFF)
+    return True, nbig, big_param, big_unary_n, big_fixed_n
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -626,5 +659,7 @@ FUSED = SimpleNamespace(
     walk_sparse=walk_sparse,
     encode_sparse=encode_sparse,
     encode_scanned=encode_scanned,
+    sparse_plan=sparse_plan,
+    sparse_contents=sparse_contents,
     patch_chunk=patch_chunk,
 )
