@@ -1,7 +1,8 @@
 """Contents of changed elements: bit-pattern differences new - base.
 
 Realistic updates move a bf16 element by one or two units in the last place, so
-the difference of the integer views is tiny. Two methods, the smaller wins:
+the difference of the integer views is tiny. Two methods; the encoder picks by the
+share of +-1 differences (:func:`signmag_pays`), where the smaller one lies:
 
 - ``signmag``: the sign of each difference as one raw bit (signs are close to
   fair coins, nothing compresses them); which magnitudes exceed one as
@@ -124,12 +125,18 @@ def decode_planes(frame: Frame, count: int, unsigned: type[np.unsignedinteger]) 
     return np.ascontiguousarray(planes.T).view(unsigned).reshape(count)
 
 
+def signmag_pays(ones: int, count: int) -> bool:
+    """Sign-magnitude contents are smaller than byte planes: at least 2 in 5 of the
+    ``count`` differences are +-1 (fused.SIGNMAG_ONES / SIGNMAG_OF). Below that they
+    may not be: large differences cost their sign twice and their index."""
+    return fused.SIGNMAG_OF * ones >= fused.SIGNMAG_ONES * count
+
+
 def encode_contents(diff: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
     """Streams and params for the differences new - base (unsigned, wrapping) of
     the changed elements.
 
-    Sign-magnitude when at least two thirds of the differences are +-1, where it
-    pays off; byte planes otherwise."""
+    Sign-magnitude where it pays (:func:`signmag_pays`), byte planes otherwise."""
     count = diff.size
     compiled = fused.get()
     if compiled is not None and diff.itemsize <= 4:
@@ -138,12 +145,12 @@ def encode_contents(diff: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
         mags_buf = scratch("mags", count, diff.dtype)
         top = (1 << (8 * diff.itemsize)) - 1
         ones, nbig = compiled.signmag_diffs(diff, top, signs, big_buf, mags_buf)
-        if 3 * ones >= 2 * count:
+        if signmag_pays(ones, count):
             return _signmag_streams(signs, big_buf[:nbig], mags_buf[:nbig])
         return {"values": encode_planes(zigzag(diff))}, {"contents": "planes"}
     minus_one = np.iinfo(diff.dtype).max
     ones = int(np.count_nonzero((diff == 1) | (diff == minus_one)))
-    if 3 * ones < 2 * count:
+    if not signmag_pays(ones, count):
         return {"values": encode_planes(zigzag(diff))}, {"contents": "planes"}
     negative = (diff >> (diff.dtype.itemsize * 8 - 1)).astype(np.uint8)
     magnitude = np.where(negative.astype(bool), np.zeros_like(diff) - diff, diff)

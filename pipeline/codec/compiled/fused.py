@@ -43,6 +43,8 @@ from pipeline.codec.compiled.fused_constants import (
     GATHER,
     LANES,
     MAX_PARAM,
+    SIGNMAG_OF,
+    SIGNMAG_ONES,
     UNDO,
 )
 
@@ -61,6 +63,8 @@ __all__ = [
     "GATHER",
     "LANES",
     "MAX_PARAM",
+    "SIGNMAG_OF",
+    "SIGNMAG_ONES",
     "UNDO",
     "get",
 ]

@@ -26,3 +26,9 @@ BAD_READBACK = 4  # CONFIRM: a written position does not hold what was written
 FALLBACK = 1
 
 MAX_PARAM = 40  # rice.MAX_PARAM (rice.py imports fused.py)
+
+# Sign-magnitude contents when at least SIGNMAG_ONES / SIGNMAG_OF of the
+# differences are +-1: from there on they are the smaller of the two methods, on
+# every magnitude distribution measured (docs/PERFORMANCE.md, contents).
+SIGNMAG_ONES = 2
+SIGNMAG_OF = 5

@@ -29,6 +29,8 @@ from pipeline.codec.compiled.fused_constants import (
     GATHER,
     LANES,
     MAX_PARAM,
+    SIGNMAG_OF,
+    SIGNMAG_ONES,
     UNDO,
 )
 from pipeline.intrinsics_jit import prefetch_write
@@ -40,12 +42,13 @@ from pipeline.intrinsics_jit import prefetch_write
 # built with the old values).
 CONSTANTS = (
     "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 GATHER=4 CONFIRM=5 DONE=0 "
-    "BAD=1,2,3,4 FALLBACK=1"
+    "BAD=1,2,3,4 FALLBACK=1 SIGNMAG=2/5"
 )
 _LIVE = (
     f"LANES={LANES} BATCH={BATCH} MAX_PARAM={MAX_PARAM} DECODE={DECODE} UNDO={UNDO} "
     f"DIFFS={DIFFS} GATHER={GATHER} CONFIRM={CONFIRM} DONE={DONE} "
-    f"BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS},{BAD_READBACK} FALLBACK={FALLBACK}"
+    f"BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS},{BAD_READBACK} FALLBACK={FALLBACK} "
+    f"SIGNMAG={SIGNMAG_ONES}/{SIGNMAG_OF}"
 )
 if CONSTANTS != _LIVE:
     raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused_constants.py {_LIVE!r}")
@@ -550,7 +553,7 @@ def encode_scanned(
     With status FALLBACK another encoding applies (the scan's results stay in
     pos / diff for it; resume from ``resume`` when that is short of the end): a
     bitmap may be smaller (at least 1/32 changed), the byte-plane contents are
-    (under 2/3 of differences are +-1), or ``out`` is too small.
+    (under SIGNMAG_ONES / SIGNMAG_OF of the differences are +-1), or ``out`` is too small.
 
     Three steps, which a caller may also run apart (the last two on two threads:
     they write disjoint bytes of ``out``): sparse_plan, sparse_contents, and
@@ -607,11 +610,12 @@ def sparse_contents(
     Rice-coded indices of magnitudes above one; those magnitudes - 2 as byte planes
     into ``planes``. Writes no byte of ``out`` before ``sign_at``. (done, large
     magnitudes, their param, their unary bytes, their fixed bytes); not done when
-    under 2/3 of the differences are +-1 or ``out`` is too small."""
+    under SIGNMAG_ONES / SIGNMAG_OF of the differences are +-1 or ``out``
+    is too small."""
     top = (1 << (8 * width)) - 1
     sign_n = (changed + 7) >> 3
     ones, nbig = signmag_diffs(diff[:changed], top, out[sign_at : sign_at + sign_n], big, mags)
-    if 3 * ones < 2 * changed:
+    if SIGNMAG_OF * ones < SIGNMAG_ONES * changed:
         return False, 0, 0, 0, 0
     big_param = big_ubits = 0
     if nbig:
