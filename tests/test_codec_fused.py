@@ -452,6 +452,52 @@ def test_rice_writer_matches_the_reference_and_stays_in_its_streams(param: int) 
     assert np.array_equal(out, expected)
 
 
+@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("param", [0, 1, 5, 13, 40])
+def test_rice_reader_matches_the_reference_on_whole_and_damaged_streams(param: int) -> None:
+    """The compiled Rice reader (a word of unary bits at a time) decodes what the
+    numpy reference decodes, and refuses what it refuses: bytes replaced, streams cut
+    short or grown, a code too many or too few, a limit the last position reaches."""
+    gen = np.random.default_rng(100 + param)
+    gaps = np.concatenate(
+        [gen.integers(0, 4 << param, 700), [0, 0, (70 << param) + 3, 1 << (param + 6)]]
+    ).astype(np.int64)
+    gen.shuffle(gaps)
+    positions = rice.gaps_to_positions(gaps)
+    unary, fixed = rice.encode_gaps(gaps, param)
+    limit = int(positions[-1]) + 1
+
+    def both(u: np.ndarray, f: np.ndarray, count: int, lim: int) -> object:  # type: ignore[type-arg]
+        out = np.full(count, -7, np.int64)
+        fast = rice.decode_positions(u, f, count, param, lim, out)
+        with compiled_kernels(False):
+            slow = rice.decode_positions(u, f, count, param, lim)
+        assert (fast is None) == (slow is None)
+        if fast is None:
+            return None
+        assert fast is out and np.array_equal(fast, slow)
+        return fast.tolist()
+
+    assert both(unary, fixed, positions.size, limit) == positions.tolist()
+    assert both(unary, fixed, positions.size, limit - 1) is None
+    assert both(unary, fixed, positions.size - 1, limit) is None
+    assert both(unary, fixed, positions.size + 1, limit) is None
+    assert both(unary[:-1], fixed, positions.size, limit) is None
+    assert both(np.append(unary, np.uint8(0)), fixed, positions.size, limit) is None
+    refused = decoded = 0
+    for _ in range(300):
+        u, f = unary.copy(), fixed.copy()
+        stream = u if f.size == 0 or gen.random() < 0.6 else f
+        stream[gen.integers(0, stream.size)] ^= np.uint8(1 << gen.integers(0, 8))
+        if gen.random() < 0.3:
+            stream[gen.integers(0, stream.size)] = gen.integers(0, 256)
+        if both(u, f, positions.size, limit) is None:
+            refused += 1
+        else:
+            decoded += 1
+    assert refused > 50
+
+
 def test_compiled_kernels_refuse_constants_they_were_not_written_for() -> None:
     """numba's disk cache freezes fused_constants.py's values into kernels keyed on
     fused_jit.py alone, so fused_jit.py names their values and will not load

@@ -177,22 +177,32 @@ def encode_positions(positions: I64) -> tuple[U8, U8, int]:
     return out[:unary_n], out[unary_n:], param
 
 
-def decode_positions(unary: U8, fixed: U8, count: int, param: int, limit: int) -> I64 | None:
-    """Positions from ``encode_positions``' streams, or None when the streams do not
-    hold exactly ``count`` codes (with zero padding) or a position reaches ``limit``."""
+def decode_positions(
+    unary: U8, fixed: U8, count: int, param: int, limit: int, out: I64 | None = None
+) -> I64 | None:
+    """Positions from ``encode_positions``' streams (into ``out`` when given: ``count``
+    int64), or None when the streams do not hold exactly ``count`` codes (with zero
+    padding) or a position reaches ``limit``."""
     if count == 0:
         return np.zeros(0, np.int64) if unary.size == 0 and fixed.size == 0 else None
     if fixed.size != fixed_nbytes(count, param):
         return None
-    compiled = kernels.get()
+    compiled = fused.get()
     if compiled is None:
         quotients = unpack_unary(unary, count)
         if quotients is None or int(quotients.max()) > (limit >> param):
             return None
-        out = gaps_to_positions((quotients << param) | unpack_fixed(fixed, count, param))
+        decoded = gaps_to_positions((quotients << param) | unpack_fixed(fixed, count, param))
+        if out is None:
+            out = decoded
+        else:
+            out[:] = decoded
     else:
-        out = np.empty(count, np.int64)
-        used = int(compiled.rice_decode(unary, fixed, param, limit, out))
+        if out is None:
+            out = np.empty(count, np.int64)
+        # The reader loads 8 bytes at a time from the streams' memory: no strides.
+        unary, fixed = np.ascontiguousarray(unary), np.ascontiguousarray(fixed)
+        used = int(compiled.rice_read(unary, fixed, param, limit, out))
         if used < 0 or (used + 7) // 8 != unary.size:
             return None
         if used & 7 and unary[-1] & (0xFF >> (used & 7)):

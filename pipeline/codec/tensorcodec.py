@@ -647,11 +647,10 @@ def walk_sparse(
         # Indices of large magnitudes, then a sentinel that keeps the walk off their end.
         big_ends = np.empty(nbig + 1, np.int64)
         big = rice.decode_positions(
-            streams["big_unary"], streams["big_fixed"], nbig, big_param, changed
+            streams["big_unary"], streams["big_fixed"], nbig, big_param, changed, big_ends[:nbig]
         )
         if big is None:
             raise DamagedStreamError("large-difference streams do not hold the recorded count")
-        big_ends[:nbig] = big
         big_ends[nbig] = changed
         if nbig:
             raw = contents.decompress(streams["mags"], nbig * info.width)

@@ -5,6 +5,8 @@
   positions, their differences new - base and the base contents there (for a
   content hash of the change); no mask, no word index.
 - ``signmag_diffs``: the sign-magnitude split of those differences.
+- ``rice_write`` / ``rice_read``: Rice-coded positions (rice.py's streams), written
+  8 bytes at a time and read a word at a time.
 - ``walk_sparse``: walks the Rice-coded gaps and the contents (sign-magnitude,
   or zigzagged byte planes) of a ``sparse`` record together and either writes
   new = base + diff straight into the target (apply, recording the old contents

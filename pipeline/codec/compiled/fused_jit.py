@@ -445,6 +445,48 @@ def walk_sparse(
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def rice_read(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
+    """Decode ``out.size`` Rice-coded positions (rice.encode_positions' streams;
+    ``fixed`` must hold exactly their fixed bits): the unary bits used, or -1 when
+    the unary stream ends before that many codes, holds another in the word after
+    the last, or a gap reaches ``limit``. Codes end where bits are set, read a word
+    at a time as in walk_sparse; the caller checks that the last code ends in the
+    stream's last byte and that only zero bits follow it."""
+    count = out.size
+    one = np.uint64(1)
+    word = np.uint64(0)
+    word_bit = 0
+    next_byte = 0
+    k = 0
+    while k < count:
+        if word == 0:
+            if next_byte >= unary.size:
+                return -1
+            word = unary_word(unary, next_byte)
+            word_bit = 8 * next_byte
+            next_byte += 8
+            continue
+        out[k] = word_bit + np.int64(trailing_zeros(word))
+        word &= word - one
+        k += 1
+    if word != 0:
+        return -1
+    low = np.uint64(63 - param)
+    end = -1
+    pos = -1
+    fbit = 0
+    for i in range(count):
+        quotient = out[i] - end - 1
+        end = out[i]
+        if quotient > (limit >> param):
+            return -1
+        pos += (quotient << param) + np.int64((peek(fixed, fbit) >> one) >> low) + 1
+        fbit += param
+        out[i] = pos
+    return end + 1
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def put_tail(stream: Any, index: int, acc: Any, held: int) -> None:
     """Flush a bit writer's ``held`` bits byte by byte: nothing is stored past the
     stream's last byte, so streams can be written back to back."""
@@ -660,6 +702,7 @@ FUSED = SimpleNamespace(
     scan_diffs=scan_diffs,
     signmag_diffs=signmag_diffs,
     rice_write=rice_write,
+    rice_read=rice_read,
     walk_sparse=walk_sparse,
     encode_sparse=encode_sparse,
     encode_scanned=encode_scanned,

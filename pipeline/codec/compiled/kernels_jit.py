@@ -14,9 +14,6 @@ import numpy as np
 
 jit = numba.njit(cache=True, nogil=True)
 
-# Leading zero bits of each non-zero byte (the compiled code sees it as a constant).
-LEADING_ZEROS = np.array([8] + [7 - int(v).bit_length() + 1 for v in range(1, 256)], np.int64)
-
 
 @jit  # type: ignore[untyped-decorator,misc]
 def rice_costs(positions: Any, first_param: int, count: int) -> Any:
@@ -41,51 +38,6 @@ def rice_costs(positions: Any, first_param: int, count: int) -> Any:
     for c in range(count):
         costs[c] = sums[c] + positions.size * (1 + first_param + c)
     return costs
-
-
-@jit  # type: ignore[untyped-decorator,misc]
-def rice_decode(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
-    """Decode ``out.size`` positions; the unary bits used, or -1 when the streams
-    do not hold exactly that many codes or a gap reaches ``limit``."""
-    count = out.size
-    # First where each unary code ends (its one bit), byte by byte.
-    k = 0
-    for index in range(unary.size):
-        byte = unary[index]
-        while byte:
-            if k >= count:
-                return -1
-            lead = LEADING_ZEROS[byte]
-            out[k] = index * 8 + lead
-            k += 1
-            byte &= ~(0x80 >> lead)
-    if k != count:
-        return -1
-    # Then quotient = distance between ends, low bits from the fixed stream.
-    end = -1
-    pos = -1
-    fbyte = 0
-    acc = 0
-    nacc = 0
-    mask = (1 << param) - 1
-    for i in range(count):
-        q = out[i] - end - 1
-        end = out[i]
-        if q > (limit >> param):
-            return -1
-        rem = 0
-        if param:
-            while nacc < param:
-                if fbyte >= fixed.size:
-                    return -1
-                acc = ((acc << 8) | fixed[fbyte]) & 0xFFFFFFFFFFFFFF
-                fbyte += 1
-                nacc += 8
-            nacc -= param
-            rem = (acc >> nacc) & mask
-        pos += ((q << param) | rem) + 1
-        out[i] = pos
-    return end + 1
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -144,7 +96,6 @@ def first_difference(target: Any, positions: Any, values: Any) -> int:
 
 KERNELS = SimpleNamespace(
     rice_costs=rice_costs,
-    rice_decode=rice_decode,
     gather_add=gather_add,
     signmag_values=signmag_values,
     scatter=scatter,
