@@ -426,20 +426,26 @@ def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
         assert torch.equal(bits(target), bits(new)), name
 
 
+def _rice_case(
+    param: int, gen: np.random.Generator, short: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # type: ignore[type-arg]
+    """(positions, unary, fixed) by the numpy reference: ``short`` short gaps, and
+    gaps of 32+ quotient (the writer's long-run loop) and of a word's worth."""
+    gaps = np.concatenate(
+        [gen.integers(0, 4 << param, short), [0, 0, (70 << param) + 3, 1 << (param + 6)]]
+    ).astype(np.int64)
+    gen.shuffle(gaps)
+    unary, fixed = rice.encode_gaps(gaps, param)
+    return rice.gaps_to_positions(gaps), unary, fixed
+
+
 @pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("param", [0, 1, 5, 13, 40])
 def test_rice_writer_matches_the_reference_and_stays_in_its_streams(param: int) -> None:
     """The one compiled Rice writer, at offsets in a shared buffer: the numpy
     path's bytes, and not a byte outside the two streams (the one-call encoder
     writes other streams right after them)."""
-    gen = np.random.default_rng(param)
-    # Short gaps, gaps of 32+ quotient (the writer's long-run loop) and a word's worth.
-    gaps = np.concatenate(
-        [gen.integers(0, 4 << param, 500), [0, 0, (70 << param) + 3, 1 << (param + 6)]]
-    ).astype(np.int64)
-    gen.shuffle(gaps)
-    positions = rice.gaps_to_positions(gaps)
-    unary, fixed = rice.encode_gaps(gaps, param)
+    positions, unary, fixed = _rice_case(param, np.random.default_rng(param), 500)
     head, gap_between = 5, 3
     out = np.full(head + unary.size + gap_between + fixed.size + 9, 0xA5, np.uint8)
     fixed_at = head + unary.size + gap_between
@@ -459,12 +465,7 @@ def test_rice_reader_matches_the_reference_on_whole_and_damaged_streams(param: i
     numpy reference decodes, and refuses what it refuses: bytes replaced, streams cut
     short or grown, a code too many or too few, a limit the last position reaches."""
     gen = np.random.default_rng(100 + param)
-    gaps = np.concatenate(
-        [gen.integers(0, 4 << param, 700), [0, 0, (70 << param) + 3, 1 << (param + 6)]]
-    ).astype(np.int64)
-    gen.shuffle(gaps)
-    positions = rice.gaps_to_positions(gaps)
-    unary, fixed = rice.encode_gaps(gaps, param)
+    positions, unary, fixed = _rice_case(param, gen, 700)
     limit = int(positions[-1]) + 1
 
     def both(u: np.ndarray, f: np.ndarray, count: int, lim: int) -> object:  # type: ignore[type-arg]

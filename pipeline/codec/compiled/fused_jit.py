@@ -235,6 +235,29 @@ def unary_word(unary: Any, index: int) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def unary_ends(unary: Any, out: Any, count: int, word: Any, word_bit: int, next_byte: int) -> Any:
+    """The stream bits where the next ``count`` unary codes end, into ``out[:count]``,
+    read on from a reader's state: ``word`` the bits not yet taken of the 8 bytes
+    that start at bit ``word_bit`` (unary_word), ``next_byte`` where the next 8
+    start. (word, word_bit, next_byte, codes found): fewer than ``count`` when the
+    stream ends first."""
+    one = np.uint64(1)
+    k = 0
+    while k < count:
+        if word == 0:
+            if next_byte >= unary.size:
+                break
+            word = unary_word(unary, next_byte)
+            word_bit = 8 * next_byte
+            next_byte += 8
+            continue
+        out[k] = word_bit + np.int64(trailing_zeros(word))
+        word &= word - one
+        k += 1
+    return word, word_bit, next_byte, k
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def write_batch(
     target: Any,
     positions: Any,
@@ -353,18 +376,11 @@ def walk_sparse(
         batch_pos = pos_buffers[(first // BATCH) & 1]
         batch_diff = diff_buffers[(first // BATCH) & 1]
         written = max(first - BATCH, 0)  # the previous batch is not written yet
-        b = 0
-        while b < size:
-            if word == 0:
-                if next_byte >= unary.size:
-                    return written, BAD_UNARY
-                word = unary_word(unary, next_byte)
-                word_bit = 8 * next_byte
-                next_byte += 8
-                continue
-            batch_pos[b] = word_bit + np.int64(trailing_zeros(word))
-            word &= word - one
-            b += 1
+        word, word_bit, next_byte, found = unary_ends(
+            unary, batch_pos, size, word, word_bit, next_byte
+        )
+        if found < size:
+            return written, BAD_UNARY
         for b in range(size):
             i = first + b
             end = batch_pos[b]
@@ -454,22 +470,8 @@ def rice_read(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
     stream's last byte and that only zero bits follow it."""
     count = out.size
     one = np.uint64(1)
-    word = np.uint64(0)
-    word_bit = 0
-    next_byte = 0
-    k = 0
-    while k < count:
-        if word == 0:
-            if next_byte >= unary.size:
-                return -1
-            word = unary_word(unary, next_byte)
-            word_bit = 8 * next_byte
-            next_byte += 8
-            continue
-        out[k] = word_bit + np.int64(trailing_zeros(word))
-        word &= word - one
-        k += 1
-    if word != 0:
+    word, _, _, found = unary_ends(unary, out, count, np.uint64(0), 0, 0)
+    if found < count or word != 0:
         return -1
     low = np.uint64(63 - param)
     end = -1
