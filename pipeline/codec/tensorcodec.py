@@ -391,9 +391,10 @@ def _code_split(
     flag: ``on_changes`` was called."""
     pos, diff, old, big, mags, out, planes = buffers
     changed, resume = split
+    nothing = (fused.FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0)
     param, unary_n, fixed_n = compiled.sparse_plan(base.size, pos, changed, resume, out.size)
     if param < 0:
-        return (fused.FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0), False
+        return nothing, False
     sign_at = unary_n + fixed_n
     coded: list[tuple[bool, int, int, int, int]] = []
 
@@ -413,7 +414,7 @@ def _code_split(
     _share(tasks, helpers)
     done, nbig, big_param, big_unary_n, big_fixed_n = coded[0]
     if not done:
-        return (fused.FALLBACK, changed, resume, 0, 0, 0, 0, 0, 0, 0, 0), on_changes is not None
+        return nothing, on_changes is not None
     sign_n = (changed + 7) >> 3
     result = (fused.DONE, changed, resume, param, unary_n, fixed_n, sign_n, nbig, big_param)
     return (*result, big_unary_n, big_fixed_n), on_changes is not None

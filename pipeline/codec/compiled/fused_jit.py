@@ -707,7 +707,6 @@ FUSED = SimpleNamespace(
     rice_read=rice_read,
     walk_sparse=walk_sparse,
     encode_sparse=encode_sparse,
-    encode_scanned=encode_scanned,
     sparse_plan=sparse_plan,
     sparse_contents=sparse_contents,
     patch_chunk=patch_chunk,
