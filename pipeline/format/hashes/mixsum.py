@@ -298,7 +298,7 @@ def change_lanes(
         )
     pos_np = positions.numpy() if isinstance(positions, torch.Tensor) else positions
     out = jit.change_sum(
-        np.ascontiguousarray(pos_np, np.int64), _unsigned(old, width), _unsigned(new, width)
+        np.ascontiguousarray(pos_np, np.int64), _unsigned(old, width), _unsigned(new, width), 0
     )
     return int(out[0]), int(out[1])
 
@@ -343,15 +343,12 @@ def gathered_update(
         where = np.ascontiguousarray(positions, np.int64)
         old = np.empty(where.size, data.dtype)
         new = np.empty_like(old)
-        out = np.empty(2, np.uint64)
-        if runs is not None:  # a box: its changes mixed at their positions in the tensor
-            mixed = _mixed(where, data.size, runs)
-            failed = jit.gather(where, data, diffs.view(data.dtype), old, new)
-            out[:] = jit.change_sum(mixed, old, new) if failed == 0 else 0
-        else:
-            failed = jit.gathered_update(where, data, diffs.view(data.dtype), old, new, out, offset)
-        if failed < 0:
+        if jit.gather(where, data, diffs.view(data.dtype), old, new) < 0:
             raise CorruptObjectError(f"a changed position is out of range for {data.size} elements")
+        if runs is not None:  # a box: its changes mixed at their positions in the tensor
+            out = jit.change_sum(_mixed(where, data.size, runs), old, new, 0)
+        else:
+            out = jit.change_sum(where, old, new, offset)
         lanes = (int(out[0]), int(out[1]))
         return (
             add(held, lanes),

@@ -88,12 +88,17 @@ def runs_sum(flat: Any, starts: Any, width: int) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
-def change_sum(positions: Any, old: Any, new: Any) -> Any:
-    """Both lane sums of f(i, new_i) - f(i, old_i) over the changed positions."""
+def change_sum(positions: Any, old: Any, new: Any, offset: int) -> Any:
+    """Both lane sums of f(offset + i, new_i) - f(offset + i, old_i) over the changed
+    positions ``i``. A loop of its own, after the gather: with the hash in the
+    gather's loop each cold-cache miss stalled it (6-10x slower at 2M positions in a
+    1.2 GB state), and inside the delta walk's batches, whose lines are prefetched,
+    it was still slower than this second pass (docs/PERFORMANCE.md)."""
     sa = np.uint64(0)
     sb = np.uint64(0)
+    at = np.uint64(offset)
     for k in range(positions.size):
-        i = np.uint64(positions[k])
+        i = np.uint64(positions[k]) + at
         na, nc = _lanes(i, np.uint64(new[k]))
         oa, oc = _lanes(i, np.uint64(old[k]))
         sa += na - oa
@@ -102,51 +107,6 @@ def change_sum(positions: Any, old: Any, new: Any) -> Any:
     out[0] = sa
     out[1] = sb
     return out
-
-
-@jit  # type: ignore[untyped-decorator,misc]
-def gathered_change_sum(positions: Any, held: Any, new: Any) -> Any:
-    """:func:`change_sum` with the old contents read from ``held`` (the whole flat
-    tensor) at the changed positions only."""
-    sa = np.uint64(0)
-    sb = np.uint64(0)
-    for k in range(positions.size):
-        p = positions[k]
-        i = np.uint64(p)
-        na, nc = _lanes(i, np.uint64(new[k]))
-        oa, oc = _lanes(i, np.uint64(held[p]))
-        sa += na - oa
-        sb += nc - oc
-    out = np.empty(2, np.uint64)
-    out[0] = sa
-    out[1] = sb
-    return out
-
-
-@jit  # type: ignore[untyped-decorator,misc]
-def gathered_update(
-    positions: Any, held: Any, diffs: Any, old: Any, new: Any, out: Any, offset: int
-) -> int:
-    """``old = held[positions]`` (``held``: the whole flat tensor or a piece of one
-    starting at flat position ``offset``, not written), ``new = old + diffs`` (wrapping
-    in the width), and both lane sums of f(offset + i, new_i) - f(offset + i, old_i)
-    into ``out``. -1, nothing computed, at a position out of range (compiled code
-    does not check bounds by itself). The gather is a loop
-    of its own: with the hash in the same loop each cold-cache miss stalled it
-    (6-10x slower at 2M positions in a 1.2 GB state)."""
-    if gather(positions, held, diffs, old, new) < 0:
-        return -1
-    sa = np.uint64(0)
-    sb = np.uint64(0)
-    for k in range(positions.size):
-        i = np.uint64(positions[k] + offset)
-        na, nc = _lanes(i, np.uint64(new[k]))
-        oa, oc = _lanes(i, np.uint64(old[k]))
-        sa += na - oa
-        sb += nc - oc
-    out[0] = sa
-    out[1] = sb
-    return 0
 
 
 @jit  # type: ignore[untyped-decorator,misc]
