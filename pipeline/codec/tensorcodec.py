@@ -510,13 +510,7 @@ def decode_tensor(
         if encoding == "same":
             return np.zeros(0, np.int64), np.zeros(0, unsigned)
         if encoding == "dense":
-            diff = contents.unzigzag(contents.decode_planes(streams["values"], numel, unsigned))
-            where = np.flatnonzero(diff).astype(np.int64)
-            if where.size != changed:
-                raise DamagedStreamError(
-                    f"contents change {where.size} elements, record says {changed}"
-                )
-            diff = diff[where]
+            where, diff = _dense_differences(streams, changed, numel, unsigned)
         else:
             walker = fused.get() if base_flat.device.type == "cpu" else None
             if walker is not None and walk_applies(encoding, params, info):
@@ -568,6 +562,18 @@ def decode_tensor(
     return where, base_vals + diff
 
 
+def _dense_differences(
+    streams: dict[str, U8], changed: int, numel: int, unsigned: type[np.unsignedinteger]
+) -> tuple[I64, AnyUInt]:
+    """(positions, differences) of a ``dense`` record: every element's zigzagged
+    difference, the nonzero ones counted against the record."""
+    diff = contents.unzigzag(contents.decode_planes(streams["values"], numel, unsigned))
+    where = np.flatnonzero(diff).astype(np.int64)
+    if where.size != changed:
+        raise DamagedStreamError(f"contents change {where.size} elements, record says {changed}")
+    return where, diff[where]
+
+
 def decode_differences(
     encoding: str,
     changed: int,
@@ -584,13 +590,7 @@ def decode_differences(
         if encoding == "same":
             return np.zeros(0, np.int64), np.zeros(0, unsigned)
         if encoding == "dense":
-            diff = contents.unzigzag(contents.decode_planes(streams["values"], numel, unsigned))
-            where = np.flatnonzero(diff).astype(np.int64)
-            if where.size != changed:
-                raise DamagedStreamError(
-                    f"contents change {where.size} elements, record says {changed}"
-                )
-            return where, diff[where]
+            return _dense_differences(streams, changed, numel, unsigned)
         if encoding == "sparse":
             where = positions.decode_sparse(streams, params, changed, numel)
         elif encoding == "bitmap":
