@@ -16,6 +16,11 @@ from pipeline.errors import ConfigError, ServiceUnavailableError
 _SECRET_QUERY_KEYS = ("password", "pass", "token", "secret")
 
 
+def text(value: str | bytes) -> str:
+    """A Redis reply field as text (clients without ``decode_responses`` give bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***``, safe for logs and errors."""
     try:

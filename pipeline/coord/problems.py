@@ -24,10 +24,10 @@ import redis
 
 from pipeline.config import CACHE_DAMAGE_TTL_S
 from pipeline.coord import scripts
-from pipeline.coord.connection import redis_errors
+from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.events import now_iso
-from pipeline.coord.keys import NODE_PATTERN, cache_damage_key, failing_index_key, failing_key
-from pipeline.coord.replicas import DEFAULT_TTL_S
+from pipeline.coord.keys import cache_damage_key, failing_index_key, failing_key
+from pipeline.coord.replicas import DEFAULT_TTL_S, node_records
 
 MAX_ERROR_CHARS = 2000
 
@@ -76,32 +76,10 @@ def clear_failure(client: redis.Redis, run: str, node: str) -> None:
 
 def list_failing(client: redis.Redis, run: str) -> list[FailingReplica]:
     """The nodes of ``run`` whose last sync failed (record not expired), by name."""
-    index = failing_index_key(run)
-    with redis_errors(client, f"reading {index}"):
-        members: Any = client.smembers(index)
-        nodes = sorted(_text(n) for n in members)
-        valid = [n for n in nodes if NODE_PATTERN.fullmatch(n)]
-        with client.pipeline(transaction=False) as pipe:
-            pipe.time()
-            for node in valid:
-                pipe.hgetall(failing_key(run, node))
-            now_raw, *records = pipe.execute()
-        now = float(now_raw[0]) + float(now_raw[1]) / 1e6
-        found: list[FailingReplica] = []
-        gone = [n for n in nodes if n not in valid]
-        for node, raw in zip(valid, records, strict=True):
-            info = _parse(node, raw, now)
-            if info is None:
-                gone.append(node)
-            else:
-                found.append(info)
-        if gone:  # expired records leave their name in the index
-            client.srem(index, *gone)
-    return found
+    return node_records(client, failing_index_key(run), lambda node: failing_key(run, node), _parse)
 
 
-def _parse(node: str, raw: dict[Any, Any], now: float) -> FailingReplica | None:
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+def _parse(node: str, fields: dict[str, str], now: float) -> FailingReplica | None:
     try:
         since = float(fields["since"])
         last = float(fields["last"])
@@ -164,7 +142,7 @@ def list_cache_damage(client: redis.Redis, run: str) -> list[CacheDamage]:
             doc = json.loads(value)
             out.append(
                 CacheDamage(
-                    _text(host),
+                    text(host),
                     int(doc["version"]),
                     str(doc["tensor"]),
                     str(doc["note"]),
@@ -175,7 +153,3 @@ def list_cache_damage(client: redis.Redis, run: str) -> list[CacheDamage]:
         except (ValueError, TypeError, KeyError, RecursionError):
             continue
     return sorted(out, key=lambda d: d.host)
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -13,20 +13,22 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import structlog
 
 from pipeline.config import REPLICA_TTL_S
 from pipeline.coord import scripts
-from pipeline.coord.connection import redis_errors
+from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.keys import NODE_PATTERN, lock_key, replica_key, replicas_key
 from pipeline.errors import ConfigError, DeltasyncError, LockError
+
+_Record = TypeVar("_Record")
 
 log = structlog.get_logger(__name__)
 
@@ -80,31 +82,43 @@ def forget_replica(client: redis.Redis, run: str, node: str) -> None:
 
 def list_replicas(client: redis.Redis, run: str) -> list[ReplicaInfo]:
     """The replicas of ``run`` whose heartbeat has not expired, by node name."""
-    index = replicas_key(run)
+    return node_records(client, replicas_key(run), lambda node: replica_key(run, node), _info)
+
+
+def node_records(
+    client: redis.Redis,
+    index: str,
+    key_of: Callable[[str], str],
+    parse: Callable[[str, dict[str, str], float], _Record | None],
+) -> list[_Record]:
+    """The records of the nodes named in the set ``index``, by node name: each node's
+    hash at ``key_of(node)`` parsed by ``parse(node, fields, now)`` (the server's
+    clock). Names that are not node names are skipped; those whose record expired or
+    does not parse (None) leave the index."""
     with redis_errors(client, f"reading {index}"):
-        nodes = sorted(_text(n) for n in client.smembers(index))  # type: ignore[union-attr]
+        members: Any = client.smembers(index)
+        nodes = sorted(text(n) for n in members)
         valid = [n for n in nodes if NODE_PATTERN.fullmatch(n)]
         with client.pipeline(transaction=False) as pipe:
             pipe.time()
             for node in valid:
-                pipe.hgetall(replica_key(run, node))
+                pipe.hgetall(key_of(node))
             now_raw, *hashes = pipe.execute()
         now = float(now_raw[0]) + float(now_raw[1]) / 1e6
-        infos: list[ReplicaInfo] = []
+        found: list[_Record] = []
         gone: list[str] = [n for n in nodes if n not in valid]
         for node, raw in zip(valid, hashes, strict=True):
-            info = _info(node, raw, now)
-            if info is None:
+            record = parse(node, {text(k): text(v) for k, v in raw.items()}, now)
+            if record is None:
                 gone.append(node)
             else:
-                infos.append(info)
-        if gone:  # expired heartbeats leave their name in the index
+                found.append(record)
+        if gone:  # expired records leave their name in the index
             client.srem(index, *gone)
-    return infos
+    return found
 
 
-def _info(node: str, raw: dict[Any, Any], now: float) -> ReplicaInfo | None:
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+def _info(node: str, fields: dict[str, str], now: float) -> ReplicaInfo | None:
     try:
         stamp = float(fields["time"])
         return ReplicaInfo(
@@ -294,9 +308,5 @@ def claim_once(client: redis.Redis, key: str, ttl_s: float, value: str = "1") ->
         return bool(client.set(key, value, nx=True, px=_ms(ttl_s)))
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _text_or_none(value: Any) -> str | None:
-    return None if value is None else _text(value)
+    return None if value is None else text(value)

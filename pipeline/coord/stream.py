@@ -17,7 +17,7 @@ from typing import Any, overload
 import redis
 import structlog
 
-from pipeline.coord.connection import redis_errors
+from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.events import (
     MAX_EVENT_BYTES,
     RUN_NAME_PATTERN,
@@ -47,10 +47,6 @@ def parse_id(stream_id: str | bytes) -> tuple[int, int]:
     if match is None:
         raise EventError(f"invalid stream id {text!r}")
     return int(match.group(1)), int(match.group(2))
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 # --------------------------------------------------------------------------- the stream
@@ -106,7 +102,7 @@ class EventStream:
         ):
             self._queue(pipe, payload)
             results = pipe.execute()
-        return _text(results[0])
+        return text(results[0])
 
     def _queue(self, pipe: redis.client.Pipeline, payload: str) -> None:
         pipe.xadd(self.key, {ENTRY_FIELD: payload}, maxlen=self.maxlen, approximate=True)
@@ -137,7 +133,7 @@ class EventStream:
         entries: list[tuple[str, Event | None]] = []
         for _stream, items in response or []:
             for raw_id, raw_fields in items:
-                entry_id = _text(raw_id)
+                entry_id = text(raw_id)
                 entries.append((entry_id, self._decode(entry_id, raw_fields)))
         return entries
 
@@ -174,13 +170,13 @@ class EventStream:
                 info: Any = self.redis.xinfo_stream(self.key)
             except redis.ResponseError:  # no such key
                 return "0-0"
-        return _text(info["last-generated-id"])
+        return text(info["last-generated-id"])
 
     def first_id(self) -> str | None:
         """The id of the oldest entry still in the stream, or None if it is empty."""
         with redis_errors(self.redis, f"reading {self.key}"):
             head: Any = self.redis.xrange(self.key, count=1)
-        return _text(head[0][0]) if head else None
+        return text(head[0][0]) if head else None
 
     def length(self) -> int:
         with redis_errors(self.redis, f"reading {self.key}"):
@@ -248,7 +244,7 @@ def list_runs(client: redis.Redis) -> list[str]:
     """Names of the runs that have published events, sorted."""
     with redis_errors(client, f"reading {RUNS_KEY}"):
         members = client.smembers(RUNS_KEY)
-    names = sorted(_text(m) for m in members)
+    names = sorted(text(m) for m in members)
     return [name for name in names if RUN_NAME_PATTERN.fullmatch(name)]
 
 

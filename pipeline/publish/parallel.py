@@ -33,6 +33,7 @@ import redis
 import structlog
 
 from pipeline import config
+from pipeline.coord.connection import text
 from pipeline.coord.events import DeltaPart
 from pipeline.coord.keys import fanout_key, part_hosts_key, part_records_key
 from pipeline.coord.replicas import run_lock
@@ -75,7 +76,7 @@ def route_parts(client: redis.Redis, run: str, step: int, hosts: Mapping[str, st
 
 def part_hosts(client: redis.Redis, run: str, step: int) -> dict[str, str]:
     raw = client.hgetall(part_hosts_key(run, step))
-    return {_text(k): _text(v) for k, v in raw.items()}
+    return {text(k): text(v) for k, v in raw.items()}
 
 
 def fanout_to_json(task: DeltaTask) -> str:
@@ -152,10 +153,6 @@ def _dims(doc: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {**doc, **{k: tuple(doc[k]) for k in keys if k in doc}}
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class RedisLedger:
     """The part records of ``fanout`` in a Redis hash, parts claimed with run locks. A
     worker serving trainer host ``host`` claims the parts routed to it and those not
@@ -208,11 +205,11 @@ class RedisLedger:
 
     def recorded_keys(self) -> set[str]:
         """The parts recorded so far, without their records (cheap to poll)."""
-        return {_text(k) for k in self.client.hkeys(self.key)}
+        return {text(k) for k in self.client.hkeys(self.key)}
 
     def records(self) -> dict[str, PartRecord]:
         raw = self.client.hgetall(self.key)
-        return {_text(k): _parse_record(v) for k, v in raw.items()}
+        return {text(k): _parse_record(v) for k, v in raw.items()}
 
     def wait(self) -> None:
         time.sleep(IDLE_S)
