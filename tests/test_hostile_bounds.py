@@ -29,6 +29,7 @@ from pipeline.errors import (
     SignatureError,
     StoreError,
 )
+from pipeline.format.bounded import MAX_JSON_DEPTH, json_depth, load_json
 from pipeline.format.manifest import MAX_MANIFEST_BYTES, manifest_key
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.signing import generate_keypair, load_public_key
@@ -93,6 +94,31 @@ def test_a_deep_field_value_is_refused_before_it_is_printed() -> None:
         nested = [nested]
     with pytest.raises(EventError, match="nested deeper"):
         parse_event({"type": "step-completed", "schema": 1, "run": nested})
+
+
+def _nested(depth: int, leaf: object) -> object:
+    doc = leaf
+    for level in range(depth):
+        doc = [1, "x", doc] if level % 2 else {"a": 0, "b": doc}
+    return doc
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 7, MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH])
+def test_json_depth_counts_the_deepest_branch(depth: int) -> None:
+    # Scalars beside every level; the deepest branch is the last child.
+    doc = _nested(depth, 5)
+    assert json_depth(doc) == depth
+    assert json_depth(json.loads(json.dumps(doc))) == depth
+    assert json_depth(_nested(depth, [])) == depth + 1  # an empty list is a level
+    assert json_depth([{}, [[]], doc]) == max(3, depth + 1)  # shallow siblings first
+
+
+def test_json_at_the_depth_limit_loads_and_one_level_more_does_not() -> None:
+    text = json.dumps(_nested(MAX_JSON_DEPTH, 5))
+    assert load_json(text, max_bytes=len(text), what="doc", error=EventError) is not None
+    deeper = json.dumps(_nested(MAX_JSON_DEPTH + 1, 5))
+    with pytest.raises(EventError, match="nested deeper than 32 levels"):
+        load_json(deeper, max_bytes=len(deeper), what="doc", error=EventError)
 
 
 @pytest.mark.parametrize("payload", [b"[" * 100_000, b'{"schema":1,"extra":' + b"[" * 100_000])

@@ -16,6 +16,7 @@ from pipeline.errors import DeltasyncError
 # Deeper than any document deltasync writes (a manifest nests 4 levels, an event 1),
 # far below the interpreter's recursion limit.
 MAX_JSON_DEPTH = 32
+_CONTAINERS = (dict, list)
 
 
 def load_json(
@@ -44,22 +45,19 @@ def load_json(
 
 
 def json_depth(doc: object, limit: int = MAX_JSON_DEPTH) -> int:
-    """How deep ``doc`` nests (a scalar is 0), counted without recursion; stops once past
-    ``limit``."""
-    deepest = 0
-    stack: list[tuple[object, int]] = [(doc, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
-        else:
-            continue
+    """How deep ``doc`` nests (a scalar is 0), counted level by level without recursion;
+    stops once past ``limit``. Each level's containers are picked out by one
+    comprehension: a delta object's header holds thousands of small containers, read
+    on every apply."""
+    level: list[object] = [doc] if isinstance(doc, _CONTAINERS) else []
+    depth = 0
+    while level:
         depth += 1
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                return deepest
-        stack.extend((child, depth) for child in children if isinstance(child, dict | list))
-    return deepest
+        if depth > limit:
+            return depth
+        below: list[object] = []
+        for value in level:
+            children: Any = value.values() if isinstance(value, dict) else value
+            below += [c for c in children if isinstance(c, _CONTAINERS)]
+        level = below
+    return depth
