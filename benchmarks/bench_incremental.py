@@ -1,10 +1,11 @@
 """Replica apply at a fixed number of changed elements while the model grows.
 
     python benchmarks/bench_incremental.py [--params 36e6,0.6e9] [--changes 2e6]
-                                           [--device cpu] [--reps 3]
+                                           [--device cpu] [--reps 3] [--moe]
 
 For each size a Qwen-shaped bf16 state (benchmarks/emulator.py shapes; the 36M one
-with a 16k vocabulary and hidden 512) gets ``--changes`` changed elements spread
+with a 16k vocabulary and hidden 512; with ``--moe``, Qwen3-MoE-like shapes of 128
+experts a layer, many small tensors) gets ``--changes`` changed elements spread
 over every tensor in proportion to its size (+-1 or +-2 in the integer view), one
 delta object through the real codec, and a manifest hashed with each content hash;
 and the delta back. A torch target holding the base applies them in turn with
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulator import make_state, qwen_like_shapes
+from emulator import make_state, moe_like_shapes, qwen_like_shapes
 
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta, read_delta
 from pipeline.format.hashes import content_hashes
@@ -47,7 +48,9 @@ from pipeline.format.manifest import (
 from pipeline.targets.torch import TorchTarget
 
 
-def shapes_for(params: float) -> list[tuple[str, tuple[int, ...]]]:
+def shapes_for(params: float, moe: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    if moe:
+        return list(moe_like_shapes(params))
     if params < 100e6:
         return list(qwen_like_shapes(params, vocab=16384, hidden=512))
     return list(qwen_like_shapes(params))
@@ -125,10 +128,17 @@ def main() -> None:
     parser.add_argument("--changes", type=float, default=2e6)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="Qwen3-MoE-like shapes (128 experts a layer: many small tensors) instead of "
+        "dense Qwen-like ones; at least 0.4B parameters",
+    )
     args = parser.parse_args()
     print(f"load {os.getloadavg()}, {os.cpu_count()} CPUs, device {args.device}", flush=True)
-    print("| params | changed | copy s | xxh3-128 apply s | mixsum-128 apply s | mixsum / copy |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| params | tensors | changed | copy s | xxh3-128 apply s | mixsum-128 apply s | "
+          "mixsum / copy |")  # fmt: skip
+    print("| --- | ---: | --- | --- | --- | --- | --- |")
     for params in (float(p) for p in args.params.split(",")):
         print(measure(params, args), flush=True)
 
@@ -136,7 +146,7 @@ def main() -> None:
 def measure(params: float, args: argparse.Namespace) -> str:
     """One table row: a state of about ``params`` parameters, held once (plus a copy
     for the reference while that is measured, and one while each delta is encoded)."""
-    held = make_state(shapes_for(params), seed=0)
+    held = make_state(shapes_for(params, args.moe), seed=0)
     if args.device != "cpu":
         held = {n: t.to(args.device) for n, t in held.items()}
     size = sum(t.numel() for t in held.values())
@@ -180,7 +190,7 @@ def measure(params: float, args: argparse.Namespace) -> str:
         applies[algorithm] = min(times)
     mix = applies[content_hashes.MIXSUM]
     return (
-        f"| {size / 1e6:.0f}M | {int(args.changes):,} | {reference:.3f} "
+        f"| {size / 1e6:.0f}M | {len(held)} | {int(args.changes):,} | {reference:.3f} "
         f"| {applies[content_hashes.XXH3]:.3f} | {mix:.3f} | {mix / reference:.2f}x |"
     )
 

@@ -238,6 +238,41 @@ def qwen_like_shapes(
     yield "lm_head.weight", (vocab, hidden)
 
 
+def moe_like_shapes(
+    params: float,
+    vocab: int = 151936,
+    hidden: int = 1024,
+    experts: int = 128,
+    moe_inter: int = 384,
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Qwen3-MoE-style tensor names and shapes with about ``params`` parameters:
+    per layer attention (grouped KV), a router and ``experts`` experts of three
+    projections each (Qwen3-30B-A3B's proportions at a smaller hidden size: 128
+    experts, expert width 3/8 of hidden). Many small tensors per parameter, so a
+    per-tensor cost shows where the dense shapes hide it."""
+    kv = max(64, hidden // 8)
+    per_layer = hidden * hidden * 2 + hidden * kv * 2 + 2 * hidden + experts * hidden
+    per_layer += experts * 3 * hidden * moe_inter
+    layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
+    yield "model.embed_tokens.weight", (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (hidden,)
+        yield p + "self_attn.q_proj.weight", (hidden, hidden)
+        yield p + "self_attn.k_proj.weight", (kv, hidden)
+        yield p + "self_attn.v_proj.weight", (kv, hidden)
+        yield p + "self_attn.o_proj.weight", (hidden, hidden)
+        yield p + "post_attention_layernorm.weight", (hidden,)
+        yield p + "mlp.gate.weight", (experts, hidden)
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            yield q + "gate_proj.weight", (moe_inter, hidden)
+            yield q + "up_proj.weight", (moe_inter, hidden)
+            yield q + "down_proj.weight", (hidden, moe_inter)
+    yield "model.norm.weight", (hidden,)
+    yield "lm_head.weight", (vocab, hidden)
+
+
 def make_state(
     shapes: Iterable[tuple[str, tuple[int, ...]]], seed: int = 0, std: float = 0.02
 ) -> dict[str, torch.Tensor]:
