@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from pipeline.codec import TensorPatch, apply_patch, encode_delta, read_delta
-from pipeline.errors import MismatchError
+from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import hashing
 from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.format.manifest import Manifest, object_key
+from pipeline.format.manifest import Manifest, TensorEntry, object_key
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
@@ -262,3 +262,29 @@ def test_proof_on_threads_equals_the_sequential_proof_and_names_the_first_fault(
     with pytest.raises(MismatchError, match=f"tensor {first}:"):
         proving.decode_and_prove(manifest, objects, held.__getitem__, specs)
     assert all(torch.equal(bits(held[n]), before[n]) for n in held)
+
+
+@pytest.mark.parametrize(
+    ("positions", "fine"),
+    [
+        ([0, 5, 11], True),
+        ([3], True),
+        ([], True),
+        ([-1, 4], False),
+        ([2, 12], False),
+        ([12], False),
+    ],
+)
+def test_check_patch_bounds_positions_by_their_ends(positions: list[int], fine: bool) -> None:
+    """A decoded patch's sorted positions are checked against the tensor's size by
+    their first and last; on CPU they are read through numpy."""
+    where = torch.tensor(positions, dtype=torch.int64)
+    values = torch.ones(len(positions), dtype=torch.int16)
+    patch = TensorPatch("w", torch.bfloat16, (3, 4), where, values)
+    entry = TensorEntry("w", "bfloat16", (3, 4), "", "part-00000", len(positions))
+    spec = TensorSpec(torch.bfloat16, (3, 4))
+    if fine:
+        patching.check_patch(patch, entry, spec)
+    else:
+        with pytest.raises(CorruptObjectError, match="decoded position out of range"):
+            patching.check_patch(patch, entry, spec)

@@ -384,6 +384,7 @@ class DeltaObject:
         return record
 
 
+@functools.cache
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:
     return torch.empty(0, dtype=dtype).numpy().dtype
 

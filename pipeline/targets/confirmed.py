@@ -53,15 +53,16 @@ def disjoint(tensors: Sequence[torch.Tensor]) -> bool:
     return all(a[:2] != b[:2] or a[3] <= b[2] for a, b in itertools.pairwise(spans))
 
 
-def destination(flat: torch.Tensor) -> np.ndarray[Any, Any]:
-    """The numpy array the compiled write goes through: a view of ``flat``."""
-    return flat.numpy()
+def destination(ints: torch.Tensor) -> np.ndarray[Any, Any]:
+    """The flat numpy array the compiled write goes through: a view of ``ints``
+    (contiguous; numpy flattens it without the cost of a torch view)."""
+    return ints.numpy().reshape(-1)
 
 
-def write_confirmed(tensor: torch.Tensor, flat: torch.Tensor, patch: TensorPatch) -> None:
-    """Write ``patch`` into ``flat`` (the held CPU ``tensor``'s flat integer view) and
-    read the written positions back; MismatchError when one does not hold its new
-    contents, CorruptObjectError (nothing written) for positions not strictly
+def write_confirmed(tensor: torch.Tensor, ints: torch.Tensor, patch: TensorPatch) -> None:
+    """Write ``patch`` into ``ints`` (the held CPU ``tensor``'s integer view, any
+    shape) and read the written positions back; MismatchError when one does not hold
+    its new contents, CorruptObjectError (nothing written) for positions not strictly
     ascending or out of range."""
     jit = _jit()
     assert jit is not None
@@ -69,13 +70,14 @@ def write_confirmed(tensor: torch.Tensor, flat: torch.Tensor, patch: TensorPatch
     if (
         patch.positions.dtype != torch.int64
         or patch.positions.dim() != 1
-        or patch.values.element_size() != flat.element_size()
+        or patch.values.element_size() != ints.element_size()
         or patch.values.numel() != count
         or not tensor.is_contiguous()
     ):
         raise CorruptObjectError(f"tensor {patch.name}: malformed patch")
-    target = destination(flat)
-    values = patch.values.view(flat.dtype).numpy()
+    target = destination(ints)
+    given = patch.values
+    values = (given if given.dtype == ints.dtype else given.view(ints.dtype)).numpy()
     if (
         target.ctypes.data != tensor.data_ptr()
         or target.size != tensor.numel()

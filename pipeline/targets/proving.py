@@ -314,15 +314,15 @@ def _incremental_one(
 ) -> HashedPatch:
     """One tensor's patch (on its device), old contents at its positions and hash
     after it: the held hash plus the changes."""
-    flat = int_view(held.detach()).reshape(-1)
     walked = guarded(delta.gathered, entry, held)
     if walked is not None:
         # One walk of the streams over the held tensor, read at the changed positions
         # only: positions, new and old contents; then the hash update from them.
         at, new, old = walked
-        digest = algorithm.updated(held_hash(entry.name), at, old, new, flat.element_size())
+        digest = algorithm.updated(held_hash(entry.name), at, old, new, held.element_size())
         patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), at, new)
         return HashedPatch(patch, old, digest)
+    flat = int_view(held.detach()).reshape(-1)
     found = guarded(delta.differences, entry, held)
     if found is not None:
         # Positions and differences from the streams alone, then one pass over the

@@ -47,6 +47,7 @@ _MASK = (1 << 64) - 1
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NUMPY_INTS = frozenset(_SIGNED_VIEW.values()) | {torch.int8}
 # Elements per thread task / per torch-ops step (bounds the int64 temporaries).
 CPU_CHUNK = 1 << 22
 TORCH_CHUNK = 1 << 23
@@ -122,7 +123,9 @@ def int_flat(tensor: torch.Tensor) -> torch.Tensor:
 def _unsigned(values: torch.Tensor | npt.NDArray[Any], width: int) -> npt.NDArray[Any]:
     """CPU integer values of ``width`` bytes as a numpy unsigned array (no copy)."""
     if isinstance(values, torch.Tensor):
-        values = int_flat(values).numpy()
+        # A decoded patch's contents are already flat integers: numpy views them as is.
+        flat_ints = values.dtype in _NUMPY_INTS and values.dim() == 1 and values.is_contiguous()
+        values = values.numpy() if flat_ints else int_flat(values).numpy()
     return np.ascontiguousarray(values).reshape(-1).view(_UNSIGNED[width])
 
 
