@@ -23,6 +23,7 @@ real codec.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -219,23 +220,12 @@ def qwen_like_shapes(
     """Llama/Qwen2-style tensor names and shapes with about ``params`` parameters
     (Qwen2.5-0.5B: hidden 896, 24 layers, untied head here)."""
     inter = int(hidden * ratio) // 64 * 64
-    kv = max(64, hidden // 7)
-    per_layer = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter + 2 * hidden
-    layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
-    yield "model.embed_tokens.weight", (vocab, hidden)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (hidden,)
-        yield p + "self_attn.q_proj.weight", (hidden, hidden)
-        yield p + "self_attn.k_proj.weight", (kv, hidden)
-        yield p + "self_attn.v_proj.weight", (kv, hidden)
-        yield p + "self_attn.o_proj.weight", (hidden, hidden)
-        yield p + "post_attention_layernorm.weight", (hidden,)
-        yield p + "mlp.gate_proj.weight", (inter, hidden)
-        yield p + "mlp.up_proj.weight", (inter, hidden)
-        yield p + "mlp.down_proj.weight", (hidden, inter)
-    yield "model.norm.weight", (hidden,)
-    yield "lm_head.weight", (vocab, hidden)
+    mlp = [
+        ("mlp.gate_proj.weight", (inter, hidden)),
+        ("mlp.up_proj.weight", (inter, hidden)),
+        ("mlp.down_proj.weight", (hidden, inter)),
+    ]
+    return _decoder_shapes(params, vocab, hidden, max(64, hidden // 7), mlp)
 
 
 def moe_like_shapes(
@@ -250,25 +240,39 @@ def moe_like_shapes(
     projections each (Qwen3-30B-A3B's proportions at a smaller hidden size: 128
     experts, expert width 3/8 of hidden). Many small tensors per parameter, so a
     per-tensor cost shows where the dense shapes hide it."""
-    kv = max(64, hidden // 8)
-    per_layer = hidden * hidden * 2 + hidden * kv * 2 + 2 * hidden + experts * hidden
-    per_layer += experts * 3 * hidden * moe_inter
+    mlp: list[tuple[str, tuple[int, ...]]] = [("mlp.gate.weight", (experts, hidden))]
+    for e in range(experts):
+        mlp += [
+            (f"mlp.experts.{e}.gate_proj.weight", (moe_inter, hidden)),
+            (f"mlp.experts.{e}.up_proj.weight", (moe_inter, hidden)),
+            (f"mlp.experts.{e}.down_proj.weight", (hidden, moe_inter)),
+        ]
+    return _decoder_shapes(params, vocab, hidden, max(64, hidden // 8), mlp)
+
+
+def _decoder_shapes(
+    params: float,
+    vocab: int,
+    hidden: int,
+    kv: int,
+    mlp: list[tuple[str, tuple[int, ...]]],
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Embedding, as many layers (norms, attention with ``kv`` key/value width, the
+    ``mlp`` tensors) as make about ``params`` parameters, final norm, untied head."""
+    attention = [
+        ("input_layernorm.weight", (hidden,)),
+        ("self_attn.q_proj.weight", (hidden, hidden)),
+        ("self_attn.k_proj.weight", (kv, hidden)),
+        ("self_attn.v_proj.weight", (kv, hidden)),
+        ("self_attn.o_proj.weight", (hidden, hidden)),
+        ("post_attention_layernorm.weight", (hidden,)),
+    ]
+    per_layer = sum(math.prod(shape) for _, shape in attention + mlp)
     layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
     yield "model.embed_tokens.weight", (vocab, hidden)
     for i in range(layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (hidden,)
-        yield p + "self_attn.q_proj.weight", (hidden, hidden)
-        yield p + "self_attn.k_proj.weight", (kv, hidden)
-        yield p + "self_attn.v_proj.weight", (kv, hidden)
-        yield p + "self_attn.o_proj.weight", (hidden, hidden)
-        yield p + "post_attention_layernorm.weight", (hidden,)
-        yield p + "mlp.gate.weight", (experts, hidden)
-        for e in range(experts):
-            q = f"{p}mlp.experts.{e}."
-            yield q + "gate_proj.weight", (moe_inter, hidden)
-            yield q + "up_proj.weight", (moe_inter, hidden)
-            yield q + "down_proj.weight", (hidden, moe_inter)
+        for suffix, shape in attention + mlp:
+            yield f"model.layers.{i}.{suffix}", shape
     yield "model.norm.weight", (hidden,)
     yield "lm_head.weight", (vocab, hidden)
 
