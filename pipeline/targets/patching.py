@@ -178,13 +178,11 @@ def changed_entries(
         yield entry, delta, held, spec
 
 
-def _first(positions: torch.Tensor) -> int:
-    # numpy reads one element of a CPU tensor several times faster than torch indexing.
-    return int(positions.numpy()[0] if positions.is_cpu else positions[0])
-
-
-def _last(positions: torch.Tensor) -> int:
-    return int(positions.numpy()[-1] if positions.is_cpu else positions[-1])
+def _ends(positions: torch.Tensor) -> tuple[int, int]:
+    """The first and last of non-empty positions; numpy reads a CPU tensor's elements
+    several times faster than torch indexing."""
+    at = positions.numpy() if positions.is_cpu else positions
+    return int(at[0]), int(at[-1])
 
 
 def check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> None:
@@ -200,8 +198,10 @@ def check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> Non
     for size in spec.shape:
         numel *= size
     # Positions are sorted ascending: the ends bound them all.
-    if count and not 0 <= _first(patch.positions) <= _last(patch.positions) < numel:
-        raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
+    if count:
+        first, last = _ends(patch.positions)
+        if first < 0 or last >= numel:
+            raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
 
 
 def decode_manifest(
