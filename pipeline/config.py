@@ -42,6 +42,10 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 LOCK_LEASE_S = 60.0
 LOCK_RENEW_S = 15.0
 DIFF_LOCK_WAIT_S = 3600.0  # a diff job waits this long for the run's diff lock
+# A state cache is written under its file lock for one version at a time, and scrubbed
+# one tensor at a time: a writer waiting longer than this gives up (the job is retried).
+CACHE_LOCK_WAIT_S = 900.0
+CACHE_LOCK_LOG_S = 30.0  # and says it waits this often
 COMPACT_LOCK_WAIT_S = 6 * 3600.0
 DIFF_LINE_LEASE_S = 30.0  # a parallel diff job waiting its turn, unless it renews
 FANOUT_TTL_S = 24 * 3600.0  # a parallel diff's fan-out record and part records

@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
+from pipeline import config
 from pipeline.config import Settings
 from pipeline.coord.connection import redis_client
 from pipeline.coord.problems import list_cache_damage
+from pipeline.errors import LockError
 from pipeline.format.hashes.scrub import Scrubber, ScrubPace
 from pipeline.format.manifest import Manifest
+from pipeline.publish import dead_letters
 from pipeline.publish.cache_scrub import CacheMovedError, CacheScrub, CacheScrubber
 from pipeline.publish.state_cache import CacheBusyError, StateCache
 from pipeline.publish.step import publish_step
@@ -168,6 +172,34 @@ def test_a_pass_interrupted_by_an_advance_starts_over_and_a_busy_cache_is_not_ha
     finally:
         os.close(fd)
     assert scrub.scrub(names[0])
+
+
+def test_a_writer_waits_a_bounded_time_for_a_lock_nobody_lets_go(
+    trainer: SyntheticRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that never lets go (a forked child once kept a scrub's shared lock for
+    good) costs a writer a logged wait, then a LockError its job is retried on, not a
+    job stuck for ever under its run's diff lease; a holder that lets go in time does not."""
+    publish(trainer, 0)
+    monkeypatch.setattr(config, "CACHE_LOCK_WAIT_S", 1.0)
+    monkeypatch.setattr(config, "CACHE_LOCK_LOG_S", 0.2)
+    fd = os.open(trainer.cache.root / StateCache.LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # as a scrub hashing a tensor
+        with capture_logs() as logs, pytest.raises(LockError, match="still held") as refused:
+            trainer.cache.rebuild(trainer.store, trainer.run, 0)
+        assert str(trainer.cache.root / StateCache.LOCK) in str(refused.value)
+        assert dead_letters.is_transient(refused.value)
+        waits = [e for e in logs if e["event"] == "waiting for the state cache lock"]
+        assert waits and waits[0]["log_level"] == "warning", logs
+        monkeypatch.setattr(config, "CACHE_LOCK_WAIT_S", 120.0)
+        threading.Timer(0.3, os.close, (fd,)).start()  # released in time: written
+        fd = -1
+        assert trainer.cache.rebuild(trainer.store, trainer.run, 0).version == 0
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    assert trainer.cache.version == 0
 
 
 def test_damage_found_while_a_diff_encodes_from_it_publishes_nothing_wrong(

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rq import SimpleWorker
+from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 
+from pipeline.coord.replicas import process_token, release_dead_holder
+from pipeline.errors import DeltasyncError
 from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.logs import clear_context, get_logger
 from pipeline.publish.cache_scrub import CacheScrubber
@@ -30,10 +34,91 @@ MAINTENANCE_INTERVAL_S = 60
 # after jobs took up to a minute to exit (compose.yaml's grace is 60 s, then SIGKILL).
 COMMAND_POLL_S = 1.0
 JOB_RUNNING = threading.Event()  # set while this process performs a job
+SCHEDULER_STOP_S = 10.0  # a stopping worker waits this long for its scheduler thread
+
+
+class ThreadScheduler(RQScheduler):  # type: ignore[misc]
+    """rq's scheduler (delayed retries, scheduled jobs) on a thread of the worker.
+
+    rq forks it into a child process. A child forked while another thread of this
+    process holds a file lock keeps that lock for its whole life, since flock belongs
+    to the open file and the child holds a copy: a scrub's shared lock on a state cache
+    then never ends, the next diff job waits forever for the exclusive lock while its
+    run's diff lease is renewed, and the run stops publishing. No fork, no such copies.
+
+    Its name is a lock token of this process: a scheduler lock left by a worker of this
+    machine that died is released at once, not a minute later, and another worker's
+    scheduler takes over its delayed retries.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["name"] = process_token()
+        super().__init__(*args, **kwargs)
+
+    def acquire_locks(self, auto_start: bool = False) -> set[str]:
+        for queue_name in self._queue_names:
+            # Redis away: rq's own acquire below fails as rq expects, and is retried.
+            with contextlib.suppress(DeltasyncError):
+                release_dead_holder(self.connection, self.get_locking_key(queue_name))
+        return set(super().acquire_locks(auto_start))  # type: ignore[no-untyped-call]
+
+    def start(self) -> threading.Thread:
+        self._status = self.Status.STARTED
+        self._stop_requested = False
+        thread = threading.Thread(target=self._run, name="rq-scheduler", daemon=True)
+        self._process = thread  # type: ignore[assignment]  # rq's maintenance restarts it once dead
+        thread.start()
+        return thread
+
+    def _install_signal_handlers(self) -> None:
+        """Signals belong to the worker, which stops this thread (``stop_scheduler``)."""
+
+    def _run(self) -> None:
+        self.log.info("Scheduler for %s started on a thread", ", ".join(self._queue_names))
+        try:
+            self.work()  # type: ignore[no-untyped-call]
+        except Exception:  # rq's maintenance starts another; its lock lapses meanwhile
+            self.log.exception("Scheduler thread failed")
 
 
 class JobWorker(SimpleWorker):  # type: ignore[misc]
-    """A SimpleWorker whose jobs start and end with no log context left by the last one."""
+    """A SimpleWorker whose jobs start and end with no log context left by the last
+    one, and whose scheduler runs on a thread (:class:`ThreadScheduler`)."""
+
+    def _start_scheduler(
+        self,
+        burst: bool = False,
+        logging_level: str | None = "INFO",
+        date_format: str = "",
+        log_format: str = "",
+    ) -> None:
+        self.scheduler = ThreadScheduler(
+            self.queues,
+            connection=self.connection,
+            logging_level=logging_level if logging_level is not None else self.log.level,
+            serializer=self.serializer,
+        )
+        self.scheduler.acquire_locks()
+        if not self.scheduler.acquired_locks:
+            return  # rq's maintenance tries again, and starts it once the lock is had
+        if not burst:
+            self.scheduler.start()
+            return
+        try:  # burst: what is due now, once
+            self.scheduler.register_birth()
+            self.scheduler.enqueue_scheduled_jobs()  # type: ignore[no-untyped-call]
+        finally:
+            self.scheduler.release_locks()  # type: ignore[no-untyped-call]
+            self.scheduler.register_death()
+
+    def stop_scheduler(self) -> None:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        scheduler.request_stop()  # type: ignore[no-untyped-call]
+        thread = scheduler._process
+        if isinstance(thread, threading.Thread) and thread.is_alive():
+            thread.join(SCHEDULER_STOP_S)
 
     def subscribe(self) -> None:
         """rq's subscription to this worker's command channel, polled every

@@ -157,7 +157,27 @@ def _process_identity(pid: int) -> str | None:
     return f"{boot}:{namespace}:{pid}:{fields[19]}"
 
 
-def _holder_is_dead(token: str) -> bool:
+def process_token() -> str:
+    """A lock holder's token: this process's identity and a random part, so that a
+    process of this machine can tell the holder died (:func:`holder_is_dead`)."""
+    me = _process_identity(os.getpid()) or f"-:-:{os.getpid()}:-"
+    return f"{me}:{secrets.token_hex(16)}"
+
+
+def release_dead_holder(client: redis.Redis, key: str) -> bool:
+    """Delete the lock ``key`` if its value is a :func:`process_token` of a process of
+    this machine that is gone, and still that value; True if deleted."""
+    with redis_errors(client, f"reading lock {key}"):
+        holder = _text_or_none(client.get(key))
+        if holder is None or not holder_is_dead(holder):
+            return False
+        released = bool(scripts.RELEASE_LOCK(client, [key], holder))
+    if released:
+        log.warning("lock of a dead holder released", lock=key, holder=holder)
+    return released
+
+
+def holder_is_dead(token: str) -> bool:
     """True only when ``token`` names a process of this kernel and pid namespace that no
     longer exists; any doubt (another machine, no /proc) answers False."""
     parts = token.split(":")
@@ -184,8 +204,7 @@ class RunLock:
         self.redis = client
         self.key = lock_key(run, name)
         self.timeout_ms = _ms(timeout_s)
-        me = _process_identity(os.getpid()) or f"-:-:{os.getpid()}:-"
-        self.token = f"{me}:{secrets.token_hex(16)}"
+        self.token = process_token()
 
     def acquire(self, wait_s: float = 0.0) -> bool:
         """Take the lock, polling for up to ``wait_s`` seconds; False if still held by another."""
@@ -205,7 +224,7 @@ class RunLock:
 
     def _take_over_dead_holder(self) -> bool:
         holder = _text_or_none(self.redis.get(self.key))
-        if holder is None or not _holder_is_dead(holder):
+        if holder is None or not holder_is_dead(holder):
             return False
         taken = bool(
             scripts.TAKE_OVER_LOCK(self.redis, [self.key], holder, self.token, self.timeout_ms)
@@ -299,7 +318,7 @@ def lock_held(client: redis.Redis, run: str, name: str) -> bool:
     this machine that died no longer holds it)."""
     with redis_errors(client, f"reading lock {name}"):
         holder = _text_or_none(client.get(lock_key(run, name)))
-    return holder is not None and not _holder_is_dead(holder)
+    return holder is not None and not holder_is_dead(holder)
 
 
 def claim_once(client: redis.Redis, key: str, ttl_s: float, value: str = "1") -> bool:

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +31,8 @@ from typing import Any, TypeVar, cast
 import structlog
 import torch
 
-from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError
+from pipeline import config
+from pipeline.errors import ChainError, ConfigError, CorruptObjectError, LockError, MismatchError
 from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
 from pipeline.format.checkpoint_write import write_sharded
 from pipeline.format.hashes import content_hashes
@@ -60,11 +62,7 @@ def flock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
-        try:
-            fcntl.flock(fd, flags)
-        except BlockingIOError:
-            raise CacheBusyError(f"state cache lock {path} is held") from None
+        _take(fd, path, exclusive, config.CACHE_LOCK_WAIT_S if wait else 0.0)
         if exclusive:
             held.add(path)
         try:
@@ -73,6 +71,33 @@ def flock(path: Path, exclusive: bool, wait: bool = True) -> Iterator[None]:
             held.discard(path)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _take(fd: int, path: Path, exclusive: bool, wait_s: float) -> None:
+    """flock ``fd``, polling for up to ``wait_s``: CacheBusyError at once without a wait,
+    LockError (transient: the job is retried) once the wait is over. Every write holds
+    it for one version and a scrub for one tensor, so a long wait means a holder that
+    never lets go; it is logged while it lasts."""
+    flags = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    started = time.monotonic()
+    delay, logged = 0.005, started
+    while True:
+        try:
+            fcntl.flock(fd, flags)
+            return
+        except BlockingIOError:
+            if wait_s <= 0:
+                raise CacheBusyError(f"state cache lock {path} is held") from None
+        waited = time.monotonic() - started
+        if waited >= wait_s:
+            raise LockError(
+                f"state cache lock {path} still held by another process after {waited:.0f} s"
+            )
+        if time.monotonic() - logged >= config.CACHE_LOCK_LOG_S:
+            logged = time.monotonic()
+            log.warning("waiting for the state cache lock", lock=str(path), waited_s=round(waited))
+        time.sleep(min(delay, wait_s - waited))
+        delay = min(delay * 2, 0.05)  # a scrub's tensor is short: no long sleeps past it
 
 
 def _exclusive(method: _F) -> _F:
