@@ -166,9 +166,10 @@ class Stack:
             ):
                 return report
             time.sleep(2)
+        containers = self.compose("ps", "--all", check=False).stdout
         pytest.fail(
             f"v{version} never reached every replica:\n{json.dumps(report, indent=2)}\n"
-            f"{self.tail_logs()}"
+            f"{containers}\n{self.tail_logs()}"
         )
 
     def tail_logs(self) -> str:

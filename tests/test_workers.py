@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from tests.pipeline_helpers import (
     wait_for,
 )
 from workers.jobs import diff
+from workers.queues import diff_job_id
 from workers.runtime import Runtime, set_current
 from workers.trainer import Emitter
 
@@ -181,6 +183,53 @@ def test_tail_and_status_without_a_run_name_the_runs_to_choose_from(
         assert last.endswith("--run is needed: runs with events in redis: alpha, zeta"), last
     named = cli(env, "tail", "--run", "zeta", "--json")
     assert named.returncode == 0 and json.loads(named.stdout)["run"] == "zeta"
+
+
+def test_status_shows_the_job_each_worker_runs_and_the_steps_waiting(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A diff job held up (here by the run's diff lock, taken by the test) is visible: its
+    worker busy with it, the job running, its step waiting. Released, it publishes."""
+    run = "held"
+    env = deltasync_env(redis_url, tmp_path)
+    settings = Settings.from_env(env)
+    emitter = Emitter(run, settings=settings)
+    generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), seed=4)
+    store = open_store(settings.store_url)
+    r = redis_client(redis_url)
+    lock = replicas.RunLock(r, run, "diff", 600)
+    assert lock.acquire()
+
+    def status() -> dict[str, Any]:
+        done = cli(env, "status", "--run", run, "--json")
+        assert done.returncode == 0, done.stderr
+        report: dict[str, Any] = json.loads(done.stdout)
+        return report
+
+    with processes(env, tmp_path / "logs", diff=["worker", "diff"]):
+        emitter.emit_state(0, generator.state())
+        job = diff_job_id(run, 0)
+        seen: dict[str, Any] = {}
+
+        def busy() -> bool:
+            seen.update(status())
+            workers = seen["queues"]["deltasync:diff"]["workers"]
+            return [(w["state"], w["job"]) for w in workers] == [("busy", job)]
+
+        wait_for(busy, "the worker busy with the held job")
+        queue = seen["queues"]["deltasync:diff"]
+        assert queue["running"] == [job] and queue["queued"] == 0, queue
+        assert seen["pending_steps"] == [0] and seen["head"] is None, seen
+        assert queue["workers"][0]["heartbeat_s_ago"] >= 0
+        shown = cli(env, "status", "--run", run)
+        assert f": busy {job}, heartbeat" in shown.stdout, shown.stdout
+        assert "steps waiting to publish [0]" in shown.stdout, shown.stdout
+
+        assert lock.release()
+        wait_for(lambda: chain.list_versions(store, run).head == 0, "v0 once the lock is free")
+        wait_for(lambda: status()["queues"]["deltasync:diff"]["running"] == [], "the job to finish")
+    after = status()
+    assert after["pending_steps"] == [] and after["head"] == 0, after
 
 
 @pytest.mark.parametrize("link", ["0", "1"])

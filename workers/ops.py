@@ -10,10 +10,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import click
-from rq.registry import FailedJobRegistry
+from rq import Worker
+from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline.coord.connection import redis_errors
+from pipeline.coord import keys
+from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.events import DeltaPart, Event
 from pipeline.coord.hints import PartListener
 from pipeline.coord.problems import list_cache_damage, list_failing
@@ -158,9 +160,15 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
         failed_ids = failed.get_job_ids()
         report["queues"][name] = {
             "queued": q.count,
+            "running": StartedJobRegistry(queue=q, serializer=JSONSerializer).get_job_ids(),
             "failed": len(failed_ids),
             "failed_jobs": failed_ids[-5:],
+            "workers": _workers(q),
         }
+    # Emitted steps no version holds yet: each waits for a diff job (its own or a later one).
+    report["pending_steps"] = sorted(
+        int(k) for k in r.hkeys(keys.pending_steps_key(run)) if text(k).isdigit()
+    )
     now = datetime.now(UTC)
     replicas = []
     for info in list_replicas(r, run):
@@ -208,6 +216,23 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
     return report
 
 
+def _workers(q: Any) -> list[dict[str, Any]]:
+    """The rq workers of queue ``q``: what each does and when it last said it was alive."""
+    now = datetime.now(UTC)
+    out = []
+    for worker in Worker.all(queue=q):
+        beat = worker.last_heartbeat
+        out.append(
+            {
+                "name": worker.name,
+                "state": str(getattr(worker.get_state(), "value", worker.get_state())),
+                "job": worker.get_current_job_id(),
+                "heartbeat_s_ago": None if beat is None else round((now - beat).total_seconds(), 1),
+            }
+        )
+    return sorted(out, key=lambda w: w["name"])
+
+
 def render_status(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -233,11 +258,25 @@ def render_status(report: dict[str, Any]) -> None:
                 f"{c['delta_bytes']:,} delta bytes vs {c['anchor_bytes']:,} anchor bytes"
             )
     queues_table = Table(title="queues")
-    for col in ("queue", "queued", "failed", "recent failed jobs"):
+    for col in ("queue", "queued", "running", "failed", "recent failed jobs"):
         queues_table.add_column(col)
     for name, q in report["queues"].items():
-        queues_table.add_row(name, str(q["queued"]), str(q["failed"]), ", ".join(q["failed_jobs"]))
+        running = ", ".join(q["running"]) or "-"
+        failed = ", ".join(q["failed_jobs"])
+        queues_table.add_row(name, str(q["queued"]), running, str(q["failed"]), failed)
     console.print(queues_table)
+    for name, q in report["queues"].items():
+        for w in q["workers"]:
+            job = f" {w['job']}" if w["job"] else ""
+            console.print(
+                f"worker {escape(w['name'])} on {name}: {w['state']}{escape(job)}, "
+                f"heartbeat {w['heartbeat_s_ago']}s ago",
+                soft_wrap=True,
+            )
+        if not q["workers"]:
+            console.print(f"[yellow]no worker on {name}[/]")
+    if report.get("pending_steps"):
+        console.print(f"steps waiting to publish {report['pending_steps']}", soft_wrap=True)
     replicas_table = Table(title="replicas")
     for col in ("node", "version", "lag (versions)", "last seen"):
         replicas_table.add_column(col)
