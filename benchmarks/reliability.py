@@ -364,11 +364,16 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "## How recovery works, and its limits",
         "",
         "- A killed worker's job stays in rq's started registry until its heartbeat "
-        "expires (job timeout + 60 s: about an hour for diff jobs run by rq's "
-        "SimpleWorker); rq then retries it. The scenarios move that clock forward "
-        "(`StartedJobRegistry.cleanup` with a later time) instead of waiting. Meanwhile "
-        "later steps still publish (versions need not be contiguous); a step retried "
-        "after a newer head is skipped as stale, so the chain stays linear.",
+        "lapses. The worker renews it every 15 s while the job runs, so it lapses 90 s "
+        "after the worker died (rq's SimpleWorker alone would keep it for the job "
+        "timeout + 60 s, about an hour for diff jobs); the next maintenance of any "
+        "worker (every 60 s) then retries it, so a step whose worker was killed "
+        "publishes within about 2.5 minutes even when no later step comes "
+        "(`test_a_killed_workers_last_job_is_retried_by_the_next_worker_unaided`). The "
+        "other scenarios move that clock forward (`StartedJobRegistry.cleanup` with a "
+        "later time) instead of waiting. Meanwhile later steps still publish (versions "
+        "need not be contiguous); a step retried after a newer head is skipped as "
+        "stale, so the chain stays linear.",
         "- The run lock is a 60 s lease renewed while a job runs; a lock whose holder "
         "process is gone from the same machine is taken over at once.",
         "- rq's scheduler (delayed retries) runs on a thread of the worker that holds "

@@ -47,6 +47,7 @@ from workers import queues
 from workers.jobs.diff import request_compaction
 from workers.runtime import Runtime
 from workers.trainer import Emitter
+from workers.worker_process import JOB_HEARTBEAT_TTL_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]  # each test starts its own redis-server
 
@@ -474,6 +475,39 @@ def test_diff_worker_killed_while_writing_the_first_anchor(tmp_path: Path, first
 def test_diff_worker_killed_at_random_moments(tmp_path: Path) -> None:
     outcome = random_kill_scenario(tmp_path, kills=3, seed=1234)
     assert outcome.recovered == 3
+
+
+def test_a_killed_workers_last_job_is_retried_by_the_next_worker_unaided(tmp_path: Path) -> None:
+    """A running job's lease in rq's started registry is a heartbeat renewed by its
+    worker, lapsing JOB_HEARTBEAT_TTL_S after the worker dies, not rq's job timeout + 60 s
+    (an hour). Killed on the last step (no later step's job publishes it first), its job
+    is retried by the next worker's own maintenance: no clock moved, nothing by hand."""
+    with cluster(tmp_path) as c:
+        c.publish_here()
+        held = replicas.RunLock(c.redis, c.run, "diff", 600)  # the job waits for it
+        assert held.acquire()
+        worker = c.procs.start("diff-killed", "worker", "diff")
+        step = c.emit()
+        job_id = queues.diff_job_id(c.run, step)
+        registry = StartedJobRegistry(queue=queues.queue(c.redis, queues.DIFF_QUEUE))
+
+        def lease_ends() -> float:
+            ends = [sc for m, sc in c.redis.zrange(registry.key, 0, -1, withscores=True)
+                    if m.decode().startswith(f"{job_id}:")]  # fmt: skip
+            return max(ends, default=0.0)
+
+        wait_for(lambda: lease_ends() > 0, "the job running")
+        first = lease_ends()
+        assert first - time.time() <= JOB_HEARTBEAT_TTL_S + 5, "a lease of rq's job timeout"
+        wait_for(lambda: lease_ends() > first + 5, "the lease renewed while the job runs")
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        wait_for(lambda: time.time() > lease_ends() + 1, "the dead worker's lease to lapse")
+        assert held.release()
+        c.procs.start("diff-next", "worker", "diff")
+        wait_for(lambda: c.head() == step, f"step {step} retried by the next worker")
+        wait_for(lambda: _job_done(c.redis, job_id), f"job {job_id}")
+        c.check_versions({0, step})
 
 
 def test_compaction_worker_killed_at_every_point(tmp_path: Path) -> None:

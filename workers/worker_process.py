@@ -6,6 +6,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
+import redis
 from rq import SimpleWorker
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
@@ -35,6 +36,10 @@ MAINTENANCE_INTERVAL_S = 60
 COMMAND_POLL_S = 1.0
 JOB_RUNNING = threading.Event()  # set while this process performs a job
 SCHEDULER_STOP_S = 10.0  # a stopping worker waits this long for its scheduler thread
+# A running job's heartbeat: renewed this often, lapsing this long after its worker
+# died; rq's maintenance (every MAINTENANCE_INTERVAL_S) then retries the job.
+JOB_HEARTBEAT_S = 15.0
+JOB_HEARTBEAT_TTL_S = 90
 
 
 class ThreadScheduler(RQScheduler):  # type: ignore[misc]
@@ -132,14 +137,36 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
             exception_handler=self._pubsub_exception_handler,
         )
 
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """A running job's lease in rq's started registry. rq's SimpleWorker gives it the
+        job's timeout + 60 s (an hour for a diff job): a killed worker's job, the last
+        step's when no later step publishes it first, then waited that long for its
+        retry. Here a thread renews it while the job runs (``perform_job``)."""
+        return JOB_HEARTBEAT_TTL_S
+
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         clear_context()
         JOB_RUNNING.set()
+        stop = threading.Event()
+        beat = threading.Thread(
+            target=self._beat, args=(job, execution, stop), name="rq-job-heartbeat", daemon=True
+        )
+        beat.start()
         try:
             return bool(super().perform_job(job, queue, execution))
         finally:
+            stop.set()
+            beat.join()
             JOB_RUNNING.clear()
             clear_context()
+
+    def _beat(self, job: Job, execution: Execution, stop: threading.Event) -> None:
+        """Renew the job's, its execution's and this worker's heartbeats until ``stop``."""
+        while not stop.wait(JOB_HEARTBEAT_S):
+            try:
+                self.maintain_heartbeats(job, execution)
+            except redis.RedisError as exc:  # Redis away for a moment: the next beat
+                log.warning("job heartbeat failed", job_id=job.id, error=str(exc))
 
 
 def start_cache_scrub(runtime: Runtime) -> CacheScrubber | None:
