@@ -61,6 +61,10 @@ SHARDS_TTL_S = 24 * 3600.0
 CACHE_DAMAGE_TTL_S = 7 * 24 * 3600.0  # scrub findings shown by status this long
 REPLICA_TTL_S = 600.0  # default of DELTASYNC_REPLICA_TTL
 DIFF_JOB_TIMEOUT_S = 3600  # rq's timeout of one diff job
+# A running job's heartbeat in rq's started registry: renewed this often while the job
+# runs, lapsing this long after its worker died; a worker's maintenance then retries it.
+JOB_HEARTBEAT_S = 15.0
+JOB_HEARTBEAT_TTL_S = 90
 COMPACT_JOB_TIMEOUT_S = 6 * 3600
 
 

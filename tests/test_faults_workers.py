@@ -29,7 +29,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from pipeline.config import Settings
+from pipeline.config import JOB_HEARTBEAT_TTL_S, Settings
 from pipeline.coord import replicas
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import AnchorAvailable, DeltaAvailable
@@ -47,7 +47,6 @@ from workers import queues
 from workers.jobs.diff import request_compaction
 from workers.runtime import Runtime
 from workers.trainer import Emitter
-from workers.worker_process import JOB_HEARTBEAT_TTL_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]  # each test starts its own redis-server
 

@@ -6,11 +6,11 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
-import redis
 from rq import SimpleWorker
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 
+from pipeline import config
 from pipeline.coord.replicas import process_token, release_dead_holder
 from pipeline.errors import DeltasyncError
 from pipeline.format.hashes.scrub import ScrubPace
@@ -36,10 +36,6 @@ MAINTENANCE_INTERVAL_S = 60
 COMMAND_POLL_S = 1.0
 JOB_RUNNING = threading.Event()  # set while this process performs a job
 SCHEDULER_STOP_S = 10.0  # a stopping worker waits this long for its scheduler thread
-# A running job's heartbeat: renewed this often, lapsing this long after its worker
-# died; rq's maintenance (every MAINTENANCE_INTERVAL_S) then retries the job.
-JOB_HEARTBEAT_S = 15.0
-JOB_HEARTBEAT_TTL_S = 90
 
 
 class ThreadScheduler(RQScheduler):  # type: ignore[misc]
@@ -142,7 +138,7 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
         job's timeout + 60 s (an hour for a diff job): a killed worker's job, the last
         step's when no later step publishes it first, then waited that long for its
         retry. Here a thread renews it while the job runs (``perform_job``)."""
-        return JOB_HEARTBEAT_TTL_S
+        return config.JOB_HEARTBEAT_TTL_S
 
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         clear_context()
@@ -162,10 +158,10 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
 
     def _beat(self, job: Job, execution: Execution, stop: threading.Event) -> None:
         """Renew the job's, its execution's and this worker's heartbeats until ``stop``."""
-        while not stop.wait(JOB_HEARTBEAT_S):
+        while not stop.wait(config.JOB_HEARTBEAT_S):
             try:
                 self.maintain_heartbeats(job, execution)
-            except redis.RedisError as exc:  # Redis away for a moment: the next beat
+            except Exception as exc:  # never end the beat: Redis away for a moment, say
                 log.warning("job heartbeat failed", job_id=job.id, error=str(exc))
 
 
