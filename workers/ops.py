@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import click
-from rq import Worker
+from rq import Queue, Worker
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -216,16 +216,17 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
     return report
 
 
-def _workers(q: Any) -> list[dict[str, Any]]:
+def _workers(q: Queue) -> list[dict[str, Any]]:
     """The rq workers of queue ``q``: what each does and when it last said it was alive."""
     now = datetime.now(UTC)
     out = []
     for worker in Worker.all(queue=q):
         beat = worker.last_heartbeat
+        state = worker.get_state()  # a WorkerStatus, or its text once read from Redis
         out.append(
             {
                 "name": worker.name,
-                "state": str(getattr(worker.get_state(), "value", worker.get_state())),
+                "state": str(getattr(state, "value", state)),
                 "job": worker.get_current_job_id(),
                 "heartbeat_s_ago": None if beat is None else round((now - beat).total_seconds(), 1),
             }

@@ -168,13 +168,20 @@ def release_dead_holder(client: redis.Redis, key: str) -> bool:
     """Delete the lock ``key`` if its value is a :func:`process_token` of a process of
     this machine that is gone, and still that value; True if deleted."""
     with redis_errors(client, f"reading lock {key}"):
-        holder = _text_or_none(client.get(key))
-        if holder is None or not holder_is_dead(holder):
+        holder = _dead_holder(client, key)
+        if holder is None:
             return False
         released = bool(scripts.RELEASE_LOCK(client, [key], holder))
     if released:
         log.warning("lock of a dead holder released", lock=key, holder=holder)
     return released
+
+
+def _dead_holder(client: redis.Redis, key: str) -> str | None:
+    """The token holding lock ``key`` when it names a process of this machine that is
+    gone; None when the lock is free or its holder may be alive."""
+    holder = _text_or_none(client.get(key))
+    return holder if holder is not None and holder_is_dead(holder) else None
 
 
 def holder_is_dead(token: str) -> bool:
@@ -223,8 +230,8 @@ class RunLock:
             delay = min(delay * 2, 0.5)
 
     def _take_over_dead_holder(self) -> bool:
-        holder = _text_or_none(self.redis.get(self.key))
-        if holder is None or not holder_is_dead(holder):
+        holder = _dead_holder(self.redis, self.key)
+        if holder is None:
             return False
         taken = bool(
             scripts.TAKE_OVER_LOCK(self.redis, [self.key], holder, self.token, self.timeout_ms)
