@@ -6,7 +6,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +28,12 @@ from pipeline.codec.tensorcodec import (
     Encoded,
     Helpers,
     ReadBackError,
+    RecordWalk,
     decode_differences,
     decode_tensor,
     encode_tensor,
     walk_applies,
+    walk_records,
     walk_sparse,
 )
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
@@ -74,6 +76,30 @@ class HashedPatch:
     patch: TensorPatch
     old: torch.Tensor  # held contents at patch.positions, same dtype as patch.values
     digest: str
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Positions, new and old contents (the dtype's integer view) of several tensors'
+    changes back to back, as one walk of their streams found them
+    (:meth:`DeltaObject.gathered_many`): ``names[k]``'s are at ``[bounds[k],
+    bounds[k + 1])``."""
+
+    names: list[str]
+    positions: npt.NDArray[np.int64]
+    new: npt.NDArray[Any]
+    old: npt.NDArray[Any]
+    bounds: list[int]
+
+    def tensors(self, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, new contents, old contents) of ``names[k]``, as torch tensors
+        viewing this batch's arrays."""
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        return (
+            torch.from_numpy(self.positions[lo:hi]),
+            torch.from_numpy(self.new[lo:hi]),
+            torch.from_numpy(self.old[lo:hi]),
+        )
 
 
 class DeltaObject:
@@ -266,6 +292,61 @@ class DeltaObject:
             torch.from_numpy(new.view(view)),
             torch.from_numpy(old.view(view)),
         )
+
+    def gathered_many(
+        self, items: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[list[Gathered], dict[str, CorruptObjectError]]:
+        """:meth:`gathered` of many tensors (name, held CPU tensor, not written) in one
+        compiled walk per element width: what a model of many small tensors needs, with
+        Python per call instead of per tensor. Returns the batches, and the error of
+        each tensor whose streams are damaged (the tensors after it in its batch are
+        left out). A tensor the walk does not apply to (see :meth:`walks`) is in
+        neither: its caller takes it one at a time."""
+        walker = fused.get()
+        groups: dict[Any, tuple[DtypeInfo, list[str], list[RecordWalk]]] = {}
+        for name, base in items:
+            record = self._record(name, base)
+            info = record.info
+            if (
+                walker is None
+                or base.device.type != "cpu"
+                or record.changed == 0
+                or not walk_applies(record.encoding, record.params, info)
+                or not base.is_contiguous()
+            ):
+                continue
+            group = groups.get(info.view)  # one integer view a batch (int8, uint8 differ)
+            if group is None:
+                group = groups[info.view] = (info, [], [])
+            group[1].append(name)
+            group[2].append(
+                RecordWalk(
+                    self._entries[name],
+                    tuple(record.streams.values()),
+                    record.params,
+                    record.changed,
+                    base.data_ptr(),
+                    base.numel(),
+                )
+            )
+        batches: list[Gathered] = []
+        errors: dict[str, CorruptObjectError] = {}
+        for info, names, walks in groups.values():
+            try:
+                where, new, old, bounds, failure = walk_records(walker, walks, info, fused.GATHER)
+            except (KeyError, TypeError, ValueError) as exc:  # params a damaged record holds
+                raise CorruptObjectError(f"delta object {self.object_name}: {exc}") from None
+            view = _numpy_dtype(info.view)
+            done = len(bounds) - 1
+            batches.append(
+                Gathered(names[:done], where, new.view(view), old.view(view), bounds.tolist())
+            )
+            if failure is not None:
+                index, reason = failure
+                errors[names[index]] = CorruptObjectError(
+                    f"delta object {self.object_name}: tensor {names[index]!r}: {reason}"
+                )
+        return batches, errors
 
     def walks(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether :meth:`apply_to` of ``name`` into ``tensor`` decodes straight into it

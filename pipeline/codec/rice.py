@@ -202,11 +202,7 @@ def decode_positions(
             out = np.empty(count, np.int64)
         # The reader loads 8 bytes at a time from the streams' memory: no strides.
         unary, fixed = np.ascontiguousarray(unary), np.ascontiguousarray(fixed)
-        used = int(compiled.rice_read(unary, fixed, param, limit, out))
-        if used < 0 or (used + 7) // 8 != unary.size:
-            return None
-        if used & 7 and unary[-1] & (0xFF >> (used & 7)):
-            return None
+        return out if compiled.read_positions(unary, fixed, param, limit, out) else None
     if int(out[-1]) >= limit:
         return None
     return out

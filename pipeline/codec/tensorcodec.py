@@ -703,3 +703,118 @@ def walk_sparse(
             raise DamagedStreamError("contents hold a zero difference for a changed element")
         raise DamagedStreamError("position streams do not hold the recorded gaps")
     return out_pos, out_val, out_old
+
+
+@dataclass(frozen=True)
+class RecordWalk:
+    """One sparse record for :func:`walk_records`: its streams back to back (role
+    order), their sizes, its params and count, and its target's memory (``address``
+    of ``size`` elements of the walk's dtype; only read)."""
+
+    blob: U8
+    sizes: tuple[int, ...]
+    params: dict[str, Any]
+    changed: int
+    address: int
+    size: int
+
+
+def _walk_status(status: int, size: int) -> str:
+    """walk_sparse's reason for a failed walk (as raised by :func:`walk_sparse`)."""
+    if status == fused.BAD_POSITION:
+        return f"a position is out of range for {size} elements"
+    if status == fused.BAD_CONTENTS:
+        return "contents hold a zero difference for a changed element"
+    if status == fused.BAD_BIG:
+        return "large-difference streams do not hold the recorded count"
+    return "position streams do not hold the recorded gaps"
+
+
+def _walk_row(
+    walk: RecordWalk, width: int, at: int, planes_at: int, out: int, bigs: int
+) -> tuple[tuple[int, ...], bytes]:
+    """(the table row, the decompressed contents) of one record; DamagedStreamError
+    with walk_sparse's reasons where its sizes or contents frame are wrong."""
+    changed, sizes, params = walk.changed, walk.sizes, walk.params
+    param = int(params["rice"])
+    if sizes[1] != rice.fixed_nbytes(changed, param):
+        raise DamagedStreamError("position stream has the wrong size")
+    values = walk.blob[sizes[0] + sizes[1] :]
+    row: tuple[int, ...]
+    if params["contents"] == "planes":
+        raw = contents.decompress(values, changed * width)
+        if raw is None:
+            raise DamagedStreamError("contents frame does not decompress to the recorded size")
+        row = (at, sizes[0], sizes[1], 0, 0, 0, changed, param, 1, 0, 0)
+    else:
+        if sizes[2] != (changed + 7) // 8:
+            raise DamagedStreamError("sign stream has the wrong size")
+        nbig = int(params["big"])
+        raw = b""
+        if nbig:
+            found = contents.decompress(values[sizes[2] + sizes[3] + sizes[4] :], nbig * width)
+            if found is None:
+                raise DamagedStreamError("contents frame does not decompress to the recorded size")
+            raw = found
+        row = (at, *sizes[:5], changed, param, 0, nbig, int(params["big_rice"]))
+    return (*row, planes_at, len(raw), out, bigs, walk.address, walk.size), raw
+
+
+def walk_records(
+    walker: Any, walks: list[RecordWalk], info: DtypeInfo, mode: int
+) -> tuple[I64, AnyUInt, AnyUInt, I64, tuple[int, str] | None]:
+    """:func:`walk_sparse` of many sparse records of one dtype (``walk_applies``) in
+    one compiled call, for the modes that write nothing (fused.DECODE, DIFFS,
+    GATHER). Python then stays per call, not per record: what a model of many
+    small tensors (MoE experts, norms) spends most of its apply on otherwise.
+
+    Returns (positions, values, old contents, bounds, failure): record k's outputs
+    are ``[bounds[k], bounds[k + 1])`` of the first three, which are laid out as
+    :func:`walk_sparse` returns them (old contents for GATHER only). ``failure`` is
+    None, or (index, reason) of the first record whose streams are damaged; records
+    before it are done, none after it is."""
+    if mode not in (fused.DECODE, fused.DIFFS, fused.GATHER):
+        raise ValueError(f"walk_records does not write: mode {mode} is not one of its modes")
+    width = info.width
+    rows: list[tuple[int, ...]] = []
+    blobs: list[U8] = []
+    raws: list[bytes] = []
+    bounds = [0]
+    failure: tuple[int, str] | None = None
+    at = planes_at = bigs = 0
+    for index, walk in enumerate(walks):
+        try:
+            row, raw = _walk_row(walk, width, at, planes_at, bounds[-1], bigs)
+        except DamagedStreamError as exc:
+            failure = (index, str(exc))
+            break
+        rows.append(row)
+        blobs.append(walk.blob)
+        raws.append(raw)
+        at += walk.blob.size
+        planes_at += len(raw)
+        bigs += row[9] + 1
+        bounds.append(bounds[-1] + walk.changed)
+    total = bounds[-1]
+    out_pos = np.empty(total, np.int64)
+    out_val = np.empty(total, info.unsigned)
+    out_old = np.empty(total if mode == fused.GATHER else 0, info.unsigned)
+    if rows:
+        table = np.array(rows, np.int64)
+        streams = np.concatenate(blobs) if len(blobs) > 1 else np.ascontiguousarray(blobs[0])
+        planes = np.frombuffer(b"".join(raws), np.uint8) if planes_at else np.zeros(0, np.uint8)
+        done, status = walker.walk_records(
+            streams,
+            planes,
+            table,
+            np.zeros(0, info.unsigned),
+            mode,
+            out_pos,
+            out_val,
+            out_old,
+            np.empty(bigs, np.int64),
+        )
+        if status != fused.DONE:
+            failure = (int(done), _walk_status(int(status), walks[int(done)].size))
+            bounds = bounds[: int(done) + 1]
+    return out_pos, out_val, out_old, np.array(bounds, np.int64), failure

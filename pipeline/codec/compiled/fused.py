@@ -32,6 +32,7 @@ from typing import Any
 from pipeline.codec.compiled import kernels
 from pipeline.codec.compiled.fused_constants import (
     APPLY,
+    BAD_BIG,
     BAD_CONTENTS,
     BAD_POSITION,
     BAD_READBACK,
@@ -45,6 +46,7 @@ from pipeline.codec.compiled.fused_constants import (
     GATHER,
     LANES,
     MAX_PARAM,
+    RECORD_FIELDS,
     SIGNMAG_OF,
     SIGNMAG_ONES,
     UNDO,
@@ -52,6 +54,7 @@ from pipeline.codec.compiled.fused_constants import (
 
 __all__ = [
     "APPLY",
+    "BAD_BIG",
     "BAD_CONTENTS",
     "BAD_POSITION",
     "BAD_READBACK",
@@ -65,6 +68,7 @@ __all__ = [
     "GATHER",
     "LANES",
     "MAX_PARAM",
+    "RECORD_FIELDS",
     "SIGNMAG_OF",
     "SIGNMAG_ONES",
     "UNDO",

@@ -16,6 +16,7 @@ from numba.core import types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_constants import (
+    BAD_BIG,
     BAD_CONTENTS,
     BAD_POSITION,
     BAD_READBACK,
@@ -29,6 +30,7 @@ from pipeline.codec.compiled.fused_constants import (
     GATHER,
     LANES,
     MAX_PARAM,
+    RECORD_FIELDS,
     SIGNMAG_OF,
     SIGNMAG_ONES,
     UNDO,
@@ -42,18 +44,40 @@ from pipeline.intrinsics_jit import prefetch_write
 # built with the old values).
 CONSTANTS = (
     "LANES=64 BATCH=256 MAX_PARAM=40 DECODE=1 UNDO=2 DIFFS=3 GATHER=4 CONFIRM=5 DONE=0 "
-    "BAD=1,2,3,4 FALLBACK=1 SIGNMAG=2/5"
+    "BAD=1,2,3,4,5 FALLBACK=1 SIGNMAG=2/5 RECORD=streams,unary,fixed,sign,big_unary,"
+    "big_fixed,count,param,zigzag,nbig,big_param,planes,planes_size,out,bigs,address,size"
 )
 _LIVE = (
     f"LANES={LANES} BATCH={BATCH} MAX_PARAM={MAX_PARAM} DECODE={DECODE} UNDO={UNDO} "
     f"DIFFS={DIFFS} GATHER={GATHER} CONFIRM={CONFIRM} DONE={DONE} "
-    f"BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS},{BAD_READBACK} FALLBACK={FALLBACK} "
-    f"SIGNMAG={SIGNMAG_ONES}/{SIGNMAG_OF}"
+    f"BAD={BAD_UNARY},{BAD_POSITION},{BAD_CONTENTS},{BAD_READBACK},{BAD_BIG} "
+    f"FALLBACK={FALLBACK} SIGNMAG={SIGNMAG_ONES}/{SIGNMAG_OF} RECORD={','.join(RECORD_FIELDS)}"
 )
 if CONSTANTS != _LIVE:
     raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused_constants.py {_LIVE!r}")
 
 jit = numba.njit(cache=True, nogil=True)
+
+# walk_records' table columns (see RECORD_FIELDS).
+(
+    _STREAMS,
+    _UNARY,
+    _FIXED,
+    _SIGN,
+    _BIG_UNARY,
+    _BIG_FIXED,
+    _COUNT,
+    _PARAM,
+    _ZIGZAG,
+    _NBIG,
+    _BIG_PARAM,
+    _PLANES,
+    _PLANES_SIZE,
+    _OUT,
+    _BIGS,
+    _ADDRESS,
+    _SIZE,
+) = range(len(RECORD_FIELDS))
 
 
 @intrinsic  # type: ignore[untyped-decorator,misc]
@@ -116,6 +140,19 @@ def store_be64(typingctx: Any, stream: Any, index: Any, value: Any) -> Any:
         return context.get_dummy_value()
 
     return types.none(stream, index, types.uint64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def pointer_like(typingctx: Any, address: Any, like: Any) -> Any:
+    """``address`` (an int64) as a pointer to elements of ``like``'s dtype: with
+    ``numba.carray``, the memory of a tensor named by its address, so that one call
+    can walk many tensors."""
+    signature = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -489,6 +526,91 @@ def rice_read(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def read_positions(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> Any:
+    """Decode ``out.size`` Rice-coded positions (rice.encode_positions' streams) into
+    ``out``: False unless the streams hold exactly that many codes (``fixed`` their
+    fixed bits, the last code ending in the unary stream's last byte, zero bits
+    after it) and every position is below ``limit``."""
+    count = out.size
+    if count == 0:
+        return unary.size == 0 and fixed.size == 0
+    if fixed.size != (count * param + 7) >> 3:
+        return False
+    used = rice_read(unary, fixed, param, limit, out)
+    if used < 0 or (used + 7) >> 3 != unary.size:
+        return False
+    if used & 7 and (unary[unary.size - 1] & (0xFF >> (used & 7))) != 0:
+        return False
+    return out[count - 1] < limit
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def walk_records(
+    streams: Any,
+    planes: Any,
+    table: Any,
+    like: Any,
+    mode: int,
+    out_pos: Any,
+    out_val: Any,
+    out_old: Any,
+    bigs: Any,
+) -> Any:
+    """``walk_sparse`` of many sparse records in one call, one row of ``table`` each
+    (columns: RECORD_FIELDS), each over its own target: the memory at the row's
+    ``address``, ``size`` elements of ``like``'s dtype. Outputs go to the row's
+    ``out`` offset of ``out_pos``, ``out_val`` and (GATHER) ``out_old``. Modes that
+    write nothing only (DECODE, DIFFS, GATHER): a failure leaves nothing to undo.
+
+    The caller has checked each row's fixed and sign stream sizes, decompressed its
+    contents and checked their size; the large magnitudes' indices are decoded here
+    (BAD_BIG when their streams do not hold them). Returns (rows done, DONE | BAD_*
+    of the row that failed)."""
+    gather = mode == GATHER
+    for r in range(table.shape[0]):
+        row = table[r]
+        at = row[_STREAMS]
+        unary = streams[at : at + row[_UNARY]]
+        at += row[_UNARY]
+        fixed = streams[at : at + row[_FIXED]]
+        at += row[_FIXED]
+        count = row[_COUNT]
+        nbig = row[_NBIG]
+        big = bigs[row[_BIGS] : row[_BIGS] + nbig + 1]
+        zigzag = row[_ZIGZAG] != 0
+        signs = streams[at : at + row[_SIGN]]
+        at += row[_SIGN]
+        if not zigzag:
+            big_unary = streams[at : at + row[_BIG_UNARY]]
+            at += row[_BIG_UNARY]
+            big_fixed = streams[at : at + row[_BIG_FIXED]]
+            if not read_positions(big_unary, big_fixed, row[_BIG_PARAM], count, big[:nbig]):
+                return r, BAD_BIG
+        big[nbig] = count
+        contents = planes[row[_PLANES] : row[_PLANES] + row[_PLANES_SIZE]]
+        target = numba.carray(pointer_like(row[_ADDRESS], like), row[_SIZE])
+        first = row[_OUT]
+        _, status = walk_sparse(
+            unary,
+            fixed,
+            row[_PARAM],
+            count,
+            signs,
+            big,
+            contents,
+            zigzag,
+            target,
+            mode,
+            out_pos[first : first + count],
+            out_val[first : first + count],
+            out_old[first : first + count] if gather else out_old[:0],
+        )
+        if status != DONE:
+            return r, status
+    return table.shape[0], DONE
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def put_tail(stream: Any, index: int, acc: Any, held: int) -> None:
     """Flush a bit writer's ``held`` bits byte by byte: nothing is stored past the
     stream's last byte, so streams can be written back to back."""
@@ -706,6 +828,8 @@ FUSED = SimpleNamespace(
     rice_write=rice_write,
     rice_read=rice_read,
     walk_sparse=walk_sparse,
+    walk_records=walk_records,
+    read_positions=read_positions,
     encode_sparse=encode_sparse,
     sparse_plan=sparse_plan,
     sparse_contents=sparse_contents,

@@ -69,6 +69,22 @@ class HashAlgorithm:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
         return mixsum.updated(held, positions, old, new, width)
 
+    def updated_many(
+        self,
+        helds: Sequence[str],
+        positions: npt.NDArray[np.int64],
+        old: npt.NDArray[Any],
+        new: npt.NDArray[Any],
+        bounds: Sequence[int],
+        width: int,
+    ) -> list[str]:
+        """:meth:`updated` of several tensors whose changes lie back to back in CPU
+        arrays: tensor k has digest ``helds[k]`` before and changes ``[bounds[k],
+        bounds[k + 1])``."""
+        if not self.incremental:
+            raise ConfigError(f"content hash {self.name} cannot be updated from changes")
+        return mixsum.updated_many(helds, positions, old, new, bounds, width)
+
     def gathered(
         self,
         held: str,

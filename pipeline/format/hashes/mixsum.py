@@ -318,6 +318,32 @@ def updated(
     return add(held, change_lanes(positions, old, new, width))
 
 
+def updated_many(
+    helds: Sequence[str],
+    positions: npt.NDArray[np.int64],
+    old: npt.NDArray[Any],
+    new: npt.NDArray[Any],
+    bounds: Sequence[int],
+    width: int,
+) -> list[str]:
+    """:func:`updated` of several tensors whose changes lie back to back in CPU arrays:
+    tensor k's digest before is ``helds[k]``, its changes ``[bounds[k], bounds[k + 1])``.
+    One compiled call for all of them."""
+    jit = compiled()
+    if jit is None:
+        return [
+            updated(held, positions[lo:hi], old[lo:hi], new[lo:hi], width)
+            for held, lo, hi in zip(helds, bounds, bounds[1:], strict=False)
+        ]
+    sums = jit.change_sums(
+        np.ascontiguousarray(positions, np.int64),
+        _unsigned(old, width),
+        _unsigned(new, width),
+        np.asarray(bounds, np.int64),
+    ).tolist()
+    return [add(held, (a, b)) for held, (a, b) in zip(helds, sums, strict=True)]
+
+
 def gathered_update(
     held: str,
     flat: torch.Tensor,

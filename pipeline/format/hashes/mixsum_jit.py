@@ -110,6 +110,18 @@ def change_sum(positions: Any, old: Any, new: Any, offset: int) -> Any:
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def change_sums(positions: Any, old: Any, new: Any, bounds: Any) -> Any:
+    """:func:`change_sum` of each of several tensors' changes laid back to back:
+    tensor k's are ``[bounds[k], bounds[k + 1])``; row k of the result is its two
+    lane sums."""
+    out = np.empty((bounds.size - 1, 2), np.uint64)
+    for k in range(bounds.size - 1):
+        lo, hi = bounds[k], bounds[k + 1]
+        out[k] = change_sum(positions[lo:hi], old[lo:hi], new[lo:hi], 0)
+    return out
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def gather(positions: Any, held: Any, diffs: Any, old: Any, new: Any) -> int:
     """``old = held[positions]``, ``new = old + diffs`` (wrapping in the width); -1,
     nothing read, at a position out of range (compiled code checks no bounds itself)."""
