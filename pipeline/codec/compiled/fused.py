@@ -5,8 +5,8 @@
   positions, their differences new - base and the base contents there (for a
   content hash of the change); no mask, no word index.
 - ``signmag_diffs``: the sign-magnitude split of those differences.
-- ``rice_write`` / ``rice_read``: Rice-coded positions (rice.py's streams), written
-  8 bytes at a time and read a word at a time.
+- ``rice_write`` / ``rice_read`` / ``read_positions``: Rice-coded positions (rice.py's
+  streams), written 8 bytes at a time and read a word at a time.
 - ``walk_sparse``: walks the Rice-coded gaps and the contents (sign-magnitude,
   or zigzagged byte planes) of a ``sparse`` record together and either writes
   new = base + diff straight into the target (apply, recording the old contents
@@ -14,6 +14,9 @@
   records positions and new contents (decode), records positions, new and old
   contents (gather, for a content hash of the change), or takes a prefix of an
   apply back (undo).
+- ``walk_records``: ``walk_sparse`` of many records, each over its own target
+  named by its address, in one call (the modes that write nothing): Python per
+  call instead of per tensor, for models of many small tensors.
 
 They produce and consume exactly the streams of rice.py and contents.py. A few
 LLVM intrinsics (vector compare to a bit mask, count leading / trailing zeros,
