@@ -1,8 +1,10 @@
 """LLVM intrinsics shared by the compiled loops (numba), imported only where numba is
-installed: cache-line prefetch hints for scattered reads and writes.
+installed: cache-line prefetch hints for scattered reads and writes, and arrays of
+memory named by its address.
 
 A hint never changes a result, so a loop cached on disk by numba (``cache=True``, keyed
 on its own file alone) that inlined an older version of these stays correct.
+``pointer_like`` is a plain cast that must keep its meaning for the same reason.
 """
 
 from __future__ import annotations
@@ -54,3 +56,16 @@ def prefetch_read(typingctx: Any, array: Any, index: Any) -> Any:
         return _prefetch(context, builder, sig, args, 0)
 
     return types.none(array, index), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def pointer_like(typingctx: Any, address: Any, like: Any) -> Any:
+    """``address`` (an int64) as a pointer to elements of ``like``'s dtype: with
+    ``numba.carray``, the memory of a tensor named by its address, so that one call
+    can go over many tensors. The caller vouches for the address and the size."""
+    signature = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.codec import encode_delta, read_delta
+from pipeline.codec import TensorPatch, encode_delta, read_delta
 from pipeline.codec.api import _checksum
 from pipeline.codec.container import read_container, write_container
 from pipeline.errors import CorruptObjectError, DeltasyncError
@@ -31,7 +31,7 @@ from pipeline.format.manifest import (
     dtype_name,
     now_iso,
 )
-from pipeline.targets import proving
+from pipeline.targets import confirmed, proving
 from pipeline.targets.torch import TorchTarget
 from tests.test_hostile_input import FUZZ
 
@@ -279,3 +279,43 @@ def test_fuzz_batched_walk_of_resealed_damaged_streams(
                 assert torch.equal(flat[at], old), name
     for name, base in bases.items():
         assert torch.equal(held[name].view(torch.uint8), base.view(torch.uint8)), name
+
+
+def _patch(name: str, positions: list[int], values: torch.Tensor) -> TensorPatch:
+    return TensorPatch(name, values.dtype, (0,), torch.tensor(positions, dtype=torch.int64), values)
+
+
+def test_confirmed_writes_of_many_tensors_in_one_call_equal_apply_patch() -> None:
+    pairs = small_tensors(seed=11, count=30)
+    data = encode_delta(pairs, 1)
+    delta = read_delta(data)
+    held = {name: base.clone() for name, base, _ in pairs}
+    patches = [delta.decode(name, held[name]) for name, _, _ in pairs]
+    confirmed.write_confirmed_all([(held[p.name], p) for p in patches])
+    for name, _, new in pairs:
+        assert torch.equal(held[name].view(torch.uint8), new.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [[3, 2], [1, 1], [0, 64]],
+    ids=["descending", "repeated", "out of range"],
+)
+def test_a_bad_patch_among_many_is_named_and_left_unwritten(positions: list[int]) -> None:
+    held = {n: torch.zeros(64, dtype=torch.int16) for n in ("a", "b", "c")}
+    good = _patch("a", [1, 5], torch.tensor([7, 8], dtype=torch.int16))
+    bad = _patch("b", positions, torch.tensor([9, 9], dtype=torch.int16))
+    late = _patch("c", [0], torch.tensor([3], dtype=torch.int16))
+    with pytest.raises(CorruptObjectError, match="tensor b: patch positions"):
+        confirmed.write_confirmed_all([(held[p.name], p) for p in (good, bad, late)])
+    assert held["a"][[1, 5]].tolist() == [7, 8]  # written before it: the caller rolls back
+    assert not held["b"].any() and not held["c"].any()
+
+
+def test_a_malformed_patch_is_refused_before_anything_is_written() -> None:
+    held = {n: torch.zeros(8, dtype=torch.int16) for n in ("a", "b")}
+    good = _patch("a", [1], torch.tensor([7], dtype=torch.int16))
+    wide = _patch("b", [1], torch.tensor([7], dtype=torch.int32))  # not the tensor's width
+    with pytest.raises(CorruptObjectError, match="tensor b: malformed patch"):
+        confirmed.write_confirmed_all([(held["a"], good), (held["b"], wide)])
+    assert not held["a"].any() and not held["b"].any()

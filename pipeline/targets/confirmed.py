@@ -3,10 +3,10 @@ pass (see docs/ARCHITECTURE.md, "Content hashes"): what ``apply_patch`` then
 ``check_written`` do in two scattered passes over cold weights.
 
 The read-back keeps what makes it a proof: it reads the held tensor's own memory (the
-array written is checked to be a view of it, not a copy), at the proven positions, in
-the proven width, after the write, and the written tensors of one apply never
-overlap (checked before the write), so no other write of the apply can change a
-position once it is confirmed.
+compiled call writes through the tensor's own address, never a copy), at the proven
+positions, in the proven width, after the write, and the written tensors of one
+apply never overlap (checked before the write), so no other write of the apply can
+change a position once it is confirmed. Many patches go to one compiled call.
 """
 
 from __future__ import annotations
@@ -53,44 +53,51 @@ def disjoint(tensors: Sequence[torch.Tensor]) -> bool:
     return all(a[:2] != b[:2] or a[3] <= b[2] for a, b in itertools.pairwise(spans))
 
 
-def destination(ints: torch.Tensor) -> np.ndarray[Any, Any]:
-    """The flat numpy array the compiled write goes through: a view of ``ints``
-    (contiguous; numpy flattens it without the cost of a torch view)."""
-    return ints.numpy().reshape(-1)
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def write_confirmed(tensor: torch.Tensor, ints: torch.Tensor, patch: TensorPatch) -> None:
-    """Write ``patch`` into ``ints`` (the held CPU ``tensor``'s integer view, any
-    shape) and read the written positions back; MismatchError when one does not hold
-    its new contents, CorruptObjectError (nothing written) for positions not strictly
-    ascending or out of range."""
+def write_confirmed_all(items: Sequence[tuple[torch.Tensor, TensorPatch]]) -> None:
+    """Write each patch into its held CPU tensor and read its written positions back,
+    in one compiled call per element width (Python per call, not per tensor: a model
+    of many small tensors). MismatchError when a position does not hold its new
+    contents; CorruptObjectError, that patch unwritten, for positions not strictly
+    ascending or out of range, or a malformed patch. On an error the patches before
+    the one at fault (in its width's call) are written: the caller rolls back."""
     jit = _jit()
     assert jit is not None
-    count = patch.positions.numel()
-    if (
-        patch.positions.dtype != torch.int64
-        or patch.positions.dim() != 1
-        or patch.values.element_size() != ints.element_size()
-        or patch.values.numel() != count
-        or not tensor.is_contiguous()
-    ):
-        raise CorruptObjectError(f"tensor {patch.name}: malformed patch")
-    target = destination(ints)
-    given = patch.values
-    values = (given if given.dtype == ints.dtype else given.view(ints.dtype)).numpy()
-    if (
-        target.ctypes.data != tensor.data_ptr()
-        or target.size != tensor.numel()
-        or target.itemsize != tensor.element_size()
-    ):
-        raise MismatchError(f"tensor {patch.name}: the array to write is not the held memory")
-    found = jit.write_confirmed(target, patch.positions.numpy(), values)
-    if found == jit.UNSORTED:
-        raise CorruptObjectError(
-            f"tensor {patch.name}: patch positions not strictly ascending or out of range"
+    rows: dict[int, list[tuple[int, int, int, int, int]]] = {}
+    named: dict[int, list[str]] = {}
+    for tensor, patch in items:
+        positions, values = patch.positions, patch.values
+        width = tensor.element_size()
+        count = positions.numel()
+        if (
+            positions.dtype != torch.int64
+            or positions.dim() != 1
+            or values.element_size() != width
+            or values.numel() != count
+            or not (tensor.is_contiguous() and positions.is_contiguous())
+            or not values.is_contiguous()
+            or positions.device.type != "cpu"
+            or values.device.type != "cpu"
+            or tensor.device.type != "cpu"
+        ):
+            raise CorruptObjectError(f"tensor {patch.name}: malformed patch")
+        row = (tensor.data_ptr(), tensor.numel(), positions.data_ptr(), values.data_ptr(), count)
+        rows.setdefault(width, []).append(row)
+        named.setdefault(width, []).append(patch.name)
+    for width, table in rows.items():
+        done, found = jit.write_confirmed_all(
+            np.array(table, np.int64), np.empty(0, _UNSIGNED[width])
         )
-    if found >= 0:
+        if found == -1:
+            continue
+        name = named[width][done]
+        if found == jit.UNSORTED:
+            raise CorruptObjectError(
+                f"tensor {name}: patch positions not strictly ascending or out of range"
+            )
         raise MismatchError(
-            f"tensor {patch.name}: read back after the write, the changed positions do "
+            f"tensor {name}: read back after the write, the changed positions do "
             "not hold the new contents"
         )

@@ -9,6 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import numba  # type: ignore[import-untyped]
+import numpy as np
+
+from pipeline.intrinsics_jit import pointer_like
 
 jit = numba.njit(cache=True, nogil=True)
 
@@ -44,3 +47,21 @@ def write_confirmed(target: Any, positions: Any, values: Any) -> int:
             if target[positions[k]] != values[k]:
                 return k
     return -1
+
+
+@jit  # type: ignore[untyped-decorator,misc]
+def write_confirmed_all(table: Any, like: Any) -> Any:
+    """:func:`write_confirmed` of several patches, one row of ``table`` each: (target
+    address, its element count, positions address, values address, count), the
+    targets and values of ``like``'s dtype, the positions int64. Returns (rows done,
+    -1) when all hold, else (the row at fault, what write_confirmed returned for it)."""
+    positions_like = np.empty(0, np.int64)
+    for r in range(table.shape[0]):
+        row = table[r]
+        target = numba.carray(pointer_like(row[0], like), row[1])
+        positions = numba.carray(pointer_like(row[2], positions_like), row[4])
+        values = numba.carray(pointer_like(row[3], like), row[4])
+        found = write_confirmed(target, positions, values)
+        if found != -1:
+            return r, found
+    return table.shape[0], -1

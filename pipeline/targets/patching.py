@@ -351,6 +351,12 @@ def write_on_two_threads(
             helper.result()
 
 
+# Confirmed writes go WRITE_BATCH patches to a compiled call (the Python around one
+# small patch costs more than its write). The crash point is passed once per patch,
+# after its batch: a crash there leaves the batches before it written.
+WRITE_BATCH = 16
+
+
 def _write(
     patches: Sequence[TensorPatch],
     tensor: Callable[[str], torch.Tensor],
@@ -359,12 +365,15 @@ def _write(
 ) -> None:
     """Write ``patches``; with ``confirm`` (CPU tensors, see :mod:`confirmed`), each
     one's written positions are read back in the same compiled pass."""
+    if confirm:
+        for start in range(0, len(patches), WRITE_BATCH):
+            batch = patches[start : start + WRITE_BATCH]
+            confirmed.write_confirmed_all([(tensor(p.name), p) for p in batch])
+            for _ in batch if faulty else ():
+                faults.point("target.mid_write")
+        return
     for patch in patches:
-        held = tensor(patch.name)
-        if confirm:
-            confirmed.write_confirmed(held, int_view(held.detach()), patch)
-        else:
-            apply_patch(held, patch)
+        apply_patch(tensor(patch.name), patch)
         if faulty:
             faults.point("target.mid_write")
 

@@ -283,17 +283,18 @@ def prove_incremental(
     found = early or {}
 
     def one(
-        entry: TensorEntry, delta: DeltaObject, held: torch.Tensor, spec: TensorSpec
+        entry: TensorEntry,
+        delta: DeltaObject,
+        held: torch.Tensor,
+        spec: TensorSpec,
+        batched: Proven | None = None,
     ) -> TensorPatch | Walk:
         done = found.get(entry.name)
         if isinstance(done, ProvenDigest):
             return _early_walk(entry, delta, done)
-        hashed = done
-        if hashed is None:
-            batched = small.pop(entry.name, None)
-            if isinstance(batched, CorruptObjectError):
-                raise batched
-            hashed = batched or _incremental_one(entry, delta, held, held_hash, algorithm)
+        if isinstance(batched, CorruptObjectError):
+            raise batched
+        hashed = done or batched or _incremental_one(entry, delta, held, held_hash, algorithm)
         check_patch(hashed.patch, entry, spec)
         _check_digest(entry, hashed.digest)
         # The walk's own encodings only: a walked write is undone by walking back. The
@@ -303,15 +304,26 @@ def prove_incremental(
         olds[entry.name] = hashed.old
         return hashed.patch
 
+    def unit(work: list[Change]) -> list[TensorPatch | Walk]:
+        if len(work) == 1 and not _batched(work[0][:3], found):
+            return [one(*work[0])]
+        proven = _incremental_batch([c[:3] for c in work], held_hash, algorithm)
+        return [one(*change, proven.get(change[0].name)) for change in work]
+
     olds: dict[str, torch.Tensor] = {}  # each thread sets its own tensors' entries
     changes = list(changed_entries(entries, objects, base, specs))
-    small = _incremental_small(
-        [c[:3] for c in changes if c[0].name not in found], held_hash, algorithm
-    )
-    results = _prove_all(one, changes)
+    units = _units(changes, found)
+    results: dict[str, TensorPatch | Walk] = {}
+    for work, outcome in zip(
+        units,
+        _on_provers(unit, units, lambda work: sum(c[0].changed for c in work)),
+        strict=True,
+    ):
+        results.update((change[0].name, d) for change, d in zip(work, outcome, strict=True))
     proven = ProvenPatches([], {}, {})
-    for (entry, _, _, _), done in zip(changes, results, strict=True):
+    for entry, _, _, _ in changes:
         proven.hashes[entry.name] = entry.hash  # checked against it above
+        done = results[entry.name]
         if isinstance(done, Walk):
             proven.walks.append(done)
         else:
@@ -323,53 +335,49 @@ def prove_incremental(
 # Tensors with at most this many changes are proven in batches, one compiled walk and
 # one hash update for many (DeltaObject.gathered_many): below it the Python around a
 # tensor's walk costs more than the walk (about 0.1 ms a tensor; MoE layers hold
-# hundreds of small experts). A batch holds up to BATCH_CHANGES changes, so that
-# proving threads can share a version's batches.
+# hundreds of small experts). A batch holds up to BATCH_CHANGES changes (3 MB of
+# patches for bf16), so that proving threads share a version's batches and, without
+# ``keep_patches``, each batch's patches go before the next is decoded.
 SMALL_CHANGES = 1 << 16
 BATCH_CHANGES = 1 << 18
 
 Proven = HashedPatch | CorruptObjectError
 Held = tuple[TensorEntry, DeltaObject, torch.Tensor]  # an entry, its object, the held tensor
+_C = TypeVar("_C", Change, Held)
 
 
-def _incremental_small(
-    changes: Sequence[Held], held_hash: Callable[[str], str], algorithm: HashAlgorithm
-) -> dict[str, Proven]:
-    """What :func:`_incremental_one` gives for each CPU tensor with few changes, in
-    batches per object (the error of a tensor whose streams are damaged, not raised:
-    the caller reports faults in manifest order). Tensors the batched walk leaves out
-    are not in the result."""
-    batches: list[list[Held]] = []
-    sizes: dict[int, int] = {}  # changes in each object's open batch
-    open_batch: dict[int, list[Held]] = {}
+def _batched(change: Held, early: Mapping[str, EarlyResult]) -> bool:
+    """Whether a tensor is proven in a batch: few changes, on CPU, no early result."""
+    entry, _, held = change
+    return entry.changed <= SMALL_CHANGES and held.is_cpu and entry.name not in early
+
+
+def _units(changes: Sequence[_C], early: Mapping[str, EarlyResult]) -> list[list[_C]]:
+    """``changes`` as units of proving work: batches of small tensors of one object (in
+    the order of their first tensor), and each other tensor alone."""
+    units: list[list[_C]] = []
+    open_batch: dict[int, tuple[list[_C], int]] = {}  # per object: its batch, its changes
     for change in changes:
-        entry, delta, held = change
-        if entry.changed > SMALL_CHANGES or held.device.type != "cpu":
+        entry, delta, held = change[0], change[1], change[2]
+        if not _batched((entry, delta, held), early):
+            units.append([change])
             continue
-        key = id(delta)
-        batch = open_batch.get(key)
-        if batch is None or sizes[key] + entry.changed > BATCH_CHANGES:
-            batch = open_batch[key] = []
-            batches.append(batch)
-            sizes[key] = 0
+        batch, size = open_batch.get(id(delta), (None, 0))
+        if batch is None or size + entry.changed > BATCH_CHANGES:
+            batch, size = [], 0
+            units.append(batch)
         batch.append(change)
-        sizes[key] += entry.changed
-    if not batches:
-        return {}
-    out: dict[str, Proven] = {}
-    for done in _on_provers(
-        lambda batch: _incremental_batch(batch, held_hash, algorithm),
-        batches,
-        lambda batch: sum(change[0].changed for change in batch),
-    ):
-        out.update(done)
-    return out
+        open_batch[id(delta)] = (batch, size + entry.changed)
+    return units
 
 
 def _incremental_batch(
     batch: Sequence[Held], held_hash: Callable[[str], str], algorithm: HashAlgorithm
 ) -> dict[str, Proven]:
-    """:func:`_incremental_small` of one batch, all of one object."""
+    """What :func:`_incremental_one` gives for each tensor of one batch (all of one
+    object), with one walk and one hash update per element width; the error of a
+    tensor whose streams are damaged is returned, not raised, so that the caller
+    reports faults in its own order. Tensors the walk leaves out are not in it."""
     delta = batch[0][1]
     held = {entry.name: tensor for entry, _, tensor in batch}
     gathered, errors = delta.gathered_many(list(held.items()))
@@ -465,15 +473,16 @@ def prove_object_incremental(
             changed=info.changed,
         )
         changes.append((named, delta, held))
-    small = _incremental_small(changes, held_hash, algorithm)
     out: dict[str, EarlyResult] = {}
-    for named, _, held in changes:
-        hashed = small.get(named.name)
-        if isinstance(hashed, CorruptObjectError):
-            raise hashed
-        if hashed is None:
-            hashed = _incremental_one(named, delta, held, held_hash, algorithm)
-        out[named.name] = hashed if keep else ProvenDigest(hashed.digest, named.changed)
+    for work in _units(changes, {}):
+        proven = _incremental_batch(work, held_hash, algorithm) if len(work) > 1 else {}
+        for named, _, held in work:
+            hashed = proven.get(named.name)
+            if isinstance(hashed, CorruptObjectError):
+                raise hashed
+            if hashed is None:
+                hashed = _incremental_one(named, delta, held, held_hash, algorithm)
+            out[named.name] = hashed if keep else ProvenDigest(hashed.digest, named.changed)
     return out
 
 

@@ -35,7 +35,7 @@ from pipeline.codec.compiled.fused_constants import (
     SIGNMAG_ONES,
     UNDO,
 )
-from pipeline.intrinsics_jit import prefetch_write
+from pipeline.intrinsics_jit import pointer_like, prefetch_write
 
 # numba's disk cache is keyed on this file alone and freezes the constants imported
 # above at their values when compiled. This line names those values, and the import
@@ -140,19 +140,6 @@ def store_be64(typingctx: Any, stream: Any, index: Any, value: Any) -> Any:
         return context.get_dummy_value()
 
     return types.none(stream, index, types.uint64), codegen
-
-
-@intrinsic  # type: ignore[untyped-decorator,misc]
-def pointer_like(typingctx: Any, address: Any, like: Any) -> Any:
-    """``address`` (an int64) as a pointer to elements of ``like``'s dtype: with
-    ``numba.carray``, the memory of a tensor named by its address, so that one call
-    can walk many tensors."""
-    signature = types.CPointer(like.dtype)(address, like)
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return signature, codegen
 
 
 @jit  # type: ignore[untyped-decorator,misc]
