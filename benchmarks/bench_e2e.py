@@ -4,9 +4,10 @@
                                    [--density 0.02] [--reps 3] [--work DIR]
                                    [--store file|s3] [--target torch|vllm]
                                    [--device cpu|cuda] [--threads 2]
-                                   [--updates uniform|calibrated]
+                                   [--updates uniform|calibrated] [--moe]
 
-A Qwen2.5-0.5B-shaped bf16 state (``--params``) gets new versions from an
+A Qwen2.5-0.5B-shaped bf16 state (``--params``; ``--moe``: Qwen3-MoE-like shapes,
+128 experts a layer) gets new versions from an
 update emulator (benchmarks/emulator.py): by default every tensor changes
 ``--density`` of its elements at uniform positions by +-1 or +-2 units in the last
 place (every tensor touched, the hard case); ``--updates calibrated`` draws them
@@ -53,6 +54,7 @@ from benchmarks.emulator import (
     UpdateEmulator,
     calibrated_profile,
     make_state,
+    moe_like_shapes,
     qwen_like_shapes,
 )
 from pipeline.coord.stream import ENTRY_FIELD, stream_key
@@ -152,6 +154,12 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="the torch replicas' device (cuda: a GPU)")
     parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="Qwen3-MoE-like shapes (128 experts a layer: many small tensors) instead of "
+        "dense Qwen-like ones; torch replicas only",
+    )
+    parser.add_argument(
         "--updates",
         choices=["uniform", "calibrated"],
         default="uniform",
@@ -172,7 +180,10 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"work folder {work}; load {os.getloadavg()}", flush=True)
-    state = make_state(qwen_like_shapes(args.params), seed=0)
+    if args.moe and args.target != "torch":
+        parser.error("--moe: the vLLM replicas' config is a dense Llama one")
+    shapes = moe_like_shapes(args.params) if args.moe else qwen_like_shapes(args.params)
+    state = make_state(shapes, seed=0)
     params = sum(t.numel() for t in state.values())
     emulator: UniformEmulator | UpdateEmulator
     if args.updates == "uniform":
@@ -336,7 +347,8 @@ def summarise(
     summary = {k: med(k) for k in rows[0] if k != "version"}
     copy = summary["copy_s"]
     print()
-    print(f"{params / 1e9:.2f}B bf16 parameters, {args.replicas} {args.target} replicas "
+    shapes = "MoE-like" if args.moe else "dense"
+    print(f"{params / 1e9:.2f}B {shapes} bf16 parameters, {args.replicas} {args.target} replicas "
           f"({args.device}, {os.cpu_count()} CPUs, {args.threads} threads each), "
           f"{args.store} store, median of {len(rows)} versions")  # fmt: skip
     print("| phase | s | vs copy |")

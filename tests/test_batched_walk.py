@@ -319,3 +319,87 @@ def test_a_malformed_patch_is_refused_before_anything_is_written() -> None:
     with pytest.raises(CorruptObjectError, match="tensor b: malformed patch"):
         confirmed.write_confirmed_all([(held["a"], good), (held["b"], wide)])
     assert not held["a"].any() and not held["b"].any()
+
+
+@pytest.mark.parametrize("confirm", [False, True])
+def test_many_tensors_walked_into_place_in_one_call_equal_the_new_version(confirm: bool) -> None:
+    pairs = small_tensors(seed=12, count=30)
+    data = encode_delta(pairs, 1)
+    delta = read_delta(data)
+    held = {name: base.clone() for name, base, _ in pairs}
+    walked = walked_names(data, held)
+    written, error = delta.apply_many([(n, held[n]) for n in walked], confirm=confirm)
+    assert error is None and sorted(written) == sorted(walked)  # (grouped by dtype)
+    for name, base, new in pairs:
+        want = new if name in walked else base
+        assert torch.equal(held[name].view(torch.uint8), want.view(torch.uint8)), name
+    for name in reversed(written):  # and back, by walking the same streams
+        delta.undo_apply(name, held[name])
+    for name, base, _ in pairs:
+        assert torch.equal(held[name].view(torch.uint8), base.view(torch.uint8)), name
+
+
+def test_a_damaged_record_in_a_walked_batch_is_left_as_it_was_and_named() -> None:
+    pairs = [(n, b, new) for n, b, new in small_tensors(seed=13, count=40)
+             if b.dtype == torch.bfloat16]  # fmt: skip
+    # The victim has thousands of changes: batches of them are written before the
+    # damage is met, and walked back.
+    victim = "layers.victim"
+    base = torch.randn(400, 100, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ints = base.reshape(-1).view(torch.int16).clone()
+    ints[::40] += 1
+    pairs.insert(len(pairs) // 2, (victim, base, ints.view(torch.bfloat16).view(400, 100)))
+    data = encode_delta(pairs, 1)
+    bases = {name: base for name, base, _ in pairs}
+    walked = walked_names(data, bases)
+
+    records = json.loads(read_container(data, "x").metadata["tensors"])
+    unary = next(r["streams"]["unary"] for r in records if r["name"] == victim)
+
+    def smash(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
+        entries[victim][unary * 3 // 4 : unary] = 0xFF  # its positions decode partway, then fail
+
+    delta = read_delta(rebuild(data, smash), object_name="obj")
+    held = {name: base.clone() for name, base in bases.items()}
+    written, error = delta.apply_many([(n, held[n]) for n in walked], confirm=True)
+    assert written == walked[: walked.index(victim)]
+    assert isinstance(error, CorruptObjectError) and f"obj: tensor {victim!r}" in str(error)
+    news = {name: new for name, _, new in pairs}
+    for name in walked:
+        want = news[name] if name in written else bases[name]
+        assert torch.equal(held[name].view(torch.uint8), want.view(torch.uint8)), name
+
+
+@settings(FUZZ, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_batched_writes_of_resealed_damaged_streams_walk_back_to_the_base(
+    fuzz_case: tuple[bytes, dict[str, torch.Tensor], dict[str, list[str]]], data: st.DataObject
+) -> None:
+    """Whatever damaged streams decode to, a batched write stops at the first bad
+    record with that record as it was, and walking back what it reports written
+    restores every tensor bit for bit."""
+    blob, bases, _ = fuzz_case
+    names = sorted(read_container(blob, "x").streams)
+    edits = data.draw(
+        st.lists(
+            st.tuples(st.sampled_from(names), st.integers(0, 10**4), st.integers(0, 255)),
+            min_size=1,
+            max_size=6,
+        )
+    )
+
+    def change(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
+        for name, at, value in edits:
+            if entries[name].size:
+                entries[name][at % entries[name].size] = value
+
+    held = {name: base.clone() for name, base in bases.items()}
+    with contextlib.suppress(DeltasyncError):
+        delta = read_delta(rebuild(blob, change), object_name="fuzzed")
+        items = [(n, t) for n, t in held.items() if delta.walks(n, t)]
+        written, error = delta.apply_many(items, confirm=data.draw(st.booleans()))
+        assert error is None or isinstance(error, DeltasyncError)
+        for name in reversed(written):
+            delta.undo_apply(name, held[name])
+    for name, base in bases.items():
+        assert torch.equal(held[name].view(torch.uint8), base.view(torch.uint8)), name

@@ -167,13 +167,18 @@ def counted_walks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     """(name, whether its writes were read back) of each tensor written by walking its
     delta (no patch kept) from here on."""
     calls: list[tuple[str, bool]] = []
-    real = DeltaObject.apply_to
+    real, real_many = DeltaObject.apply_to, DeltaObject.apply_many
 
     def apply_to(self: DeltaObject, name: str, tensor: torch.Tensor, **kw: Any) -> Any:
         calls.append((name, bool(kw.get("confirm"))))
         return real(self, name, tensor, **kw)
 
+    def apply_many(self: DeltaObject, items: Any, **kw: Any) -> Any:  # small ones, batched
+        calls.extend((name, bool(kw.get("confirm"))) for name, _ in items)
+        return real_many(self, items, **kw)
+
     monkeypatch.setattr(DeltaObject, "apply_to", apply_to)
+    monkeypatch.setattr(DeltaObject, "apply_many", apply_many)
     return calls
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.codec import DeltaObject, encode_delta
+from pipeline.codec import encode_delta
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError, TargetError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import sha256_bytes
@@ -36,7 +36,7 @@ from pipeline.testing.synthetic import save_state
 from pipeline.versions import chain
 from pipeline.versions.verify import verify
 from tests.sharded_store import ALGORITHM, PiecedRun, build_pieced_run, rank_part
-from tests.test_walked_apply import failing_on_call
+from tests.test_walked_apply import failing_on_tensor
 
 RUN = "sharded"
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -238,7 +238,7 @@ def test_a_walked_pieced_write_failing_midway_leaves_every_tensor_as_it_was(
     manifest = built.manifests[1]
     before = {n: t.clone() for n, t in held_state(target).items()}
     hashes = target.hashes(algorithm=ALGORITHM.name)
-    monkeypatch.setattr(DeltaObject, "apply_to", failing_on_call(fail_on))
+    failing_on_tensor(fail_on, monkeypatch)
     with pytest.raises(RuntimeError, match="device lost"):  # at the fail_on-th walk
         target.apply_delta(manifest, objects_of(store, manifest), "touched")
     monkeypatch.undo()

@@ -4,7 +4,6 @@ deltas into the weights and walked back on failure (pipeline/targets/walking.py)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -146,17 +145,28 @@ def test_walked_chain_is_bit_exact_and_keeps_no_patches() -> None:
     assert {n: t.data_ptr() for n, t in held.items()} == ids
 
 
-def failing_on_call(number: int) -> Callable[..., Any]:
-    """``DeltaObject.apply_to`` failing at its ``number``-th call from now on."""
-    real = DeltaObject.apply_to
+def failing_on_tensor(number: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Walked writes failing at the ``number``-th tensor from now on: one at a time
+    (``DeltaObject.apply_to`` raises) or in a batch (``DeltaObject.apply_many`` writes
+    the tensors before it and reports the error)."""
+    real_one, real_many = DeltaObject.apply_to, DeltaObject.apply_many
     calls = itertools.count(1)  # two writer threads may call at once
 
     def apply_to(self: DeltaObject, name: str, tensor: torch.Tensor, **kw: Any) -> Any:
         if next(calls) == number:
             raise RuntimeError("device lost during the write")
-        return real(self, name, tensor, **kw)
+        return real_one(self, name, tensor, **kw)
 
-    return apply_to
+    def apply_many(self: DeltaObject, items: Any, **kw: Any) -> Any:
+        for k, _ in enumerate(items):
+            if next(calls) == number:
+                written, error = real_many(self, items[:k], **kw) if k else ([], None)
+                assert error is None
+                return written, RuntimeError("device lost during the write")
+        return real_many(self, items, **kw)
+
+    monkeypatch.setattr(DeltaObject, "apply_to", apply_to)
+    monkeypatch.setattr(DeltaObject, "apply_many", apply_many)
 
 
 @pytest.mark.parametrize("fail_on", [1, 2, 3])
@@ -171,7 +181,7 @@ def test_a_write_failing_midway_leaves_every_tensor_as_it_was(
     assert len(proven.walks) >= 3 and proven.patches  # walked and patched tensors both
     before = {n: t.clone() for n, t in held.items()}
     hashes = target.hashes()
-    monkeypatch.setattr(DeltaObject, "apply_to", failing_on_call(fail_on))
+    failing_on_tensor(fail_on, monkeypatch)
     with pytest.raises(RuntimeError, match="device lost"):
         target.apply_delta(manifest, objects, "touched")
     assert_bitwise_equal(held, before)  # patched tensors and walked ones restored
@@ -233,7 +243,7 @@ def test_a_two_thread_walked_write_failing_anywhere_is_walked_back(
     )
     assert mine and other, "the write should run on two threads"
     before = {n: t.clone() for n, t in held.items()}
-    monkeypatch.setattr(DeltaObject, "apply_to", failing_on_call(fail_on))
+    failing_on_tensor(fail_on, monkeypatch)
     with pytest.raises(RuntimeError, match="device lost"):
         target.apply_delta(manifest, objects, "touched")
     assert_bitwise_equal(held, before)

@@ -29,6 +29,7 @@ from pipeline.codec.tensorcodec import (
     Helpers,
     ReadBackError,
     RecordWalk,
+    WalkFailure,
     decode_differences,
     decode_tensor,
     encode_tensor,
@@ -36,7 +37,13 @@ from pipeline.codec.tensorcodec import (
     walk_records,
     walk_sparse,
 )
-from pipeline.errors import CodecError, CorruptObjectError, MismatchError, TargetError
+from pipeline.errors import (
+    CodecError,
+    CorruptObjectError,
+    DeltasyncError,
+    MismatchError,
+    TargetError,
+)
 from pipeline.format.bounded import load_json
 from pipeline.format.hashes.hashing import patched_tensor_hash
 
@@ -302,8 +309,64 @@ class DeltaObject:
         each tensor whose streams are damaged (the tensors after it in its batch are
         left out). A tensor the walk does not apply to (see :meth:`walks`) is in
         neither: its caller takes it one at a time."""
+        batches: list[Gathered] = []
+        errors: dict[str, CorruptObjectError] = {}
+        for info, names, walks in self._record_walks(items):
+            where, new, old, bounds, failure = self._walk_records(walks, info, fused.GATHER)
+            view = _numpy_dtype(info.view)
+            done = len(bounds) - 1
+            batches.append(
+                Gathered(names[:done], where, new.view(view), old.view(view), bounds.tolist())
+            )
+            if failure is not None:
+                index, _, reason = failure
+                errors[names[index]] = CorruptObjectError(
+                    f"delta object {self.object_name}: tensor {names[index]!r}: {reason}"
+                )
+        return batches, errors
+
+    def apply_many(
+        self, items: Sequence[tuple[str, torch.Tensor]], *, confirm: bool = False
+    ) -> tuple[list[str], DeltasyncError | None]:
+        """:meth:`apply_to` of many tensors (name, held CPU tensor that :meth:`walks`
+        writes into) in one compiled walk per element width, with ``confirm`` as there.
+        Returns the names written, and the error that stopped the walk (None when all
+        were written): a damaged stream (CorruptObjectError) or, with ``confirm``, a
+        position that did not read back (MismatchError). The tensor at fault is left as
+        it was; the written ones are for the caller to take back (:meth:`undo_apply`).
+        TargetError, nothing written, for a tensor the walk does not write."""
+        groups = self._record_walks(items)
+        if sum(len(names) for _, names, _ in groups) != len(items):
+            raise TargetError(
+                f"delta object {self.object_name}: a tensor of the batch cannot be walked in place"
+            )
+        written: list[str] = []
+        mode = fused.CONFIRM if confirm else fused.APPLY
+        for info, names, walks in groups:
+            try:
+                failure = self._walk_records(walks, info, mode)[4]
+            except DeltasyncError as exc:  # nothing of this group written
+                return written, exc
+            if failure is None:
+                written += names
+                continue
+            index, status, reason = failure
+            written += names[:index]
+            where = f"delta object {self.object_name}: tensor {names[index]!r}"
+            if status == fused.BAD_READBACK:
+                return written, MismatchError(
+                    f"tensor {names[index]}: read back after the write: {reason}"
+                )
+            return written, CorruptObjectError(f"{where}: {reason}")
+        return written, None
+
+    def _record_walks(
+        self, items: Sequence[tuple[str, torch.Tensor]]
+    ) -> list[tuple[DtypeInfo, list[str], list[RecordWalk]]]:
+        """The compiled walk's records of ``items`` (name, CPU tensor), grouped by the
+        dtype's integer view, leaving out those it does not walk (see :meth:`walks`)."""
         walker = fused.get()
-        groups: dict[Any, tuple[DtypeInfo, list[str], list[RecordWalk]]] = {}
+        groups: dict[torch.dtype, tuple[DtypeInfo, list[str], list[RecordWalk]]] = {}
         for name, base in items:
             record = self._record(name, base)
             info = record.info
@@ -329,24 +392,15 @@ class DeltaObject:
                     base.numel(),
                 )
             )
-        batches: list[Gathered] = []
-        errors: dict[str, CorruptObjectError] = {}
-        for info, names, walks in groups.values():
-            try:
-                where, new, old, bounds, failure = walk_records(walker, walks, info, fused.GATHER)
-            except (KeyError, TypeError, ValueError) as exc:  # params a damaged record holds
-                raise CorruptObjectError(f"delta object {self.object_name}: {exc}") from None
-            view = _numpy_dtype(info.view)
-            done = len(bounds) - 1
-            batches.append(
-                Gathered(names[:done], where, new.view(view), old.view(view), bounds.tolist())
-            )
-            if failure is not None:
-                index, reason = failure
-                errors[names[index]] = CorruptObjectError(
-                    f"delta object {self.object_name}: tensor {names[index]!r}: {reason}"
-                )
-        return batches, errors
+        return list(groups.values())
+
+    def _walk_records(
+        self, walks: list[RecordWalk], info: DtypeInfo, mode: int
+    ) -> tuple[Any, Any, Any, Any, WalkFailure | None]:
+        try:
+            return walk_records(fused.get(), walks, info, mode)
+        except (KeyError, TypeError, ValueError) as exc:  # params a damaged record holds
+            raise CorruptObjectError(f"delta object {self.object_name}: {exc}") from None
 
     def walks(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether :meth:`apply_to` of ``name`` into ``tensor`` decodes straight into it

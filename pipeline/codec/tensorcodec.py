@@ -721,6 +721,8 @@ class RecordWalk:
 
 def _walk_status(status: int, size: int) -> str:
     """walk_sparse's reason for a failed walk (as raised by :func:`walk_sparse`)."""
+    if status == fused.BAD_READBACK:
+        return "a written position, read back, does not hold its new contents"
     if status == fused.BAD_POSITION:
         return f"a position is out of range for {size} elements"
     if status == fused.BAD_CONTENTS:
@@ -760,33 +762,38 @@ def _walk_row(
     return (*row, planes_at, len(raw), out, bigs, walk.address, walk.size), raw
 
 
+WalkFailure = tuple[int, int, str]  # (record index, fused.BAD_*, reason)
+
+
 def walk_records(
     walker: Any, walks: list[RecordWalk], info: DtypeInfo, mode: int
-) -> tuple[I64, AnyUInt, AnyUInt, I64, tuple[int, str] | None]:
+) -> tuple[I64, AnyUInt, AnyUInt, I64, WalkFailure | None]:
     """:func:`walk_sparse` of many sparse records of one dtype (``walk_applies``) in
-    one compiled call, for the modes that write nothing (fused.DECODE, DIFFS,
-    GATHER). Python then stays per call, not per record: what a model of many
-    small tensors (MoE experts, norms) spends most of its apply on otherwise.
+    one compiled call. Python then stays per call, not per record: what a model of
+    many small tensors (MoE experts, norms) spends most of its apply on otherwise.
 
     Returns (positions, values, old contents, bounds, failure): record k's outputs
     are ``[bounds[k], bounds[k + 1])`` of the first three, which are laid out as
-    :func:`walk_sparse` returns them (old contents for GATHER only). ``failure`` is
-    None, or (index, reason) of the first record whose streams are damaged; records
-    before it are done, none after it is."""
-    if mode not in (fused.DECODE, fused.DIFFS, fused.GATHER):
-        raise ValueError(f"walk_records does not write: mode {mode} is not one of its modes")
+    :func:`walk_sparse` returns them (old contents for GATHER only; nothing for
+    fused.APPLY and CONFIRM, which write into the targets). ``failure`` is None, or
+    (index, fused.BAD_*, reason) of the first record whose streams are damaged (or,
+    CONFIRM, whose write did not read back): records before it are done, none after
+    it is, and it was walked back (a writing mode)."""
+    if mode not in (fused.DECODE, fused.DIFFS, fused.GATHER, fused.APPLY, fused.CONFIRM):
+        raise ValueError(f"walk_records: mode {mode} is not one of its modes")
+    writes = mode in (fused.APPLY, fused.CONFIRM)
     width = info.width
     rows: list[tuple[int, ...]] = []
     blobs: list[U8] = []
     raws: list[bytes] = []
     bounds = [0]
-    failure: tuple[int, str] | None = None
+    failure: WalkFailure | None = None
     at = planes_at = bigs = 0
     for index, walk in enumerate(walks):
         try:
             row, raw = _walk_row(walk, width, at, planes_at, bounds[-1], bigs)
         except DamagedStreamError as exc:
-            failure = (index, str(exc))
+            failure = (index, fused.BAD_UNARY, str(exc))
             break
         rows.append(row)
         blobs.append(walk.blob)
@@ -794,7 +801,7 @@ def walk_records(
         at += walk.blob.size
         planes_at += len(raw)
         bigs += row[9] + 1
-        bounds.append(bounds[-1] + walk.changed)
+        bounds.append(bounds[-1] + (0 if writes else walk.changed))
     total = bounds[-1]
     out_pos = np.empty(total, np.int64)
     out_val = np.empty(total, info.unsigned)
@@ -815,6 +822,6 @@ def walk_records(
             np.empty(bigs, np.int64),
         )
         if status != fused.DONE:
-            failure = (int(done), _walk_status(int(status), walks[int(done)].size))
+            failure = (int(done), int(status), _walk_status(int(status), walks[int(done)].size))
             bounds = bounds[: int(done) + 1]
     return out_pos, out_val, out_old, np.array(bounds, np.int64), failure

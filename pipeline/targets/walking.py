@@ -111,6 +111,13 @@ def apply_walks(
         raise
 
 
+# Walks of one object with at most this many changes go to one compiled call, up to
+# WALK_BATCH of them (the Python around a small tensor's walk costs more than the
+# walk). The crash point is passed once per walk, after its batch.
+SMALL_WALK = 1 << 16
+WALK_BATCH = 64
+
+
 def _walk(
     walks: Sequence[Walk],
     tensor: Callable[[str], torch.Tensor],
@@ -118,9 +125,41 @@ def _walk(
     faulty: bool,
     confirm: bool,
 ) -> None:
-    for walk in walks:
-        # Undoes itself on damage, and on a failed read-back.
-        walk.delta.apply_to(walk.name, walk.target(tensor(walk.name)), confirm=confirm)
-        done.append(walk)
-        if faulty:
+    for batch in _batches(walks, tensor):
+        if len(batch) == 1:
+            walk = batch[0]
+            # Undoes itself on damage, and on a failed read-back.
+            walk.delta.apply_to(walk.name, walk.target(tensor(walk.name)), confirm=confirm)
+            done.append(walk)
+        else:
+            by_name = {walk.name: walk for walk in batch}
+            items = [(w.name, w.target(tensor(w.name))) for w in batch]
+            written, error = batch[0].delta.apply_many(items, confirm=confirm)
+            done.extend(by_name[name] for name in written)
+            if error is not None:
+                raise error
+        for _ in batch if faulty else ():
             faults.point("target.mid_walk")
+
+
+def _batches(walks: Sequence[Walk], tensor: Callable[[str], torch.Tensor]) -> list[list[Walk]]:
+    """``walks`` in order, runs of small walks of one object that the compiled walk
+    writes in place (CPU, one tensor each) cut into batches, the others alone."""
+    out: list[list[Walk]] = []
+    run: list[Walk] = []
+    for walk in walks:
+        small = (
+            walk.changed <= SMALL_WALK
+            and walk.span is None
+            and walk.delta.walks(walk.name, tensor(walk.name))
+        )
+        if run and (not small or walk.delta is not run[0].delta or len(run) == WALK_BATCH):
+            out.append(run)
+            run = []
+        if small:
+            run.append(walk)
+        else:
+            out.append([walk])
+    if run:
+        out.append(run)
+    return out

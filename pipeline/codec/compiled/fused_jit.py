@@ -16,6 +16,7 @@ from numba.core import types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
 from pipeline.codec.compiled.fused_constants import (
+    APPLY,
     BAD_BIG,
     BAD_CONTENTS,
     BAD_POSITION,
@@ -546,14 +547,16 @@ def walk_records(
     """``walk_sparse`` of many sparse records in one call, one row of ``table`` each
     (columns: RECORD_FIELDS), each over its own target: the memory at the row's
     ``address``, ``size`` elements of ``like``'s dtype. Outputs go to the row's
-    ``out`` offset of ``out_pos``, ``out_val`` and (GATHER) ``out_old``. Modes that
-    write nothing only (DECODE, DIFFS, GATHER): a failure leaves nothing to undo.
+    ``out`` offset of ``out_pos``, ``out_val`` and (GATHER) ``out_old``; APPLY and
+    CONFIRM record nothing (empty outputs). A write mode's failing row is walked back
+    here (what it wrote); the rows before it stay written, for the caller to undo.
 
     The caller has checked each row's fixed and sign stream sizes, decompressed its
     contents and checked their size; the large magnitudes' indices are decoded here
     (BAD_BIG when their streams do not hold them). Returns (rows done, DONE | BAD_*
     of the row that failed)."""
     gather = mode == GATHER
+    writes = mode in (APPLY, CONFIRM)
     for r in range(table.shape[0]):
         row = table[r]
         at = row[_STREAMS]
@@ -577,7 +580,7 @@ def walk_records(
         contents = planes[row[_PLANES] : row[_PLANES] + row[_PLANES_SIZE]]
         target = numba.carray(pointer_like(row[_ADDRESS], like), row[_SIZE])
         first = row[_OUT]
-        _, status = walk_sparse(
+        done, status = walk_sparse(
             unary,
             fixed,
             row[_PARAM],
@@ -588,11 +591,27 @@ def walk_records(
             zigzag,
             target,
             mode,
-            out_pos[first : first + count],
-            out_val[first : first + count],
+            out_pos[first : first + count] if not writes else out_pos[:0],
+            out_val[first : first + count] if not writes else out_val[:0],
             out_old[first : first + count] if gather else out_old[:0],
         )
         if status != DONE:
+            if writes and done:
+                walk_sparse(
+                    unary,
+                    fixed,
+                    row[_PARAM],
+                    done,
+                    signs,
+                    big,
+                    contents,
+                    zigzag,
+                    target,
+                    UNDO,
+                    out_pos[:0],
+                    out_val[:0],
+                    out_val[:0],
+                )
             return r, status
     return table.shape[0], DONE
 
