@@ -21,6 +21,7 @@ import structlog
 import torch
 from torch import nn
 
+from pipeline import collector
 from pipeline.codec import TensorPatch
 from pipeline.errors import MismatchError, TargetError
 from pipeline.format.checkpoint import CheckpointReader
@@ -370,7 +371,7 @@ class TorchTarget:
         """Decode and hash one delta object against the held weights before its
         manifest is known (a part hint); ``apply_delta(early=...)`` reuses the result
         if the manifest confirms the object and nothing was written meanwhile."""
-        with self._write_lock:
+        with self._write_lock, collector.held_off():
             generation = self._generation
             if self._algorithm.incremental:
                 hashed = prove_object_incremental(
@@ -405,7 +406,7 @@ class TorchTarget:
         where = f"{manifest.run} v{manifest.version}"
         # Only writers take _write_lock, so the held weights stay as checked until the
         # write below, while readers holding ``lock`` keep running meanwhile.
-        with self._write_lock:
+        with self._write_lock, collector.held_off():
             self._use(content_hashes.of(manifest))
             algorithm = self._algorithm
             if verify == "all":

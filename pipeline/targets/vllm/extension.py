@@ -29,6 +29,7 @@ import structlog
 import torch
 from safetensors.torch import load, save
 
+from pipeline import collector
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.targets.patching import apply_verified, decode_entries, int_view
@@ -442,7 +443,8 @@ class DeltasyncWorkerExtension:
                 walked=len(by_name),
             ).wire()
 
-        return enveloped(run)
+        with collector.held_off():  # (see pipeline/collector.py)
+            return enveloped(run)
 
     def deltasync_prove_start(
         self,
@@ -539,7 +541,8 @@ class DeltasyncWorkerExtension:
             state.pending = None
             return time.perf_counter() - started
 
-        return enveloped(run)
+        with collector.held_off():  # (see pipeline/collector.py)
+            return enveloped(run)
 
     def deltasync_abort(self) -> Envelope:
         """Undo a prepared delta in the shadow (another worker failed to prepare)."""
