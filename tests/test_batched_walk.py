@@ -243,15 +243,9 @@ def fuzz_case() -> tuple[bytes, dict[str, torch.Tensor], dict[str, list[str]]]:
     return data, {name: base for name, base, _ in pairs}, roles
 
 
-@settings(FUZZ, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(st.data())
-def test_fuzz_batched_walk_of_resealed_damaged_streams(
-    fuzz_case: tuple[bytes, dict[str, torch.Tensor], dict[str, list[str]]], data: st.DataObject
-) -> None:
-    """Stream bytes changed under a valid checksum (what a writer to the store with the
-    codec in hand could send): only DeltasyncError escapes, and the held tensors are
-    not written."""
-    blob, bases, _ = fuzz_case
+def resealed_damage(blob: bytes, data: st.DataObject) -> bytes:
+    """``blob`` with up to six stream bytes changed under a valid checksum (what a
+    writer to the store with the codec in hand could send)."""
     names = sorted(read_container(blob, "x").streams)
     edits = data.draw(
         st.lists(
@@ -266,9 +260,22 @@ def test_fuzz_batched_walk_of_resealed_damaged_streams(
             if entries[name].size:
                 entries[name][at % entries[name].size] = value
 
+    return rebuild(blob, change)
+
+
+@settings(FUZZ, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_batched_walk_of_resealed_damaged_streams(
+    fuzz_case: tuple[bytes, dict[str, torch.Tensor], dict[str, list[str]]], data: st.DataObject
+) -> None:
+    """Stream bytes changed under a valid checksum (what a writer to the store with the
+    codec in hand could send): only DeltasyncError escapes, and the held tensors are
+    not written."""
+    blob, bases, _ = fuzz_case
+    damaged = resealed_damage(blob, data)
     held = {name: base.clone() for name, base in bases.items()}
     with contextlib.suppress(DeltasyncError):
-        delta = read_delta(rebuild(blob, change), object_name="fuzzed")
+        delta = read_delta(damaged, object_name="fuzzed")
         batches, _ = delta.gathered_many(list(held.items()))
         for batch in batches:
             for k, name in enumerate(batch.names):
@@ -379,23 +386,10 @@ def test_fuzz_batched_writes_of_resealed_damaged_streams_walk_back_to_the_base(
     record with that record as it was, and walking back what it reports written
     restores every tensor bit for bit."""
     blob, bases, _ = fuzz_case
-    names = sorted(read_container(blob, "x").streams)
-    edits = data.draw(
-        st.lists(
-            st.tuples(st.sampled_from(names), st.integers(0, 10**4), st.integers(0, 255)),
-            min_size=1,
-            max_size=6,
-        )
-    )
-
-    def change(entries: dict[str, np.ndarray]) -> None:  # type: ignore[type-arg]
-        for name, at, value in edits:
-            if entries[name].size:
-                entries[name][at % entries[name].size] = value
-
+    damaged = resealed_damage(blob, data)
     held = {name: base.clone() for name, base in bases.items()}
     with contextlib.suppress(DeltasyncError):
-        delta = read_delta(rebuild(blob, change), object_name="fuzzed")
+        delta = read_delta(damaged, object_name="fuzzed")
         items = [(n, t) for n, t in held.items() if delta.walks(n, t)]
         written, error = delta.apply_many(items, confirm=data.draw(st.booleans()))
         assert error is None or isinstance(error, DeltasyncError)
