@@ -195,6 +195,37 @@ def test_node_behind_a_collected_chain_rebootstraps(trainer: Trainer, store: Fil
     assert_holds(held, trainer.states[v])
 
 
+@pytest.mark.parametrize("held_before", [True, False], ids=["following", "bootstrapping"])
+def test_versions_collected_after_the_nodes_listing_are_synced_past_unreported(
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch, held_before: bool
+) -> None:
+    """A compaction's garbage collection between a node's listing and its reads (a
+    replica bootstrapping or following while the chain is compacted) is not a failure:
+    the node lists again and reaches the head, reporting nothing."""
+    trainer.publish()
+    target, held = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target)
+    if held_before:
+        assert node.step_once() == 0
+    for _ in range(3):
+        trainer.publish()
+    stale = chain.list_versions(store, RUN)
+    compact(store, RUN)
+    collect_garbage(store, RUN, keep_anchors=1, min_live_version=None)
+    v = trainer.publish()
+    real = chain.list_versions
+    listings = iter([stale])  # the node's first listing is from before the collection
+    monkeypatch.setattr(chain, "list_versions", lambda *a: next(listings, None) or real(*a))
+    assert node.step_once() == v
+    assert node.last_error is None
+    assert_holds(held, trainer.states[v])
+    # An object of a version still listed that is gone is the store's fault: reported.
+    lost = chain.load_manifest(store, RUN, "delta", trainer.publish())
+    store.delete(lost.object_key(lost.objects[0].key))
+    assert node.step_once() == v
+    assert node.last_error is not None and "is missing" in str(node.last_error)
+
+
 def test_dump_writes_the_held_weights(trainer: Trainer, store: FileStore, tmp_path: Path) -> None:
     trainer.publish()
     v = trainer.publish()

@@ -34,6 +34,7 @@ from pipeline.config import REPLICA_TTL_S
 from pipeline.coord.stream import EventStream
 from pipeline.errors import (
     ChainError,
+    CorruptObjectError,
     DeltasyncError,
     MismatchError,
     ObjectNotFoundError,
@@ -310,6 +311,20 @@ class RolloutNode:
 
     def _sync(self) -> None:
         index = chain.list_versions(self.store, self.run_name)
+        try:
+            self._sync_from(index)
+        except (ObjectNotFoundError, CorruptObjectError):  # a manifest or an object gone
+            fresh = chain.list_versions(self.store, self.run_name)
+            if not _collected(index, fresh):
+                raise
+            # A compaction's garbage collection took versions after the listing: not a
+            # fault of the store or of this node. Once more, from a fresh listing (a
+            # real fault on the way from there is raised and reported).
+            log.info("versions collected since the listing, syncing again", run=self.run_name)
+            self._manifests.clear()
+            self._sync_from(fresh)
+
+    def _sync_from(self, index: chain.VersionIndex) -> None:
         head = index.head
         floor = max(v for v in (self._highest, self._applied, -1) if v is not None)
         if floor >= 0 and (head is None or head < floor):
@@ -563,6 +578,11 @@ class RolloutNode:
             and self._applied is not None
             and self._applied >= until_version
         )
+
+
+def _collected(before: chain.VersionIndex, after: chain.VersionIndex) -> bool:
+    """Whether versions listed ``before`` are gone from the listing ``after``."""
+    return bool(set(before.deltas) - set(after.deltas) or set(before.anchors) - set(after.anchors))
 
 
 def _newest_anchor(index: chain.VersionIndex, head: int | None) -> int | None:
