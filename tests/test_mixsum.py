@@ -11,6 +11,7 @@ import torch
 
 from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import DTYPES
+from pipeline.format.tensors import UNSIGNED
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
@@ -33,8 +34,8 @@ def _tensor(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.from_numpy(g.integers(0, 2, numel).astype(np.bool_))
     raw = g.integers(0, 256, numel * width, dtype=np.uint8)
-    bits = raw.view(mixsum._UNSIGNED[width])
-    edges = np.array(EDGES[width], dtype=np.uint64).astype(mixsum._UNSIGNED[width])
+    bits = raw.view(UNSIGNED[width])
+    edges = np.array(EDGES[width], dtype=np.uint64).astype(UNSIGNED[width])
     bits[: min(numel, edges.size)] = edges[: min(numel, edges.size)]
     return torch.from_numpy(bits.view(mixsum._SIGNED_NP[width]).copy()).view(dtype)
 
@@ -103,11 +104,11 @@ def test_every_flipped_bit_is_caught(dtype: torch.dtype) -> None:
     t = _tensor(dtype, 257, 6)
     want = mixsum.full(t)
     width = t.element_size()
-    bits = mixsum.int_flat(t).numpy().view(mixsum._UNSIGNED[width])
+    bits = mixsum.int_flat(t).numpy().view(UNSIGNED[width])
     for element in (0, 3, 256):
         for bit in range(8 * width):
             bad = bits.copy()
-            bad[element] ^= mixsum._UNSIGNED[width](1 << bit)
+            bad[element] ^= UNSIGNED[width](1 << bit)
             assert mixsum.full(torch.from_numpy(bad.view(mixsum._SIGNED_NP[width]))) != want
 
 

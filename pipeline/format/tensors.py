@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_UNSIGNED: dict[int, type[np.unsignedinteger]] = {
+# The unsigned integer of each element width: the bits of any dtype of that width.
+UNSIGNED: dict[int, type[np.unsignedinteger]] = {
     1: np.uint8,
     2: np.uint16,
     4: np.uint32,
@@ -41,7 +42,7 @@ class DType:
 
     @property
     def unsigned(self) -> type[np.unsignedinteger]:
-        return _UNSIGNED[self.width]
+        return UNSIGNED[self.width]
 
 
 _ROWS: list[DType] = [

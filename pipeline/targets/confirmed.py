@@ -23,6 +23,7 @@ import torch
 
 from pipeline.codec import TensorPatch
 from pipeline.errors import CorruptObjectError, MismatchError
+from pipeline.format.tensors import UNSIGNED
 
 # Tests switch this off to exercise the separate write and read-back.
 ENABLED = True
@@ -51,9 +52,6 @@ def disjoint(tensors: Sequence[torch.Tensor]) -> bool:
         for t in tensors
     )
     return all(a[:2] != b[:2] or a[3] <= b[2] for a, b in itertools.pairwise(spans))
-
-
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def write_confirmed_all(items: Sequence[tuple[torch.Tensor, TensorPatch]]) -> None:
@@ -88,7 +86,7 @@ def write_confirmed_all(items: Sequence[tuple[torch.Tensor, TensorPatch]]) -> No
         named.setdefault(width, []).append(patch.name)
     for width, table in rows.items():
         done, found = jit.write_confirmed_all(
-            np.array(table, np.int64), np.empty(0, _UNSIGNED[width])
+            np.array(table, np.int64), np.empty(0, UNSIGNED[width])
         )
         if found == -1:
             continue

@@ -39,12 +39,12 @@ import torch
 
 from pipeline import cpus
 from pipeline.errors import CorruptObjectError
+from pipeline.format.tensors import UNSIGNED
 
 NAME = "mixsum-128"
 # k0 (positions), k1 (lane A), k2 (lane B), k3 (odd multiplier of the bits, lane B).
 KEYS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89 | 1)
 _MASK = (1 << 64) - 1
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_INTS = frozenset(_SIGNED_VIEW.values()) | {torch.int8}
@@ -126,7 +126,7 @@ def _unsigned(values: torch.Tensor | npt.NDArray[Any], width: int) -> npt.NDArra
         # A decoded patch's contents are already flat integers: numpy views them as is.
         flat_ints = values.dtype in _NUMPY_INTS and values.dim() == 1 and values.is_contiguous()
         values = values.numpy() if flat_ints else int_flat(values).numpy()
-    return np.ascontiguousarray(values).reshape(-1).view(_UNSIGNED[width])
+    return np.ascontiguousarray(values).reshape(-1).view(UNSIGNED[width])
 
 
 # ---------------------------------------------------------------- torch ops
