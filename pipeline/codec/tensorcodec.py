@@ -695,13 +695,8 @@ def walk_sparse(
                 empty_val,
                 empty_val,
             )
-        if status == fused.BAD_READBACK:
-            raise ReadBackError("a written position, read back, does not hold its new contents")
-        if status == fused.BAD_POSITION:
-            raise DamagedStreamError(f"a position is out of range for {target.size} elements")
-        if status == fused.BAD_CONTENTS:
-            raise DamagedStreamError("contents hold a zero difference for a changed element")
-        raise DamagedStreamError("position streams do not hold the recorded gaps")
+        reason = _walk_status(status, target.size)
+        raise ReadBackError(reason) if status == fused.BAD_READBACK else DamagedStreamError(reason)
     return out_pos, out_val, out_old
 
 
@@ -720,7 +715,7 @@ class RecordWalk:
 
 
 def _walk_status(status: int, size: int) -> str:
-    """walk_sparse's reason for a failed walk (as raised by :func:`walk_sparse`)."""
+    """The reason a compiled walk over ``size`` elements stopped with ``status``."""
     if status == fused.BAD_READBACK:
         return "a written position, read back, does not hold its new contents"
     if status == fused.BAD_POSITION:

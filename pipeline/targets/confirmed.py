@@ -74,11 +74,7 @@ def write_confirmed_all(items: Sequence[tuple[torch.Tensor, TensorPatch]]) -> No
             or positions.dim() != 1
             or values.element_size() != width
             or values.numel() != count
-            or not (tensor.is_contiguous() and positions.is_contiguous())
-            or not values.is_contiguous()
-            or positions.device.type != "cpu"
-            or values.device.type != "cpu"
-            or tensor.device.type != "cpu"
+            or not all(t.is_cpu and t.is_contiguous() for t in (tensor, positions, values))
         ):
             raise CorruptObjectError(f"tensor {patch.name}: malformed patch")
         row = (tensor.data_ptr(), tensor.numel(), positions.data_ptr(), values.data_ptr(), count)

@@ -15,8 +15,9 @@
   contents (gather, for a content hash of the change), or takes a prefix of an
   apply back (undo).
 - ``walk_records``: ``walk_sparse`` of many records, each over its own target
-  named by its address, in one call (the modes that write nothing): Python per
-  call instead of per tensor, for models of many small tensors.
+  named by its address, in one call (every mode but UNDO; a write mode walks its
+  failing record back): Python per call instead of per tensor, for models of many
+  small tensors.
 
 They produce and consume exactly the streams of rice.py and contents.py. A few
 LLVM intrinsics (vector compare to a bit mask, count leading / trailing zeros,
