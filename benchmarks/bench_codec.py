@@ -29,14 +29,17 @@ import os
 import platform
 import statistics
 import struct
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import safetensors.torch
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_apply import sync
 from pipeline.codec import apply_patch, encode_delta, read_delta
 from pipeline.codec.compiled import kernels

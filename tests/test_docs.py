@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from pipeline.config import configuration_reference
 
@@ -43,3 +48,28 @@ def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
     }
     assert sorted(modules - named) == [], "modules missing from docs/ARCHITECTURE.md"
     assert sorted(named - modules) == [], "docs/ARCHITECTURE.md names modules that do not exist"
+
+
+BENCHMARKS = sorted(
+    p.name
+    for p in (REPO / "benchmarks").glob("*.py")
+    if p.name.startswith(("bench_", "reliability"))
+)
+
+
+@pytest.mark.parametrize("script", BENCHMARKS)
+def test_every_benchmark_answers_help_from_any_folder(script: str, tmp_path: Path) -> None:
+    """docs/PERFORMANCE.md quotes each benchmark's command line: each one starts from
+    another folder with no PYTHONPATH and explains itself."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: "), done.stdout[:500]
