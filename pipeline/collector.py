@@ -1,4 +1,4 @@
-"""Python's cyclic garbage collector held off while a version is applied.
+"""Python's cyclic garbage collector held off while a version is on its way.
 
 An apply allocates objects in proportion to its tensors (records, patches, tensor
 views) that live until it ends: for a model of many small tensors, hundreds of
@@ -6,7 +6,10 @@ thousands. They fill the collector's young generations and, promoted, start full
 collections that walk every object of the process, torch's, numba's and vLLM's
 included: about 40% of a 5477-tensor apply (docs/PERFORMANCE.md). Reference counting
 frees them all at the end; none is kept alive by a cycle. So the collector is held
-off for the apply, and runs again after it.
+off for the apply, and runs again after it. The same holds for the rest of a
+version's critical path: the diff job until the version is announced (a full
+collection there took 80 ms at 785 tensors), and a node's sync from the listing to
+its last apply.
 """
 
 from __future__ import annotations

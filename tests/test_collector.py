@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import gc
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline import collector
 from pipeline.errors import MismatchError
+from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.manifest import Manifest
+from pipeline.publish.step import publish_step
+from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
+from tests.test_chain import SyntheticRun
 from tests.test_walked_apply import make_delta, mixed_next, mixed_state
 
 
@@ -70,4 +76,24 @@ def test_an_apply_gives_the_collector_back_even_when_it_fails() -> None:
     wrong = {n: torch.zeros_like(t) for n, t in held.items()}
     with pytest.raises(MismatchError):
         TorchTarget(wrong).apply_delta(manifest, objects, "touched")
+    assert gc.isenabled()
+
+
+def test_the_diff_job_holds_it_off_until_the_version_is_announced(tmp_path: Path) -> None:
+    trainer = SyntheticRun(tmp_path, FileStore(tmp_path / "store"))
+    seen: list[bool] = []
+
+    def announced(_: Manifest) -> None:
+        seen.append(gc.isenabled())
+
+    for step in range(2):  # the first anchor, then a delta
+        assert trainer.publish(step, on_published=announced).status == "published"
+        assert gc.isenabled()  # back for the state cache's update and after
+    assert seen == [False, False]
+    # A job that fails gives it back too: a checkpoint with a tensor missing.
+    state = trainer.gen.step()
+    path = tmp_path / "short.safetensors"
+    write_checkpoint(path, list(state.items())[1:])
+    with pytest.raises(MismatchError):
+        publish_step(trainer.store, trainer.run, 2, path, trainer.cache, level=1)
     assert gc.isenabled()

@@ -6,6 +6,7 @@ Every check of the weights is bitwise (integer views) and by content hash.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -224,6 +225,35 @@ def test_versions_collected_after_the_nodes_listing_are_synced_past_unreported(
     store.delete(lost.object_key(lost.objects[0].key))
     assert node.step_once() == v
     assert node.last_error is not None and "is missing" in str(node.last_error)
+
+
+def test_a_nodes_sync_holds_the_collector_off_and_gives_it_back(
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No cyclic collection from a sync's listing to its last apply (pipeline/collector.py);
+    the collector is back after it, whether the sync applied or failed."""
+    trainer.publish()
+    v = trainer.publish()
+    target, held = empty_target(trainer.current)
+    node = RolloutNode(store, RUN, target)
+    seen: list[bool] = []
+    real = chain.list_versions
+
+    def listing(*args: object) -> chain.VersionIndex:
+        seen.append(gc.isenabled())
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(chain, "list_versions", listing)
+    gc.enable()
+    assert node.step_once() == v
+    assert_holds(held, trainer.states[v])
+    assert seen and not any(seen)
+    assert gc.isenabled()
+    lost = chain.load_manifest(store, RUN, "delta", trainer.publish())
+    store.delete(lost.object_key(lost.objects[0].key))
+    assert node.step_once() == v
+    assert node.last_error is not None
+    assert gc.isenabled()
 
 
 def test_dump_writes_the_held_weights(trainer: Trainer, store: FileStore, tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pipeline import metrics
+from pipeline import collector, metrics
 from pipeline.config import REPLICA_TTL_S
 from pipeline.coord.stream import EventStream
 from pipeline.errors import (
@@ -310,6 +310,12 @@ class RolloutNode:
     # -- sync ------------------------------------------------------------------------
 
     def _sync(self) -> None:
+        # No cyclic collection from the listing to the last apply (see collector.py):
+        # a full one walks every object of the process, on the version's critical path.
+        with collector.held_off():
+            self._sync_listed()
+
+    def _sync_listed(self) -> None:
         index = chain.list_versions(self.store, self.run_name)
         try:
             self._sync_from(index)
