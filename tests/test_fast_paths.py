@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from pipeline.format.hashes import hashing
 from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import Manifest, TensorEntry, object_key
+from pipeline.publish import state_cache
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
@@ -73,7 +75,13 @@ def _publish(
     return store, cache, state
 
 
-def test_state_cache_advances_in_place_and_stays_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_state_cache_advances_in_place_and_stays_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_kernel: bool
+) -> None:
+    if not in_kernel:  # a system without copy_file_range: through a small buffer
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+        monkeypatch.setattr(state_cache, "COPY_STEP", 4093)
     store, cache, state = _publish(tmp_path, 4)
     head = chain.load_manifest(store, "r", "delta", 3)
     assert cache.version == 3 and cache.is_valid_for(head)
@@ -82,6 +90,31 @@ def test_state_cache_advances_in_place_and_stays_exact(tmp_path: Path) -> None:
     with cache.reader() as reader:
         for name, tensor in state.items():
             assert torch.equal(bits(reader.get(name)), bits(tensor)), name
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_copy_range_moves_exactly_its_bytes_and_refuses_a_short_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_kernel: bool
+) -> None:
+    if not in_kernel:
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    monkeypatch.setattr(state_cache, "COPY_STEP", 1000)  # many steps
+    data = os.urandom(10_000)
+    (tmp_path / "src").write_bytes(data)
+    (tmp_path / "dst").write_bytes(bytes(12_000))
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY)
+    try:
+        state_cache.copy_range(src, 123, dst, 1000, 9_000, "src")
+        out = (tmp_path / "dst").read_bytes()
+        assert out[:1000] == bytes(1000)
+        assert out[1000:10_000] == data[123:9_123]
+        assert out[10_000:] == bytes(2000)
+        with pytest.raises(CorruptObjectError, match="ends before its header says"):
+            state_cache.copy_range(src, 5_000, dst, 0, 6_000, "src")
+    finally:
+        os.close(src)
+        os.close(dst)
 
 
 def test_state_cache_with_wrong_bytes_is_caught_and_rebuilt(tmp_path: Path) -> None:
