@@ -77,6 +77,18 @@ def check_object(data: bytes, pairs: list[tuple[str, torch.Tensor, torch.Tensor]
             patch = obj.decode(name, base)
             assert torch.equal(patch.positions, expected)
             assert torch.equal(patch.values, bits(new).reshape(-1)[expected])
+            if obj._records[name].encoding == "chunked":
+                assert obj.gathered(name, base) is None  # no compiled walk: differences
+        if obj._records[name].encoding == "chunked":
+            # A replica's proof: positions, new and old contents from the one decode,
+            # the held tensor read and left as it was.
+            held = base.clone()
+            found = obj.gathered(name, held)
+            assert found is not None
+            assert torch.equal(bits(held), bits(base))
+            assert torch.equal(found[0], expected)
+            assert torch.equal(found[1], bits(new).reshape(-1)[expected])
+            assert torch.equal(found[2], bits(base).reshape(-1)[expected])
         for threads in (1, 2, 4):
             saved = chunked.DECODE_THREADS
             chunked.DECODE_THREADS = threads
@@ -247,6 +259,9 @@ def _try_all(data: bytes, base: torch.Tensor) -> None:
             obj.decode("w", base)
     buffer, target = _guarded(base)
     before = buffer.clone()
+    with contextlib.suppress(DeltasyncError):
+        obj.gathered("w", target)  # a proof's decode reads and never writes
+    assert torch.equal(buffer, before)
     guard = 4096
     try:
         obj.apply_to("w", target)

@@ -137,6 +137,45 @@ def test_replica_applies_in_o_changed_and_full_proofs_where_they_belong(
     assert_holds({n: t.cpu() for n, t in target_state.items()}, trainer.states[v])
 
 
+def test_a_replica_proves_level_3_records_from_their_decode(
+    trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Level 3's chunked records give the proof its positions, new and old contents
+    from their one decode (``DeltaObject.gathered``), bit for bit; held contents
+    that are not the base are refused."""
+    trainer.level = 3
+    trainer.publish()
+    target, held = empty_target(trainer.states[0])
+    node = RolloutNode(store, RUN, target, node_id="n")
+    assert node.step_once() == 0
+    seen: list[tuple[str, bool]] = []
+    real = DeltaObject.gathered
+
+    def gathered(self: DeltaObject, name: str, base: torch.Tensor) -> Any:
+        found = real(self, name, base)
+        seen.append((self._records[name].encoding, found is not None))
+        return found
+
+    monkeypatch.setattr(DeltaObject, "gathered", gathered)
+    for _ in range(2):
+        v = trainer.publish()
+        assert node.step_once() == v
+        assert_holds(held, trainer.states[v])
+    assert ("chunked", True) in seen and ("chunked", False) not in seen
+    # An element the next delta changes, changed behind the node's back: its old
+    # contents, read by the decode, do not add up to the manifest's hash.
+    v = trainer.publish()
+    manifest = chain.load_manifest(store, RUN, "delta", v)
+    name = next(e.name for e in manifest.tensors if e.changed)
+    before, after = (patching.int_view(trainer.states[k][name]).view(-1) for k in (v - 1, v))
+    spot = int(torch.nonzero(before != after)[0])
+    patching.int_view(held[name]).view(-1)[spot] += 1
+    assert node.step_once() == v - 1
+    assert isinstance(node.last_error, MismatchError)
+    assert node.step_once() == v  # recovered from the store
+    assert_holds(held, trainer.states[v])
+
+
 def test_a_patch_written_to_a_wrong_position_is_caught_and_rolled_back(
     trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

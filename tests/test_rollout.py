@@ -62,6 +62,7 @@ class Trainer:
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.current = self.generator.state()
         self.step = 0
+        self.level = 1  # the codec level of its deltas
 
     def checkpoint(self, version: int, state: Mapping[str, torch.Tensor]) -> Path:
         path = self.workdir / f"step-{version}.safetensors"
@@ -80,7 +81,7 @@ class Trainer:
             self.step,
             self.checkpoint(self.step, self.current),
             self.cache,
-            level=1,
+            level=self.level,
             part_bytes=PART_BYTES,
             content_hash=self.content_hash,
         )

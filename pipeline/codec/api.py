@@ -184,24 +184,39 @@ class DeltaObject:
         old contents are returned instead), torch operations elsewhere."""
         info = record.info
         assert record.layout is not None  # parse_record sets it
-        streams = record.split(self._entries[record.name])
         walker = chunked.compiled() if base_flat.device.type == "cpu" else None
-        try:
-            if walker is None:
-                if write:
-                    raise TargetError(f"tensor {record.name!r}: no in-place decode here")
+        if walker is None:
+            if write:
+                raise TargetError(f"tensor {record.name!r}: no in-place decode here")
+            streams = record.split(self._entries[record.name])
+            try:
                 return chunked_torch.decode(streams, record.layout, record.changed, base_flat, info)
-            target = base_flat.numpy().view(info.unsigned)
-            where, new, old = chunked.decode(
-                walker, streams, record.layout, record.changed, target, info, write=write
+            except chunked.ChunkedError as exc:
+                raise CorruptObjectError(
+                    f"delta object {self.object_name}: tensor {record.name!r}: {exc}"
+                ) from None
+        target = base_flat.numpy().view(info.unsigned)
+        where, new, old = self._walk_chunked(walker, record, target, write=write)
+        signed = _numpy_dtype(info.view)
+        values = old if write else new
+        return torch.from_numpy(where), torch.from_numpy(values.view(signed))
+
+    def _walk_chunked(
+        self, walker: Any, record: TensorRecord, target: npt.NDArray[Any], *, write: bool
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]]:
+        """The compiled decode of a ``chunked`` record over ``target`` (flat, unsigned):
+        positions, new and old contents; a damaged stream is a one-line
+        CorruptObjectError naming the object and the tensor."""
+        assert record.layout is not None  # parse_record sets it
+        streams = record.split(self._entries[record.name])
+        try:
+            return chunked.decode(
+                walker, streams, record.layout, record.changed, target, record.info, write=write
             )
         except chunked.ChunkedError as exc:
             raise CorruptObjectError(
                 f"delta object {self.object_name}: tensor {record.name!r}: {exc}"
             ) from None
-        signed = _numpy_dtype(info.view)
-        values = old if write else new
-        return torch.from_numpy(where), torch.from_numpy(values.view(signed))
 
     def decode_hashed(self, name: str, base: torch.Tensor) -> HashedPatch | None:
         """:meth:`decode` plus what a target checks before writing, in one pass over
@@ -284,15 +299,25 @@ class DeltaObject:
         """(positions, new contents, old contents) of ``name``'s changed elements, the
         contents in the dtype's integer view, ``base`` (a CPU tensor, not written) read
         at the changed positions within the one walk of the streams: what a content
-        hash updated from the changes needs, and the patch. None where the walk does
-        not apply (another device or encoding: :meth:`differences` then)."""
+        hash updated from the changes needs, and the patch. Level 3's chunked records
+        give the same from their decode, which reads the base anyway. None where
+        neither applies (another device or encoding: :meth:`differences` then)."""
         record = self._record(name, base)
-        walker = _walker(record) if base.device.type == "cpu" else None
-        if walker is None:
+        if base.device.type != "cpu":
             return None
         info = record.info
-        target = int_view_flat(base, info).numpy().view(info.unsigned)
-        where, new, old = self._walk(walker, name, record, target, fused.GATHER)
+        if record.encoding == "chunked":
+            chunked_walker = chunked.compiled()
+            if chunked_walker is None:
+                return None
+            target = int_view_flat(base, info).numpy().view(info.unsigned)
+            where, new, old = self._walk_chunked(chunked_walker, record, target, write=False)
+        else:
+            walker = _walker(record)
+            if walker is None:
+                return None
+            target = int_view_flat(base, info).numpy().view(info.unsigned)
+            where, new, old = self._walk(walker, name, record, target, fused.GATHER)
         view = _numpy_dtype(info.view)
         return (
             torch.from_numpy(where),
