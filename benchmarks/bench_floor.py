@@ -89,6 +89,8 @@ def replica(
                 file.write(t.tobytes())
             file.flush()
             os.fsync(file.fileno())  # no write-back of it left to slow the reference copy
+    # The state's contents are scratch: where the passes read and write is what is
+    # timed, not what they write (the write passes reuse the last gather's values).
     scratch = max(p.size for _, p in held)
     diffs = np.ones(scratch, np.uint16)
     old = np.empty(scratch, np.uint16)
