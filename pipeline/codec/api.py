@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -145,17 +146,27 @@ class DeltaObject:
         except KeyError:
             raise MismatchError(f"delta object {self.object_name} has no tensor {name!r}") from None
 
+    @contextlib.contextmanager
+    def _named_damage(self, name: str) -> Iterator[None]:
+        """A damaged stream of tensor ``name`` (either codec's error) as a one-line
+        CorruptObjectError naming the object and the tensor."""
+        try:
+            yield
+        except (DamagedStreamError, chunked.ChunkedError) as exc:
+            raise CorruptObjectError(
+                f"delta object {self.object_name}: tensor {name!r}: {exc}"
+            ) from None
+
     def decode(self, name: str, base: torch.Tensor) -> TensorPatch:
         """The patch that turns ``base`` (the exact base version of this tensor) into
         the new version; positions and values live on ``base``'s device."""
         record = self._record(name, base)
-        where = f"delta object {self.object_name}: tensor {name!r}"
         base_flat = int_view_flat(base, record.info)
         blob = self._entries.get(name, np.zeros(0, np.uint8))
         if record.encoding == "chunked":
             positions_t, values_t = self._decode_chunked(record, base_flat)
             return TensorPatch(name, record.info.dtype, record.shape, positions_t, values_t)
-        try:
+        with self._named_damage(name):
             positions, values = decode_tensor(
                 record.encoding,
                 record.changed,
@@ -164,8 +175,6 @@ class DeltaObject:
                 base_flat=base_flat,
                 info=record.info,
             )
-        except DamagedStreamError as exc:
-            raise CorruptObjectError(f"{where}: {exc}") from None
         signed = values.view(_numpy_dtype(record.info.view))
         device = base.device
         return TensorPatch(
@@ -189,12 +198,8 @@ class DeltaObject:
             if write:
                 raise TargetError(f"tensor {record.name!r}: no in-place decode here")
             streams = record.split(self._entries[record.name])
-            try:
+            with self._named_damage(record.name):
                 return chunked_torch.decode(streams, record.layout, record.changed, base_flat, info)
-            except chunked.ChunkedError as exc:
-                raise CorruptObjectError(
-                    f"delta object {self.object_name}: tensor {record.name!r}: {exc}"
-                ) from None
         target = base_flat.numpy().view(info.unsigned)
         where, new, old = self._walk_chunked(walker, record, target, write=write)
         signed = _numpy_dtype(info.view)
@@ -209,14 +214,10 @@ class DeltaObject:
         CorruptObjectError naming the object and the tensor."""
         assert record.layout is not None  # parse_record sets it
         streams = record.split(self._entries[record.name])
-        try:
+        with self._named_damage(record.name):
             return chunked.decode(
                 walker, streams, record.layout, record.changed, target, record.info, write=write
             )
-        except chunked.ChunkedError as exc:
-            raise CorruptObjectError(
-                f"delta object {self.object_name}: tensor {record.name!r}: {exc}"
-            ) from None
 
     def decode_hashed(self, name: str, base: torch.Tensor) -> HashedPatch | None:
         """:meth:`decode` plus what a target checks before writing, in one pass over
@@ -263,7 +264,7 @@ class DeltaObject:
         if found is not None:
             return found
         record = self._record(name, base)
-        try:
+        with self._named_damage(name):
             return decode_differences(
                 record.encoding,
                 record.changed,
@@ -272,10 +273,6 @@ class DeltaObject:
                 base.numel(),
                 record.info,
             )
-        except DamagedStreamError as exc:
-            raise CorruptObjectError(
-                f"delta object {self.object_name}: tensor {name!r}: {exc}"
-            ) from None
 
     def _differences(
         self, name: str, base: torch.Tensor
@@ -516,7 +513,7 @@ class DeltaObject:
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]]:
         """``walk_sparse`` over ``name``'s streams; a damaged stream is a one-line
         CorruptObjectError naming the object and the tensor."""
-        try:
+        with self._named_damage(name):
             return walk_sparse(
                 walker,
                 record.split(self._entries[name]),
@@ -527,10 +524,6 @@ class DeltaObject:
                 mode,
                 record=record_out,
             )
-        except DamagedStreamError as exc:
-            raise CorruptObjectError(
-                f"delta object {self.object_name}: tensor {name!r}: {exc}"
-            ) from None
 
     def _record(self, name: str, base: torch.Tensor) -> TensorRecord:
         record = self._records.get(name)
