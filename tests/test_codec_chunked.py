@@ -503,6 +503,22 @@ def test_a_clean_decode_follows_damaged_ones() -> None:
         assert torch.equal(again.values, expected.values)
 
 
+def test_a_clean_decode_leaves_the_rank_bitmaps_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished chunk zeroes only the bitmap words its buckets walked: every word
+    of the reused scratch is zero again, whichever bucket ended where."""
+    monkeypatch.setattr(chunked, "DECODE_THREADS", 1)  # on this thread's scratch
+    gen = np.random.default_rng(11)
+    base = weights(3 << 20 | 77, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    obj = read_delta(encode_delta([("big", base, new)], level=3))
+    assert obj._records["big"].layout is not None and obj._records["big"].layout.groups > 1
+    ranks = chunked._zeroed_ranks(1 << 15)  # rows longer than any chunk's here
+    patch = obj.decode("big", base)
+    assert torch.equal(patch.values, bits(new).reshape(-1)[patch.positions])
+    assert chunked._zeroed_ranks(1) is ranks  # the buffer this thread decoded with
+    assert not ranks.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("small_chance", [0.3, 0.9])
 def test_the_scan_ranks_every_change_in_its_bucket(

@@ -882,8 +882,16 @@ def _walk_buckets(
                 _clear(ranks, groups, size)
                 return BAD_CONTENTS
             o_pending = o
-    _clear(ranks, groups, size)
-    return DONE if o == o_end else BAD_POSITION
+    if o != o_end:
+        _clear(ranks, groups, size)
+        return BAD_POSITION
+    # Every change taken: each bucket's set bits lie below the ranks walked, so only
+    # those words (and the one _bits_at read past them) need zeroing, not the chunk's
+    # length in every bucket (a seventh of the decode of a 0.7M-element tensor in cache).
+    for k, walked in enumerate((s0, s1, s2, s3)):
+        if k < groups:
+            ranks[k, : (walked >> 6) + 2] = 0
+    return DONE
 
 
 @jit  # type: ignore[untyped-decorator,misc]
