@@ -92,6 +92,35 @@ def test_get_returns_an_owned_copy(tmp_path: Path) -> None:
     assert torch.equal(bits(CheckpointReader(path).get("w")), bits(torch.zeros(8)))
 
 
+def test_mapped_reads_are_bit_exact_and_never_reach_the_file(tmp_path: Path) -> None:
+    """read_mapped maps each tensor's own bytes (odd offsets, 0-dim and empty tensors
+    included) without opening the file's safetensors handle; a write into the view,
+    even one ``use`` keeps, stays in private pages."""
+    tensors = special_tensors(2)
+    path = write_checkpoint(tmp_path / "ckpt", tensors.items(), max_shard_bytes=1200)
+    reader = CheckpointReader(path)
+    for name, t in tensors.items():
+        assert reader.read_mapped(name, lambda view, t=t: same_bits(view, t)), name
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # each call unmapped its tensor: nothing of the shards stays mapped
+        assert str(path) not in maps.read_text()
+    kept = reader.read_mapped("bf16.weight", lambda view: bits(view).add_(1))
+    assert not same_bits(kept.view(torch.bfloat16), tensors["bf16.weight"])
+    assert same_bits(CheckpointReader(path).get("bf16.weight"), tensors["bf16.weight"])
+    assert not reader._handles
+
+
+def test_a_mapped_read_past_the_end_of_a_truncated_file_names_it(tmp_path: Path) -> None:
+    path = write_checkpoint(
+        tmp_path / "m.safetensors", [("a", torch.ones(4)), ("b", torch.ones(8))]
+    )
+    reader = CheckpointReader(path)
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 4)
+    with pytest.raises(CorruptObjectError, match=r"m\.safetensors: tensor 'b'"):
+        reader.read_mapped("b", torch.sum)
+
+
 def test_sharded_round_trip(tmp_path: Path) -> None:
     tensors = special_tensors(1)
     path = write_checkpoint(tmp_path / "ckpt", tensors.items(), max_shard_bytes=1200)

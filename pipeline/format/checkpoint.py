@@ -8,16 +8,18 @@ a load. Writing is in ``pipeline.format.checkpoint_write``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import re
 import stat
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -37,6 +39,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {d.safetensors: d.dtype for d in DT
 SAFETENSORS_CODES: dict[torch.dtype, str] = {d.dtype: d.safetensors for d in DTYPE_TABLE}
 
 Tensors = Iterable[tuple[str, torch.Tensor]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -330,6 +333,42 @@ class CheckpointReader:
         if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
             raise CorruptObjectError(f"checkpoint file {self._files[i]}: tensor {name!r} misread")
         return tensor
+
+    def read_mapped(self, name: str, use: Callable[[torch.Tensor], T]) -> T:
+        """``use(tensor)`` on a view of the tensor's own bytes, mapped from its file
+        for the call and unmapped after it: one tensor resident at a time, without
+        reopening the file per tensor (which re-reads its header: 2 ms a tensor in a
+        file of 2,304). For reading only; ``use`` must not keep the tensor."""
+        path, offset, length = self.location(name)
+        entry = self._entry(name)[1]
+        if length == 0:
+            return use(torch.empty(entry.shape, dtype=entry.dtype))
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(path, "rb") as f:
+                # Private pages: a stray write would never reach the file.
+                mapping = mmap.mmap(
+                    f.fileno(), offset - start + length, access=mmap.ACCESS_COPY, offset=start
+                )
+        except (OSError, ValueError) as ex:
+            raise CorruptObjectError(f"checkpoint file {path}: tensor {name!r}: {ex}") from None
+        try:
+            # Through a memoryview, which the tensor keeps: its export makes close()
+            # refuse (BufferError) while the tensor lives. torch.frombuffer on the
+            # mapping itself holds no export, and close() would unmap under it.
+            flat = torch.frombuffer(
+                memoryview(mapping),
+                dtype=entry.dtype,
+                count=math.prod(entry.shape),
+                offset=offset - start,
+            )
+            result = use(flat.view(entry.shape))
+            del flat
+            return result
+        finally:
+            # BufferError: ``use`` kept the tensor, which unmaps it once it is freed.
+            with contextlib.suppress(BufferError):
+                mapping.close()
 
     def get(self, name: str) -> torch.Tensor:
         # safe_open hands out views of one private mapping: copy, so patching is safe.

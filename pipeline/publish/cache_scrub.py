@@ -122,12 +122,10 @@ class CacheScrub:
                 raise CacheMovedError(f"state cache {self.cache.root} switched during a scrub")
             region, expected = self._hashes[name]
             algorithm = content_hashes.of(manifest)
-            try:  # the same switch: the files the reader was opened on
-                view = reader.view(name)
-                got = algorithm.piece(view, region)
-                same = got == expected
-            finally:
-                reader.close()  # unmapped: residency stays one tensor
+            # The same switch: the files the reader was opened on. Mapped for the hash
+            # alone, so residency stays one tensor.
+            got = reader.read_mapped(name, lambda view: algorithm.piece(view, region))
+            same = got == expected
         self._next = self._position[name] + 1
         if same:
             self._ok.add(name)

@@ -9,6 +9,7 @@ tensor assembled whole before the comparison (``chain.reconstruct_tensors``).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,26 +98,20 @@ def verify(
     for name in reader.names():
         if name not in target:
             report.differences.append(TensorDifference(name, "extra"))
-    try:
-        for name, tensor in reconstruct_tensors(
-            store, run, version, plan=plan, verify_hashes=False
-        ):
-            report.tensors += 1
-            if algorithm.full(tensor) != target[name].hash:
-                report.differences.append(TensorDifference(name, "manifest-hash"))
-            if name not in reader:
-                continue
-            theirs = reader.get(name)
-            ours = TensorSpec(tensor.dtype, tuple(tensor.shape))
-            differs = difference(ours, TensorSpec(theirs.dtype, tuple(theirs.shape)))
-            if differs is not None:
-                report.differences.append(TensorDifference(name, differs))
-            else:
-                n = count_differing(tensor, theirs)
-                if n:
-                    report.differences.append(TensorDifference(name, "content", n))
-            del theirs
-            reader.close()  # unmap: a checkpoint larger than RAM stays one tensor resident
-    finally:
-        reader.close()
+    for name, tensor in reconstruct_tensors(store, run, version, plan=plan, verify_hashes=False):
+        report.tensors += 1
+        if algorithm.full(tensor) != target[name].hash:
+            report.differences.append(TensorDifference(name, "manifest-hash"))
+        if name not in reader:
+            continue
+        ours = TensorSpec(tensor.dtype, tuple(tensor.shape))
+        differs = difference(ours, reader.spec(name))
+        if differs is not None:
+            report.differences.append(TensorDifference(name, differs))
+            continue
+        # Mapped for the comparison alone: a checkpoint larger than RAM stays one
+        # tensor resident.
+        n = reader.read_mapped(name, functools.partial(count_differing, tensor))
+        if n:
+            report.differences.append(TensorDifference(name, "content", n))
     return report
