@@ -13,7 +13,9 @@ warm run). ``apply_to`` decodes straight into the weights; ``decode+apply_patch`
 materialises the patch first. Each level-3 task runs right after its level-1
 counterpart in every round, and the ratio of each such pair is reported too (median,
 min and max over the rounds): on a machine whose speed drifts, a ratio of two
-minimums taken seconds apart can move by more than a change does.
+minimums taken seconds apart can move by more than a change does. "Level 3's read
+floor" times only what its walk cannot skip, a compare of every block of the base of
+each bucketed tensor, against level 1's ``apply_to`` in the same round.
 ``--device cuda`` puts base, new and the weights written into on the GPU (the
 clone reference too) and synchronises the device before each time is taken; the
 two-thread walk is CPU-only and left out there, as are level 3's timings of the
@@ -51,12 +53,52 @@ from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 
 State = dict[str, torch.Tensor]
 COPY_INTO = "copy_ into preallocated weights"
+FLOOR = "level 3's read floor (bucket masks)"
 # Level-3 tasks and the level-1 task each is compared with (run just before it).
 PAIRS = (
     ("diff+encode, level 3", "diff+encode, level 1, compiled"),
     ("apply_to, level 3", "apply_to, level 1, compiled"),
     ("decode+apply_patch, level 3", "decode+apply_patch, level 1, compiled"),
+    (FLOOR, "apply_to, level 1, compiled"),
 )
+
+
+def read_floor_task(obj: Any, weights: list[State]) -> Callable[[], object] | None:
+    """What level 3's walk cannot do without: one vector compare of every block of
+    64 base elements of each bucketed tensor against its first bound, one thread,
+    nothing decoded or written (into fresh weights, as ``apply_to``). None without
+    numba."""
+    if chunked.compiled() is None:
+        return None
+    import numba  # type: ignore[import-untyped]
+
+    from pipeline.codec.level3.chunked_jit import below_mask, popcount
+
+    @numba.njit(nogil=True)  # type: ignore[misc]
+    def members(base: Any, bound: Any, magnitude: Any) -> Any:
+        total = np.uint64(0)
+        for i in range(0, base.size - 63, 64):
+            total += popcount(below_mask(base, i, bound, magnitude))
+        return total
+
+    walked = []
+    for record in obj.tensors:
+        layout = obj._records[record.name].layout
+        if record.changed and layout is not None and layout.groups > 1:
+            info = obj._records[record.name].info
+            bound = np.uint64(layout.bounds[0])
+            walked.append((record.name, info, bound, np.uint64(chunked.magnitude_mask(info))))
+
+    def run() -> object:
+        targets = weights.pop()
+        for name, info, bound, magnitude in walked:
+            members(
+                targets[name].view(info.view).view(-1).numpy().view(info.unsigned), bound, magnitude
+            )
+        return None
+
+    run()  # compiled before timing
+    return run
 
 
 def log2_binomial(n: int, k: int) -> float:
@@ -202,7 +244,7 @@ def main() -> None:
             assert all(torch.equal(int_bits(targets[k]), int_bits(new[k])) for k in new)
 
     reps = args.reps
-    spare = [{k: v.clone() for k, v in base.items()} for _ in range(8 * reps)]
+    spare = [{k: v.clone() for k, v in base.items()} for _ in range(9 * reps + 1)]
 
     def decode_task(data: bytes) -> Callable[[], object]:
         return lambda: decode_apply(data, spare.pop())
@@ -244,6 +286,9 @@ def main() -> None:
         tasks[f"apply_to, level 1, {path}"] = switched(apply_to_task(objects[1]))
         if compiled:
             tasks["apply_to, level 3"] = apply_to_task(objects[3])
+            floor = read_floor_task(read_delta(objects[3], object_name="bench"), spare)
+            if floor is not None and on_cpu:
+                tasks[FLOOR] = floor
         if compiled and on_cpu:
             tasks["apply_to on 2 threads, level 1, compiled"] = two_threads_task(objects[1])
         tasks[f"decode+apply_patch, level 1, {path}"] = switched(decode_task(objects[1]))
