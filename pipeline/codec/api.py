@@ -303,17 +303,14 @@ class DeltaObject:
         if base.device.type != "cpu":
             return None
         info = record.info
-        if record.encoding == "chunked":
-            chunked_walker = chunked.compiled()
-            if chunked_walker is None:
-                return None
-            target = int_view_flat(base, info).numpy().view(info.unsigned)
-            where, new, old = self._walk_chunked(chunked_walker, record, target, write=False)
+        is_chunked = record.encoding == "chunked"
+        walker = chunked.compiled() if is_chunked else _walker(record)
+        if walker is None:
+            return None
+        target = int_view_flat(base, info).numpy().view(info.unsigned)
+        if is_chunked:
+            where, new, old = self._walk_chunked(walker, record, target, write=False)
         else:
-            walker = _walker(record)
-            if walker is None:
-                return None
-            target = int_view_flat(base, info).numpy().view(info.unsigned)
             where, new, old = self._walk(walker, name, record, target, fused.GATHER)
         view = _numpy_dtype(info.view)
         return (
