@@ -471,19 +471,20 @@ def test_a_damaged_large_magnitude_leaves_the_tensor_as_it_was(
     assert record.layout is not None
     assert (record.layout.groups > 1) == buckets
     assert record.changed > 10 * 256
-    decode = chunked.large_magnitudes
+    decode = chunked.magnitude_planes
 
     def damaged(*args: object) -> np.ndarray:  # type: ignore[type-arg]
-        mags = decode(*args).copy()  # type: ignore[arg-type]
-        assert mags.size > 100
-        at = {"first": 0, "middle": mags.size // 2, "last": mags.size - 1}[which]
-        mags[at] = np.iinfo(mags.dtype).max  # + 2 wraps to 1: not a large magnitude
-        return mags
+        planes = decode(*args).copy()  # type: ignore[arg-type]
+        count = planes.size // 2  # bf16: two byte planes
+        assert count > 100
+        at = {"first": 0, "middle": count // 2, "last": count - 1}[which]
+        planes[[at, count + at]] = 0xFF  # + 2 wraps to 1: not a large magnitude
+        return planes
 
     target = base.clone()
     obj.apply_to("w", target)
     assert torch.equal(bits(target), bits(new))
-    monkeypatch.setattr(chunked, "large_magnitudes", damaged)
+    monkeypatch.setattr(chunked, "magnitude_planes", damaged)
     target = base.clone()
     with pytest.raises(DeltasyncError, match="large magnitudes"):
         obj.apply_to("w", target)
@@ -603,6 +604,11 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
     assert good.changes.tolist() == [int(c) for c in np.bincount(where >> 12, minlength=4)]
     assert good.out_at.tolist() == [0, *np.cumsum(good.changes)[:-1].tolist()]
     assert good.starts.tolist() == [0, *np.cumsum(good.table[:, 0])[:-1].tolist()]
+    # What each decode reads from the layout instead of working it out again.
+    counts = good.table[:, 1::2]  # every group's count, large magnitudes last
+    assert good.most_codes == int(counts.sum(axis=1).max()) > 0
+    assert good.big == int(counts[:, -1].sum()) == enc.params["big"]
+    assert good.padded.tolist() == chunked.padded_bounds(good.bounds, info).tolist()
 
     def edited(edit: object) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
         table = good.table.copy()

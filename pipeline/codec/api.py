@@ -450,13 +450,17 @@ class DeltaObject:
             return TensorPatch(name, info.dtype, record.shape, nothing, nothing.to(info.view))
         if confirm and not self.walks(name, tensor):
             raise TargetError(f"tensor {name!r}: a confirmed write needs the compiled walk")
-        if record.encoding == "chunked" and tensor.device.type == "cpu" and chunked.compiled():
+        chunk_walker = chunked.compiled() if tensor.device.type == "cpu" else None
+        if record.encoding == "chunked" and chunk_walker is not None:
             if not tensor.is_contiguous():
                 raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
-            where_t, old_t = self._decode_chunked(
-                record, tensor.detach().view(info.view).view(-1), write=True
-            )
-            return TensorPatch(name, info.dtype, record.shape, where_t, old_t) if undo else None
+            flat = tensor.detach().view(info.view).view(-1)
+            if not undo:
+                target = flat.numpy().view(info.unsigned)
+                self._walk_chunked(chunk_walker, record, target, write=True)
+                return None
+            where_t, old_t = self._decode_chunked(record, flat, write=True)
+            return TensorPatch(name, info.dtype, record.shape, where_t, old_t)
         walker = fused.get() if tensor.device.type == "cpu" else None
         if walker is None or not walk_applies(record.encoding, record.params, info):
             patch = self.decode(name, tensor)

@@ -303,6 +303,11 @@ class Layout:
     changes: I64  # changed elements per chunk
     out_at: I64  # index of each chunk's first change in the tensor's change order
     big_at: I64  # index of each chunk's first large magnitude
+    # What every decode of the record needs, worked out once:
+    big: int  # large magnitudes in all
+    most_codes: int  # Rice codes of the chunk with the most
+    padded: npt.NDArray[np.uint64]  # padded_bounds(bounds)
+    magnitude: np.uint64  # magnitude_mask of the dtype
 
     @property
     def groups(self) -> int:
@@ -341,7 +346,7 @@ def layout(
     groups = len(raw_bounds) + 1
     table = np.empty((nchunks, 2 * groups + 3), np.int64)
     starts, changes, out_at, big_at = np.empty((4, nchunks), np.int64)
-    found = encoder().read_table(
+    found, most_codes = encoder().read_table(
         streams["table"],
         groups,
         chunk,
@@ -358,7 +363,19 @@ def layout(
     if found:
         return _TABLE_REASONS[found]
     bounds = np.asarray(raw_bounds, np.int64)
-    return Layout(chunk, bounds, table, starts, changes, out_at, big_at)
+    return Layout(
+        chunk,
+        bounds,
+        table,
+        starts,
+        changes,
+        out_at,
+        big_at,
+        big,
+        int(most_codes),
+        padded_bounds(bounds, info),
+        np.uint64(top),
+    )
 
 
 # ----------------------------------------------------------------------------- decode
@@ -372,6 +389,17 @@ def large_magnitudes(streams: dict[str, U8], nbig: int, info: DtypeInfo) -> AnyU
         return contents.decode_planes(streams["mags"], nbig, info.unsigned)
     except contents.ContentsError as exc:
         raise ChunkedError(str(exc)) from None
+
+
+def magnitude_planes(streams: dict[str, U8], nbig: int, info: DtypeInfo) -> U8:
+    """The large magnitudes - 2 of a record as their byte planes, as the compiled
+    decode reads them (it gathers each one's bytes, so nothing is transposed)."""
+    if not nbig:
+        return np.zeros(info.width, np.uint8)
+    raw = contents.decompress(streams["mags"], nbig * info.width)
+    if raw is None:
+        raise ChunkedError("contents frame does not decompress to the recorded size")
+    return np.frombuffer(raw, np.uint8)
 
 
 _pool_lock = threading.Lock()
@@ -417,22 +445,17 @@ def decode(
     into ``target``; a damaged stream raises ChunkedError with ``target`` as it was.
     Chunks are shared out over ``threads`` (default: as many as pay)."""
     unsigned = info.unsigned
-    nbig = int(lay.big_at[-1] + lay.table[-1, -2]) if lay.table.size else 0
-    mags = large_magnitudes(streams, nbig, info)
+    planes = magnitude_planes(streams, lay.big, info)
     out_pos = np.empty(changed, np.int64)
     out_new = np.empty(changed, unsigned)
     out_old = np.empty(changed, unsigned)
     wanted = DECODE_THREADS if threads is None else threads
     wanted = max(1, min(wanted, changed // MIN_CHANGES_PER_THREAD if threads is None else wanted))
     ranges = _ranges(lay, wanted)
-    bounds = padded_bounds(lay.bounds, info)
-    magnitude = np.uint64(magnitude_mask(info))
-    codes_max = int((lay.table[:, 1::2]).sum(axis=1).max(initial=0))
-
     rank_words = (min(lay.chunk, target.size) >> 6) + 2 if lay.groups > 1 else 1
 
     def run(span: tuple[int, int]) -> tuple[int, int]:
-        gaps = _buffer("decode_gaps", max(codes_max, 1), np.int64)
+        gaps = _buffer("decode_gaps", max(lay.most_codes, 1), np.int64)
         ranks = _zeroed_ranks(rank_words)
         first, stop = span
         done, status = walker.decode_chunks(
@@ -443,10 +466,10 @@ def decode(
             stop,
             target,
             lay.chunk,
-            bounds,
+            lay.padded,
             lay.groups,
-            magnitude,
-            mags,
+            lay.magnitude,
+            planes,
             lay.big_at,
             lay.out_at,
             out_pos,

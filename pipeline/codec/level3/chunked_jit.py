@@ -684,10 +684,10 @@ def encode_chunks(
 @jit  # type: ignore[untyped-decorator,misc]
 def _bits_at(words: Any, at: int) -> Any:
     """The 64 bits of a bitmap from bit ``at`` on (bit r at words[r >> 6], bit r & 63)."""
-    w = at >> 6
-    shift = np.uint64(at & 63)
+    w = np.uint64(at) >> np.uint64(6)  # unsigned: no wraparound check on the index
+    shift = np.uint64(at) & np.uint64(63)
     # (x << 1) << (63 - shift): no shift by 64 when ``at`` is word-aligned.
-    high = (words[w + 1] << np.uint64(1)) << (np.uint64(63) - shift)
+    high = (words[w + np.uint64(1)] << np.uint64(1)) << (np.uint64(63) - shift)
     return (words[w] >> shift) | high
 
 
@@ -702,7 +702,7 @@ def _contents(
     out_pos: Any,
     out_new: Any,
     out_old: Any,
-    mags: Any,
+    planes: Any,
     gaps: Any,
     state: Any,
     bstop: int,
@@ -714,33 +714,40 @@ def _contents(
     """Contents of changes ``o_lo .. o_hi - 1`` (positions in ``out_pos``), written
     into ``base`` with ``write`` right after their old contents are kept. ``state``:
     the index of the next large-magnitude code, the change it falls on, the next
-    large magnitude. Returns ``o_hi``, or ``o_lo`` with nothing of the range
-    written if its large magnitudes are damaged.
+    large magnitude (in ``planes``: the large magnitudes - 2 as byte planes, low
+    byte first). Returns ``o_hi``, or ``o_lo`` with nothing of the range written if
+    its large magnitudes are damaged.
 
     Two passes: every change as a step of one unit, its sign taken without a branch
     (signs are random: a branch on them is mispredicted half the time); then the
     large magnitudes (about one change in ten) over the steps just written."""
     one = np.uint64(1)
     zero = np.uint64(0)
-    for o in range(o_lo, o_hi):
-        if ahead and o + ahead < o_first + changed:
-            prefetch_write(base, out_pos[o + ahead])
-        s = sign0 + (o - o_first)
-        negative = np.uint64((bits[s >> 3] >> (7 - (s & 7))) & 1)
-        pos = out_pos[o]
+    # Unsigned indices: numba checks a signed one for wrapping on every access.
+    for o in range(np.uint64(o_lo), np.uint64(o_hi)):
+        if ahead and o + np.uint64(ahead) < np.uint64(o_first + changed):
+            prefetch_write(base, out_pos[o + np.uint64(ahead)])
+        s = np.uint64(sign0 - o_first) + o
+        negative = np.uint64((bits[s >> np.uint64(3)] >> (np.uint64(7) - (s & np.uint64(7)))) & one)
+        pos = np.uint64(out_pos[o])
         old = base[pos]
         new = (np.uint64(old) + ((one ^ (zero - negative)) + negative)) & top
         out_old[o] = old
         out_new[o] = new
         if write:
             base[pos] = new
+    width = base.itemsize
+    nbig = planes.size // width
     bi = state[0]
     next_big = state[1]
     mi = state[2]
     j_hi = o_hi - o_first
     while next_big < j_hi:
         o = o_first + next_big
-        m = (np.uint64(mags[mi]) + np.uint64(2)) & top
+        m = zero
+        for b in range(width):  # byte b of every magnitude is at planes[b * nbig:]
+            m |= np.uint64(planes[b * nbig + mi]) << np.uint64(8 * b)
+        m = (m + np.uint64(2)) & top
         bad = m <= one
         mi += 1
         bi += 1
@@ -783,37 +790,26 @@ def _walk_buckets(
     sign0: int,
     out_new: Any,
     out_old: Any,
-    mags: Any,
+    planes: Any,
     state: Any,
     top: Any,
     write: bool,
 ) -> int:
-    """Positions of a chunk's changes, coded as gaps between ranks within their
-    buckets (``gaps[gend[k - 1]:gend[k]]`` for bucket k), into ``out_pos`` from
+    """Positions of a chunk's changes, given as ranks within their buckets (the set
+    bits of ``ranks[k]`` for bucket k, which decode_chunks sets), into ``out_pos`` from
     ``o_first`` on, the contents (_contents) of every ``WALK_BATCH`` changes right
     after their positions, while their lines are in cache. Returns DONE or
     BAD_POSITION / BAD_CONTENTS, with ``state[3]`` the end of the changes whose
     contents it wrote.
 
-    Without a branch per change: each bucket's ranks become bits of a bitmap
-    (``ranks[k]``, zero on entry and left zero); then each block of 64 elements
+    Without a branch per change: each block of 64 elements
     takes, per bucket, as many bits of that bitmap as the block has elements of
     the bucket and deposits them onto those elements' lanes (``deposit``)."""
     size = hi - lo
     changed = gend[groups - 1]
     one = np.uint64(1)
-    start = 0
-    for k in range(groups):
-        row = ranks[k]
-        rank = -1
-        for t in range(start, gend[k]):
-            rank += gaps[t] + 1
-            if rank >= size:
-                _clear(ranks, groups, size)
-                return BAD_POSITION
-            row[rank >> 6] |= one << np.uint64(rank & 63)
-        start = gend[k]
     s0 = s1 = s2 = s3 = np.int64(0)
+    r0, r1, r2, r3 = ranks[0], ranks[1], ranks[2], ranks[3]
     o = np.int64(o_first)
     o_end = o_first + changed
     state[3] = o_first
@@ -826,13 +822,13 @@ def _walk_buckets(
         else:
             m0, m1, m2, m3 = _tail_masks(base, i, hi, bounds, magnitude)
         n0, n1 = popcount(m0), popcount(m1)
-        x0, x1 = _low(_bits_at(ranks[0], s0), n0), _low(_bits_at(ranks[1], s1), n1)
+        x0, x1 = _low(_bits_at(r0, s0), n0), _low(_bits_at(r1, s1), n1)
         s0 += np.int64(n0)
         s1 += np.int64(n1)
         x2 = x3 = np.uint64(0)
         if groups > 2:
             n2, n3 = popcount(m2), popcount(m3)
-            x2, x3 = _low(_bits_at(ranks[2], s2), n2), _low(_bits_at(ranks[3], s3), n3)
+            x2, x3 = _low(_bits_at(r2, s2), n2), _low(_bits_at(r3, s3), n3)
             s2 += np.int64(n2)
             s3 += np.int64(n3)
         # No branch on whether the block holds a change: about a third do not, at
@@ -845,14 +841,14 @@ def _walk_buckets(
         # overwritten by the next one, and stays within the chunk's outputs).
         if o + 3 <= o_end:
             for _ in range(3):
-                out_pos[o] = i + np.int64(min(trailing_zeros(chosen), last_lane))
+                out_pos[np.uint64(o)] = i + np.int64(min(trailing_zeros(chosen), last_lane))
                 o += np.int64(chosen != 0)
                 chosen &= chosen - one
         while chosen:
             if o >= o_end:  # only a damaged record sets more bits than it has changes
                 _clear(ranks, groups, size)
                 return BAD_POSITION
-            out_pos[o] = i + np.int64(trailing_zeros(chosen))
+            out_pos[np.uint64(o)] = i + np.int64(trailing_zeros(chosen))
             o += 1
             chosen &= chosen - one
         i += LANES
@@ -868,7 +864,7 @@ def _walk_buckets(
                 out_pos,
                 out_new,
                 out_old,
-                mags,
+                planes,
                 gaps,
                 state,
                 gend[groups],
@@ -914,7 +910,7 @@ def decode_chunks(
     bounds: Any,
     groups: int,
     magnitude: Any,
-    mags: Any,
+    planes: Any,
     big_at: Any,
     out_at: Any,
     out_pos: Any,
@@ -968,7 +964,7 @@ def decode_chunks(
                     q = e - prev - 1
                     if q > limit:
                         return c - first, BAD_UNARY
-                    gaps[t] = q
+                    gaps[np.uint64(t)] = q
                     prev = e
                     t += 1
                     w &= w - one
@@ -977,27 +973,44 @@ def decode_chunks(
                     if u - prev - 1 > limit:
                         return c - first, BAD_UNARY
         u = prev + 1
-        # Fixed-width low bits, group by group.
+        # Fixed-width low bits, group by group, after the whole layout is checked.
+        # With buckets, each gap becomes a rank and its bit in the bucket's bitmap in
+        # the same pass (the walk reads the bitmaps; only the large-magnitude indices
+        # are kept as gaps).
         f = u
-        t = 0
-        for k in range(groups + 1):
-            p = table[c, 2 + 2 * k]
-            stop_t = gend[k]
-            if p:
-                if f + p * (stop_t - t) > end:
-                    return c - first, BAD_FIXED
-                shift = np.uint64(64 - p)
-                while t < stop_t:
-                    gaps[t] = (gaps[t] << p) | np.int64(peek(bits, f) >> shift)
-                    f += p
-                    t += 1
-            t = stop_t
         sign0 = f
+        for k in range(groups + 1):
+            sign0 += table[c, 2 + 2 * k] * table[c, 1 + 2 * k]
         if sign0 + changed > end or end - (sign0 + changed) >= 8:
             return c - first, BAD_FIXED
         pad = end - (sign0 + changed)
         if pad and (np.uint64(bits[(end >> 3) - 1]) & ((one << np.uint64(pad)) - one)):
             return c - first, BAD_FIXED
+        t = 0
+        for k in range(groups + 1):
+            p = table[c, 2 + 2 * k]
+            stop_t = gend[k]
+            shift = np.uint64(64 - p)
+            if groups > 1 and k < groups:
+                row = ranks[k]
+                rank = -1
+                while t < stop_t:
+                    g = gaps[np.uint64(t)]
+                    if p:
+                        g = (g << p) | np.int64(peek(bits, f) >> shift)
+                        f += p
+                    rank += g + 1
+                    if rank >= hi - lo:
+                        _clear(ranks, groups, hi - lo)
+                        return c - first, BAD_POSITION
+                    row[np.uint64(rank) >> np.uint64(6)] |= one << np.uint64(rank & 63)
+                    t += 1
+            elif p:
+                while t < stop_t:
+                    gaps[t] = (gaps[t] << p) | np.int64(peek(bits, f) >> shift)
+                    f += p
+                    t += 1
+            t = stop_t
         o_first = out_at[c]
         o_end = o_first + changed
         bt = gend[groups - 1]
@@ -1029,7 +1042,7 @@ def decode_chunks(
                     out_pos,
                     out_new,
                     out_old,
-                    mags,
+                    planes,
                     gaps,
                     state,
                     bstop,
@@ -1059,7 +1072,7 @@ def decode_chunks(
                 sign0,
                 out_new,
                 out_old,
-                mags,
+                planes,
                 state,
                 top,
                 write,
@@ -1116,13 +1129,14 @@ def read_table(
     changes: Any,
     out_at: Any,
     big_at: Any,
-) -> int:
+) -> tuple[int, int]:
     """Parse a chunk table of ``table.shape[0] * (2 * groups + 3)`` canonical LEB128
     varints (below 2**49) filling ``data`` into ``table``, check its numbers against
     the record's, and set each chunk's byte offset in ``bits``, count of changes,
-    and index of its first change and first large magnitude. TABLE_OK or the first
-    inconsistency found."""
+    and index of its first change and first large magnitude. Returns (TABLE_OK or
+    the first inconsistency found, the most Rice codes a chunk holds)."""
     nchunks, columns = table.shape
+    most = 0
     at = 0
     for c in range(nchunks):
         for j in range(columns):
@@ -1130,18 +1144,18 @@ def read_table(
             length = 0
             while True:
                 if at >= data.size or length == 7:
-                    return TABLE_NUMBERS
+                    return TABLE_NUMBERS, most
                 byte = np.int64(data[at])
                 at += 1
                 value |= (byte & 127) << (7 * length)
                 length += 1
                 if byte < 128:
                     if byte == 0 and length > 1:  # not canonical
-                        return TABLE_NUMBERS
+                        return TABLE_NUMBERS, most
                     break
             table[c, j] = value
     if at != data.size:
-        return TABLE_NUMBERS
+        return TABLE_NUMBERS, most
     offset = 0
     seen = 0
     seen_big = 0
@@ -1154,18 +1168,19 @@ def read_table(
             n = table[c, 1 + 2 * k]
             p = table[c, 2 + 2 * k]
             if p > MAX_PARAM:
-                return TABLE_PARAM
+                return TABLE_PARAM, most
             if k < groups:
                 count += n
             codes += n
             cost += n * p
+        most = max(most, codes)
         nbig = table[c, 1 + 2 * groups]
         if count > size or nbig > count:
-            return TABLE_COUNTS
+            return TABLE_COUNTS, most
         if 8 * table[c, 0] < codes + cost + count:
-            return TABLE_SHORT
+            return TABLE_SHORT, most
         if table[c, 0] > nbits - offset:  # also keeps the running sums from wrapping
-            return TABLE_BYTES
+            return TABLE_BYTES, most
         starts[c] = offset
         changes[c] = count
         out_at[c] = seen
@@ -1174,10 +1189,10 @@ def read_table(
         seen += count
         seen_big += nbig
     if seen != changed or seen_big != big:
-        return TABLE_TOTALS
+        return TABLE_TOTALS, most
     if offset != nbits:
-        return TABLE_BYTES
-    return TABLE_OK
+        return TABLE_BYTES, most
+    return TABLE_OK, most
 
 
 @jit  # type: ignore[untyped-decorator,misc]
