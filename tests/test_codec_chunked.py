@@ -17,6 +17,7 @@ from pipeline.codec.container import read_container
 from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.codec.level3 import chunked
 from pipeline.errors import DeltasyncError
+from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 from tests.test_codec_errors import rebuild
 from tests.test_codec_fused import pinned_pairs
 from tests.test_codec_roundtrip import DTYPES, bits, compiled_kernels, realistic_update
@@ -183,6 +184,27 @@ def test_level_3_is_never_larger_than_level_1(kind: str) -> None:
     if kind == "conditioned":
         assert record.layout is not None and record.layout.groups > 1
         assert len(level_3) < 0.95 * len(level_1)
+
+
+def test_buckets_pay_at_one_percent_changed() -> None:
+    """At about 1% changed, the sparse end of what training steps change, level 3
+    still codes positions per bucket and takes at most 0.8x level 1's bytes (its
+    walk weighed more once kept one bucket there: 0.88x)."""
+    gen = UpdateGenerator(ModelConfig.preset("tiny"), lr=5e-7, seed=5)
+    base = gen.state()
+    new = base
+    for _ in range(3):
+        base, new = new, gen.step()
+    pairs = [(name, base[name], new[name]) for name in new]
+    numel = sum(t.numel() for t in new.values())
+    changed = sum(int((bits(base[n]) != bits(new[n])).sum()) for n in new)
+    assert 0.005 < changed / numel < 0.015
+    level_1, level_3 = encode_delta(pairs, level=1), encode_delta(pairs, level=3)
+    check_object(level_3, pairs)
+    assert len(level_3) <= 0.8 * len(level_1)
+    records = read_delta(level_3)._records.values()
+    bucketed = [r for r in records if r.layout is not None and r.layout.groups > 1]
+    assert len(bucketed) >= len([r for r in records if r.changed]) // 2
 
 
 def test_chunking_costs_little() -> None:
