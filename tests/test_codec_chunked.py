@@ -7,15 +7,16 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import encode_delta, read_delta, tensorcodec
+from pipeline.codec import apply_patch, encode_delta, read_delta, tensorcodec
 from pipeline.codec.container import read_container
 from pipeline.codec.dtypes import BY_DTYPE
-from pipeline.codec.level3 import chunked
+from pipeline.codec.level3 import chunked, chunked_torch
 from pipeline.errors import DeltasyncError
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 from tests.test_codec_errors import rebuild
@@ -245,6 +246,39 @@ def test_device_decode_matches_the_host() -> None:
     assert encode_delta([("w", on_device, new.to(device))], level=3) == data
 
 
+def test_the_device_decoder_takes_a_few_chunks_a_pass(
+    small_chunks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torch decoder (a GPU's) decodes a few chunks a pass, so that its int64
+    temporaries stay bounded on a large tensor; any split gives the host's patch."""
+    gen = np.random.default_rng(11)
+    base = weights(10 * 4096 + 123, gen, torch.bfloat16)
+    new = conditioned_update(base, gen)
+    obj = read_delta(encode_delta([("w", base, new)], level=3))
+    layout = obj._records["w"].layout
+    assert layout is not None and layout.groups > 1 and layout.table.shape[0] == 11
+    host = obj.decode("w", base)
+    passes: list[tuple[int, int]] = []
+    decode_pass = chunked_torch._decode_pass
+
+    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        passes.append((args[2], args[3]))  # (first, stop)
+        return decode_pass(*args)
+
+    monkeypatch.setattr(chunked_torch, "_decode_pass", counted)
+    for elements, split in ((1 << 30, 1), (3 * 4096, 4), (4096, 11)):
+        monkeypatch.setattr(chunked_torch, "PASS_ELEMENTS", elements)
+        passes.clear()
+        with compiled_kernels(False):
+            patch = obj.decode("w", base)
+        assert len(passes) == split and passes[-1][1] == 11
+        assert torch.equal(patch.positions, host.positions)
+        assert torch.equal(patch.values, host.values)
+    target = base.clone()
+    apply_patch(target, patch)
+    assert torch.equal(bits(target), bits(new))
+
+
 # ----------------------------------------------------------------------------- hostile
 
 
@@ -310,7 +344,9 @@ def _two_bytes_replaced(data: bytes, copies: int, seed: int) -> Iterator[bytes]:
         yield rebuild(data, edit_entries=edit)
 
 
-def test_hostile_bytes_in_every_stream() -> None:
+def test_hostile_bytes_in_every_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The torch decoder takes the object's four chunks in two passes.
+    monkeypatch.setattr(chunked_torch, "PASS_ELEMENTS", 2 * 4096)
     data, base = _fuzz_object()
     entries = read_container(data, "x").streams
     record = read_delta(data)._records["w"]

@@ -22,6 +22,11 @@ from pipeline.codec.level3.chunked import ChunkedError, Layout, large_magnitudes
 
 U8 = np.ndarray  # type: ignore[type-arg]
 
+# Elements one pass decodes at most. A pass holds a few int64 temporaries per element
+# of its chunks (bucket keys, their sort), so a whole large tensor at once would need
+# gigabytes beside a serving engine's weights and cache; chunks decode independently.
+PASS_ELEMENTS = 1 << 22
+
 
 def _segment_cumsum(values: torch.Tensor, segment_lengths: torch.Tensor) -> torch.Tensor:
     """Inclusive cumulative sums that restart at each segment."""
@@ -37,17 +42,48 @@ def decode(
     streams: dict[str, U8], lay: Layout, changed: int, base: torch.Tensor, info: DtypeInfo
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, new contents in the dtype's integer view) of the changed elements
-    of ``base`` (flat integer view), on ``base``'s device."""
-    device = base.device
-    groups = lay.groups
+    of ``base`` (flat integer view), on ``base``'s device, in passes of at most
+    PASS_ELEMENTS elements' chunks."""
     nchunks = lay.table.shape[0]
-    table = torch.from_numpy(lay.table).to(device)
+    mags = large_magnitudes(streams, lay.big, info)  # on the host, once
+    per_pass = max(1, PASS_ELEMENTS // lay.chunk)
+    found = [
+        _decode_pass(streams["bits"], lay, first, min(nchunks, first + per_pass), base, info, mags)
+        for first in range(0, max(nchunks, 1), per_pass)
+    ]
+    if len(found) == 1:
+        return found[0]
+    positions = torch.cat([p for p, _ in found])
+    if positions.numel() != changed:
+        raise ChunkedError("chunk counts do not add up to the record's")
+    return positions, torch.cat([v for _, v in found])
+
+
+def _decode_pass(
+    stream: U8,
+    lay: Layout,
+    first: int,
+    stop: int,
+    whole: torch.Tensor,
+    info: DtypeInfo,
+    all_mags: U8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode() of chunks ``first`` .. ``stop - 1``: positions in the whole tensor."""
+    device = whole.device
+    groups = lay.groups
+    nchunks = stop - first
+    offset = first * lay.chunk
+    base = whole[offset : offset + nchunks * lay.chunk]
+    rows = lay.table[first:stop]
+    byte0 = int(lay.starts[first]) if nchunks else 0
+    byte_end = int(lay.starts[stop - 1] + rows[-1, 0]) if nchunks else 0
+    table = torch.from_numpy(rows.copy()).to(device)
     counts = table[:, 1::2]  # (chunks, groups + 1)
     params = table[:, 2::2]
-    bits_u8 = torch.from_numpy(streams["bits"].copy()).to(device)
+    bits_u8 = torch.from_numpy(stream[byte0:byte_end].copy()).to(device)
     shifts = torch.arange(7, -1, -1, device=device, dtype=torch.uint8)
     bits = ((bits_u8[:, None] >> shifts) & 1).reshape(-1).to(torch.int64)
-    start_bit = torch.from_numpy(lay.starts * 8).to(device)
+    start_bit = torch.from_numpy((lay.starts[first:stop] - byte0) * 8).to(device)
     end_bit = start_bit + table[:, 0] * 8
     codes_per_chunk = counts.sum(1)
     total = int(codes_per_chunk.sum())
@@ -84,7 +120,8 @@ def decode(
         fixed_at = fixed_at - offsets[code_at[chunk_of_code]]
     fixed_bits = (counts * params).sum(1)
     sign_at = fixed_start + fixed_bits
-    changes = torch.from_numpy(lay.changes).to(device)
+    changes = torch.from_numpy(lay.changes[first:stop].copy()).to(device)
+    changed = int(changes.sum())
     sign_end = sign_at + changes
     if bool(((sign_end > end_bit) | (end_bit - sign_end >= 8)).any()) or bool(
         (quotients > (lay.chunk >> param_of_code)).any()
@@ -148,7 +185,10 @@ def decode(
         big_index = ranks[is_big]
         if bool((big_index >= changes[big_chunk]).any()):
             raise ChunkedError("a chunk's large magnitudes do not match their indices")
-        planes = large_magnitudes(streams, nbig, info)
+        big0 = int(lay.big_at[first])
+        planes = all_mags[big0 : big0 + nbig]
+        if planes.size != nbig:
+            raise ChunkedError("a chunk's large magnitudes do not match their indices")
         wide = planes.astype(np.int64) if info.width < 8 else planes.view(np.int64).copy()
         mags = torch.from_numpy(wide)
         mags = (mags.to(device) + 2) & top
@@ -166,4 +206,4 @@ def decode(
         values = signed.to(base.dtype)
     else:
         values = new
-    return positions, values
+    return positions + offset, values
