@@ -727,7 +727,7 @@ def _contents(
     for o in range(np.uint64(o_lo), np.uint64(o_hi)):
         if ahead and o + np.uint64(ahead) < np.uint64(o_first + changed):
             prefetch_write(base, out_pos[o + np.uint64(ahead)])
-        s = np.uint64(sign0 - o_first) + o
+        s = np.uint64(sign0 - o_first) + o  # modulo 2**64: right even if sign0 < o_first
         negative = np.uint64((bits[s >> np.uint64(3)] >> (np.uint64(7) - (s & np.uint64(7)))) & one)
         pos = np.uint64(out_pos[o])
         old = base[pos]
