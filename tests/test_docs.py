@@ -50,6 +50,15 @@ def test_architecture_names_every_module_and_only_modules_that_exist() -> None:
     assert sorted(named - modules) == [], "docs/ARCHITECTURE.md names modules that do not exist"
 
 
+def test_format_spec_exists_is_linked_and_stays_a_page() -> None:
+    """docs/FORMAT.md, the on-store format an independent reader is written from
+    (tests/test_format_spec.py), is one page that the README points to."""
+    lines = (REPO / "docs" / "FORMAT.md").read_text().splitlines()
+    assert lines[0] == "# deltasync store format"
+    assert len(lines) < 500
+    assert "](docs/FORMAT.md)" in (REPO / "README.md").read_text()
+
+
 BENCHMARKS = sorted(
     p.name
     for p in (REPO / "benchmarks").glob("*.py")
