@@ -57,3 +57,7 @@ class ServiceUnavailableError(DeltasyncError):
 
 class LockError(DeltasyncError):
     """A lock is held by someone else (after waiting as long as allowed)."""
+
+
+class VersionTimeoutError(DeltasyncError):
+    """A server did not reach the version asked for within the time allowed."""

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.rollout.served import GATE_WAIT_S
 from pipeline.targets import known_targets
 from workers.runtime import from_context
 
@@ -306,6 +307,15 @@ def demo(
     default=None,
     help="Fetch and prove each part as it is announced. Default: DELTASYNC_EARLY_START.",
 )
+@click.option(
+    "--wait-timeout",
+    "gate_wait_s",
+    type=float,
+    default=GATE_WAIT_S,
+    show_default=True,
+    help="Seconds a request with x-deltasync-min-version waits for that version when it "
+    "sends no x-deltasync-wait-timeout; then 504.",
+)
 @click.pass_context
 def serve(
     ctx: click.Context,
@@ -317,13 +327,15 @@ def serve(
     verify: str,
     poll_interval_s: float,
     early_start: bool | None,
+    gate_wait_s: float,
 ) -> None:
     """Serve an OpenAI-compatible API (vLLM's own server) whose weights follow a run.
 
     Every completion names the version that produced it (header x-deltasync-version
-    and system_fingerprint: RUN@VERSION); GET /deltasync/version gives version, head
-    and lag. Options not listed here go to vLLM's server (e.g. --max-model-len 512,
-    --served-model-name policy).
+    and system_fingerprint: RUN@VERSION); a request with x-deltasync-min-version: V
+    waits until V or newer is applied. GET /deltasync/version gives version, head
+    and lag (?wait_for=V&timeout=S: once V or newer is applied). Options not listed
+    here go to vLLM's server (e.g. --max-model-len 512, --served-model-name policy).
     """
     from workers.nodes.serve import run_serve
 
@@ -339,6 +351,7 @@ def serve(
         poll_interval_s=poll_interval_s,
         early_start=early_start,
         settings=runtime.settings,
+        gate_wait_s=gate_wait_s,
     )
 
 

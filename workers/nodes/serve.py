@@ -10,8 +10,11 @@ prefix cache reset, resume). No dev-mode route is opened.
 
 Every generation request is tagged with the version that served it: the response
 header ``x-deltasync-version: <run>@<version>`` and the OpenAI ``system_fingerprint``
-field. ``GET /deltasync/version`` says what the server holds, the run's head and
-the lag. The port opens once the node holds its first verified version.
+field. A request with ``x-deltasync-min-version: V`` waits until V or newer is
+applied (at most ``x-deltasync-wait-timeout`` seconds, else 504).
+``GET /deltasync/version`` says what the server holds, the run's head and the lag
+(``?wait_for=V&timeout=S``: once V or newer is applied). The port opens once the node
+holds its first verified version.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +34,21 @@ import structlog
 
 from pipeline.config import Settings
 from pipeline.coord.connection import redact_url, redis_client
-from pipeline.errors import ConfigError, DeltasyncError
+from pipeline.errors import ConfigError, DeltasyncError, VersionTimeoutError
 from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
 from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.served import (
+    GATE_WAIT_S,
+    MIN_VERSION_HEADER,
+    VERSION_HEADER,
+    VERSION_ROUTE,
+    WAIT_TIMEOUT_HEADER,
+    WEIGHTS_ROUTE,
+    parse_min_version,
+    parse_wait_timeout,
+)
 from pipeline.store.base import ObjectStore
 from pipeline.targets import build_target
 from pipeline.targets.setup import TargetSetup
@@ -58,9 +71,6 @@ from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)
 
-VERSION_HEADER = b"x-deltasync-version"
-VERSION_ROUTE = "/deltasync/version"
-WEIGHTS_ROUTE = "/deltasync/weights"
 _HEAD_CACHE_S = 1.0
 _JOIN_S = 60.0  # the node's thread, at shutdown (it may be inside an engine call)
 
@@ -105,11 +115,25 @@ def parse_server_args(argv: Sequence[str]) -> Any:
 
 class VersionTagger:
     """ASGI middleware: generation requests (POST) pass the version gate, and their
-    response carries the version they were admitted under."""
+    response carries the version they were admitted under.
 
-    def __init__(self, app: ASGIApp, gate: VersionGate) -> None:
+    A request with ``x-deltasync-min-version: V`` is held until V or newer is served,
+    at most ``x-deltasync-wait-timeout`` seconds (``wait_s`` otherwise), then answered
+    504 naming the held version and the head (``status()``, the version route's
+    document). A malformed header is answered 400."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        gate: VersionGate,
+        *,
+        wait_s: float = GATE_WAIT_S,
+        status: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+    ) -> None:
         self.app = app
         self.gate = gate
+        self.wait_s = wait_s
+        self.status = status
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -119,12 +143,23 @@ class VersionTagger:
         ):
             await self.app(scope, receive, send)
             return
-        label = await self.gate.enter()
+        headers = _headers(scope)
+        try:
+            min_version, wait_s = gate_request(headers, self.gate.run, self.wait_s)
+        except ConfigError as exc:
+            await _error(send, 400, str(exc), "BadRequestError", self.gate.label)
+            return
+        try:
+            label = await self.gate.enter(min_version, timeout_s=wait_s)
+        except VersionTimeoutError:
+            await self._timed_out(send, min_version, wait_s)
+            return
         try:
             if label is None:
-                await _refuse(send, "the server holds no verified version (recovering)")
+                message = "the server holds no verified version (recovering)"
+                await _error(send, 503, message, "ServiceUnavailable", None, retry=True)
                 return
-            header = (VERSION_HEADER, label.encode())
+            header = (VERSION_HEADER.encode(), label.encode())
 
             async def tagged(message: Message) -> None:
                 if message["type"] == "http.response.start":
@@ -136,16 +171,56 @@ class VersionTagger:
         finally:
             self.gate.leave()
 
+    async def _timed_out(self, send: Send, min_version: int | None, wait_s: float) -> None:
+        status = await self.status() if self.status is not None else {}
+        version, head = status.get("version", self.gate.version), status.get("head")
+        message = (
+            f"version {min_version} was not applied within {wait_s:g} s "
+            f"({WAIT_TIMEOUT_HEADER}): this server holds version {version}, "
+            f"the run's head is {head}"
+        )
+        fields = {"min_version": min_version, "version": version, "head": head}
+        await _error(send, 504, message, "VersionTimeout", self.gate.label, fields)
 
-async def _refuse(send: Send, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "ServiceUnavailable"}}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {
+        bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
+        for name, value in scope.get("headers", [])
+    }
+
+
+def gate_request(
+    headers: Mapping[str, str], run: str, default_wait_s: float
+) -> tuple[int | None, float]:
+    """The version a request asks for (None: any) and how long it may wait for it."""
+    raw = headers.get(MIN_VERSION_HEADER)
+    min_version = None if raw is None else parse_min_version(raw, run)
+    raw_wait = headers.get(WAIT_TIMEOUT_HEADER)
+    wait_s = default_wait_s if raw_wait is None else parse_wait_timeout(raw_wait)
+    return min_version, wait_s
+
+
+async def _error(
+    send: Send,
+    status: int,
+    message: str,
+    kind: str,
+    label: str | None,
+    fields: Mapping[str, Any] | None = None,
+    *,
+    retry: bool = False,
+) -> None:
+    """An OpenAI-shaped JSON error. Unless ``retry``, ``x-should-retry: false`` tells
+    the official clients not to repeat the request by themselves."""
+    error = {"message": message, "type": kind, "param": None, "code": status, **(fields or {})}
+    body = json.dumps({"error": error}).encode()
+    headers = [(b"content-type", b"application/json")]
+    if not retry:
+        headers.append((b"x-should-retry", b"false"))
+    if label is not None:
+        headers.append((VERSION_HEADER.encode(), label.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -192,12 +267,15 @@ def run_serve(
     poll_interval_s: float = 2.0,
     early_start: bool | None = None,
     settings: Settings | None = None,
+    gate_wait_s: float = GATE_WAIT_S,
 ) -> None:
-    """Serve ``model_path``'s model with the weights of run ``run`` until SIGINT/SIGTERM."""
+    """Serve ``model_path``'s model with the weights of run ``run`` until SIGINT/SIGTERM.
+    ``gate_wait_s``: how long a request asking for a version waits for it by default."""
     if verify not in ("touched", "all", "none"):
         raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
     if poll_interval_s <= 0:
         raise ConfigError(f"poll interval must be positive, got {poll_interval_s}")
+    parse_wait_timeout(str(gate_wait_s), name="the gate's wait")
     settings = settings or current_runtime().settings
     node_id = node_id or default_node_id()
     bind_context(run=run, node=node_id)
@@ -214,6 +292,7 @@ def run_serve(
     cli_env_setup()  # type: ignore[no-untyped-call]
     serving = _Serving(args, store, run, client, settings, node_id, verify, poll_interval_s)
     serving.early_start = early_start
+    serving.gate_wait_s = gate_wait_s
     import uvloop
 
     try:
@@ -245,6 +324,7 @@ class _Serving:
         self.verify = verify
         self.poll_interval_s = poll_interval_s
         self.early_start: bool | None = None
+        self.gate_wait_s = GATE_WAIT_S
         self.stop = threading.Event()
         self.driver: ServedEngine | None = None
         self.node: RolloutNode | None = None
@@ -283,7 +363,7 @@ class _Serving:
         loop = asyncio.get_running_loop()
         fingerprints = Fingerprints()
         self.fingerprints = fingerprints
-        self.gate = VersionGate()
+        self.gate = VersionGate(self.run)
         driver = ServedEngine(engine, loop, self.run, self.gate, on_label=fingerprints)
         self.driver = driver
         setup = TargetSetup(store=self.store, run=self.run, stop=self.stop, engine=driver)
@@ -345,12 +425,15 @@ class _Serving:
             self.fingerprints(self.gate.label)
             app.add_api_route(VERSION_ROUTE, self._version_route, methods=["GET"])
             app.add_api_route(WEIGHTS_ROUTE, self._weights_route, methods=["GET"])
+            wait_s, status = self.gate_wait_s, self._status
             if app.middleware_stack is None:
-                app.add_middleware(VersionTagger, gate=self.gate)
+                app.add_middleware(VersionTagger, gate=self.gate, wait_s=wait_s, status=status)
             else:  # vLLM built the stack already: wrap it, outermost
-                app.middleware_stack = VersionTagger(app.middleware_stack, self.gate)
+                app.middleware_stack = VersionTagger(
+                    app.middleware_stack, self.gate, wait_s=wait_s, status=status
+                )
         finally:
-            self.gate.reopen(self.gate.label)
+            self.gate.reopen(self.gate.version)
         listen_address, sock = setup_server(args, reuse_port=False)
         log.info("serving", address=listen_address, version=self.gate.label)
         try:
@@ -367,7 +450,35 @@ class _Serving:
         finally:
             sock.close()
 
-    async def _version_route(self) -> dict[str, Any]:
+    async def _version_route(self, wait_for: str | None = None, timeout: str | None = None) -> Any:
+        """What the server holds; with ``wait_for=V``, once it holds V or newer (a long
+        poll of at most ``timeout`` seconds, the gate's default otherwise: then 504)."""
+        from fastapi.responses import JSONResponse
+
+        if wait_for is None:
+            return await self._status()
+        try:
+            version = parse_min_version(wait_for, self.run, name="wait_for")
+            wait_s = (
+                self.gate_wait_s if timeout is None else parse_wait_timeout(timeout, name="timeout")
+            )
+        except ConfigError as exc:
+            error = {"message": str(exc), "type": "BadRequestError", "code": 400}
+            return JSONResponse({"error": error}, status_code=400)
+        try:
+            await self.gate.wait_for(version, timeout_s=wait_s)
+        except VersionTimeoutError:
+            status = await self._status()
+            message = (
+                f"version {version} was not applied within {wait_s:g} s: this server holds "
+                f"version {status['version']}, the run's head is {status['head']}"
+            )
+            fields = {"min_version": version, "version": status["version"], "head": status["head"]}
+            error = {"message": message, "type": "VersionTimeout", "code": 504, **fields}
+            return JSONResponse({**status, "error": error}, status_code=504)
+        return await self._status()
+
+    async def _status(self) -> dict[str, Any]:
         driver = self.driver
         version = driver.version if driver is not None else None
         try:
@@ -385,6 +496,7 @@ class _Serving:
             "head": head,
             "lag": None if head is None or version is None else max(0, head - version),
             "updates": driver.pauses if driver is not None else 0,
+            "waiting": self.gate.waiting,
             # [version (None: a full load), seconds new requests were held, of which
             # waiting for admitted requests to finish], newest last
             "recent_pauses": [
@@ -410,4 +522,4 @@ class _Serving:
         return {"version": version, "state_hash": digest, "tensors": hashes}
 
 
-__all__ = ["VERSION_HEADER", "VERSION_ROUTE", "VersionTagger", "run_serve", "server_argv"]
+__all__ = ["VersionTagger", "gate_request", "run_serve", "server_argv"]

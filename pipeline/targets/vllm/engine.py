@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from pipeline.errors import TargetError
+from pipeline.errors import TargetError, VersionTimeoutError
 
 T = TypeVar("T")
 PAUSES_KEPT = 100
@@ -76,31 +76,64 @@ def as_driver(engine: Any) -> EngineDriver:
 class VersionGate:
     """Admission of generation requests by version (lives on the server's loop).
 
-    Open: requests enter with the current label. Closed: new requests wait; the
-    closer waits for the ones inside to leave. ``label`` None while open means
-    the model holds no known version: requests are refused (``enter`` returns None).
+    Open: requests enter with the current label (``RUN@VERSION``). Closed: new
+    requests wait; the closer waits for the ones inside to leave. ``version`` None
+    while open means the model holds no known version: requests are refused
+    (``enter`` returns None). A request may ask for a version (``min_version``): it
+    waits, without polling, until the gate is open at that version or a newer one,
+    for at most ``timeout_s`` (then ``VersionTimeoutError``; it was never admitted).
     """
 
-    def __init__(self, label: str | None = None) -> None:
-        self.label = label
+    def __init__(self, run: str, version: int | None = None) -> None:
+        self.run = run
+        self.version = version
         self.active = 0
-        self._open = asyncio.Event()
+        self._open = version is not None
         self._idle = asyncio.Event()
         self._idle.set()
         self._closers = 0
-        if label is not None:
-            self._open.set()
+        # One future per waiting request, resolved when the gate reopens (or its
+        # time is up): each waiter wakes once per reopening, never by a timer loop.
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    @property
+    def label(self) -> str | None:
+        return None if self.version is None else f"{self.run}@{self.version}"
 
     @property
     def is_open(self) -> bool:
-        return self._open.is_set()
+        return self._open
 
-    async def enter(self) -> str | None:
-        while not self._open.is_set():
-            await self._open.wait()
+    @property
+    def waiting(self) -> int:
+        """Requests (and long polls) waiting for the gate or for a version."""
+        return len(self._waiters)
+
+    def admits(self, min_version: int | None = None) -> bool:
+        if not self._open:
+            return False
+        return min_version is None or (self.version is not None and self.version >= min_version)
+
+    def reached(self, version: int) -> bool:
+        """The model holds ``version`` or a newer one (open or not)."""
+        return self.version is not None and self.version >= version
+
+    async def enter(
+        self, min_version: int | None = None, *, timeout_s: float | None = None
+    ) -> str | None:
+        """Wait until admitted (at ``min_version`` or newer when given), count the
+        request in, and return the label it runs under (None: refused)."""
+        if min_version is None:
+            await self._until(self.admits, None)
+        else:
+            await self._until(lambda: self.admits(min_version), timeout_s, min_version)
         self.active += 1
         self._idle.clear()
         return self.label
+
+    async def wait_for(self, version: int, *, timeout_s: float | None = None) -> None:
+        """Return once the model holds ``version`` or newer (a long poll; admits nothing)."""
+        await self._until(lambda: self.reached(version), timeout_s, version)
 
     def leave(self) -> None:
         self.active -= 1
@@ -110,16 +143,48 @@ class VersionGate:
     async def close(self) -> None:
         """Stop admitting, then wait until no admitted request is left."""
         self._closers += 1
-        self._open.clear()
+        self._open = False
         await self._idle.wait()
 
-    def reopen(self, label: str | None, *, keep_closed: bool = False) -> None:
-        """Set the label (no request is inside) and admit again, unless another
+    def reopen(self, version: int | None, *, keep_closed: bool = False) -> None:
+        """Set the version (no request is inside) and admit again, unless another
         closer still holds the gate or ``keep_closed``."""
         self._closers = max(0, self._closers - 1)
-        self.label = label
+        self.version = version
         if not keep_closed and self._closers == 0:
-            self._open.set()
+            self._open = True
+        for waiter in list(self._waiters):
+            _wake(waiter)
+
+    async def _until(
+        self, ready: Callable[[], bool], timeout_s: float | None, asked: int | None = None
+    ) -> None:
+        if ready():
+            return
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.add(waiter)
+            timer = None if deadline is None else loop.call_at(deadline, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiters.discard(waiter)
+                if timer is not None:
+                    timer.cancel()
+            if ready():
+                return
+            if deadline is not None and loop.time() >= deadline:
+                held = "no version" if self.version is None else f"version {self.version}"
+                raise VersionTimeoutError(
+                    f"version {asked} not reached within {timeout_s:g} s; the model holds {held}"
+                )
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ServedEngine:
@@ -188,7 +253,7 @@ class ServedEngine:
                 self.on_label(label)
             # A load whose version the node has not named yet stays closed until
             # ``publish``; a failed one opens with no label (requests refused).
-            self.gate.reopen(label, keep_closed=not known)
+            self.gate.reopen(version, keep_closed=not known)
 
     @contextlib.contextmanager
     def weights_change(self, version: int | None) -> Iterator[None]:
@@ -227,6 +292,6 @@ class ServedEngine:
             label = self.label_of(version)
             if label != self.gate.label:
                 self.on_label(label)
-            self.gate.reopen(label)
+            self.gate.reopen(version)
 
         self._call(relabel)
