@@ -89,10 +89,14 @@ class RunEmitter:
     def settings(self) -> Settings:
         return self.runtime.settings
 
+    def head(self) -> int | None:
+        """The run's newest published version (None: nothing published yet)."""
+        return chain.list_versions(self.runtime.store, self.run).head
+
     def _check_newer(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an integer >= 0, got {step!r}")
-        head = chain.list_versions(self.runtime.store, self.run).head
+        head = self.head()
         if head is not None and step <= head:
             raise ChainError(f"step {step} of run {self.run!r} is not newer than head {head}")
 
