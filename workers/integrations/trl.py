@@ -212,6 +212,7 @@ class DeltasyncRollout:
         groups = _runs(prompts)
         for server in self.servers:  # also waits for a server whose port is not open yet
             server.versions.wait_for(gate, self.wait_timeout_s)
+            server.client()  # made here, not by the threads below
         sampling = _sampling(trainer)
         expect = _expected_run(trainer)
 

@@ -275,7 +275,7 @@ def run_serve(
         raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
     if poll_interval_s <= 0:
         raise ConfigError(f"poll interval must be positive, got {poll_interval_s}")
-    parse_wait_timeout(str(gate_wait_s), name="the gate's wait")
+    parse_wait_timeout(str(gate_wait_s), name="--wait-timeout")
     settings = settings or current_runtime().settings
     node_id = node_id or default_node_id()
     bind_context(run=run, node=node_id)
