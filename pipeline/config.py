@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline.codec.anchor import ANCHOR_COMPRESSIONS
-from pipeline.codec.api import LEVELS
+from pipeline.codec.names import ANCHOR_COMPRESSIONS, LEVELS
 from pipeline.errors import ConfigError
 from pipeline.format.hashes import content_hashes
 

@@ -29,7 +29,8 @@ from pipeline.config import Settings
 from pipeline.errors import ConfigError, CorruptObjectError
 from pipeline.format.checkpoint import parse_header
 from pipeline.format.checkpoint_write import safetensors_bytes
-from pipeline.format.manifest import DTYPES, Manifest
+from pipeline.format.manifest import Manifest
+from pipeline.format.tensors import DTYPES
 from pipeline.publish.compaction import compact
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.version import publish_anchor

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.format.hashes import mixsum
-from pipeline.format.manifest import DTYPES
+from pipeline.format.tensors import DTYPES
 from pipeline.format.tensors import UNSIGNED
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)

@@ -41,7 +41,6 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import (
-    DTYPES,
     PIECES_SCHEMA,
     Kind,
     Manifest,
@@ -50,6 +49,7 @@ from pipeline.format.manifest import (
 )
 from pipeline.format.regions import Region
 from pipeline.format.shards import RankLayout, RankPiece, layout_digest, write_layout
+from pipeline.format.tensors import DTYPES
 from pipeline.publish import offline
 from pipeline.publish.compaction import compact
 from pipeline.publish.diff import DeltaTask

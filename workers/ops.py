@@ -24,7 +24,7 @@ from pipeline.coord.stream import EventStream, list_runs
 from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.publish.dead_letters import list_dead
 from pipeline.store.trust import store_key
-from pipeline.versions import chain
+from pipeline.versions import index as chain
 from workers import queues
 from workers.runtime import Runtime
 

@@ -46,20 +46,53 @@ Anchors (``pipeline.codec.anchor``): ``encode_anchor(tensors, method)`` with
 reads either form.
 """
 
-from pipeline.codec.anchor import ANCHOR_COMPRESSIONS, anchor_tensors, encode_anchor
-from pipeline.codec.api import (
+from typing import TYPE_CHECKING, Any
+
+from pipeline.codec.names import (
+    ANCHOR_COMPRESSIONS,
     CODEC_NAME,
     CODEC_VERSION,
     DEFAULT_LEVEL,
     LEVELS,
-    DeltaObject,
-    EncodedTensorInfo,
-    HashedPatch,
-    TensorPatch,
-    apply_patch,
-    encode_delta,
-    read_delta,
 )
+
+if TYPE_CHECKING:
+    from pipeline.codec.anchor import anchor_tensors, encode_anchor
+    from pipeline.codec.api import (
+        DeltaObject,
+        EncodedTensorInfo,
+        HashedPatch,
+        TensorPatch,
+        apply_patch,
+        encode_delta,
+        read_delta,
+    )
+
+# The rest is imported on first use: a process that only names a codec level (settings,
+# `deltasync status`) never loads torch and the compiled kernels.
+_LAZY = {
+    "anchor_tensors": "pipeline.codec.anchor",
+    "encode_anchor": "pipeline.codec.anchor",
+    "DeltaObject": "pipeline.codec.api",
+    "EncodedTensorInfo": "pipeline.codec.api",
+    "HashedPatch": "pipeline.codec.api",
+    "TensorPatch": "pipeline.codec.api",
+    "apply_patch": "pipeline.codec.api",
+    "encode_delta": "pipeline.codec.api",
+    "read_delta": "pipeline.codec.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later uses skip this function
+    return value
+
 
 __all__ = [
     "ANCHOR_COMPRESSIONS",

@@ -41,9 +41,10 @@ from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.bounded import load_json
 from pipeline.format.checkpoint import HeaderEntry, parse_header, tensors_from_bytes
 from pipeline.format.checkpoint_write import safetensors_bytes
-from pipeline.format.manifest import DTYPES, MAX_ELEMENTS, MAX_NDIM, dtype_name
+from pipeline.codec.names import ANCHOR_COMPRESSIONS
+from pipeline.format.manifest import MAX_ELEMENTS, MAX_NDIM, dtype_name
+from pipeline.format.tensors import DTYPES
 
-ANCHOR_COMPRESSIONS = ("none", "zstd")
 FORMAT_KEY = "deltasync.anchor"
 TENSORS_KEY = "deltasync.tensors"
 FORMAT = "planes-zstd/1"

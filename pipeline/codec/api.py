@@ -23,6 +23,7 @@ from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.level3 import chunked, chunked_torch
+from pipeline.codec.names import CODEC_NAME, CODEC_VERSION, DEFAULT_LEVEL, LEVELS
 from pipeline.codec.records import TensorRecord, parse_record
 from pipeline.codec.tensorcodec import (
     DamagedStreamError,
@@ -48,10 +49,6 @@ from pipeline.errors import (
 from pipeline.format.bounded import load_json
 from pipeline.format.hashes.hashing import patched_tensor_hash
 
-CODEC_NAME = "deltasync-bitdelta"
-CODEC_VERSION = 1
-LEVELS = (1, 2, 3)
-DEFAULT_LEVEL = 1
 # One thread per CPU: the scan for changes is bound by how fast one core pulls
 # lines, not by the bus (two threads scan 2x faster on two CPUs, docs/PERFORMANCE.md).
 ENCODE_THREADS = max(1, min(4, cpus.available()))

@@ -18,14 +18,15 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.format.hashes.hashing import state_hash
+from pipeline.format.dtype_names import WIDTHS
+from pipeline.format.hashes.digests import state_hash
 from pipeline.format.regions import Region
-from pipeline.format.tensors import DTYPE_TABLE
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEMA_VERSION = 2
 # Schema 3: tensors of a sharded run may be stored in pieces (``TensorEntry.pieces``);
@@ -52,20 +53,24 @@ MAX_PIECES = 1 << 16  # of one tensor: one per trainer rank holding some of it
 MAX_MANIFEST_BYTES = 256 << 20
 
 
-# Every dtype deltasync moves, by its torch name without "torch." (pipeline/format/tensors.py).
-DTYPES: dict[str, torch.dtype] = {d.name: d.dtype for d in DTYPE_TABLE}
-_DTYPE_NAMES: dict[torch.dtype, str] = {d.dtype: d.name for d in DTYPE_TABLE}
+# Every dtype a manifest may name (its torch name without "torch."), by element width;
+# the torch dtypes are in pipeline/format/tensors.py, looked up when a tensor is built.
+DTYPE_WIDTHS = WIDTHS
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``; MismatchError for dtypes deltasync cannot move."""
+    from pipeline.format.tensors import BY_TORCH
+
     try:
-        return _DTYPE_NAMES[dtype]
+        return BY_TORCH[dtype].name
     except KeyError:
         raise MismatchError(f"unsupported dtype {dtype}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    from pipeline.format.tensors import DTYPES
+
     try:
         return DTYPES[name]
     except KeyError:
@@ -152,7 +157,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize
+        return self.numel * DTYPE_WIDTHS[self.dtype]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pipeline.errors import CodecError, CorruptObjectError, MismatchError
 from pipeline.format.bounded import load_json
 from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import (
-    DTYPES,
+    DTYPE_WIDTHS,
     KINDS,
     MAX_ELEMENTS,
     MAX_MANIFEST_BYTES,
@@ -288,7 +288,7 @@ def _parse_tensors(
             raise c.fail(f"tensor {name!r} is listed twice")
         seen.add(name)
         dtype = t.get("dtype")
-        if dtype not in DTYPES:
+        if dtype not in DTYPE_WIDTHS:
             raise c.fail(f"tensor {name!r} has unknown dtype {dtype!r}")
         shape_raw = t.get("shape")
         if not isinstance(shape_raw, list) or len(shape_raw) > MAX_NDIM:

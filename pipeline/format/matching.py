@@ -11,8 +11,8 @@ import torch
 from pipeline.errors import MismatchError
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import HashAlgorithm
-from pipeline.format.manifest import DTYPES, Manifest, TensorEntry, dtype_name
-from pipeline.format.tensors import TensorSpec
+from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
+from pipeline.format.tensors import DTYPES, TensorSpec
 
 
 def spec_of(entry: TensorEntry) -> TensorSpec:

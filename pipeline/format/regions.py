@@ -19,13 +19,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import overload
-
-import numpy as np
-import numpy.typing as npt
-import torch
+from typing import TYPE_CHECKING, overload
 
 from pipeline.errors import MismatchError
+
+if TYPE_CHECKING:  # manifests name regions in processes that load neither (status)
+    import numpy as np
+    import numpy.typing as npt
+    import torch
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ class Region:
     def runs(self) -> tuple[int, npt.NDArray[np.int64]]:
         """(width, run starts): the box as runs of ``width`` consecutive flat positions,
         run ``r`` holding the piece's elements ``[r * width, (r + 1) * width)``."""
+        import numpy as np
+
         k = max((d for d in range(len(self.shape)) if self.size[d] != self.shape[d]), default=0)
         width = self.size[k] * self.strides[k]
         starts = np.full(1, self.offset[k] * self.strides[k], dtype=np.int64)
@@ -113,7 +116,11 @@ class Region:
         width, starts = self.runs
         if starts.size == 1:
             return local + int(starts[0])
-        if isinstance(local, torch.Tensor):
+        import numpy as np
+
+        if not isinstance(local, np.ndarray):
+            import torch
+
             at = torch.from_numpy(starts).to(local.device)
             return at[torch.div(local, width, rounding_mode="floor")] + local % width
         return starts[local // width] + local % width

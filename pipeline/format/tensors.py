@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.format.dtype_names import WIDTHS
+
 # The unsigned integer of each element width: the bits of any dtype of that width.
 UNSIGNED: dict[int, type[np.unsignedinteger]] = {
     1: np.uint8,
@@ -68,6 +70,9 @@ if hasattr(torch, "float8_e8m0fnu"):  # newer torch only; all exponent, no codec
     )
 
 DTYPE_TABLE: tuple[DType, ...] = tuple(_ROWS)
+assert all(WIDTHS.get(d.name) == d.width for d in DTYPE_TABLE), "dtype_names.WIDTHS"
 BY_NAME: dict[str, DType] = {d.name: d for d in DTYPE_TABLE}
 BY_TORCH: dict[torch.dtype, DType] = {d.dtype: d for d in DTYPE_TABLE}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in DTYPE_TABLE}
+# Every dtype deltasync moves, by its name (a manifest's ``dtype``).
+DTYPES: dict[str, torch.dtype] = {d.name: d.dtype for d in DTYPE_TABLE}

@@ -56,7 +56,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
-    DTYPES,
+    DTYPE_WIDTHS,
     PIECES_SCHEMA,
     Manifest,
     ObjectEntry,
@@ -131,7 +131,7 @@ def plan_rank_parts(
     """Rank ``rank``'s parts: its non-empty pieces in order, split by ``part_bytes`` as
     :func:`pipeline.publish.parts.plan_parts` splits tensors."""
     held = [p for p in pieces if p.numel > 0]
-    sizes = ((str(i), p.numel * DTYPES[p.dtype].itemsize) for i, p in enumerate(held))
+    sizes = ((str(i), p.numel * DTYPE_WIDTHS[p.dtype]) for i, p in enumerate(held))
     return [
         (rank_part_key(rank, j), [held[int(i)] for i in names])
         for j, (_, names) in enumerate(plan_parts(sizes, part_bytes))

@@ -23,7 +23,7 @@ from pipeline.coord.keys import binding_key
 from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError
 from pipeline.format.bounded import load_json
 from pipeline.store.base import ObjectStore, put_if_absent, read_bounded
-from pipeline.versions import chain
+from pipeline.versions.index import list_versions
 
 RECORD_NAME = "run.json"
 MAX_RECORD_BYTES = 4096
@@ -133,7 +133,7 @@ def instance_for_publish(store: ObjectStore, run: str) -> RunInstance:
     found = read_instance(store, run)
     if found is not None:
         return found
-    head = chain.list_versions(store, run).head
+    head = list_versions(store, run).head
     return ensure_instance(store, run, since=0 if head is None else head + 1)
 
 

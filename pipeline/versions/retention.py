@@ -14,7 +14,7 @@ from pipeline.errors import DeltasyncError
 from pipeline.format.manifest import manifest_key, version_prefix
 from pipeline.store.base import ObjectStore
 from pipeline.testing import faults
-from pipeline.versions.chain import VersionIndex, version_folders, with_manifest
+from pipeline.versions.index import VersionIndex, version_folders, with_manifest
 
 log = structlog.get_logger(__name__)
 

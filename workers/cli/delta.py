@@ -8,7 +8,6 @@ from pathlib import Path
 import click
 
 from pipeline.codec import DEFAULT_LEVEL, LEVELS
-from pipeline.publish import offline
 
 _PATH = click.Path(path_type=Path)
 _EXISTING = click.Path(exists=True, path_type=Path)
@@ -33,6 +32,8 @@ def delta() -> None:
 )
 def create(base: Path, new: Path, out: Path, level: int) -> None:
     """Encode the bitwise difference from BASE to NEW into the folder OUT."""
+    from pipeline.publish import offline
+
     summary = offline.create_delta(base, new, out, level=level)
     click.echo(
         f"wrote {out}: {summary.changed:,} of {summary.total:,} elements changed "
@@ -46,6 +47,8 @@ def create(base: Path, new: Path, out: Path, level: int) -> None:
 @click.option("--out", required=True, type=_PATH, help="Checkpoint to write (same form as base).")
 def apply(base: Path, delta_path: Path, out: Path) -> None:
     """Apply a delta to BASE and write the result to OUT, verifying every hash first."""
+    from pipeline.publish import offline
+
     offline.apply_delta(base, delta_path, out)
     click.echo(f"wrote {out}")
 
@@ -55,6 +58,8 @@ def apply(base: Path, delta_path: Path, out: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
 def inspect(delta_path: Path, as_json: bool) -> None:
     """Show what a delta holds, tensor by tensor."""
+    from pipeline.publish import offline
+
     report = offline.inspect_delta(delta_path)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import click
-import redis
 
 from pipeline.errors import DeltasyncError
 from workers.cli import delta as cmd_delta
@@ -35,9 +34,13 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except DeltasyncError as exc:
             _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        except redis.RedisError as exc:
+        except Exception as exc:
             # Commands that read Redis directly (status, compact --wait): one line too,
-            # naming the server without its password.
+            # naming the server without its password. (Not imported here: `--help`
+            # loads no client, and an error of a module never loaded cannot occur.)
+            redis = sys.modules.get("redis")
+            if redis is None or not isinstance(exc, redis.RedisError):
+                raise
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             _fail(f"redis at {_redis_where(ctx)} failed: {detail}")
         except KeyboardInterrupt:

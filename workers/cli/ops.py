@@ -9,7 +9,6 @@ from pathlib import Path
 import click
 
 from pipeline.errors import ChainError, DeltasyncError
-from workers.runtime import from_context
 
 RUN = click.option("--run", required=True, help="Run name.")
 # For commands that only look: the run can be left out when Redis knows of one only.
@@ -40,6 +39,7 @@ def compact(
 
     from pipeline.versions import chain
     from workers.jobs.diff import request_compaction
+    from workers.runtime import from_context
 
     runtime = from_context(ctx)
     index = chain.list_versions(runtime.store, run)
@@ -106,6 +106,7 @@ def tail(
     """Print a run's event stream, oldest first; --follow to keep going, --hints for
     the live part hints instead."""
     from workers.ops import only_run, tail_events, tail_hints
+    from workers.runtime import from_context
 
     runtime = from_context(ctx)
     run = run or only_run(runtime)
@@ -122,6 +123,7 @@ def tail(
 def status(ctx: click.Context, run: str | None, as_json: bool) -> None:
     """Head, anchors, chain, queues, failed jobs, replicas and their lag."""
     from workers.ops import collect_status, only_run, render_status
+    from workers.runtime import from_context
 
     runtime = from_context(ctx)
     report = collect_status(runtime, run or only_run(runtime))
@@ -148,6 +150,7 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
     """
     from pipeline.versions import chain
     from pipeline.versions.verify import verify as verify_version
+    from workers.runtime import from_context
 
     runtime = from_context(ctx)
     if version is None:
@@ -186,6 +189,8 @@ def redis_group() -> None:
 @click.pass_context
 def redis_url(ctx: click.Context) -> None:
     """Print the URL of the Redis in use (starting the embedded one if needed)."""
+    from workers.runtime import from_context
+
     click.echo(from_context(ctx).redis_url_redacted)
 
 
@@ -194,6 +199,7 @@ def redis_url(ctx: click.Context) -> None:
 def redis_stop(ctx: click.Context) -> None:
     """Stop the embedded Redis server of the data folder."""
     from workers.redis_launcher import stop_redis
+    from workers.runtime import from_context
 
     stopped = stop_redis(from_context(ctx).settings.data_dir)
     click.echo("stopped" if stopped else "no embedded Redis running")

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import click
 
-from workers.runtime import from_context
-
 
 @click.command("report")
 @click.option("--run", help="The run (default: the only run with events in Redis).")
@@ -25,6 +23,7 @@ def report(ctx: click.Context, run: str | None, out: Path, as_html: bool) -> Non
     from pipeline.versions.history import collect
     from workers.ops import only_run
     from workers.report import write_report
+    from workers.runtime import from_context
 
     runtime = from_context(ctx)
     data = collect(runtime.redis, runtime.store, run or only_run(runtime))

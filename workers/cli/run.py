@@ -8,7 +8,6 @@ import click
 
 from pipeline.rollout.served import GATE_WAIT_S
 from pipeline.targets import known_targets
-from workers.runtime import from_context
 
 RUN = click.option("--run", required=True, help="Run name: [A-Za-z0-9][A-Za-z0-9._-]{0,127}.")
 # Not a registered target: a node of its own that drives a remote vLLM server.
@@ -70,6 +69,7 @@ def worker(
     parts of each version. Compaction workers take the anchors asked for by
     policy or by `deltasync compact`.
     """
+    from workers.runtime import from_context
     from workers.worker_process import run_worker
 
     if host_only and diff_host is None:
@@ -147,6 +147,7 @@ def rollout(
     """Follow a run and keep a target's weights at the newest published version."""
     from pipeline.config import RolloutOptions
     from workers.nodes.rollout import default_node_id, run_rollout
+    from workers.runtime import from_context
 
     runtime = from_context(ctx)
     if target == HTTP_TARGET:
@@ -194,6 +195,7 @@ def rollout(
 @click.pass_context
 def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
     """Announce that the trainer finished STEP, with its weights at CHECKPOINT."""
+    from workers.runtime import from_context
     from workers.trainer import Emitter
 
     emitted = Emitter(run, settings=from_context(ctx).settings).emit_checkpoint(step, checkpoint)
@@ -222,6 +224,7 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
     number (step-120, checkpoint-120, model-120.safetensors). A checkpoint
     still being written is never emitted.
     """
+    from workers.runtime import from_context
     from workers.watch import watch_directory
 
     watch_directory(from_context(ctx), directory, run, settle_s=settle_s)
@@ -268,6 +271,7 @@ def demo(
     are given. Exits non-zero if any replica differs from the trainer.
     """
     from workers.demo import DemoOptions, run_demo
+    from workers.runtime import from_context
 
     options = DemoOptions(
         steps=steps,
@@ -338,6 +342,7 @@ def serve(
     here go to vLLM's server (e.g. --max-model-len 512, --served-model-name policy).
     """
     from workers.nodes.serve import run_serve
+    from workers.runtime import from_context
 
     runtime = from_context(ctx)
     run_serve(

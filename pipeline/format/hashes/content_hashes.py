@@ -14,24 +14,38 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import numpy.typing as npt
-import torch
-
 from pipeline.errors import ConfigError, CorruptObjectError
-from pipeline.format.hashes import mixsum
-from pipeline.format.hashes.hashing import CONTENT_HASH, content_hash
+from pipeline.format.hashes.digests import CONTENT_HASH
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
     from pipeline.format.manifest import Manifest
     from pipeline.format.regions import Region
 
+    Positions = torch.Tensor | npt.NDArray[np.int64]
+    Values = torch.Tensor | npt.NDArray[Any]
+
 XXH3 = CONTENT_HASH
-MIXSUM = mixsum.NAME
+MIXSUM = "mixsum-128"  # (pipeline.format.hashes.mixsum)
 DEFAULT = MIXSUM  # what a new run's first anchor fixes
 
-Positions = torch.Tensor | npt.NDArray[np.int64]
-Values = torch.Tensor | npt.NDArray[Any]
+# The hashing modules (torch, compiled loops) are imported where a tensor is hashed:
+# reading a manifest names its algorithm and hashes nothing.
+
+
+def _xxh3_full(tensor: torch.Tensor) -> str:
+    from pipeline.format.hashes.hashing import content_hash
+
+    return content_hash(tensor)
+
+
+def _mixsum_full(tensor: torch.Tensor) -> str:
+    from pipeline.format.hashes.mixsum import full
+
+    return full(tensor)
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,9 @@ class HashAlgorithm:
             return self.full(tensor)
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot hash a piece of a tensor")
-        return mixsum.digest(mixsum.runs_lanes(tensor, *where.runs))
+        from pipeline.format.hashes.mixsum import digest, runs_lanes
+
+        return digest(runs_lanes(tensor, *where.runs))
 
     def combine(self, digests: Sequence[str]) -> str:
         """The digest of a tensor from the digests of pieces covering it once."""
@@ -60,14 +76,18 @@ class HashAlgorithm:
             return digests[0]
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot combine pieces")
-        return mixsum.total(digests)
+        from pipeline.format.hashes.mixsum import total
+
+        return total(digests)
 
     def updated(self, held: str, positions: Positions, old: Values, new: Values, width: int) -> str:
         """The digest after the elements at ``positions`` change from ``old`` to
         ``new`` (integer contents of ``width`` bytes), from the digest before."""
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
-        return mixsum.updated(held, positions, old, new, width)
+        from pipeline.format.hashes.mixsum import updated
+
+        return updated(held, positions, old, new, width)
 
     def updated_many(
         self,
@@ -83,7 +103,9 @@ class HashAlgorithm:
         bounds[k + 1])``."""
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
-        return mixsum.updated_many(helds, positions, old, new, bounds, width)
+        from pipeline.format.hashes.mixsum import updated_many
+
+        return updated_many(helds, positions, old, new, bounds, width)
 
     def gathered(
         self,
@@ -102,14 +124,18 @@ class HashAlgorithm:
         piece, the digest mixes them as the tensor's."""
         if not self.incremental:
             raise ConfigError(f"content hash {self.name} cannot be updated from changes")
-        steps = diffs.cpu().numpy() if isinstance(diffs, torch.Tensor) else diffs
+        import numpy as np
+
+        steps = diffs if isinstance(diffs, np.ndarray) else diffs.cpu().numpy()
         runs = None if where is None else where.runs
-        return mixsum.gathered_update(held, flat, positions, steps, runs=runs)
+        from pipeline.format.hashes.mixsum import gathered_update
+
+        return gathered_update(held, flat, positions, steps, runs=runs)
 
 
 ALGORITHMS: dict[str, HashAlgorithm] = {
-    XXH3: HashAlgorithm(XXH3, content_hash, incremental=False),
-    MIXSUM: HashAlgorithm(MIXSUM, mixsum.full, incremental=True),
+    XXH3: HashAlgorithm(XXH3, _xxh3_full, incremental=False),
+    MIXSUM: HashAlgorithm(MIXSUM, _mixsum_full, incremental=True),
 }
 
 XXH3_ALGORITHM = ALGORITHMS[XXH3]

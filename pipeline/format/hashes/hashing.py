@@ -1,10 +1,10 @@
-"""Hashes: sha256 for objects, xxh3-128 for tensor contents."""
+"""Hashes: sha256 for objects, xxh3-128 for tensor contents (the torch-free ones live in
+:mod:`pipeline.format.hashes.digests`)."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,16 +12,15 @@ import numpy.typing as npt
 import torch
 import xxhash
 
-OBJECT_HASH = "sha256"
-CONTENT_HASH = "xxh3-128"
+from pipeline.format.hashes.digests import CONTENT_HASH, OBJECT_HASH, sha256_bytes, state_hash
+
+# Re-exported: most callers hash tensors and objects alike from here.
+__all__ = ["CONTENT_HASH", "OBJECT_HASH", "sha256_bytes", "state_hash"]
+
 PATCHED_CHUNK_BYTES = 4 << 20  # scratch for hashing a patched tensor: stays in cache
 # Host staging for hashing a patched tensor held on a GPU: two such buffers per
 # thread, pinned, so one chunk's copy runs while the other is patched and hashed.
 DEVICE_CHUNK_BYTES = 16 << 20
-
-
-def sha256_bytes(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -161,14 +160,3 @@ def patched_tensor_hash(
     if flat.device.type == "cpu":
         return patched_content_hash(flat.numpy(), positions, patch)
     return patched_device_hash(flat, positions, patch)
-
-
-def state_hash(tensor_hashes: Iterable[tuple[str, str]]) -> str:
-    """One hash for a whole state: names and content hashes, in name order."""
-    h = xxhash.xxh3_128()
-    for name, digest in sorted(tensor_hashes):
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(digest.encode())
-        h.update(b"\n")
-    return h.hexdigest()

@@ -1,0 +1,206 @@
+"""The versions of a run in the store, and how each is reached: listing manifests,
+loading and checking them, resolving a version into its anchor and deltas, fetching a
+checked object. No tensor is touched, so commands that only look (``deltasync status``)
+import neither torch nor the codec; :mod:`pipeline.versions.chain` rebuilds versions.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pipeline.errors import ChainError, CorruptObjectError, ObjectNotFoundError
+from pipeline.format.hashes.digests import sha256_bytes
+from pipeline.format.manifest import (
+    KIND_FOLDERS,
+    MAX_MANIFEST_BYTES,
+    Kind,
+    Manifest,
+    ObjectEntry,
+    check_run,
+    manifest_key,
+)
+from pipeline.format.manifest_parse import load_manifest_json, parse_manifest
+from pipeline.format.signing import public_key_from, verify_signature
+from pipeline.store.base import ObjectStore, read_bounded
+from pipeline.store.trust import store_key, verify_document
+
+_MANIFEST_IN_FOLDER = re.compile(r"^(\d{10})/manifest\.json$")
+_VERSION_FOLDER = re.compile(r"^(\d{10})/")
+
+PublicKey = Ed25519PublicKey | bytes
+
+
+@dataclass(frozen=True)
+class VersionIndex:
+    """The versions of a run that exist (have a manifest), ascending."""
+
+    run: str
+    deltas: tuple[int, ...]
+    anchors: tuple[int, ...]
+
+    @property
+    def head(self) -> int | None:
+        return max((*self.deltas, *self.anchors), default=None)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.deltas) | set(self.anchors)))
+
+    def anchor_at_or_below(self, version: int) -> int | None:
+        return max((a for a in self.anchors if a <= version), default=None)
+
+
+def version_folders(store: ObjectStore, run: str, kind: Kind) -> dict[int, list[str]]:
+    """Every key under ``<run>/<kind folder>/``, grouped by version folder."""
+    prefix = f"{check_run(run)}/{KIND_FOLDERS[kind]}/"
+    folders: dict[int, list[str]] = {}
+    for key in store.list(prefix):
+        m = _VERSION_FOLDER.match(key[len(prefix) :]) if key.startswith(prefix) else None
+        if m is not None:
+            folders.setdefault(int(m.group(1)), []).append(key)
+    return folders
+
+
+def with_manifest(folders: dict[int, list[str]]) -> tuple[int, ...]:
+    return tuple(
+        sorted(
+            v
+            for v, keys in folders.items()
+            if any(k.endswith(f"/{v:010d}/manifest.json") for k in keys)
+        )
+    )
+
+
+def list_versions(store: ObjectStore, run: str) -> VersionIndex:
+    return VersionIndex(
+        run=run,
+        deltas=with_manifest(version_folders(store, run, "delta")),
+        anchors=with_manifest(version_folders(store, run, "anchor")),
+    )
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """How to build ``version``: ``anchor`` then ``deltas`` in order (oldest first)."""
+
+    run: str
+    version: int
+    anchor: Manifest
+    deltas: tuple[Manifest, ...]
+
+    @property
+    def target(self) -> Manifest:
+        """The manifest of ``version`` itself (its hashes are what a rebuild must match)."""
+        return self.deltas[-1] if self.deltas else self.anchor
+
+    @property
+    def manifests(self) -> tuple[Manifest, ...]:
+        return (self.anchor, *self.deltas)
+
+
+def load_manifest(
+    store: ObjectStore,
+    run: str,
+    kind: Kind,
+    version: int,
+    *,
+    public_key: PublicKey | None = None,
+) -> Manifest:
+    """Fetch and validate one manifest. With a key (``public_key``, else the one the
+    store is trusted with, see :mod:`pipeline.store.trust`) the order is: bounded bytes, then
+    the signature, then the schema; nothing unsigned is interpreted."""
+    key = manifest_key(run, kind, version)
+    try:
+        data = read_bounded(store, key, MAX_MANIFEST_BYTES, what="manifest")
+    except ObjectNotFoundError:
+        raise ObjectNotFoundError(f"manifest {key} does not exist in {store.url}") from None
+    trusted_key = public_key_from(public_key) if public_key is not None else store_key(store)
+    if trusted_key is not None:
+        doc = load_manifest_json(data, key)
+        verify_document(doc, trusted_key, f"{kind} {version} of run {run}")
+    manifest = parse_manifest(
+        data, expected_run=run, expected_version=version, expected_kind=kind, source=key
+    )
+    if trusted_key is not None:
+        verify_signature(manifest, trusted_key)
+    return manifest
+
+
+def resolve(
+    store: ObjectStore,
+    run: str,
+    version: int,
+    *,
+    index: VersionIndex | None = None,
+    public_key: PublicKey | None = None,
+) -> ChainPlan:
+    """The newest anchor at or below ``version`` and the deltas after it, by parent links."""
+    index = index or list_versions(store, run)
+    anchors = set(index.anchors)
+    deltas = set(index.deltas)
+    if version in anchors:
+        anchor = load_manifest(store, run, "anchor", version, public_key=public_key)
+        return ChainPlan(run, version, anchor, ())
+    if version not in deltas:
+        raise ChainError(f"run {run} has no version {version} (head is {index.head})")
+    chain: list[Manifest] = []
+    current = version
+    while True:
+        try:
+            m = load_manifest(store, run, "delta", current, public_key=public_key)
+        except ObjectNotFoundError:
+            raise ChainError(
+                f"run {run}: version {version} needs delta {current}, which is missing"
+            ) from None
+        chain.append(m)
+        parent = m.parent
+        assert parent is not None  # parse_manifest guarantees deltas have parents
+        if parent in anchors:
+            try:
+                anchor = load_manifest(store, run, "anchor", parent, public_key=public_key)
+            except ObjectNotFoundError:
+                raise ChainError(
+                    f"run {run}: version {version} needs anchor {parent}, which is missing"
+                ) from None
+            break
+        if parent not in deltas:
+            raise ChainError(
+                f"run {run}: version {version} needs version {parent} (parent of {current}), "
+                "which is missing"
+            )
+        current = parent
+    chain.reverse()
+    plan = ChainPlan(run, version, anchor, tuple(chain))
+    _check_links(plan)
+    return plan
+
+
+def _check_links(plan: ChainPlan) -> None:
+    """Each delta must continue exactly the state its predecessor holds."""
+    previous = plan.anchor
+    for m in plan.deltas:
+        if m.parent_state_hash is not None and m.parent_state_hash != previous.state_hash:
+            raise ChainError(
+                f"run {plan.run}: delta {m.version} was made against a different state of "
+                f"version {previous.version}"
+            )
+        previous = m
+
+
+def fetch_object(store: ObjectStore, manifest: Manifest, entry: ObjectEntry) -> bytes:
+    """An object's bytes, checked against the manifest's size and sha256."""
+    key = manifest.object_key(entry.key)
+    try:
+        data = read_bounded(store, key, entry.size, what="object")
+    except ObjectNotFoundError:
+        raise CorruptObjectError(f"object {key} is missing from {store.url}") from None
+    if len(data) != entry.size:
+        raise CorruptObjectError(
+            f"object {key} is {len(data)} bytes, its manifest says {entry.size}"
+        )
+    if sha256_bytes(data) != entry.sha256:
+        raise CorruptObjectError(f"object {key} does not match its sha256")
+    return data
