@@ -169,6 +169,28 @@ class Settings:
             "what live replicas need.",
         ),
     )
+    worker_lease_s: float = field(
+        default=60.0,
+        metadata=_var(
+            "DELTASYNC_WORKER_LEASE",
+            "60",
+            "Seconds a diff or compaction worker's heartbeat counts as alive (an idle worker "
+            "renews it every lease - 15 s, at least every second; a busy one every 15 s): "
+            "`deltasync status` shows a worker silent for longer as dead, and it leaves "
+            "the registry a minute later.",
+        ),
+    )
+    redis_timeout_s: float = field(
+        default=3.0,
+        metadata=_var(
+            "DELTASYNC_REDIS_TIMEOUT",
+            "3",
+            "Seconds the trainer side (Emitter.emit_state, emit_checkpoint, deltasync emit) "
+            "waits for Redis per attempt, two attempts, before it fails with a one-line "
+            "error; a step that did not reach Redis leaves nothing staged and can be "
+            "emitted again.",
+        ),
+    )
     signing_key_path: Path | None = field(
         default=None,
         metadata=_var(
@@ -389,6 +411,15 @@ class Settings:
                 f"DELTASYNC_REPLICA_TTL: must be a positive number of seconds, "
                 f"got {self.replica_ttl_s}"
             )
+        if not (math.isfinite(self.worker_lease_s) and self.worker_lease_s >= 2):
+            raise ConfigError(
+                f"DELTASYNC_WORKER_LEASE: must be at least 2 seconds, got {self.worker_lease_s}"
+            )
+        if not (math.isfinite(self.redis_timeout_s) and self.redis_timeout_s > 0):
+            raise ConfigError(
+                f"DELTASYNC_REDIS_TIMEOUT: must be a positive number of seconds, "
+                f"got {self.redis_timeout_s}"
+            )
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"DELTASYNC_METRICS_PORT: not a port number: {self.metrics_port}")
         if self.log_level not in LOG_LEVELS:
@@ -481,11 +512,31 @@ def _path(env: str, value: object) -> Path:
     return path.expanduser().absolute()
 
 
+# A plain path that begins like a store URL with its "://" mistyped (file//x, s3:/b, hf:x):
+# taken as a folder it would silently become ./file/x. Refused instead.
+STORE_SCHEMES = ("file", "s3", "hf")
+_MISTYPED_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)(:/{0,1}(?!/)|//)")
+
+
+def check_plain_store_path(env: str, text: str) -> None:
+    """ConfigError for a store path (no ``://``) that looks like a mistyped URL."""
+    match = _MISTYPED_URL.match(text)
+    if match is None:
+        return
+    scheme, sep = match.group(1), match.group(2)
+    if sep.startswith(":") or scheme.lower() in STORE_SCHEMES:
+        raise ConfigError(
+            f"{env}: {text[:200]!r} is ambiguous: a URL needs {scheme}://, and a folder of "
+            f"that name needs ./{text[:200]}"
+        )
+
+
 def _store_url(env: str, value: object) -> str:
     if isinstance(value, Path):
         return value.expanduser().absolute().as_uri()
     text = _text(env, value)
     if "://" not in text:  # a plain path means a local folder
+        check_plain_store_path(env, text)
         return Path(text).expanduser().absolute().as_uri()
     return text
 
@@ -552,6 +603,8 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "max_delta_fraction": _float,
     "keep_anchors": _int,
     "replica_ttl_s": _float,
+    "worker_lease_s": _float,
+    "redis_timeout_s": _float,
     "signing_key_path": _path,
     "verify_key_path": _path,
     "log_level": _log_level,
@@ -586,7 +639,8 @@ class RolloutOptions:
     ``store_url`` and ``redis_url`` override the settings' (None: the settings';
     without any Redis URL the embedded server of the data folder). ``early_start``
     None means ``DELTASYNC_EARLY_START``. ``vllm_options`` are ``vllm.LLM`` keyword
-    arguments, over ``DELTASYNC_VLLM_OPTIONS``.
+    arguments, over ``DELTASYNC_VLLM_OPTIONS``. ``wait``: a run with no version and no
+    event yet is waited for (else it is an error naming the runs there are).
     """
 
     run: str
@@ -603,6 +657,7 @@ class RolloutOptions:
     prefetch: bool = True
     early_start: bool | None = None
     vllm_options: Mapping[str, Any] = field(default_factory=dict)
+    wait: bool = False
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:

@@ -55,6 +55,11 @@ class ServiceUnavailableError(DeltasyncError):
     """Redis or another service cannot be reached."""
 
 
+class StepNotSentError(ServiceUnavailableError):
+    """Redis failed before any part of a step reached it: nothing was emitted and
+    nothing stays staged; the same step can be emitted again."""
+
+
 class LockError(DeltasyncError):
     """A lock is held by someone else (after waiting as long as allowed)."""
 

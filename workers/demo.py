@@ -22,19 +22,20 @@ from pipeline.coord.events import (
     AnchorAvailable,
     DeltaApplied,
     DeltaAvailable,
+    Event,
     ReplicaError,
-    StepCompleted,
 )
-from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream
+from pipeline.errors import ServiceUnavailableError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.hashing import state_hash
 from pipeline.logs import configure_logging, get_logger
 from pipeline.testing import synthetic
-from pipeline.versions import verify
+from pipeline.versions import history, verify
 from workers.runtime import Runtime
 from workers.trainer import Emitter
+from workers.warm import warm_codec
 
 log = get_logger(__name__)
 
@@ -55,15 +56,17 @@ class DemoOptions:
 
 @dataclass
 class VersionRow:
+    """What the demo knows of a version beyond its events: the trainer's state hash,
+    and whether each replica's equalled it."""
+
     version: int
-    changed: int = 0
-    total: int = 0
     kind: str = "?"
-    bytes: int = 0
-    emitted_at: float | None = None
     trainer_hash: str = ""
-    applied: dict[str, float] = field(default_factory=dict)  # node -> event time
     matched: dict[str, bool] = field(default_factory=dict)  # node -> state hash equal
+
+
+# Wide enough for the result table: rich would cut it to 80 columns off a terminal.
+REPORT_WIDTH = 160
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -77,7 +80,11 @@ class Demo:
         self.run = options.run or datetime.now(UTC).strftime("demo-%Y%m%d-%H%M%S")
         self.folder = runtime.settings.data_dir / "demo" / self.run
         self.console = Console(stderr=True)
+        if not self.console.is_terminal:
+            self.console = Console(stderr=True, width=REPORT_WIDTH)
         self.rows: dict[int, VersionRow] = {}
+        self.events: list[Event] = []  # the run's stream, for the table (history.build)
+        self.held: dict[str, int] = {}  # node -> newest version it applied
         self.errors: list[str] = []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.nodes: list[str] = []
@@ -131,6 +138,7 @@ class Demo:
             "all",
             "--poll",
             "1",
+            "--wait",  # started before the trainer's first step
             "--dump",
             str(self.folder / "dumps" / f"{name}.safetensors"),
         ]
@@ -165,16 +173,15 @@ class Demo:
             self.last_event = event_id
             if event is None:
                 continue
+            self.events.append(event)
             row = self.rows.setdefault(event.version, VersionRow(event.version))
-            if isinstance(event, StepCompleted):
-                row.emitted_at = event.at.timestamp()
-            elif isinstance(event, DeltaAvailable):
-                row.kind, row.bytes = event.kind, event.bytes
+            if isinstance(event, DeltaAvailable):
+                row.kind = event.kind
             elif isinstance(event, AnchorAvailable):
                 self.anchors[event.version] = event.reason
             elif isinstance(event, DeltaApplied):
-                row.applied[event.node] = event.at.timestamp()
                 row.matched[event.node] = event.state_hash == row.trainer_hash
+                self.held[event.node] = max(self.held.get(event.node, -1), event.version)
             elif isinstance(event, ReplicaError):
                 self.errors.append(f"{event.node} at v{event.version}: {event.error}")
 
@@ -184,11 +191,58 @@ class Demo:
             f"run [bold]{self.run}[/]  steps emitted {emitted}/{self.options.steps}  "
             f"head {head if head is not None else '-'}"
         )
-        table = Table("replica", "version", "lag")
-        for info in list_replicas(self.runtime.redis, self.run):
-            lag = "-" if head is None or info.version is None else str(head - info.version)
-            table.add_row(info.node, str(info.version), lag)
+        table = Table("replica", "holds", "lag", "state")
+        for node in self.nodes:
+            held = self.held.get(node)
+            lag = "-" if head is None or held is None else str(head - held)
+            code = self.procs[node].poll() if node in self.procs else None
+            state = "following" if code is None else ("done" if code == 0 else f"exit {code}")
+            if held is None and code is None:
+                state = "bootstrapping"
+            table.add_row(node, "-" if held is None else str(held), lag, state)
         return Group(summary, table)
+
+    def _wait_listening(self, live: Live, timeout_s: float) -> None:
+        """Until the diff workers listen (their start-up is not a version's sync)."""
+        from workers import queues
+        from workers.ops import listening_workers
+
+        deadline = time.monotonic() + timeout_s
+        while len(listening_workers(self.runtime, queues.DIFF_QUEUE)) < self.options.diff_workers:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ServiceUnavailableError("the demo's diff workers did not start (see logs)")
+            live.update(self._live_view(0))
+            time.sleep(0.2)
+
+    def _wait_applied(self, version: int, nodes: int, live: Live, timeout_s: float) -> None:
+        """Until ``nodes`` replicas applied ``version``."""
+        deadline = time.monotonic() + timeout_s
+        while sum(v >= version for v in self.held.values()) < nodes:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ServiceUnavailableError(f"the demo's replicas did not reach v{version}")
+            self._drain_events(block_ms=250)
+            live.update(self._live_view(version + 1))
+
+    def _check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise ServiceUnavailableError(
+                    f"the demo's {name} exited ({proc.returncode}); see "
+                    f"{self.folder / 'logs' / (name + '.log')}"
+                )
+
+    def _warm(self) -> None:
+        """Compile the codec's kernels before the clock starts: numba compiles each on
+        first use on a machine (tens of seconds), then loads it from its cache."""
+        started = time.perf_counter()
+        with self.console.status("codec kernels: compiling on first use on this machine"):
+            warm_codec((self.runtime.settings.level,), all_widths=False)
+        self.console.print(
+            f"codec kernels ready in {time.perf_counter() - started:.1f} s (compiled once "
+            "per machine, then loaded from numba's cache; not part of the times below)"
+        )
 
     # the run ----------------------------------------------------------------
     def execute(self) -> bool:
@@ -206,6 +260,7 @@ class Demo:
             f"({config.num_parameters():,} parameters), {opts.steps} steps at lr {opts.lr:g}, "
             f"{opts.replicas} replicas; data in {self.runtime.settings.data_dir}"
         )
+        self._warm()
         for i in range(opts.diff_workers):
             self._spawn(f"diff-worker-{i}", "worker", "diff")
         self._spawn("compaction-worker", "worker", "compact")
@@ -220,17 +275,16 @@ class Demo:
                 state = generator.state()
                 # The demo's run is new: its first anchor takes the configured hash.
                 full = content_hashes.get(self.runtime.settings.content_hash).full
+                self._wait_listening(live, opts.timeout_s)
                 for step in range(opts.steps):
+                    if step == 1:
+                        # Replicas bootstrap from the first anchor; later rows are syncs.
+                        self._wait_applied(0, early, live, opts.timeout_s)
                     if step:
                         state = generator.step()
                     row = self.rows.setdefault(step, VersionRow(step))
                     hashes = {n: full(t) for n, t in state.items()}
                     row.trainer_hash = state_hash(hashes.items())
-                    if step:
-                        row.changed = sum(
-                            verify.count_differing(t, final_state[n]) for n, t in state.items()
-                        )
-                    row.total = sum(t.numel() for t in state.values())
                     final_state = {n: t.clone() for n, t in state.items()}
                     emitter.emit_state(step, state)
                     if step == opts.steps // 2 and opts.replicas > early:
@@ -255,37 +309,53 @@ class Demo:
     def _report(self, final_state: dict[str, torch.Tensor]) -> bool:
         ok = True
         full_bytes = sum(t.numel() * t.element_size() for t in final_state.values())
+        numel = sum(t.numel() for t in final_state.values())
+        # The definitions of `deltasync report` (pipeline/versions/history.py).
+        run = history.build(self.run, self.events, full_bytes, numel)
         table = Table(title=f"run {self.run}: per version")
         for col in ("version", "kind", "changed", "bytes", "/full", "/raw", "sync s", "exact"):
             table.add_column(col, justify="right")
-        for v in sorted(self.rows):
-            row = self.rows[v]
-            pct = f"{100 * row.changed / row.total:.2f}%" if row.total and v else "-"
-            raw = 6 * row.changed
-            vs_raw = f"{row.bytes / raw:.3f}" if raw and row.kind == "delta" else "-"
-            sync = "-"
-            if row.emitted_at is not None and row.applied:
-                sync = f"{max(row.applied.values()) - row.emitted_at:.2f}"
+        table.add_column("note", justify="left")
+        caught_up = False
+        for r in run.versions:
+            row = self.rows.get(r.version, VersionRow(r.version))
+            pct = "-" if r.changed_fraction is None else f"{100 * r.changed_fraction:.2f}%"
+            raw = run.raw_bytes(r)
+            vs_raw = f"{r.bytes / raw:.3f}" if raw and r.kind == "delta" else "-"
+            sync = "-" if r.synced_s is None else f"{r.synced_s:.2f}"
             exact = f"{sum(row.matched.values())}/{len(row.matched)}" if row.matched else "-"
             if row.matched and not all(row.matched.values()):
                 ok = False
-            kind = row.kind + ("+anchor" if v in self.anchors and row.kind == "delta" else "")
+            late = sorted(set(r.applied_at) - r.followers)
+            caught_up = caught_up or bool(late)
+            note = f"catch-up: {', '.join(late)}" if late else ""
+            if r is run.versions[0]:
+                note = "first anchor: replicas start up and bootstrap"
+            kind = r.kind + ("+anchor" if r.anchored and r.kind == "delta" else "")
             table.add_row(
-                str(v),
+                str(r.version),
                 kind,
                 pct,
-                f"{row.bytes:,}",
-                f"{row.bytes / full_bytes:.4f}" if full_bytes else "-",
+                f"{r.bytes:,}",
+                f"{r.bytes / full_bytes:.4f}" if full_bytes else "-",
                 vs_raw,
                 sync,
                 exact,
+                note,
             )
         self.console.print(table)
         self.console.print(
             "changed: elements that differ from the previous step; /full: bytes over the full "
-            "bf16 checkpoint; /raw: over int32 index + bf16 value per changed element; sync: "
-            "step-completed to the last replica applied; exact: replicas whose weights hashed "
-            "equal to the trainer's after applying that version."
+            "checkpoint; /raw: over an int32 index + value per changed element; sync: "
+            "step-completed to the last replica that was following the run applied it (as "
+            "`deltasync report` draws it); exact: replicas whose weights hashed equal to the "
+            "trainer's after applying that version."
+            + (
+                " catch-up: a replica that joined late reached this version by bootstrap "
+                "and replay, not counted in sync."
+                if caught_up
+                else ""
+            )
         )
         for name in self.nodes:
             dump = self.folder / "dumps" / f"{name}.safetensors"

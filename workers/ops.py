@@ -13,6 +13,7 @@ import click
 from rq import Queue, Worker
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.worker_registration import clean_worker_registry
 
 from pipeline.coord import keys
 from pipeline.coord.connection import redis_errors, text
@@ -25,6 +26,7 @@ from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.publish.dead_letters import list_dead
 from pipeline.store.trust import store_key
 from pipeline.versions import index as chain
+from pipeline.versions.runs import require_run
 from workers import queues
 from workers.runtime import Runtime
 
@@ -126,8 +128,10 @@ def tail_hints(
 
 
 def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
-    """Everything `deltasync status` reports, as plain data."""
+    """Everything `deltasync status` reports, as plain data. UnknownRunError for a run
+    with no version and no event (a misspelled name), naming the runs there are."""
     store = runtime.store
+    require_run(store, runtime.redis, run)
     index = chain.list_versions(store, run)
     report: dict[str, Any] = {
         "run": run,
@@ -163,7 +167,7 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
             "running": StartedJobRegistry(queue=q, serializer=JSONSerializer).get_job_ids(),
             "failed": len(failed_ids),
             "failed_jobs": failed_ids[-5:],
-            "workers": _workers(q),
+            "workers": queue_workers(q, runtime.settings.worker_lease_s),
         }
     # Emitted steps no version holds yet: each waits for a diff job (its own or a later one).
     report["pending_steps"] = sorted(
@@ -180,6 +184,11 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
                 "lag_versions": lag,
                 "state_hash": info.state_hash or None,
                 "seen_s_ago": round(info.age_s, 1),
+                # Silent past its lease: shown (and never counted as serving) until its
+                # record expires (DELTASYNC_REPLICA_TTL after the last heartbeat).
+                "state": "dead" if info.dead else "live",
+                "last_seen": info.time.isoformat(timespec="seconds"),
+                "lease_s": info.lease_s,
             }
         )
     report["replicas"] = replicas
@@ -216,22 +225,48 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
     return report
 
 
-def _workers(q: Queue) -> list[dict[str, Any]]:
-    """The rq workers of queue ``q``: what each does and when it last said it was alive."""
+def queue_workers(q: Queue, default_lease_s: float) -> list[dict[str, Any]]:
+    """The rq workers of queue ``q``: what each does and when it last said it was alive.
+    One silent past its lease (the one it registered, else ``default_lease_s``) is
+    ``dead``, whatever its last state said; rq forgets it a minute later, and it leaves
+    the queue's registry then."""
+    clean_worker_registry(q)  # names whose worker record expired
     now = datetime.now(UTC)
     out = []
     for worker in Worker.all(queue=q):
         beat = worker.last_heartbeat
         state = worker.get_state()  # a WorkerStatus, or its text once read from Redis
+        lease = _lease_of(q.connection, worker.key, default_lease_s)
+        age = None if beat is None else (now - beat).total_seconds()
+        dead = age is None or age > lease
         out.append(
             {
                 "name": worker.name,
-                "state": str(getattr(state, "value", state)),
-                "job": worker.get_current_job_id(),
-                "heartbeat_s_ago": None if beat is None else round((now - beat).total_seconds(), 1),
+                "state": "dead" if dead else str(getattr(state, "value", state)),
+                "job": None if dead else worker.get_current_job_id(),
+                "heartbeat_s_ago": None if age is None else round(age, 1),
+                "last_heartbeat": None if beat is None else beat.isoformat(timespec="seconds"),
+                "lease_s": lease,
             }
         )
     return sorted(out, key=lambda w: w["name"])
+
+
+def _lease_of(connection: Any, key: str, default: float) -> float:
+    raw = connection.hget(key, queues.LEASE_FIELD)
+    try:
+        lease = float(text(raw)) if raw else default
+    except ValueError:
+        return default
+    return lease if lease > 0 else default
+
+
+def listening_workers(runtime: Runtime, queue_name: str) -> list[str]:
+    """Names of the live (not dead) workers listening on ``queue_name``."""
+    q = queues.queue(runtime.redis, queue_name)
+    return [
+        w["name"] for w in queue_workers(q, runtime.settings.worker_lease_s) if w["state"] != "dead"
+    ]
 
 
 def render_status(report: dict[str, Any]) -> None:
@@ -268,25 +303,38 @@ def render_status(report: dict[str, Any]) -> None:
     console.print(queues_table)
     for name, q in report["queues"].items():
         for w in q["workers"]:
+            if w["state"] == "dead":
+                console.print(
+                    f"[red]worker {escape(w['name'])} on {name}: dead[/] (no heartbeat since "
+                    f"{w['last_heartbeat']}, {w['heartbeat_s_ago']}s ago; lease "
+                    f"{w['lease_s']:g}s)",
+                    soft_wrap=True,
+                )
+                continue
             job = f" {w['job']}" if w["job"] else ""
             console.print(
                 f"worker {escape(w['name'])} on {name}: {w['state']}{escape(job)}, "
                 f"heartbeat {w['heartbeat_s_ago']}s ago",
                 soft_wrap=True,
             )
-        if not q["workers"]:
-            console.print(f"[yellow]no worker on {name}[/]")
+        if not any(w["state"] != "dead" for w in q["workers"]):
+            console.print(f"[yellow]no live worker on {name}[/]")
     if report.get("pending_steps"):
         console.print(f"steps waiting to publish {report['pending_steps']}", soft_wrap=True)
     replicas_table = Table(title="replicas")
-    for col in ("node", "version", "lag (versions)", "last seen"):
+    for col in ("node", "version", "lag (versions)", "last seen", "state"):
         replicas_table.add_column(col)
     for rep in report["replicas"]:
+        dead = rep.get("state") == "dead"
         replicas_table.add_row(
-            rep["node"], str(rep["version"]), str(rep["lag_versions"]), f"{rep['seen_s_ago']}s ago"
+            rep["node"],
+            str(rep["version"]),
+            str(rep["lag_versions"]),
+            f"{rep['seen_s_ago']}s ago",
+            f"[red]dead[/] since {rep['last_seen']}" if dead else "live",
         )
     if not report["replicas"]:
-        replicas_table.add_row("-", "-", "-", "no replica reported recently")
+        replicas_table.add_row("-", "-", "-", "no replica reported recently", "-")
     console.print(replicas_table)
     for dead in report.get("dead_steps", []):
         console.print(f"[red]step {dead['step']} set aside:[/] {escape(dead['reason'])}")

@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 from rq import Queue, Retry
+from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pipeline import config
@@ -20,6 +21,9 @@ COMPACT_QUEUE = keys.COMPACT_QUEUE_NAME
 DIFF_JOB = "workers.jobs.diff.diff_job"
 DIFF_PART_JOB = "workers.jobs.diff.diff_part_job"
 COMPACT_JOB = "workers.jobs.compaction.compact_job"
+
+# A field of rq's worker hash: the worker's lease (seconds), which status judges it by.
+LEASE_FIELD = "deltasync_lease"
 
 # Store or Redis hiccups: retried with backoff (needs a worker running its scheduler).
 JOB_RETRY = Retry(max=3, interval=[2, 10, 30])
@@ -113,6 +117,13 @@ def enqueue_diff(
         pipeline=pipeline,
     )
     return job_id
+
+
+def forget_failed_diff(connection: redis.Redis, run: str, step: int) -> None:
+    """Take a step's failed diff job out of the failed registry before it is sent again
+    (its job id is the step's)."""
+    registry = FailedJobRegistry(queue=queue(connection, DIFF_QUEUE), serializer=JSONSerializer)
+    registry.remove(diff_job_id(run, step))
 
 
 def enqueue_compaction(

@@ -9,6 +9,11 @@ commands starting at once start one server. The server persists to
 ``<data_dir>/redis`` with an append-only file, so a restart keeps the events.
 It listens on 127.0.0.1 only and requires a random password kept in files
 readable by the owner only.
+
+Its address (port and password, ``<data_dir>/redis/address.json``) outlives the
+server: a server started again after ``deltasync redis stop`` or a crash listens
+at the same URL, so running workers and nodes reconnect by themselves. Only when
+another program holds that port does it move, with a warning.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pipeline.errors import ConfigError, ServiceUnavailableError
 log = structlog.get_logger(__name__)
 
 RECORD_NAME = "server.json"
+ADDRESS_NAME = "address.json"
 # Servers started by this process, kept so their exit can be collected.
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 START_TIMEOUT_S = 30.0
@@ -97,18 +103,35 @@ def ensure_redis(
     return record.url
 
 
-def stop_redis(data_dir: Path, *, timeout_s: float = STOP_TIMEOUT_S) -> bool:
-    """Shut the embedded server of ``data_dir`` down; True if one was running."""
+@dataclass(frozen=True)
+class Stopped:
+    """What ``stop_redis`` did: whether a server was stopped, where it listened, and the
+    clients that were connected to it then (each ``name (address)``, or the address)."""
+
+    stopped: bool
+    url: str = ""
+    clients: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.stopped
+
+
+def stop_redis(data_dir: Path, *, timeout_s: float = STOP_TIMEOUT_S) -> Stopped:
+    """Shut the embedded server of ``data_dir`` down; true if one was running. Its
+    address is kept: started again, it listens where its clients look for it."""
     folder = Path(data_dir).expanduser().absolute() / "redis"
     if not folder.is_dir():
-        return False
+        return Stopped(False)
     with _file_lock(folder / "server.lock", timeout_s):
         record = _read_record(folder)
         if record is None:
-            return False
+            return Stopped(False)
         stopped = False
+        clients: tuple[str, ...] = ()
         if _ping(record):
             client = redis_client(record.url, socket_timeout_s=timeout_s, retries=0)
+            with contextlib.suppress(redis.RedisError):
+                clients = _other_clients(client)
             # SHUTDOWN flushes the append-only file; redis-py absorbs the dropped connection.
             with contextlib.suppress(redis.RedisError):
                 client.shutdown(nosave=True)
@@ -117,8 +140,20 @@ def stop_redis(data_dir: Path, *, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         stopped = _terminate(record.pid, folder, timeout_s) or stopped
         (folder / RECORD_NAME).unlink(missing_ok=True)
     if stopped:
-        log.info("embedded redis stopped", pid=record.pid, dir=str(folder))
-    return stopped
+        log.info("embedded redis stopped", pid=record.pid, dir=str(folder), clients=len(clients))
+    return Stopped(stopped, redact_url(record.url), clients)
+
+
+def _other_clients(client: redis.Redis) -> tuple[str, ...]:
+    """The server's connections other than ``client``'s own: rq workers name theirs."""
+    mine = client.client_id()
+    found: list[str] = []
+    for entry in client.client_list():
+        if str(entry.get("id")) == str(mine):
+            continue
+        name, addr = str(entry.get("name") or ""), str(entry.get("addr") or "?")
+        found.append(f"{name} ({addr})" if name else addr)
+    return tuple(sorted(found))
 
 
 def read_server_record(data_dir: Path) -> ServerRecord | None:
@@ -230,12 +265,47 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def read_address(folder: Path) -> tuple[int, str] | None:
+    """The embedded server's port and password, kept across its restarts (None: never
+    started, or the file is damaged)."""
+    try:
+        data = json.loads((folder / ADDRESS_NAME).read_text())
+        port, password = int(data["port"]), str(data["password"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (0 < port < 65536 and password.replace("-", "").replace("_", "").isalnum()):
+        return None
+    return port, password
+
+
+def _write_address(folder: Path, port: int, password: str) -> None:
+    tmp = folder / f".{ADDRESS_NAME}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"port": port, "password": password}, out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, folder / ADDRESS_NAME)
+
+
 def _start(folder: Path, binary: str, timeout_s: float) -> ServerRecord:
-    """Start a detached redis-server; retry on another port if the chosen one was taken."""
+    """Start a detached redis-server at its kept address (a new one the first time);
+    on another port if that one is taken by someone else."""
     last_error = ""
-    for _attempt in range(3):
-        port = _free_port()
-        password = secrets.token_urlsafe(24)
+    kept = read_address(folder)
+    password = kept[1] if kept is not None else secrets.token_urlsafe(24)
+    for attempt in range(3):
+        if kept is not None and attempt == 0:
+            port = kept[0]
+        else:
+            port = _free_port()
+            if kept is not None:
+                log.warning(
+                    "embedded redis moved: its port is taken by another program; processes "
+                    "started with the old URL must be restarted",
+                    old_port=kept[0],
+                    port=port,
+                )
         config = _write_config(folder, port, password)
         url = f"redis://:{password}@127.0.0.1:{port}/0"
         try:
@@ -263,6 +333,7 @@ def _start(folder: Path, binary: str, timeout_s: float) -> ServerRecord:
         _CHILDREN[process.pid] = process
         while process.poll() is None:
             if _ping(record):
+                _write_address(folder, port, password)
                 return record
             if time.monotonic() > deadline:
                 _terminate(process.pid, folder, STOP_TIMEOUT_S)

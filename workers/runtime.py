@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import click
-import redis
 
 from pipeline.config import Settings
 from pipeline.coord.connection import redact_url, redis_client
@@ -16,12 +16,18 @@ from pipeline.store.base import ObjectStore
 from pipeline.store.trust import process_key, trusted
 from workers.redis_launcher import ensure_redis
 
+if TYPE_CHECKING:
+    import redis
+
 
 @dataclass
 class Runtime:
-    """Lazily opened connections for one process, built from typed settings."""
+    """Lazily opened connections for one process, built from typed settings. With
+    ``fail_fast`` (the trainer side) Redis calls give up after
+    ``settings.redis_timeout_s`` and one retry instead of riding out an outage."""
 
     settings: Settings
+    fail_fast: bool = False
     _redis_url: str | None = field(default=None, init=False)
 
     @cached_property
@@ -43,6 +49,11 @@ class Runtime:
 
     @cached_property
     def redis(self) -> redis.Redis:
+        if self.fail_fast:
+            timeout = self.settings.redis_timeout_s
+            return redis_client(
+                self.redis_url, socket_timeout_s=timeout, connect_timeout_s=timeout, retries=1
+            )
         return redis_client(self.redis_url)
 
 

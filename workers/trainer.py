@@ -9,6 +9,11 @@
 ``emit_state`` writes the weights to the staging folder atomically, then in one
 Redis transaction appends ``step-completed`` to the run's stream and enqueues
 the diff job, so that neither happens without the other.
+
+Redis is given ``DELTASYNC_REDIS_TIMEOUT`` seconds (two attempts): when it cannot be
+reached, the call fails with one line (``StepNotSentError`` when nothing reached it:
+the staged copy is removed and the step can be emitted again). A step that was set
+aside (``deltasync status``) is sent again when emitted again, with its new checkpoint.
 """
 
 from __future__ import annotations
@@ -20,18 +25,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
 import torch
 
 from pipeline import config
 from pipeline.config import Settings
 from pipeline.coord import keys
+from pipeline.coord.connection import service_error
 from pipeline.coord.events import StepCompleted, check_run_name
 from pipeline.coord.stream import EventStream
-from pipeline.errors import ChainError, ConfigError
+from pipeline.errors import (
+    ChainError,
+    ConfigError,
+    ServiceUnavailableError,
+    StepNotSentError,
+)
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_names import FORM_METADATA_KEY, TensorForm, checkpoint_state
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.logs import get_logger
+from pipeline.publish.dead_letters import list_dead
 from pipeline.versions import chain
 from workers import queues
 from workers.runtime import Runtime
@@ -83,7 +96,8 @@ class RunEmitter:
 
     def __init__(self, run: str, *, settings: Settings | None = None) -> None:
         self.run = check_run_name(run)
-        self.runtime = Runtime(settings or Settings.from_env())
+        # A training loop must not hang on Redis: short timeouts, one retry.
+        self.runtime = Runtime(settings or Settings.from_env(), fail_fast=True)
 
     @property
     def settings(self) -> Settings:
@@ -122,6 +136,7 @@ class Emitter(RunEmitter):
         model keeps them fused in memory); a mapping is published as given. The
         manifest records which (``tensor_form``, see ``pipeline.format.checkpoint_names``)."""
         self._check_newer(step)
+        reachable(self.runtime, f"emitting step {step} of run {self.run}")  # before staging
         form: TensorForm = "given"
         if isinstance(weights, torch.nn.Module):
             weights, form = checkpoint_state(weights)
@@ -136,7 +151,11 @@ class Emitter(RunEmitter):
             metadata={FORM_METADATA_KEY: form},
             specs=None if max_shard_bytes is not None else named_specs(weights, dtype),
         )
-        return self._send(step, path, owned=True)
+        try:
+            return self._send(step, path, owned=True)
+        except StepNotSentError:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            raise
 
     def emit_checkpoint(self, step: int, checkpoint: str | Path) -> Emitted:
         """Emit a checkpoint the user wrote; deltasync never modifies or removes it."""
@@ -150,31 +169,105 @@ class Emitter(RunEmitter):
         return send_step(self.runtime, kwargs)
 
 
+def reachable(runtime: Runtime, doing: str) -> None:
+    """StepNotSentError (one line) unless Redis answers a PING."""
+    try:
+        runtime.redis.ping()
+    except redis.RedisError as exc:
+        error = service_error(exc, runtime.redis_url_redacted, doing)
+        raise StepNotSentError(f"{error}; nothing was sent, emit it again") from None
+
+
 def send_step(runtime: Runtime, kwargs: dict[str, Any]) -> Emitted:
     """Send one step: in one transaction the diff job (``kwargs`` are its arguments: run,
     step, checkpoint, owned and any others), ``step-completed``, the emitted marker and
     the pending-steps entry. Not sent again when the marker says it was (best effort:
-    the diff job itself publishes each version once)."""
+    the diff job itself publishes each version once), unless the step was set aside:
+    then it is sent again, and leaves the dead letters.
+
+    A Redis failure is one line: StepNotSentError when nothing was sent, else
+    ServiceUnavailableError (the transaction may have gone through: emitting the step
+    again is safe, it is sent at most once)."""
     run, step, checkpoint = kwargs["run"], kwargs["step"], str(kwargs["checkpoint"])
+    doing = f"emitting step {step} of run {run}"
     r = runtime.redis
-    stream = EventStream(r, run)
-    event = StepCompleted.now(
-        run=run, version=step, checkpoint=checkpoint, owned=bool(kwargs["owned"]), level=None
-    )
-    marker = keys.emitted_key(run, step)
-    if r.exists(marker):
-        log.warning("step already emitted, not sent again", run=run, step=step)
-        return Emitted(run, step, checkpoint, None, queues.diff_job_id(run, step))
-    with r.pipeline(transaction=True) as pipe:
-        # rq opens the transaction itself, so the job goes first.
-        job_id = queues.enqueue_diff(r, kwargs, pipeline=pipe)
-        at = len(pipe.command_stack)
-        stream.publish(event, pipeline=pipe)
-        pipe.set(marker, 1, ex=config.EMITTED_TTL_S)
-        # Lets whichever diff job runs first publish the steps in order.
-        pipe.hset(keys.pending_steps_key(run), str(step), json.dumps(kwargs))
-        results = pipe.execute()
+    try:
+        marker = keys.emitted_key(run, step)
+        set_aside = bool(r.hexists(keys.dead_steps_key(run), str(step)))
+        if r.exists(marker) and not set_aside:
+            log.warning("step already emitted, not sent again", run=run, step=step)
+            return Emitted(run, step, checkpoint, None, queues.diff_job_id(run, step))
+        if set_aside:
+            queues.forget_failed_diff(r, run, step)
+    except redis.RedisError as exc:
+        error = service_error(exc, runtime.redis_url_redacted, doing)
+        raise StepNotSentError(f"{error}; nothing was sent, emit it again") from None
+    try:
+        results, at = _send_transaction(r, kwargs, marker)
+    except redis.RedisError as exc:
+        error = service_error(exc, runtime.redis_url_redacted, doing)
+        raise ServiceUnavailableError(
+            f"{error}; the step may have been sent: emit it again (sent at most once)"
+        ) from None
+    job_id = queues.diff_job_id(run, step)
     event_id = results[at]
     event_id = event_id.decode() if isinstance(event_id, bytes) else str(event_id)
     log.info("step emitted", run=run, step=step, checkpoint=checkpoint, job_id=job_id)
     return Emitted(run, step, checkpoint, event_id, job_id)
+
+
+def _send_transaction(r: redis.Redis, kwargs: dict[str, Any], marker: str) -> tuple[list[Any], int]:
+    """The step's job, event, marker and pending entry in one MULTI/EXEC; (replies, index
+    of the event id among them)."""
+    run, step = kwargs["run"], kwargs["step"]
+    event = StepCompleted.now(
+        run=run,
+        version=step,
+        checkpoint=str(kwargs["checkpoint"]),
+        owned=bool(kwargs["owned"]),
+        level=None,
+    )
+    with r.pipeline(transaction=True) as pipe:
+        # rq opens the transaction itself, so the job goes first.
+        queues.enqueue_diff(r, kwargs, pipeline=pipe)
+        at = len(pipe.command_stack)
+        EventStream(r, run).publish(event, pipeline=pipe)
+        pipe.set(marker, 1, ex=config.EMITTED_TTL_S)
+        # Lets whichever diff job runs first publish the steps in order.
+        pipe.hset(keys.pending_steps_key(run), str(step), json.dumps(kwargs))
+        pipe.hdel(keys.dead_steps_key(run), str(step))  # sent again after it was set aside
+        return list(pipe.execute()), at
+
+
+# The diff job arguments a set-aside step may be sent again with.
+_STEP_ARGS = ("checkpoint", "owned", "level", "sharded", "launch")
+
+
+def retry_step(runtime: Runtime, run: str, step: int) -> Emitted:
+    """Send a step that was set aside again, with the arguments it was set aside with
+    (its cause fixed meanwhile). ConfigError when it is not set aside or its checkpoint
+    is gone; ChainError when the run has moved past it."""
+    check_run_name(run)
+    dead = {d.step: d for d in list_dead(runtime.redis, run)}
+    found = dead.get(step)
+    if found is None:
+        listed = ", ".join(str(s) for s in sorted(dead)) or "none"
+        raise ConfigError(f"step {step} of run {run} is not set aside (set aside: {listed})")
+    head = chain.list_versions(runtime.store, run).head
+    if head is not None and step <= head:
+        raise ChainError(
+            f"step {step} of run {run} can no longer publish: the head is {head} "
+            "(versions only move forward); emit a newer step"
+        )
+    recorded = found.args or {"checkpoint": found.checkpoint, "owned": False}
+    args: dict[str, Any] = {k: recorded[k] for k in _STEP_ARGS if k in recorded}
+    args.update(run=run, step=step)
+    args.setdefault("owned", False)
+    if not isinstance(args.get("checkpoint"), str):
+        raise ConfigError(f"step {step} of run {run} was set aside without a checkpoint path")
+    if not args.get("sharded") and not Path(args["checkpoint"]).exists():
+        raise ConfigError(
+            f"step {step} of run {run}: its checkpoint {args['checkpoint'][:200]} is gone; "
+            "emit the step again with a checkpoint"
+        )
+    return send_step(runtime, args)

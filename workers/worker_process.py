@@ -84,7 +84,18 @@ class ThreadScheduler(RQScheduler):  # type: ignore[misc]
 
 class JobWorker(SimpleWorker):  # type: ignore[misc]
     """A SimpleWorker whose jobs start and end with no log context left by the last
-    one, and whose scheduler runs on a thread (:class:`ThreadScheduler`)."""
+    one, and whose scheduler runs on a thread (:class:`ThreadScheduler`).
+
+    Its lease is rq's ``worker_ttl`` (``DELTASYNC_WORKER_LEASE``): idle, rq renews the
+    heartbeat every lease - 15 s (at least every second); busy, :meth:`_beat` renews it
+    at least three times a lease. A lost Redis is retried every few seconds at most
+    (rq waits up to a minute), so a restarted server is found again at once."""
+
+    max_connection_wait_time = 5.0
+
+    def register_birth(self) -> None:
+        super().register_birth()  # type: ignore[no-untyped-call]
+        self.connection.hset(self.key, queues.LEASE_FIELD, str(self.worker_ttl))
 
     def _start_scheduler(
         self,
@@ -158,7 +169,8 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
 
     def _beat(self, job: Job, execution: Execution, stop: threading.Event) -> None:
         """Renew the job's, its execution's and this worker's heartbeats until ``stop``."""
-        while not stop.wait(config.JOB_HEARTBEAT_S):
+        every = min(config.JOB_HEARTBEAT_S, self.worker_ttl / 3)
+        while not stop.wait(every):
             try:
                 self.maintain_heartbeats(job, execution)
             except Exception as exc:  # never end the beat: Redis away for a moment, say
@@ -207,6 +219,7 @@ def run_worker(
         # rq's default is 10 min: a restarted worker would wait that long to take over
         # the scheduler lock of a killed one, and retries of its job with it.
         maintenance_interval=MAINTENANCE_INTERVAL_S,
+        worker_ttl=max(2, round(runtime.settings.worker_lease_s)),
     )
     log.info(
         "worker starting",

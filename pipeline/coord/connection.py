@@ -89,20 +89,29 @@ def client_url(client: redis.Redis) -> str:
 def redis_errors(client: redis.Redis, doing: str = "") -> Iterator[None]:
     """Turn Redis failures into ``ServiceUnavailableError`` naming the server (no password).
 
-    Connection problems and timeouts read "unavailable"; errors the server
-    answers with (wrong type, read-only replica, out of memory) read "failed".
+    Connection problems and timeouts read "unavailable"; a refused password
+    "refused the password"; errors the server answers with (wrong type, read-only
+    replica, out of memory) read "failed".
     """
     try:
         yield
     except redis.RedisError as exc:
-        what = f" while {doing}" if doing else ""
-        lines = str(exc).splitlines()
-        detail = lines[0] if lines else type(exc).__name__
-        state = (
-            "is unavailable"
-            if isinstance(exc, redis.ConnectionError | redis.TimeoutError)
-            else "failed"
+        raise service_error(exc, client_url(client), doing) from exc
+
+
+def service_error(exc: redis.RedisError, where: str, doing: str = "") -> ServiceUnavailableError:
+    """One line for a Redis failure at ``where`` (a URL without password)."""
+    what = f" while {doing}" if doing else ""
+    lines = str(exc).splitlines()
+    detail = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, redis.AuthenticationError | redis.AuthenticationWrongNumberOfArgsError):
+        return ServiceUnavailableError(
+            f"redis at {where} refused the password{what}: {detail} (check DELTASYNC_REDIS_URL; "
+            "`deltasync redis url` prints the embedded server's)"
         )
-        raise ServiceUnavailableError(
-            f"redis at {client_url(client)} {state}{what}: {detail}"
-        ) from exc
+    state = (
+        "is unavailable"
+        if isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+        else "failed"
+    )
+    return ServiceUnavailableError(f"redis at {where} {state}{what}: {detail}")

@@ -3,7 +3,8 @@
 A replica reports the version it holds to ``deltasync:run:<run>:replica:<node>``
 (a hash that expires unless renewed); garbage collection keeps what the oldest
 live replica still needs. Heartbeat times come from the Redis server's clock,
-so ages do not depend on clocks agreeing between machines.
+so ages do not depend on clocks agreeing between machines. Each heartbeat names
+the node's lease: silent for longer, it is shown as dead until its record expires.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ _Record = TypeVar("_Record")
 log = structlog.get_logger(__name__)
 
 DEFAULT_TTL_S = REPLICA_TTL_S
+# A node heartbeats every few seconds between syncs; one silent this long is dead.
+DEFAULT_LEASE_S = 60.0
 
 
 def _ms(seconds: float) -> int:
@@ -51,6 +54,11 @@ class ReplicaInfo:
     time: datetime  # when it last reported (the Redis server's clock)
     age_s: float  # seconds since then
     state_hash: str
+    lease_s: float = DEFAULT_LEASE_S  # silent for longer: dead (its record stays till its TTL)
+
+    @property
+    def dead(self) -> bool:
+        return self.age_s > self.lease_s
 
 
 def report(
@@ -61,14 +69,16 @@ def report(
     state_hash: str,
     *,
     ttl_s: float = DEFAULT_TTL_S,
+    lease_s: float = DEFAULT_LEASE_S,
 ) -> None:
-    """Record that ``node`` holds ``version`` of ``run``; forgotten after ``ttl_s`` silence."""
+    """Record that ``node`` holds ``version`` of ``run``; dead after ``lease_s`` silence,
+    forgotten after ``ttl_s``."""
     key = replica_key(run, node)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ConfigError(f"replica {node} of run {run}: invalid version {version!r}")
     with redis_errors(client, f"reporting replica {node}"):
         scripts.REPORT_REPLICA(
-            client, [key, replicas_key(run)], node, version, state_hash, _ms(ttl_s)
+            client, [key, replicas_key(run)], node, version, state_hash, _ms(ttl_s), lease_s
         )
 
 
@@ -127,9 +137,19 @@ def _info(node: str, fields: dict[str, str], now: float) -> ReplicaInfo | None:
             time=datetime.fromtimestamp(stamp, UTC),
             age_s=max(0.0, now - stamp),
             state_hash=fields.get("state_hash", ""),
+            lease_s=_lease(fields.get("lease")),
         )
     except (KeyError, ValueError):
         return None  # expired (empty) or not written by report()
+
+
+def _lease(raw: str | None) -> float:
+    """A heartbeat's lease; the default for records written before leases, or garbled."""
+    try:
+        lease = float(raw) if raw else DEFAULT_LEASE_S
+    except ValueError:
+        return DEFAULT_LEASE_S
+    return lease if lease > 0 else DEFAULT_LEASE_S
 
 
 def min_live_version(client: redis.Redis, run: str, ttl_s: float = DEFAULT_TTL_S) -> int | None:

@@ -29,12 +29,12 @@ class Script:
 
 
 # A replica's heartbeat: stamp with the server's clock, store, expire and index in one step.
-# KEYS: replica, replicas index. ARGV: node, version, state hash, ttl ms.
+# KEYS: replica, replicas index. ARGV: node, version, state hash, ttl ms, lease s.
 REPORT_REPLICA = Script("""
 local t = redis.call('TIME')
 local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
 redis.call('HSET', KEYS[1], 'node', ARGV[1], 'version', ARGV[2], 'state_hash', ARGV[3],
-           'time', now)
+           'time', now, 'lease', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[1])
 return now

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -48,6 +49,7 @@ class DeadStep:
     reason: str
     checkpoint: str
     time: str
+    args: dict[str, Any] | None = None  # the step's diff job arguments, to send it again
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -62,13 +64,23 @@ def reason_of(exc: BaseException) -> str:
 
 
 def record(
-    client: redis.Redis, run: str, step: int, checkpoint: str, exc: BaseException, pending_key: str
+    client: redis.Redis,
+    run: str,
+    step: int,
+    checkpoint: str,
+    exc: BaseException,
+    pending_key: str,
+    *,
+    args: dict[str, Any] | None = None,
 ) -> str:
     """Move ``step`` from ``pending_key`` to the dead letters and announce it; returns the
-    reason. Idempotent per step (a retry records the same step once)."""
+    reason. Idempotent per step (a retry records the same step once). ``args``: the
+    step's diff job arguments, kept so that ``deltasync retry`` can send it again."""
     reason = reason_of(exc)
     where = _CONTROL.sub("?", checkpoint[:500]) or "?"
-    doc = {"reason": reason, "checkpoint": where, "time": now_iso()}
+    doc: dict[str, Any] = {"reason": reason, "checkpoint": where, "time": now_iso()}
+    if args is not None:
+        doc["args"] = args
     event = StepFailed.now(run=run, version=step, reason=reason, checkpoint=where)
     with redis_errors(client, f"recording dead step {step} of {run}"):
         if client.hexists(dead_steps_key(run), str(step)):  # a retry of the same step
@@ -94,7 +106,16 @@ def list_dead(client: redis.Redis, run: str) -> list[DeadStep]:
         try:
             step = int(key)
             doc = json.loads(value)
-            out.append(DeadStep(step, str(doc["reason"]), str(doc["checkpoint"]), str(doc["time"])))
-        except (ValueError, TypeError, KeyError, RecursionError):
+            args = doc.get("args")
+            out.append(
+                DeadStep(
+                    step,
+                    str(doc["reason"]),
+                    str(doc["checkpoint"]),
+                    str(doc["time"]),
+                    args if isinstance(args, dict) else None,
+                )
+            )
+        except (ValueError, TypeError, KeyError, RecursionError, AttributeError):
             continue
     return sorted(out, key=lambda d: d.step)

@@ -154,7 +154,13 @@ class Reporter:
             return
         try:
             replicas.report(
-                self.redis, self.run, self.node_id, applied, state_hash, ttl_s=self.replica_ttl_s
+                self.redis,
+                self.run,
+                self.node_id,
+                applied,
+                state_hash,
+                ttl_s=self.replica_ttl_s,
+                lease_s=max(replicas.DEFAULT_LEASE_S, 3 * self.heartbeat_interval_s),
             )
         except DeltasyncError as exc:
             log.warning("heartbeat failed", error=str(exc))

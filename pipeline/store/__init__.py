@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 
+from pipeline.config import check_plain_store_path
 from pipeline.errors import ConfigError
 from pipeline.store.base import ObjectStore, check_key, check_prefix, put_if_absent
 
@@ -55,6 +56,8 @@ def open_store(url: str | None) -> ObjectStore:
         raise ConfigError("no object store URL given (set DELTASYNC_STORE or pass --store)")
     url = url.strip()
     match = _SCHEME.match(url)
+    if match is None:
+        check_plain_store_path("store URL", url)  # file//x is not a folder named "file"
     scheme = match.group(1).lower() if match else "file"
     target = _REGISTRY.get(scheme)
     if target is None:

@@ -15,7 +15,13 @@ _EXISTING = click.Path(exists=True, path_type=Path)
 
 @click.group("delta")
 def delta() -> None:
-    """Offline deltas between two checkpoints (safetensors files or sharded folders)."""
+    """Offline deltas between two checkpoints (safetensors files or sharded folders).
+
+
+    \b
+    Example:
+      deltasync delta create --base a.safetensors --new b.safetensors --out d/
+    """
 
 
 @delta.command("create")
@@ -31,7 +37,13 @@ def delta() -> None:
     "base's exponent classes (smaller, a little slower).",
 )
 def create(base: Path, new: Path, out: Path, level: int) -> None:
-    """Encode the bitwise difference from BASE to NEW into the folder OUT."""
+    """Encode the bitwise difference from BASE to NEW into the folder OUT.
+
+
+    \b
+    Example:
+      deltasync delta create --base a.safetensors --new b.safetensors --out d/ --level 2
+    """
     from pipeline.publish import offline
 
     summary = offline.create_delta(base, new, out, level=level)
@@ -46,7 +58,13 @@ def create(base: Path, new: Path, out: Path, level: int) -> None:
 @click.option("--delta", "delta_path", required=True, type=_EXISTING, help="Delta folder.")
 @click.option("--out", required=True, type=_PATH, help="Checkpoint to write (same form as base).")
 def apply(base: Path, delta_path: Path, out: Path) -> None:
-    """Apply a delta to BASE and write the result to OUT, verifying every hash first."""
+    """Apply a delta to BASE and write the result to OUT, verifying every hash first.
+
+
+    \b
+    Example:
+      deltasync delta apply --base a.safetensors --delta d/ --out c.safetensors
+    """
     from pipeline.publish import offline
 
     offline.apply_delta(base, delta_path, out)
@@ -57,7 +75,13 @@ def apply(base: Path, delta_path: Path, out: Path) -> None:
 @click.argument("delta_path", type=_EXISTING)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
 def inspect(delta_path: Path, as_json: bool) -> None:
-    """Show what a delta holds, tensor by tensor."""
+    """Show what a delta holds, tensor by tensor.
+
+
+    \b
+    Example:
+      deltasync delta inspect d/ --json
+    """
     from pipeline.publish import offline
 
     report = offline.inspect_delta(delta_path)

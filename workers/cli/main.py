@@ -41,8 +41,9 @@ class _Group(click.Group):
             redis = sys.modules.get("redis")
             if redis is None or not isinstance(exc, redis.RedisError):
                 raise
-            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            _fail(f"redis at {_redis_where(ctx)} failed: {detail}")
+            from pipeline.coord.connection import service_error
+
+            _fail(str(service_error(exc, _redis_where(ctx))))
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
@@ -93,7 +94,14 @@ def cli(
     delta (manifest last); compaction workers turn chains into anchors; rollout
     nodes follow the run and hot-patch their weights in place, bit-exact.
 
-    Start with `deltasync demo`.
+    Start with `deltasync demo`. Global options go before the command;
+    `deltasync COMMAND --help` explains each command.
+
+
+    \b
+    Examples:
+      deltasync demo
+      deltasync --home /data/ds status --run grpo-7
     """
     overrides: dict[str, Any] = {}
     for key, value in (

@@ -5,12 +5,19 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from pipeline.coord.events import EVENT_TYPES, DeltaPart
 from pipeline.errors import ChainError, DeltasyncError
 
+if TYPE_CHECKING:
+    from pipeline.publish.repair import RunCheck
+
 RUN = click.option("--run", required=True, help="Run name.")
+# What the event stream carries (part hints travel apart: tail --hints).
+STREAM_TYPES = sorted(t for t in EVENT_TYPES if t != DeltaPart.TYPE)
 # For commands that only look: the run can be left out when Redis knows of one only.
 RUN_TO_READ = click.option(
     "--run", default=None, help="Run name (default: the only run with events in Redis)."
@@ -33,22 +40,45 @@ RUN_TO_READ = click.option(
 def compact(
     ctx: click.Context, run: str, version: int | None, wait: bool, timeout_s: float
 ) -> None:
-    """Ask a compaction worker to turn the chain up to VERSION into an anchor."""
+    """Ask a compaction worker to turn the chain up to VERSION into an anchor.
+
+
+    \b
+    Example:
+      deltasync compact --run grpo-7 --wait
+    """
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer
 
+    from pipeline.errors import ServiceUnavailableError
     from pipeline.versions import chain
+    from pipeline.versions.runs import require_run
+    from workers import queues
     from workers.jobs.diff import request_compaction
+    from workers.ops import listening_workers
     from workers.runtime import from_context
 
     runtime = from_context(ctx)
+    require_run(runtime.store, runtime.redis, run)
     index = chain.list_versions(runtime.store, run)
     if index.head is None:
         raise ChainError(f"run {run!r} has no published version in {runtime.settings.store_url}")
     target = index.head if version is None else version
     chain.resolve(runtime.store, run, target)  # an unknown version fails here, not in the worker
+    listening = listening_workers(runtime, queues.COMPACT_QUEUE)
+    if wait and not listening:
+        raise ServiceUnavailableError(
+            f"no compaction worker listens on {queues.COMPACT_QUEUE} (start `deltasync worker "
+            "compact`, then run this again); nothing was queued"
+        )
     job_id = request_compaction(runtime, run, target, "manual", requested_by="cli")
     click.echo(f"compaction of {run} version {target} queued as job {job_id}")
+    if not listening:
+        click.echo(
+            f"no compaction worker listens on {queues.COMPACT_QUEUE}: the job waits for "
+            "`deltasync worker compact`",
+            err=True,
+        )
     if not wait:
         return
     job = Job.fetch(job_id, connection=runtime.redis, serializer=JSONSerializer)
@@ -85,7 +115,13 @@ def _last_line(job: object) -> str:
 @RUN_TO_READ
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events as they arrive.")
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of readable lines.")
-@click.option("--type", "types", multiple=True, help="Only events of this type (repeatable).")
+@click.option(
+    "--type",
+    "types",
+    multiple=True,
+    type=click.Choice(STREAM_TYPES),
+    help="Only events of this type (repeatable).",
+)
 @click.option("--since", default="0-0", show_default=True, help="Stream id to start after.")
 @click.option(
     "--hints",
@@ -104,12 +140,21 @@ def tail(
     hints: bool,
 ) -> None:
     """Print a run's event stream, oldest first; --follow to keep going, --hints for
-    the live part hints instead."""
+    the live part hints instead.
+
+
+    \b
+    Examples:
+      deltasync tail --run grpo-7 --follow
+      deltasync tail --run grpo-7 --type step-failed --json
+    """
+    from pipeline.versions.runs import require_run
     from workers.ops import only_run, tail_events, tail_hints
     from workers.runtime import from_context
 
     runtime = from_context(ctx)
     run = run or only_run(runtime)
+    require_run(runtime.store, runtime.redis, run)
     if hints:
         tail_hints(runtime, run, as_json=as_json)
         return
@@ -121,7 +166,15 @@ def tail(
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @click.pass_context
 def status(ctx: click.Context, run: str | None, as_json: bool) -> None:
-    """Head, anchors, chain, queues, failed jobs, replicas and their lag."""
+    """Head, anchors, chain, queues, workers (dead ones named), failed jobs, steps set
+    aside, replicas and their lag, failing nodes.
+
+
+    \b
+    Examples:
+      deltasync status --run grpo-7
+      deltasync status --run grpo-7 --json
+    """
     from workers.ops import collect_status, only_run, render_status
     from workers.runtime import from_context
 
@@ -147,6 +200,11 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
     """Rebuild a version from the store and compare it bit for bit with a checkpoint.
 
     Also checks every object's size and sha256 on the way; names the damage.
+
+
+    \b
+    Example:
+      deltasync verify --run grpo-7 --version 120 --against /ckpt/step-120
     """
     from pipeline.versions import chain
     from pipeline.versions.verify import verify as verify_version
@@ -164,6 +222,114 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
         raise SystemExit(1)
 
 
+@click.command("retry")
+@RUN
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    required=True,
+    help="The set-aside step (`deltasync status` lists them with their reasons).",
+)
+@click.pass_context
+def retry(ctx: click.Context, run: str, step: int) -> None:
+    """Queue a step that was set aside again, with the checkpoint it was emitted with
+    (fix the cause first: the file, the worker's settings). Emitting the step again
+    with a new checkpoint works too.
+
+    \b
+    Example:
+      deltasync retry --run grpo-7 --step 120
+    """
+    from workers.runtime import from_context
+    from workers.trainer import retry_step
+
+    emitted = retry_step(from_context(ctx), run, step)
+    click.echo(
+        f"step {step} of run {run} queued again (job {emitted.job_id}); "
+        f"`deltasync status --run {run}` shows it publish"
+    )
+
+
+@click.command("repair")
+@RUN
+@click.option(
+    "--from",
+    "checkpoint",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="A checkpoint (safetensors file or sharded folder) of a version at or above the "
+    "damage, checked against that version's manifest. Default: the diff worker's state "
+    "cache on this machine (DELTASYNC_CACHE), when it proves such a version.",
+)
+@click.option("--check", "check_only", is_flag=True, help="Name the damage; change nothing.")
+@click.pass_context
+def repair(ctx: click.Context, run: str, checkpoint: Path | None, check_only: bool) -> None:
+    """Check every object of a run (sizes, sha256, signatures), name the damage, and
+    make the run reachable again: publish an anchor at or above the damaged version
+    from a proven source, then remove the damaged versions. Nodes then bootstrap past
+    them; a damaged version is never served.
+
+    \b
+    Examples:
+      deltasync repair --run grpo-7 --check
+      deltasync repair --run grpo-7
+      deltasync repair --run grpo-7 --from /ckpt/step-120
+    """
+    from pipeline import config
+    from pipeline.coord.replicas import run_lock
+    from pipeline.publish.repair import check_run, repair
+    from pipeline.publish.state_cache import StateCache
+    from pipeline.versions.runs import require_run
+    from workers.jobs.compaction import announce_anchor
+    from workers.runtime import from_context
+
+    runtime = from_context(ctx)
+    settings = runtime.settings
+    require_run(runtime.store, runtime.redis, run)
+    if check_only:
+        found = check_run(runtime.store, run)
+        _show_check(found)
+        if not found.healthy:
+            raise SystemExit(1)
+        return
+    # No compaction or garbage collection of the run meanwhile.
+    with run_lock(
+        runtime.redis,
+        run,
+        "compact",
+        timeout_s=config.LOCK_LEASE_S,
+        wait_s=REPAIR_LOCK_WAIT_S,
+        renew_every_s=config.LOCK_RENEW_S,
+    ):
+        result = repair(
+            runtime.store,
+            run,
+            checkpoint=checkpoint,
+            cache=StateCache(settings.cache_dir, run),
+            signing_key=settings.signing_key(),
+            anchor_compression=settings.anchor_compression,
+            on_anchor=lambda anchor: announce_anchor(runtime, anchor, "repair"),
+        )
+    _show_check(result.check)
+    if result.anchor is not None:
+        click.echo(f"published anchor {result.anchor.version} from {result.source}")
+    if result.removed:
+        click.echo(f"removed the damaged {', '.join(result.removed)}")
+    if result.check.healthy:
+        click.echo("nothing to repair")
+    else:
+        click.echo(f"run {run} is reachable again (head {result.check.index.head})")
+
+
+REPAIR_LOCK_WAIT_S = 120.0  # a compaction running meanwhile: wait this long for it
+
+
+def _show_check(found: RunCheck) -> None:
+    click.echo(found.describe())
+    for damage in found.damage:
+        click.echo(f"  damaged: {damage.describe()}")
+
+
 @click.command("keygen")
 @click.option(
     "--out",
@@ -172,7 +338,13 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
     help="Folder for signing.key (workers) and verify.pub (rollout nodes).",
 )
 def keygen(out: Path) -> None:
-    """Make an Ed25519 key pair for signed versions."""
+    """Make an Ed25519 key pair for signed versions.
+
+
+    \b
+    Example:
+      deltasync keygen --out keys/
+    """
     from pipeline.format.signing import generate_keypair
 
     private, public = generate_keypair(out)
@@ -182,27 +354,70 @@ def keygen(out: Path) -> None:
 
 @click.group("redis")
 def redis_group() -> None:
-    """The embedded Redis server of the data folder."""
+    """The embedded Redis server of the data folder.
+
+
+    \b
+    Examples:
+      deltasync redis url
+      deltasync redis stop
+    """
 
 
 @redis_group.command("url")
+@click.option("--redact", is_flag=True, help="Print the URL with its password as *** (for logs).")
 @click.pass_context
-def redis_url(ctx: click.Context) -> None:
-    """Print the URL of the Redis in use (starting the embedded one if needed)."""
+def redis_url(ctx: click.Context, redact: bool) -> None:
+    """Print the URL of the Redis in use, password included (usable as
+    DELTASYNC_REDIS_URL); starts the embedded one if needed.
+
+    \b
+    Example:
+      export DELTASYNC_REDIS_URL=$(deltasync redis url)
+    """
     from workers.runtime import from_context
 
-    click.echo(from_context(ctx).redis_url_redacted)
+    runtime = from_context(ctx)
+    click.echo(runtime.redis_url_redacted if redact else runtime.redis_url)
 
 
 @redis_group.command("stop")
 @click.pass_context
 def redis_stop(ctx: click.Context) -> None:
-    """Stop the embedded Redis server of the data folder."""
+    """Stop the embedded Redis server of the data folder, naming the clients still
+    connected. Started again (by any command), it listens at the same URL with its
+    data, so running workers and nodes reconnect by themselves.
+
+    \b
+    Example:
+      deltasync redis stop
+    """
     from workers.redis_launcher import stop_redis
     from workers.runtime import from_context
 
-    stopped = stop_redis(from_context(ctx).settings.data_dir)
-    click.echo("stopped" if stopped else "no embedded Redis running")
+    done = stop_redis(from_context(ctx).settings.data_dir)
+    if not done:
+        click.echo("no embedded Redis running")
+        return
+    click.echo(f"stopped the embedded Redis at {done.url}")
+    if done.clients:
+        click.echo(
+            f"{len(done.clients)} client(s) still connected, which reconnect once it runs "
+            "again (any deltasync command starts it, at the same URL):"
+        )
+        for client in done.clients:
+            click.echo(f"  {client}")
+    else:
+        click.echo("no other client was connected")
 
 
-COMMANDS: list[click.Command] = [compact, tail, status, verify, keygen, redis_group]
+COMMANDS: list[click.Command] = [
+    compact,
+    tail,
+    status,
+    verify,
+    repair,
+    retry,
+    keygen,
+    redis_group,
+]

@@ -19,7 +19,14 @@ import click
 @click.pass_context
 def report(ctx: click.Context, run: str | None, out: Path, as_html: bool) -> None:
     """A picture of a run: changed fraction, bytes against full and raw, sync latency
-    per version, and each replica's lag over time (needs the `report` extra)."""
+    per version, and each replica's lag over time (needs the `report` extra).
+
+
+    \b
+    Examples:
+      deltasync report --run grpo-7 --out run.png
+      deltasync report --run grpo-7 --html --out run.html
+    """
     from pipeline.versions.history import collect
     from workers.ops import only_run
     from workers.report import write_report

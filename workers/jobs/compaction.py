@@ -10,13 +10,16 @@ from pipeline import config, metrics
 from pipeline.coord import keys
 from pipeline.coord.events import AnchorAvailable
 from pipeline.coord.replicas import min_live_version, run_lock
-from pipeline.format.manifest import manifest_key
+from pipeline.errors import CorruptObjectError
+from pipeline.format.manifest import Manifest, manifest_key
 from pipeline.logs import bind_context, get_logger
 from pipeline.publish.compaction import collect_garbage, compact
+from pipeline.publish.repair import skip_to_proven
+from pipeline.publish.state_cache import StateCache
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from workers.jobs.diff import publish_once
-from workers.runtime import current
+from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
 
@@ -36,24 +39,21 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
         wait_s=config.COMPACT_LOCK_WAIT_S,
         renew_every_s=config.LOCK_RENEW_S,
     ):
-        manifest = compact(
-            runtime.store,
-            run,
-            version,
-            signing_key=settings.signing_key(),
-            anchor_compression=settings.anchor_compression,
-        )
+        try:
+            manifest = compact(
+                runtime.store,
+                run,
+                version,
+                signing_key=settings.signing_key(),
+                anchor_compression=settings.anchor_compression,
+            )
+        except CorruptObjectError as exc:
+            manifest = _past_damage(runtime, run, exc)
+            reason = f"{reason}, past damage"
         metrics.published(run, "anchor", manifest.total_bytes, None)
         faults.point("compact.before_event")
         r = runtime.redis
-        event = AnchorAvailable.now(
-            run=run,
-            version=manifest.version,
-            bytes=manifest.total_bytes,
-            manifest=manifest_key(run, "anchor", manifest.version),
-            reason=reason,
-        )
-        publish_once(runtime, keys.anchored_key(run, manifest.version), event)
+        announce_anchor(runtime, manifest, reason)
         faults.point("compact.before_gc")
         live = min_live_version(r, run, settings.replica_ttl_s)
         deleted = collect_garbage(runtime.store, run, settings.keep_anchors, live)
@@ -66,3 +66,35 @@ def compact_job(run: str, version: int | None = None, reason: str = "manual") ->
         "deleted": len(deleted),
         "oldest_live_replica": live,
     }
+
+
+def announce_anchor(runtime: Runtime, manifest: Manifest, reason: str) -> None:
+    """``anchor-available`` for a new anchor, once per version."""
+    event = AnchorAvailable.now(
+        run=manifest.run,
+        version=manifest.version,
+        bytes=manifest.total_bytes,
+        manifest=manifest_key(manifest.run, "anchor", manifest.version),
+        reason=reason,
+    )
+    publish_once(runtime, keys.anchored_key(manifest.run, manifest.version), event)
+
+
+def _past_damage(runtime: Runtime, run: str, exc: CorruptObjectError) -> Manifest:
+    """The chain to compact is damaged: anchor the diff worker's later, proven version
+    instead (when its state cache is on this machine), else fail naming the way out."""
+    settings = runtime.settings
+    repaired = skip_to_proven(
+        runtime.store,
+        run,
+        StateCache(settings.cache_dir, run),
+        signing_key=settings.signing_key(),
+        anchor_compression=settings.anchor_compression,
+    )
+    if repaired is None or repaired.anchor is None:
+        raise CorruptObjectError(
+            f"{exc}; `deltasync repair --run {run} [--from CHECKPOINT]` makes the run "
+            "reachable again"
+        ) from exc
+    log.warning("compaction skipped past damage", run=run, detail=repaired.describe())
+    return repaired.anchor

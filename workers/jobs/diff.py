@@ -126,7 +126,15 @@ def diff_job(
                 raise  # the services are the problem: this job is retried as a whole
             # That step's own input is bad: set aside, so that later steps publish.
             where = str(args.get("checkpoint"))
-            reason = dead_letters.record(runtime.redis, run, earlier, where, exc, pending)
+            reason = dead_letters.record(
+                runtime.redis,
+                run,
+                earlier,
+                where,
+                exc,
+                pending,
+                args={**args, "run": run, "step": earlier},
+            )
             log.warning("earlier step set aside", step=earlier, reason=reason)
     try:
         return _diff_one(
@@ -136,7 +144,12 @@ def diff_job(
         if dead_letters.is_transient(exc):
             raise
         metrics.refused(run, "diff", exc)
-        reason = dead_letters.record(runtime.redis, run, step, str(checkpoint), exc, pending)
+        args = {"run": run, "step": step, "checkpoint": checkpoint, "owned": owned}
+        args.update({"level": level} if level is not None else {})
+        args.update({"sharded": True, "launch": launch} if sharded else {})
+        reason = dead_letters.record(
+            runtime.redis, run, step, str(checkpoint), exc, pending, args=args
+        )
         raise dead_letters.PoisonStepError(
             f"step {step} of run {run} set aside: {reason}"
         ) from None

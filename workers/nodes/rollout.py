@@ -42,6 +42,7 @@ from pipeline.targets import build_target, target_class
 from pipeline.targets.base import Target, VerifyMode
 from pipeline.targets.setup import Refused, TargetSetup
 from pipeline.versions import binding as run_binding
+from pipeline.versions.runs import require_run
 from workers.metrics_http import serve_metrics
 from workers.redis_launcher import ensure_redis
 from workers.runtime import current as current_runtime
@@ -76,7 +77,7 @@ def run_rollout(
     bind_context(run=options.run, node=node_id)
     url = options.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url)
-    store = open_node_store(settings, client, options.run, options.store_url)
+    store = open_node_store(settings, client, options.run, options.store_url, wait=options.wait)
     log.info(
         "rollout node starting",
         target=options.target,
@@ -133,13 +134,22 @@ def run_rollout(
 
 
 def open_node_store(
-    settings: Settings, client: redis.Redis, run: str, store_url: str | None = None
+    settings: Settings,
+    client: redis.Redis,
+    run: str,
+    store_url: str | None = None,
+    *,
+    wait: bool = False,
 ) -> ObjectStore:
     """The store a node of ``run`` reads: every manifest checked against the verify key
-    when one is set, and refused at once if the run is bound to another store."""
+    when one is set, and refused at once if the run is bound to another store. Unless
+    ``wait``, a run with no version and no event is an error naming the runs there are
+    (a misspelled name would otherwise be waited for for ever)."""
     verify_key = load_public_key(settings.verify_key_path) if settings.verify_key_path else None
     store = trusted(open_store(store_url or settings.store_url), verify_key)
     run_binding.check_store(client, run, store)
+    if not wait:
+        require_run(store, client, run, hint="; --wait waits for its first version")
     return store
 
 

@@ -93,12 +93,13 @@ def run_http_rollout(
     poll_interval_s: float = 2.0,
     until_version: int | None = None,
     stop: threading.Event | None = None,
+    wait: bool = False,
 ) -> int | None:
     """Follow ``run`` until ``stop`` or until ``until_version`` is applied; returns the
-    version the server holds."""
+    version the server holds. ``wait``: as for ``open_node_store``."""
     server = VllmHttp(url)
     client = redis_client(settings.redis_url or ensure_redis(settings.data_dir))
-    store = open_node_store(settings, client, run)
+    store = open_node_store(settings, client, run, wait=wait)
     events = EventStream(client, run)
     stream = StreamFollower(events, run)
     report = Reporter(run, node_id, events=events, redis=client, heartbeat_interval_s=5.0,

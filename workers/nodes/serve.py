@@ -268,9 +268,11 @@ def run_serve(
     early_start: bool | None = None,
     settings: Settings | None = None,
     gate_wait_s: float = GATE_WAIT_S,
+    wait: bool = False,
 ) -> None:
     """Serve ``model_path``'s model with the weights of run ``run`` until SIGINT/SIGTERM.
-    ``gate_wait_s``: how long a request asking for a version waits for it by default."""
+    ``gate_wait_s``: how long a request asking for a version waits for it by default.
+    ``wait``: as for ``open_node_store`` (checked before vLLM is loaded)."""
     if verify not in ("touched", "all", "none"):
         raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
     if poll_interval_s <= 0:
@@ -279,10 +281,10 @@ def run_serve(
     settings = settings or current_runtime().settings
     node_id = node_id or default_node_id()
     bind_context(run=run, node=node_id)
-    args = parse_server_args(server_argv(model_path, host, port, vllm_args))
     url = settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url)
-    store = open_node_store(settings, client, run)
+    store = open_node_store(settings, client, run, wait=wait)
+    args = parse_server_args(server_argv(model_path, host, port, vllm_args))
     log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
     # Keep CPU linear weights plain, so deltas are written in place; spawned engine
     # processes inherit the setting and install the hook with the extension.
