@@ -72,6 +72,7 @@ RAM_NODE = [
     "rollout",
     "--run",
     "bigmem",
+    "--wait",
     "--target",
     "torch",
     "--node-id",

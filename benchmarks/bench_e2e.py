@@ -245,7 +245,7 @@ def main() -> None:
             target += ["--model", str(model)]
         for name in nodes:
             commands[name] = [
-                "rollout", "--run", RUN, *target, "--node-id", name,
+                "rollout", "--run", RUN, "--wait", *target, "--node-id", name,
                 "--until", str(last), "--dump", str(work / f"{name}.safetensors"),
                 "--poll", "30",
             ]  # fmt: skip

@@ -524,8 +524,8 @@ def test_real_workers_with_early_start_stay_bit_exact(
     dump = tmp_path / "node.safetensors"
     state = generator.state()
     # The option overrides the environment's DELTASYNC_EARLY_START=0.
-    rollout = ["rollout", "--run", run, "--target", target, "--node-id", "n1", "--early-start",
-               "--until", "4", "--poll", "30", "--dump", str(dump)]  # fmt: skip
+    rollout = ["rollout", "--run", run, "--wait", "--target", target, "--node-id", "n1",
+               "--early-start", "--until", "4", "--poll", "30", "--dump", str(dump)]  # fmt: skip
     if target == "vllm":
         model = tmp_path / "vllm-model"  # config only: the engine starts on dummy weights
         model.mkdir()

@@ -268,7 +268,7 @@ def test_tail_and_a_running_node_survive_a_deep_event(tmp_path: Path, redis_url:
         env,
         tmp_path / "logs",
         diff=["worker", "diff"],
-        node=["rollout", "--run", run, "--node-id", "n1", "--poll", "0.3"],
+        node=["rollout", "--run", run, "--wait", "--node-id", "n1", "--poll", "0.3"],
     ):
         emitter.emit_state(0, _state(0))
 

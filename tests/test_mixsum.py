@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from pipeline.format.hashes import mixsum
-from pipeline.format.tensors import DTYPES
-from pipeline.format.tensors import UNSIGNED
+from pipeline.format.tensors import DTYPES, UNSIGNED
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 

@@ -42,7 +42,7 @@ def redis_restart_scenario(tmp: Path, restarts: int = 1, steps_between: int = 2)
         c.procs.start("diff", "worker", "diff")
         dump = tmp / "node.safetensors"
         node = c.procs.start(
-            "node", "rollout", "--run", c.run, "--node-id", "n1", "--poll", "0.5",
+            "node", "rollout", "--run", c.run, "--wait", "--node-id", "n1", "--poll", "0.5",
             "--until", str(last), "--dump", str(dump),
         )  # fmt: skip
         for round_ in range(restarts + 1):

@@ -241,7 +241,7 @@ def test_serve_follows_a_run_under_load_with_every_response_tagged(
     settings = Settings.from_env(env)
     set_current(Runtime(settings))
     emitter = Emitter(RUN, settings=settings)
-    serve = ["serve", "--run", RUN, "--model", str(serve_model), "--host", "127.0.0.1",
+    serve = ["serve", "--run", RUN, "--wait", "--model", str(serve_model), "--host", "127.0.0.1",
              "--port", str(port), "--node-id", NODE, "--poll", "0.5", *SERVER_OPTIONS]  # fmt: skip
     with processes(env, tmp_path / "logs", diff=["worker", "diff"], serve=serve) as procs:
         emitter.emit_checkpoint(0, folders[0] / "model.safetensors")
