@@ -14,6 +14,7 @@ from pipeline.errors import ChainError, DeltasyncError
 
 if TYPE_CHECKING:
     from pipeline.publish.repair import RunCheck
+    from workers.runtime import Runtime
 
 RUN = click.option("--run", required=True, help="Run name.")
 # What the event stream carries (part hints travel apart: tail --hints).
@@ -67,6 +68,8 @@ def compact(
     chain.resolve(runtime.store, run, target)  # an unknown version fails here, not in the worker
     listening = listening_workers(runtime, queues.COMPACT_QUEUE)
     if wait and not listening:
+        listening = _await_worker(runtime, queues.COMPACT_QUEUE, COMPACT_WORKER_GRACE_S)
+    if wait and not listening:
         raise ServiceUnavailableError(
             f"no compaction worker listens on {queues.COMPACT_QUEUE} (start `deltasync worker "
             "compact`, then run this again); nothing was queued"
@@ -103,6 +106,26 @@ def compact(
             time.sleep(0.5)
     result = job.return_value()
     click.echo(json.dumps(result, indent=2) if isinstance(result, dict) else str(result))
+
+
+# compact --wait gives a compaction worker that is just starting this long to listen.
+COMPACT_WORKER_GRACE_S = 20.0
+
+
+def _await_worker(runtime: Runtime, queue_name: str, grace_s: float) -> list[str]:
+    """The workers listening on ``queue_name`` once one does, or [] after ``grace_s``."""
+    from rich.console import Console
+
+    from workers.ops import listening_workers
+
+    deadline = time.monotonic() + grace_s
+    with Console(stderr=True).status(f"no worker listens on {queue_name} yet"):
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            listening = listening_workers(runtime, queue_name)
+            if listening:
+                return listening
+    return []
 
 
 def _last_line(job: object) -> str:
