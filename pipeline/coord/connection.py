@@ -4,6 +4,7 @@ translation of Redis failures into ``ServiceUnavailableError``."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
@@ -47,6 +48,7 @@ def redis_client(
     socket_timeout_s: float = 30.0,
     connect_timeout_s: float = 5.0,
     retries: int = 3,
+    name: str | None = None,
 ) -> redis.Redis:
     """A client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs.
 
@@ -54,7 +56,8 @@ def redis_client(
     (``?ssl_ca_certs=/path&ssl_cert_reqs=required``). Transient connection
     errors and timeouts are retried with exponential backoff. Blocking reads
     must block for less than ``socket_timeout_s`` (``EventStream`` sees to that;
-    rq raises the timeout of its own connections as it needs).
+    rq raises the timeout of its own connections as it needs). ``name`` is the
+    connection's client name (``CLIENT LIST``: who is connected, for ``redis stop``).
     """
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix"):
@@ -67,6 +70,7 @@ def redis_client(
             retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), retries),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
             health_check_interval=30,
+            client_name=None if name is None else re.sub(r"[^!-~]", "_", name)[:100],
         )
     except ValueError as exc:
         raise ConfigError(f"redis URL {redact_url(url)!r} is invalid: {exc}") from None

@@ -76,7 +76,7 @@ def run_rollout(
     node_id = options.node_id or default_node_id()
     bind_context(run=options.run, node=node_id)
     url = options.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
-    client = redis_client(url)
+    client = redis_client(url, name=f"deltasync-node:{node_id}")
     store = open_node_store(settings, client, options.run, options.store_url, wait=options.wait)
     log.info(
         "rollout node starting",

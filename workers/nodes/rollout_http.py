@@ -98,7 +98,9 @@ def run_http_rollout(
     """Follow ``run`` until ``stop`` or until ``until_version`` is applied; returns the
     version the server holds. ``wait``: as for ``open_node_store``."""
     server = VllmHttp(url)
-    client = redis_client(settings.redis_url or ensure_redis(settings.data_dir))
+    client = redis_client(
+        settings.redis_url or ensure_redis(settings.data_dir), name=f"deltasync-node:{node_id}"
+    )
     store = open_node_store(settings, client, run, wait=wait)
     events = EventStream(client, run)
     stream = StreamFollower(events, run)

@@ -282,7 +282,7 @@ def run_serve(
     node_id = node_id or default_node_id()
     bind_context(run=run, node=node_id)
     url = settings.redis_url or ensure_redis(settings.data_dir)
-    client = redis_client(url)
+    client = redis_client(url, name=f"deltasync-serve:{node_id}")
     store = open_node_store(settings, client, run, wait=wait)
     args = parse_server_args(server_argv(model_path, host, port, vllm_args))
     log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
