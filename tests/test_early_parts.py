@@ -21,7 +21,7 @@ import torch
 from pipeline.codec import api
 from pipeline.config import Settings
 from pipeline.coord.connection import redis_client
-from pipeline.coord.events import DeltaApplied, DeltaPart
+from pipeline.coord.events import DeltaApplied, DeltaPart, StepCompleted
 from pipeline.coord.hints import channel, publish_part
 from pipeline.coord.stream import EventStream
 from pipeline.errors import MismatchError
@@ -568,6 +568,10 @@ def test_tail_hints_prints_each_hint_as_it_comes(redis_url: str, tmp_path: Path)
     client = redis_client(redis_url)
     hint = DeltaPart.now(
         run="hinted", version=3, parent=2, key="part-00001.safetensors", size=5, sha256="e" * 64
+    )
+    # A run's hints follow its steps: tail refuses a run with no event at all.
+    EventStream(client, "hinted").publish(
+        StepCompleted.now(run="hinted", version=3, checkpoint="/c/3", owned=False)
     )
     with processes(env, tmp_path / "logs", tail=["tail", "--run", "hinted", "--hints", "--json"]):
         wait_for(lambda: client.pubsub_numsub(channel("hinted"))[0][1] >= 1, "tail listening")
