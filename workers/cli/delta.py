@@ -17,7 +17,6 @@ _EXISTING = click.Path(exists=True, path_type=Path)
 def delta() -> None:
     """Offline deltas between two checkpoints (safetensors files or sharded folders).
 
-
     \b
     Example:
       deltasync delta create --base a.safetensors --new b.safetensors --out d/
@@ -39,7 +38,6 @@ def delta() -> None:
 def create(base: Path, new: Path, out: Path, level: int) -> None:
     """Encode the bitwise difference from BASE to NEW into the folder OUT.
 
-
     \b
     Example:
       deltasync delta create --base a.safetensors --new b.safetensors --out d/ --level 2
@@ -60,7 +58,6 @@ def create(base: Path, new: Path, out: Path, level: int) -> None:
 def apply(base: Path, delta_path: Path, out: Path) -> None:
     """Apply a delta to BASE and write the result to OUT, verifying every hash first.
 
-
     \b
     Example:
       deltasync delta apply --base a.safetensors --delta d/ --out c.safetensors
@@ -76,7 +73,6 @@ def apply(base: Path, delta_path: Path, out: Path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
 def inspect(delta_path: Path, as_json: bool) -> None:
     """Show what a delta holds, tensor by tensor.
-
 
     \b
     Example:

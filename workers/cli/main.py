@@ -97,7 +97,6 @@ def cli(
     Start with `deltasync demo`. Global options go before the command;
     `deltasync COMMAND --help` explains each command.
 
-
     \b
     Examples:
       deltasync demo

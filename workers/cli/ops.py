@@ -43,7 +43,6 @@ def compact(
 ) -> None:
     """Ask a compaction worker to turn the chain up to VERSION into an anchor.
 
-
     \b
     Example:
       deltasync compact --run grpo-7 --wait
@@ -165,7 +164,6 @@ def tail(
     """Print a run's event stream, oldest first; --follow to keep going, --hints for
     the live part hints instead.
 
-
     \b
     Examples:
       deltasync tail --run grpo-7 --follow
@@ -191,7 +189,6 @@ def tail(
 def status(ctx: click.Context, run: str | None, as_json: bool) -> None:
     """Head, anchors, chain, queues, workers (dead ones named), failed jobs, steps set
     aside, replicas and their lag, failing nodes.
-
 
     \b
     Examples:
@@ -223,7 +220,6 @@ def verify(ctx: click.Context, run: str, version: int | None, against: Path) -> 
     """Rebuild a version from the store and compare it bit for bit with a checkpoint.
 
     Also checks every object's size and sha256 on the way; names the damage.
-
 
     \b
     Example:
@@ -363,7 +359,6 @@ def _show_check(found: RunCheck) -> None:
 def keygen(out: Path) -> None:
     """Make an Ed25519 key pair for signed versions.
 
-
     \b
     Example:
       deltasync keygen --out keys/
@@ -378,7 +373,6 @@ def keygen(out: Path) -> None:
 @click.group("redis")
 def redis_group() -> None:
     """The embedded Redis server of the data folder.
-
 
     \b
     Examples:

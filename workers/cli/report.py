@@ -21,7 +21,6 @@ def report(ctx: click.Context, run: str | None, out: Path, as_html: bool) -> Non
     """A picture of a run: changed fraction, bytes against full and raw, sync latency
     per version, and each replica's lag over time (needs the `report` extra).
 
-
     \b
     Examples:
       deltasync report --run grpo-7 --out run.png

@@ -90,7 +90,6 @@ def worker(
     parts of each version. Compaction workers take the anchors asked for by
     policy or by `deltasync compact`.
 
-
     \b
     Examples:
       deltasync worker diff
@@ -175,7 +174,6 @@ def rollout(
 ) -> None:
     """Follow a run and keep a target's weights at the newest published version.
 
-
     \b
     Examples:
       deltasync rollout --run grpo-7 --target torch --device cuda:0
@@ -237,7 +235,6 @@ def rollout(
 def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
     """Announce that the trainer finished STEP, with its weights at CHECKPOINT.
 
-
     \b
     Example:
       deltasync emit --run grpo-7 --step 120 --checkpoint /ckpt/step-120
@@ -270,7 +267,6 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
     Checkpoints are safetensors files or folders whose name ends in the step
     number (step-120, checkpoint-120, model-120.safetensors). A checkpoint
     still being written is never emitted.
-
 
     \b
     Example:
@@ -351,7 +347,6 @@ def demo(
     Uses an embedded Redis and a local folder store unless the global
     --redis-url/--store are given (before the command). Exits non-zero if any replica
     differs from the trainer.
-
 
     \b
     Examples:
