@@ -26,9 +26,13 @@ from pipeline.errors import ConfigError, StepNotSentError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import object_key
+from pipeline.format.signing import generate_keypair
+from pipeline.publish.repair import repair
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store import open_store
+from pipeline.store.file import FileStore
+from pipeline.store.trust import trusted
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, cli, deltasync_env, wait_for
@@ -193,6 +197,40 @@ def test_compaction_skips_past_a_damaged_delta_to_the_proven_cache(tmp_path: Pat
                    "--poll", "0.3", "--dump", str(dump))  # fmt: skip
         assert node.returncode == 0, node.stderr[-3000:]
         _dump_is(dump, c.states[3])
+
+
+def test_a_signed_run_is_repaired_only_with_its_signing_key(tmp_path: Path) -> None:
+    """In the library: the new anchor is signed, or nothing changes."""
+    private, public = generate_keypair(tmp_path / "keys")
+    key = private.read_bytes()
+    store = FileStore(tmp_path / "store")
+    cache = StateCache(tmp_path / "cache", "signed")
+    generator = UpdateGenerator(ModelConfig.preset("tiny"), lr=1e-5, seed=4)
+    states = [generator.state()] + [generator.step() for _ in range(2)]
+    for version, state in enumerate(states):
+        save_state(state, tmp_path / f"{version}.safetensors")
+        publish_step(
+            store, "signed", version, tmp_path / f"{version}.safetensors", cache, level=1,
+            signing_key=key,
+        )  # fmt: skip
+    entry = chain.load_manifest(store, "signed", "delta", 1).objects[0]
+    path = tmp_path / "store" / object_key("signed", "delta", 1, entry.key)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(ConfigError, match="is signed: repair needs its signing key"):
+        repair(store, "signed", cache=cache)
+    assert 1 in chain.list_versions(store, "signed").deltas  # nothing changed
+
+    result = repair(store, "signed", cache=cache, signing_key=key)
+    assert result.anchor is not None and result.anchor.version == 2
+    assert result.removed == ("delta 1",)
+    verified = trusted(store, public.read_bytes())
+    rebuilt = dict(chain.reconstruct_tensors(verified, "signed", 2))  # signatures checked
+    assert {n: content_hash(t) for n, t in rebuilt.items()} == {
+        n: content_hash(t) for n, t in states[2].items()
+    }
 
 
 # --------------------------------------------------------------------------- liveness

@@ -273,6 +273,12 @@ def repair(
     anchor: Manifest | None = None
     source: Source | None = None
     if check.broken_at is not None:
+        signed = [m for m in check.manifests.values() if m.signature is not None]
+        if signed and signing_key is None:
+            raise ConfigError(
+                f"run {run} is signed: repair needs its signing key (DELTASYNC_SIGNING_KEY) to "
+                f"sign the new anchor; nothing changed ({check.describe()})"
+            )
         if checkpoint is not None:
             source = from_checkpoint(check, checkpoint)
         elif cache is not None:
