@@ -8,9 +8,11 @@
 
 A Qwen2.5-0.5B-shaped bf16 state (``--params``; ``--moe``: Qwen3-MoE-like shapes,
 128 experts a layer) gets new versions from an
-update emulator (benchmarks/emulator.py): by default every tensor changes
-``--density`` of its elements at uniform positions by +-1 or +-2 units in the last
-place (every tensor touched, the hard case); ``--updates calibrated`` draws them
+update emulator (benchmarks/emulator.py): by default every tensor changes about
+``--density`` of its elements, those of less than the tensor's median magnitude 3x
+as often as the rest, by +-1 unit in the last place and a tenth by +-2 (every tensor
+touched, as hard as real training); ``--updates uniform`` changes exactly
+``--density`` of each tensor at uniform positions; ``--updates calibrated`` draws them
 from the emulator calibrated on real AdamW steps of the synthetic ``small`` preset
 and tuned to ``--density`` (changes follow the exponents, some tensors barely move). Real parts: a
 redis-server, one ``deltasync worker diff`` process, ``--replicas`` ``deltasync
@@ -25,7 +27,13 @@ then the same bytes are copied once with ``shutil.copyfile`` (the reference,
 page cache warm, best of ``--reps``).
 Times come from the Redis stream ids (one clock), the diff job's phase timings
 and the nodes' events; the replicas' final weights are compared bit for bit
-with the last checkpoint.
+with the last checkpoint. After each version (torch replicas on CPU; ``--no-floor`` skips
+it) the memory floor of the same sync is measured under the same load
+(``bench_floor.Rig``: as many replica processes of a state of the same size and
+density, started before the run): the whole sync against the diff job's read of
+base and new plus the replica's "gather, then write", the replica's apply against
+the latter; medians of the per-version ratios. Background re-hashes run as deployed
+(``--scrub-minutes``).
 """
 
 from __future__ import annotations
@@ -38,7 +46,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +56,9 @@ from rq.serializers import JSONSerializer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_floor import Rig, copy_reference, read_floor
 from benchmarks.emulator import (
+    MagnitudeEmulator,
     UniformEmulator,
     UpdateEmulator,
     calibrated_profile,
@@ -95,16 +104,6 @@ def early_tensors(logs: Path, nodes: list[str]) -> dict[tuple[str, int], int]:
                 if entry.get("event") == "applied":
                     found[(node, int(entry["version"]))] = int(entry.get("early_tensors", 0))
     return found
-
-
-def copy_reference(src: Path, scratch: Path, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        shutil.copyfile(src, scratch)
-        times.append(time.perf_counter() - start)
-        scratch.unlink()
-    return min(times)
 
 
 def llama_config(state: dict[str, torch.Tensor], head_dim: int = 64) -> dict[str, Any]:
@@ -161,10 +160,24 @@ def main() -> None:
     )
     parser.add_argument(
         "--updates",
-        choices=["uniform", "calibrated"],
-        default="uniform",
-        help="uniform: every tensor changes --density of its elements (the harder case); "
-        "calibrated: the emulator tuned on real AdamW steps (changes follow the exponents)",
+        choices=["magnitude", "uniform", "calibrated"],
+        default="magnitude",
+        help="magnitude: every tensor changes --density of its elements, those below the "
+        "tensor's median magnitude 3x as often as the rest, a tenth of them by +-2 ulp (as "
+        "hard as real training); uniform: --density of each tensor at uniform positions, a "
+        "third by +-2 ulp; calibrated: the emulator tuned on real AdamW steps (changes follow "
+        "the exponents, some tensors barely move)",
+    )
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the memory floor (bench_floor) measured after each version",
+    )
+    parser.add_argument(
+        "--scrub-minutes",
+        default=None,
+        help="DELTASYNC_SCRUB_MINUTES of the workers and nodes (default: the product's, "
+        "background re-hashes on as deployed; 0: off)",
     )
     parser.add_argument(
         "--threads", type=int, default=2, help="OMP_NUM_THREADS of every deltasync process"
@@ -185,8 +198,10 @@ def main() -> None:
     shapes = moe_like_shapes(args.params) if args.moe else qwen_like_shapes(args.params)
     state = make_state(shapes, seed=0)
     params = sum(t.numel() for t in state.values())
-    emulator: UniformEmulator | UpdateEmulator
-    if args.updates == "uniform":
+    emulator: MagnitudeEmulator | UniformEmulator | UpdateEmulator
+    if args.updates == "magnitude":
+        emulator = MagnitudeEmulator(args.density, seed=1)
+    elif args.updates == "uniform":
         emulator = UniformEmulator(args.density, seed=1)
     else:
         profile = calibrated_profile("small").tuned_for(state.values(), args.density)
@@ -227,6 +242,16 @@ def main() -> None:
             OMP_NUM_THREADS=str(args.threads),
             **store_env,
         )
+        env.pop("DELTASYNC_WARM", None)  # the product's default, as deployed
+        if args.scrub_minutes is None:
+            del env["DELTASYNC_SCRUB_MINUTES"]  # the product's default, as deployed
+        else:
+            env["DELTASYNC_SCRUB_MINUTES"] = str(args.scrub_minutes)
+        rig = None
+        if not args.no_floor and args.target == "torch" and args.device == "cpu":
+            # The floor's replicas hold their states from now on; each version's floor
+            # is measured right after it, under the same load as the sync.
+            rig = servers.enter_context(Rig(args.params, args.density, args.replicas))
         os.environ.update({k: v for k, v in env.items() if k.startswith(("DELTASYNC_", "AWS_"))})
         from workers.trainer import Emitter
 
@@ -276,6 +301,16 @@ def main() -> None:
                 if not args.user_checkpoints:
                     path = cached_copy(step)
                 copy_s = copy_reference(path, work / "copy.tmp", args.reps)
+                floor: dict[str, float] = {}
+                if rig is not None:
+                    floor = {
+                        "floor_replica_s": min(
+                            rig.round(("gather, then write",))["gather, then write"]
+                            for _ in range(args.reps)
+                        ),
+                        # The diff job's read: base and new, the size of this version each.
+                        "floor_read_s": read_floor([path, path], args.reps),
+                    }
                 if args.user_checkpoints and previous != path:
                     previous.unlink()  # keep two checkpoints on disk at most
                 previous = path
@@ -305,14 +340,26 @@ def main() -> None:
                     "early_parts": statistics.median(
                         int(d.get("early_parts") or 0) for _, d in applied.values()
                     ),
+                    **floor,
                 }
+                if floor:
+                    row["floor_sync_s"] = floor["floor_read_s"] + floor["floor_replica_s"]
+                    row["sync_vs_floor"] = row["latency_s"] / row["floor_sync_s"]
+                    row["apply_vs_floor"] = row["apply_s"] / floor["floor_replica_s"]
+                    row["diff_vs_read"] = row["to_available_s"] / floor["floor_read_s"]
                 if step > 1:
                     rows.append(row)
                 print(
                     f"v{step}: {100 * row['density']:.2f}% changed, "
                     f"delta {row['delta_bytes'] / 1e6:.1f} MB, latency {row['latency_s']:.2f} s "
                     f"(diff job {row['to_available_s']:.2f} s, nodes {row['node_s']:.2f} s), "
-                    f"copy {copy_s:.2f} s, load {os.getloadavg()[0]:.1f}",
+                    f"copy {copy_s:.2f} s, "
+                    + (
+                        f"floor {row['floor_sync_s']:.2f} s ({row['sync_vs_floor']:.2f}x), "
+                        if floor
+                        else ""
+                    )
+                    + f"load {os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
             for name, proc in procs.items():
@@ -332,6 +379,8 @@ def main() -> None:
                 early.get((n, row["version"]), 0) for n in nodes
             )
     summary = summarise(rows, params, args)
+    if "floor_sync_s" in summary:
+        against_floor(summary, args)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
     if args.work is None:
@@ -374,6 +423,27 @@ def summarise(
           f"parts fetched and {summary['early_tensors']:.0f} tensors proven early; "
           f"repo {REPO}")  # fmt: skip
     return summary
+
+
+def against_floor(summary: dict[str, float], args: argparse.Namespace) -> None:
+    """The run's medians against the floor measured after each version (bench_floor's
+    replicas: the same size, density and number of replicas, dense shapes), and the
+    median of the per-version ratios."""
+    print(f"the floor, measured after each version: {args.replicas} bench_floor replicas, "
+          f"slowest of a round, best of {args.reps} rounds")  # fmt: skip
+    print("| against the floor | s | floor s | ratio (median of versions) | target |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for label, key, floor, ratio, target in [
+        ("whole sync (diff job's read + replica floor)", "latency_s", "floor_sync_s",
+         "sync_vs_floor", "1.5x"),
+        ("replica apply (gather, then write)", "apply_s", "floor_replica_s", "apply_vs_floor",
+         "1.5x"),
+        ("diff job (one read of base and new)", "to_available_s", "floor_read_s",
+         "diff_vs_read", ""),
+    ]:  # fmt: skip
+        print(f"| {label} | {summary[key]:.3f} | {summary[floor]:.3f} | "
+              f"{summary[ratio]:.2f}x | {target} |")  # fmt: skip
+    print(f"load {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,25 @@ best of ``--reps`` rounds, against the reference ``bench_e2e`` uses
 (``copy_reference``: one ``shutil.copyfile`` of a file of the state's bytes, page
 cache warm, the copy deleted after each, best of ``--reps``). Memory bandwidth of this machine (one
 and two threads, plain sequential reads and copies of 1 GiB) is printed too.
+
+The diff job's floor is one read of base and new: two files of the state's bytes,
+each read once through a fresh mapping on every CPU. The whole sync's floor is that
+read plus the replica's "gather, then write". ``bench_e2e`` measures the same floor
+in its own run (``measure``) and gives its figures as ratios to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import multiprocessing as mp
 import os
+import queue
+import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -42,7 +51,6 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_e2e import copy_reference
 from benchmarks.emulator import qwen_like_shapes
 from pipeline.format.hashes.mixsum_jit import gather
 from pipeline.intrinsics_jit import AHEAD, prefetch_write
@@ -62,6 +70,16 @@ def one_pass(held: Any, positions: Any) -> int:
     return int(n)
 
 
+def copy_reference(src: Path, scratch: Path, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        shutil.copyfile(src, scratch)
+        times.append(time.perf_counter() - start)
+        scratch.unlink()
+    return min(times)
+
+
 def positions_for(numel: int, density: float, rng: np.random.Generator) -> np.ndarray:
     """Sorted distinct positions, each element changed with probability ``density``."""
     gaps = rng.geometric(density, size=int(numel * density * 1.2) + 64)
@@ -70,17 +88,25 @@ def positions_for(numel: int, density: float, rng: np.random.Generator) -> np.nd
 
 
 def replica(
-    index: int, args: argparse.Namespace, barrier: Barrier, out: Any, path: str | None
+    index: int,
+    params: float,
+    density: float,
+    barrier: Barrier,
+    orders: Any,
+    out: Any,
+    path: str | None,
 ) -> None:
+    """A replica's process: its state, then one round of the passes named by each
+    order (each pass started together with the other replicas') until None comes."""
     torch.set_num_threads(1)
     rng = np.random.default_rng(index)
     held = []
-    for _, shape in qwen_like_shapes(args.params):
+    for _, shape in qwen_like_shapes(params):
         numel = int(np.prod(shape))
         held.append(
             (
                 rng.integers(0, 1 << 16, numel, dtype=np.uint16),
-                positions_for(numel, args.density, rng),
+                positions_for(numel, density, rng),
             )
         )
     if path is not None:  # the reference file: the same bytes as the state
@@ -121,13 +147,72 @@ def replica(
     work = dict(zip(PASSES, (gather_all, write_all, both, each, fused), strict=True))
     for f in work.values():  # compile and warm
         f()
-    for _ in range(args.reps):
-        for name, f in work.items():
+    out.put(("changes", index, float(sum(p.size for _, p in held))))
+    while (names := orders.get()) is not None:
+        for name in names:
             barrier.wait()
             started = time.perf_counter()
-            f()
+            work[name]()
             out.put((name, index, time.perf_counter() - started))
-    out.put(("changes", index, float(sum(p.size for _, p in held))))
+
+
+class Rig:
+    """``replicas`` replica processes holding their states, for rounds of the passes
+    (``round``) whenever the caller asks: ``bench_e2e`` measures the floor between its
+    versions, so that both see the same load. The first replica writes the state's
+    bytes to ``path``, if given (the copy reference and the read floor use it)."""
+
+    def __init__(
+        self, params: float, density: float, replicas: int, path: Path | None = None
+    ) -> None:
+        context = mp.get_context("spawn")
+        barrier = context.Barrier(replicas)
+        self._out = context.Queue()
+        self._orders = [context.Queue() for _ in range(replicas)]
+        self._processes = [
+            context.Process(
+                target=replica,
+                args=(i, params, density, barrier, self._orders[i], self._out,
+                      str(path) if i == 0 and path is not None else None),
+            )
+            for i in range(replicas)
+        ]  # fmt: skip
+        for p in self._processes:
+            p.start()
+        self.changes = sum(self._get()[2] for _ in self._processes) / replicas
+
+    def _get(self) -> tuple[str, int, float]:
+        while True:
+            try:
+                return self._out.get(timeout=5)  # type: ignore[no-any-return]
+            except queue.Empty:
+                failed = [p.exitcode for p in self._processes if p.exitcode not in (None, 0)]
+                if failed:
+                    raise SystemExit(f"a replica process failed (exit code {failed[0]})") from None
+
+    def round(self, names: tuple[str, ...] = PASSES) -> dict[str, float]:
+        """One round of each pass in ``names``: the slowest replica's time of each."""
+        for orders in self._orders:
+            orders.put(names)
+        times: dict[str, float] = dict.fromkeys(names, 0.0)
+        for _ in range(len(names) * len(self._processes)):
+            name, _, took = self._get()
+            times[name] = max(times[name], took)
+        return times
+
+    def close(self) -> None:
+        for orders in self._orders:
+            orders.put(None)
+        for p in self._processes:
+            p.join()
+            if p.exitcode != 0:
+                raise SystemExit(f"a replica process failed (exit code {p.exitcode})")
+
+    def __enter__(self) -> Rig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def bandwidth() -> str:
@@ -151,6 +236,88 @@ def _timed(f: Any) -> float:
     return time.perf_counter() - started
 
 
+@dataclass
+class Floor:
+    """The floor figures of one measurement: per pass, the slowest replica of a round,
+    best of the rounds (s); the diff job's read of base and new (s); the copy (s)."""
+
+    passes: dict[str, float]
+    read_s: float
+    copy_s: float
+    size: int
+    changes: float  # per replica
+    replicas: int
+    reps: int
+
+    @property
+    def replica_s(self) -> float:
+        """The replica's floor: the protocol's two passes (prove everything, then write)."""
+        return self.passes["gather, then write"]
+
+    @property
+    def sync_s(self) -> float:
+        """The whole sync's floor: the diff job's read, then the replica's floor."""
+        return self.read_s + self.replica_s
+
+    def table(self) -> str:
+        lines = [
+            f"{self.size / 1e9:.2f} GB bf16 state, {self.changes / 1e6:.1f}M changes per "
+            f"replica, {self.replicas} replica(s) at once; slowest replica, best of {self.reps}",
+            "| pass | s | vs copy | ns per change |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, best in self.passes.items():
+            per = best / self.changes * 1e9
+            lines.append(f"| {name} | {best:.3f} | {best / self.copy_s:.2f}x | {per:.1f} |")
+        lines.append(
+            f"| the diff job's read: base and new, mapped, on {os.cpu_count()} threads "
+            f"| {self.read_s:.3f} | {self.read_s / self.copy_s:.2f}x | |"
+        )
+        lines.append(f"| reference: copy the checkpoint file once | {self.copy_s:.3f} | 1.00x | |")
+        return "\n".join(lines)
+
+
+def read_floor(paths: list[Path], reps: int) -> float:
+    """One read of every file through a fresh mapping (as the diff job reads base and
+    new), on every CPU's thread; best of ``reps``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    times = []
+    try:
+        for _ in range(reps):
+            started = time.perf_counter()
+            for path in paths:
+                with (
+                    open(path, "rb") as file,
+                    mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m,
+                ):
+                    view = np.frombuffer(m, np.int64, len(m) // 8)
+                    torch.from_numpy(view).sum()
+                    del view
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return min(times)
+
+
+def measure(params: float, density: float, replicas: int, reps: int) -> Floor:
+    """The floor of a sync of a ``params`` bf16 state at ``density`` to ``replicas``:
+    each pass's best round of ``reps``."""
+    with tempfile.TemporaryDirectory(prefix="bench-floor-") as work:
+        source = Path(work) / "state.bin"
+        with Rig(params, density, replicas, source) as rig:
+            rounds = [rig.round() for _ in range(reps)]
+            changes = rig.changes
+        size = source.stat().st_size
+        new = Path(work) / "new.bin"
+        shutil.copyfile(source, new)
+        read_s = read_floor([source, new], reps)
+        new.unlink()
+        copy = copy_reference(source, Path(work) / "copy.bin", reps)
+    passes = {name: min(r[name] for r in rounds) for name in PASSES}
+    return Floor(passes, read_s, copy, size, changes, replicas, reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=0.63e9)
@@ -159,45 +326,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     print(f"load {os.getloadavg()}, {os.cpu_count()} CPUs; {bandwidth()}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="bench-floor-") as work:
-        source = os.path.join(work, "state.bin")
-        context = mp.get_context("spawn")
-        barrier = context.Barrier(args.replicas)
-        out = context.Queue()
-        processes = [
-            context.Process(
-                target=replica, args=(i, args, barrier, out, source if i == 0 else None)
-            )
-            for i in range(args.replicas)
-        ]
-        for p in processes:
-            p.start()
-        times: dict[str, dict[int, list[float]]] = {name: {} for name in PASSES}
-        changes = 0.0
-        for _ in range(args.replicas * (args.reps * len(PASSES) + 1)):
-            name, index, value = out.get()
-            if name == "changes":
-                changes += value
-            else:
-                times[name].setdefault(index, []).append(value)
-        for p in processes:
-            p.join()
-            if p.exitcode != 0:
-                raise SystemExit(f"a replica process failed (exit code {p.exitcode})")
-        size = os.path.getsize(source)
-        copy = copy_reference(Path(source), Path(work) / "copy.bin", args.reps)
+    found = measure(args.params, args.density, args.replicas, args.reps)
+    print(found.table())
     print(
-        f"{size / 1e9:.2f} GB bf16 state, {changes / args.replicas / 1e6:.1f}M changes per "
-        f"replica, {args.replicas} replica(s) at once; slowest replica, best of {args.reps}"
+        f"floor of a whole sync (the diff job's read, then gather, then write): "
+        f"{found.sync_s:.3f} s; load {os.getloadavg()}"
     )
-    print("| pass | s | vs copy | ns per change |")
-    print("| --- | ---: | ---: | ---: |")
-    for name in PASSES:
-        rounds = zip(*times[name].values(), strict=True)
-        best = min(max(r) for r in rounds)
-        per = best / (changes / args.replicas) * 1e9
-        print(f"| {name} | {best:.3f} | {best / copy:.2f}x | {per:.1f} |")
-    print(f"| reference: copy the checkpoint file once | {copy:.3f} | 1.00x | |")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,90 @@ class UniformEmulator:
         return changed
 
 
+def _build_magnitude_kernel() -> object:
+    if numba is None:
+        return None
+
+    @numba.njit(nogil=True, cache=True)  # type: ignore[misc,untyped-decorator]
+    def mutate_by_magnitude(
+        bits: npt.NDArray[np.int16],
+        below: np.uint16,
+        small: np.uint32,
+        large: np.uint32,
+        two: np.uint32,
+        seed: np.uint64,
+    ) -> int:
+        # xorshift64* per element: one 32-bit draw against the threshold of the
+        # element's magnitude class, a second for the size and sign of a change.
+        state = seed | np.uint64(1)
+        count = 0
+        for i in range(bits.shape[0]):
+            state ^= state >> np.uint64(12)
+            state ^= state << np.uint64(25)
+            state ^= state >> np.uint64(27)
+            r = (state * np.uint64(2685821657736338717)) >> np.uint64(32)
+            magnitude = np.uint16(bits[i]) & np.uint16(0x7FFF)
+            if r < (small if magnitude < below else large):
+                state ^= state >> np.uint64(12)
+                state ^= state << np.uint64(25)
+                state ^= state >> np.uint64(27)
+                u = (state * np.uint64(2685821657736338717)) >> np.uint64(32)
+                d = 2 if (u >> np.uint64(1)) < two else 1
+                bits[i] = np.int16(np.int32(bits[i]) + (d if u & np.uint64(1) else -d))
+                count += 1
+        return count
+
+    return mutate_by_magnitude
+
+
+_MAGNITUDE_KERNEL = _build_magnitude_kernel()
+
+
+class MagnitudeEmulator:
+    """Updates as hard as real training's for a replica: in every tensor, elements of
+    less than the tensor's median magnitude change ``ratio`` times as often as the
+    rest (``density`` changed on average), and ``two_ulp`` of the changes are +-2
+    units in the last place, the rest +-1. Every tensor is touched (at least one
+    change). Small weights change more often because an update of about fixed size
+    crosses a bf16 rounding boundary more often where the unit in the last place is
+    small; unlike ``UniformEmulator``, the changed elements depend on the base's
+    contents, as a real step's do."""
+
+    def __init__(
+        self, density: float, seed: int = 0, ratio: float = 3.0, two_ulp: float = 0.1
+    ) -> None:
+        if _MAGNITUDE_KERNEL is None:
+            raise RuntimeError("the update emulator needs numba")
+        self.rng = np.random.default_rng(seed)
+        scale = float(1 << 32)
+        large = 2.0 * density / (1.0 + ratio)  # half the elements at each rate
+        self.small = np.uint32(min(ratio * large * scale, scale - 1))
+        self.large = np.uint32(min(large * scale, scale - 1))
+        self.two = np.uint32(two_ulp * float(1 << 31))  # compared with a 31-bit draw
+        self.medians: dict[str, np.uint16] = {}
+
+    def step_(self, state: dict[str, torch.Tensor]) -> int:
+        changed = 0
+        for name, tensor in state.items():
+            bits = tensor.view(torch.int16).reshape(-1).numpy()
+            if name not in self.medians:  # 2% of +-1 ulp leaves the median where it was
+                magnitude = bits.view(np.uint16) & np.uint16(0x7FFF)
+                counts = np.cumsum(np.bincount(magnitude, minlength=1 << 15))
+                self.medians[name] = np.uint16(np.searchsorted(counts, (bits.size + 1) // 2))
+            seed = np.uint64(self.rng.integers(1, 2**63))
+            count = int(
+                _MAGNITUDE_KERNEL(  # type: ignore[operator]
+                    bits, self.medians[name], self.small, self.large, self.two, seed
+                )
+            )
+            if count == 0:  # every tensor touched
+                at = int(self.rng.integers(0, bits.size))
+                bits[at] = np.int16(int(bits[at]) + (1 if bits[at] < 0x7F7F else -1))
+                count = 1
+            changed += count
+        return changed
+
+
 # ---------------------------------------------------------------- emulated model
 
 
