@@ -10,7 +10,7 @@ import contextlib
 import importlib.util
 import json
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +230,10 @@ class FetchOnlyTarget:
     def specs(self) -> dict[str, TensorSpec]:
         return self.inner.specs()
 
-    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.inner.load_state(tensors)
+    def load_state(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], hashes: Mapping[str, str] | None = None
+    ) -> None:
+        self.inner.load_state(tensors, hashes)
 
     def apply_delta(
         self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
@@ -265,9 +267,11 @@ class HandOffTarget(FetchOnlyTarget):
         self.started_on: list[str] = []
         self.reports: list[ApplyReport] = []
 
-    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_state(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], hashes: Mapping[str, str] | None = None
+    ) -> None:
         self.proofs.wrote()
-        self.inner.load_state(tensors)
+        self.inner.load_state(tensors, hashes)
 
     def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
         self.started_on.append(threading.current_thread().name)

@@ -108,17 +108,20 @@ def test_an_adopted_proven_cache_is_not_hashed_again(
 def test_replica_applies_in_o_changed_and_full_proofs_where_they_belong(
     trainer: Trainer, store: FileStore, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
-    """After the bootstrap's full proof, an apply hashes nothing in full (on a GPU the
-    hash updates run on the device); ``--verify all`` hashes everything again."""
+    """The bootstrap hashes each anchor tensor in full once, as it streams; from then
+    on an apply, the first included, hashes nothing in full (on a GPU the hash updates
+    run on the device); ``--verify all`` hashes everything again."""
     trainer.publish()
     target_state = {n: torch.zeros_like(t, device=device) for n, t in trainer.states[0].items()}
     target = TorchTarget(target_state)
     node = RolloutNode(store, RUN, target, node_id="n")
-    assert node.step_once() == 0
-    trainer.publish()
     full = count_full_hashes(monkeypatch)
-    assert node.step_once() == 1  # the first apply proves the bootstrap in full
-    assert len(full) == len(target_state)
+    assert node.step_once() == 0
+    assert len(full) == len(target_state)  # each anchor tensor checked as it came
+    trainer.publish()
+    full.clear()  # (the diff, in this process, hashes its copied cache in full)
+    assert node.step_once() == 1
+    assert full == [], "the first apply after the bootstrap hashed a tensor in full"
     for _ in range(2):
         v = trainer.publish()
         full.clear()  # (the diff, in this process, hashes its copied cache in full)

@@ -273,9 +273,9 @@ class CountingTarget(TorchTarget):
 
     loads = 0
 
-    def load_state(self, tensors):  # type: ignore[no-untyped-def]
+    def load_state(self, tensors, hashes=None):  # type: ignore[no-untyped-def]
         self.loads += 1
-        super().load_state(tensors)
+        super().load_state(tensors, hashes)
 
 
 # -- bad versions --------------------------------------------------------------------------

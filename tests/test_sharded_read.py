@@ -384,8 +384,12 @@ def test_a_target_that_cannot_read_pieces_is_refused_at_bootstrap(
         def specs(self) -> dict[str, object]:
             return dict(self.inner.specs())
 
-        def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-            self.inner.load_state(tensors)
+        def load_state(
+            self,
+            tensors: Iterable[tuple[str, torch.Tensor]],
+            hashes: Mapping[str, str] | None = None,
+        ) -> None:
+            self.inner.load_state(tensors, hashes)
 
         def apply_delta(
             self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode

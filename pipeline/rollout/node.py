@@ -419,7 +419,8 @@ class RolloutNode:
             assert isinstance(self.target, PieceLoader)  # checked above
             self.target.load_pieces(pieces)
         else:
-            self.target.load_state(tensors)
+            # stream_anchor checked each tensor against these as it came.
+            self.target.load_state(tensors, {t.name: t.hash for t in manifest.tensors})
         load_s = time.perf_counter() - started
         self._need_bootstrap = False
         self._set_applied(manifest)

@@ -6,7 +6,7 @@ parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
@@ -47,8 +47,12 @@ class Target(Protocol):
     def specs(self) -> dict[str, TensorSpec]:
         """Checkpoint name -> dtype and shape of every tensor the target holds."""
 
-    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace every tensor (bootstrap from an anchor or a reconstruction)."""
+    def load_state(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], hashes: Mapping[str, str] | None = None
+    ) -> None:
+        """Replace every tensor (bootstrap from an anchor or a reconstruction).
+        ``hashes``: content hashes the caller proved the given tensors to have (a
+        target may keep them as its held tensors' instead of hashing them again)."""
 
     def apply_delta(
         self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode

@@ -266,10 +266,16 @@ class TorchTarget:
 
     # -- whole-state load ----------------------------------------------------------
 
-    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_state(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], hashes: Mapping[str, str] | None = None
+    ) -> None:
         """Copy every tensor in place. Each tensor's name, dtype and shape is checked
         before it is written; every held tensor must be given. A source that fails
-        part way leaves a mix: callers must treat the target as holding no version."""
+        part way leaves a mix: callers must treat the target as holding no version.
+        ``hashes``: content hashes (of the hash in use) the caller proved the given
+        tensors to have, as a bootstrap checks each anchor tensor as it streams; they
+        become the held tensors' hashes, so the next delta does not hash the whole
+        model again."""
         seen: dict[str, str] = {}  # canonical -> first name given
         order: list[str] = []
         with self._write_lock, self.lock:
@@ -280,9 +286,11 @@ class TorchTarget:
                 self._check_spec(name, src.dtype, tuple(src.shape), "load_state")
                 order.append(name)
                 dst = self._tensors[canonical]
+                src_hash = None if hashes is None else hashes.get(name)
                 # The incremental hash costs more in full: its first use computes it.
                 eager = src.device.type == "cpu" and not self._algorithm.incremental
-                src_hash = self._algorithm.full(src) if eager else None
+                if src_hash is None and eager:
+                    src_hash = self._algorithm.full(src)
                 if canonical in seen:
                     # The other name of a tied weight: must carry the same bits.
                     if src_hash is None:

@@ -154,9 +154,12 @@ class VllmTarget:
         assert self._specs is not None
         return dict(self._specs)
 
-    def load_state(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_state(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], hashes: Mapping[str, str] | None = None
+    ) -> None:
         """Replace the engine's weights and the workers' shadow with ``tensors`` (a
-        complete checkpoint in HF names), sent as safetensors chunks."""
+        complete checkpoint in HF names), sent as safetensors chunks. ``hashes`` are
+        not used: the workers hash their shadow themselves."""
         self._early = {}
         self._call("deltasync_load_begin")
         batch: dict[str, torch.Tensor] = {}
