@@ -295,6 +295,26 @@ class Settings:
             "worker's.",
         ),
     )
+    kernel_cache: str = field(
+        default="",
+        metadata=_var(
+            "DELTASYNC_KERNEL_CACHE",
+            "",
+            "Folder of the compiled kernels (numba), shared by every environment of this "
+            "user; empty: ~/.cache/deltasync/kernels (under XDG_CACHE_HOME if set); off: "
+            "numba's own cache next to the sources. NUMBA_CACHE_DIR, when set, wins.",
+        ),
+    )
+    warm: bool = field(
+        default=True,
+        metadata=_var(
+            "DELTASYNC_WARM",
+            "true",
+            "Rollout nodes and diff workers compile (or load) the codec's kernels on a "
+            "thread of their own as they start, so the first version does not wait for "
+            "them (false: compiled on first use).",
+        ),
+    )
     content_hash: str = field(
         default="mixsum-128",
         metadata=_var(
@@ -616,6 +636,8 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "launch": _host,
     "cache_link": _bool,
     "early_start": _bool,
+    "kernel_cache": _text,
+    "warm": _bool,
     "content_hash": _choice,
     "scrub_minutes": _float,
     "scrub_cpu": _float,

@@ -9,9 +9,11 @@ terminal, JSON lines otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -26,6 +28,7 @@ __all__ = [
     "clear_context",
     "configure_logging",
     "get_logger",
+    "quiet",
     "unbind_context",
 ]
 
@@ -91,6 +94,7 @@ def configure_logging(
         processors=[
             structlog.stdlib.filter_by_level,
             *shared,
+            _drop_quiet,
             structlog.stdlib.PositionalArgumentsFormatter(),
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
@@ -134,6 +138,28 @@ def unbind_context(*keys: str) -> None:
 
 def clear_context() -> None:
     structlog.contextvars.clear_contextvars()
+
+
+_QUIET = "deltasync_quiet"
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Leave out the log lines of this context (a thread's own): a background warm-up
+    runs a whole small run whose lines would read as the process's own."""
+    tokens = structlog.contextvars.bind_contextvars(**{_QUIET: True})
+    try:
+        yield
+    finally:
+        structlog.contextvars.reset_contextvars(**tokens)
+
+
+def _drop_quiet(
+    logger: Any, method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    if event.get(_QUIET):
+        raise structlog.DropEvent
+    return event
 
 
 PROGRESS_EVERY_S = 10.0  # long work (uploads, rebuilds, downloads) logs progress this often

@@ -33,4 +33,7 @@ case ",$extras," in
     python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
     ;;
 esac
+# The codec's kernels compiled now, into the user's kernel cache (once per machine and
+# kernel version), not by the first version a worker publishes or a node applies.
+.venv/bin/deltasync warm
 echo "$want" > "$stamp"

@@ -27,6 +27,8 @@ def deltasync_env(redis_url: str, tmp: Path, **extra: str) -> dict[str, str]:
             "PYTHONPATH": str(REPO),
             # Background scrubs (nodes, diff workers) only where a test turns them on.
             "DELTASYNC_SCRUB_MINUTES": "0",
+            # Kernel warm-ups at start (nodes, diff workers) only where a test turns them on.
+            "DELTASYNC_WARM": "0",
         }
     )
     env.update(extra)

@@ -35,7 +35,7 @@ from pipeline.testing import synthetic
 from pipeline.versions import history, verify
 from workers.runtime import Runtime
 from workers.trainer import Emitter
-from workers.warm import warm_codec
+from workers.warm import warm
 
 log = get_logger(__name__)
 
@@ -238,10 +238,11 @@ class Demo:
         first use on a machine (tens of seconds), then loads it from its cache."""
         started = time.perf_counter()
         with self.console.status("codec kernels: compiling on first use on this machine"):
-            warm_codec((self.runtime.settings.level,), all_widths=False)
+            settings = self.runtime.settings
+            warm((settings.level,), content_hash=settings.content_hash)
         self.console.print(
             f"codec kernels ready in {time.perf_counter() - started:.1f} s (compiled once "
-            "per machine, then loaded from numba's cache; not part of the times below)"
+            "per machine, then loaded from the kernel cache; not part of the times below)"
         )
 
     # the run ----------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from pipeline import kernel_cache
 from pipeline.config import Settings
 from pipeline.coord.connection import redact_url, redis_client
 from pipeline.logs import configure_logging
@@ -71,6 +72,7 @@ def current() -> Runtime:
     global _current
     if _current is None:
         _current = Runtime(Settings.from_env())
+        kernel_cache.choose(_current.settings.kernel_cache)
     return _current
 
 
@@ -82,6 +84,7 @@ def from_context(ctx: click.Context) -> Runtime:
     if runtime is None:
         settings = Settings.from_env(**obj["overrides"])
         configure_logging(settings.log_level, json=settings.log_json)
+        kernel_cache.choose(settings.kernel_cache)
         runtime = Runtime(settings)
         set_current(runtime)
         obj["runtime"] = runtime

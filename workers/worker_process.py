@@ -16,7 +16,7 @@ from pipeline.errors import DeltasyncError
 from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.logs import clear_context, get_logger
 from pipeline.publish.cache_scrub import CacheScrubber
-from workers import queues
+from workers import queues, warm
 from workers.metrics_http import serve_metrics
 from workers.runtime import Runtime
 
@@ -233,6 +233,8 @@ def run_worker(
     if runtime.settings.signing_key_path is None:
         log.warning("versions are unsigned: set DELTASYNC_SIGNING_KEY to sign manifests")
     serve_metrics(runtime.settings.metrics_port, queues_of=connection)
+    if kind == "diff" and runtime.settings.warm:
+        warm.in_background(runtime.settings)
     scrubber = start_cache_scrub(runtime) if kind == "diff" and not burst else None
     try:
         worked: bool = worker.work(burst=burst, with_scheduler=True, logging_level=None)

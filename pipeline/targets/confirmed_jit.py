@@ -11,9 +11,10 @@ from typing import Any
 import numba  # type: ignore[import-untyped]
 import numpy as np
 
+from pipeline import kernel_cache
 from pipeline.intrinsics_jit import pointer_like
 
-jit = numba.njit(cache=True, nogil=True)
+jit = kernel_cache.jit  # numba.njit(cache=True, nogil=True), cached in the kernels folder
 
 # Elements written, then read back, per block: the block's cache lines (at most one
 # per element, 64 KiB at 1024) are still in L1/L2 when read back, so the read-back

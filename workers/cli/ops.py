@@ -1,4 +1,4 @@
-"""Operator commands: compact, tail, status, verify, keygen, redis."""
+"""Operator commands: compact, tail, status, verify, repair, retry, keygen, redis, warm."""
 
 from __future__ import annotations
 
@@ -370,6 +370,39 @@ def keygen(out: Path) -> None:
     click.echo(f"public key (DELTASYNC_VERIFY_KEY): {public}")
 
 
+@click.command("warm")
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Every codec level, content hash and float width (what the images hold), "
+    "not only the configured level and hash on bf16.",
+)
+@click.pass_context
+def warm(ctx: click.Context, everything: bool) -> None:
+    """Compile the codec's kernels into the kernel cache now (5-30 s once per machine
+    and kernel version), so that the first version is published and applied at full
+    speed. Nodes and diff workers also do it as they start (DELTASYNC_WARM).
+
+    \b
+    Examples:
+      deltasync warm
+      deltasync warm --all
+    """
+    from pipeline import kernel_cache
+    from workers import warm as warming
+    from workers.runtime import from_context
+
+    settings = from_context(ctx).settings
+    if everything:
+        took = warming.warm_all()
+    else:
+        took = warming.warm((settings.level,), content_hash=settings.content_hash)
+    place = kernel_cache.folder()
+    where = str(place) if place is not None else "numba's own cache"
+    click.echo(f"kernels ready in {took:.1f} s ({where})")
+
+
 @click.group("redis")
 def redis_group() -> None:
     """The embedded Redis server of the data folder.
@@ -437,4 +470,5 @@ COMMANDS: list[click.Command] = [
     retry,
     keygen,
     redis_group,
+    warm,
 ]

@@ -43,6 +43,7 @@ from pipeline.targets.base import Target, VerifyMode
 from pipeline.targets.setup import Refused, TargetSetup
 from pipeline.versions import binding as run_binding
 from pipeline.versions.runs import require_run
+from workers import warm
 from workers.metrics_http import serve_metrics
 from workers.redis_launcher import ensure_redis
 from workers.runtime import current as current_runtime
@@ -92,6 +93,8 @@ def run_rollout(
             "signatures are not checked: set DELTASYNC_VERIFY_KEY to refuse unsigned versions"
         )
     serve_metrics(settings.metrics_port)
+    if settings.warm:
+        warm.in_background(settings)
     stop = stop or threading.Event()
     with _signals_stop(stop):
         setup = TargetSetup(

@@ -15,6 +15,7 @@ from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
+from pipeline import kernel_cache
 from pipeline.codec.compiled.fused_constants import (
     APPLY,
     BAD_BIG,
@@ -57,7 +58,7 @@ _LIVE = (
 if CONSTANTS != _LIVE:
     raise ImportError(f"fused_jit.py: CONSTANTS says {CONSTANTS!r}, fused_constants.py {_LIVE!r}")
 
-jit = numba.njit(cache=True, nogil=True)
+jit = kernel_cache.jit  # numba.njit(cache=True, nogil=True), cached in the kernels folder
 
 # walk_records' table columns (see RECORD_FIELDS).
 (
@@ -385,10 +386,10 @@ def walk_sparse(
     low = np.uint64(63 - param)
     flip = np.int64(1 if mode == UNDO else 0)
     word = np.uint64(0)
-    word_bit = 0  # stream bit of the word's bit 0
-    next_byte = 0
+    word_bit = np.int64(0)  # stream bit of the word's bit 0 (int64s, not literals: one
+    next_byte = np.int64(0)  # compiled unary_ends serves the walk and rice_read)
     prev_end = -1
-    fbit = 0
+    fbit = np.int64(0)
     pos = -1
     j = 0
     # Two batches in flight: one is decoded (prefetching its lines) while the
@@ -449,7 +450,7 @@ def walk_sparse(
                     target,
                     pos_buffers[previous],
                     diff_buffers[previous],
-                    BATCH,
+                    np.int64(BATCH),  # not a literal: one compiled write_batch serves both calls
                     first - BATCH,
                     mode,
                     out_pos,
@@ -495,13 +496,14 @@ def rice_read(unary: Any, fixed: Any, param: int, limit: int, out: Any) -> int:
     stream's last byte and that only zero bits follow it."""
     count = out.size
     one = np.uint64(1)
-    word, _, _, found = unary_ends(unary, out, count, np.uint64(0), 0, 0)
+    # Not literals: one compiled unary_ends serves this and the walk.
+    word, _, _, found = unary_ends(unary, out, count, np.uint64(0), np.int64(0), np.int64(0))
     if found < count or word != 0:
         return -1
     low = np.uint64(63 - param)
     end = -1
     pos = -1
-    fbit = 0
+    fbit = np.int64(0)
     for i in range(count):
         quotient = out[i] - end - 1
         end = out[i]
@@ -607,7 +609,7 @@ def walk_records(
                     contents,
                     zigzag,
                     target,
-                    UNDO,
+                    np.int64(UNDO),  # not a literal: the walk compiled above serves
                     out_pos[:0],
                     out_val[:0],
                     out_val[:0],
@@ -665,7 +667,7 @@ def rice_write(positions: Any, count: int, param: int, out: Any, uindex: int, fi
     others) can lie back to back in one buffer."""
     prev = -1
     uacc = facc = np.uint64(0)
-    uheld = fheld = 0
+    uheld = fheld = np.int64(0)  # int64s, not literals: fewer compiled put_bits
     mask = np.uint64((1 << param) - 1)
     one = np.uint64(1)
     for i in range(count):
@@ -674,7 +676,7 @@ def rice_write(positions: Any, count: int, param: int, out: Any, uindex: int, fi
         prev = p
         quotient = gap >> param
         while quotient >= 32:
-            uacc, uheld, uindex = put_bits(out, uacc, uheld, uindex, np.uint64(0), 32)
+            uacc, uheld, uindex = put_bits(out, uacc, uheld, uindex, np.uint64(0), np.int64(32))
             quotient -= 32
         uacc, uheld, uindex = put_bits(out, uacc, uheld, uindex, one, quotient + 1)
         if param:
@@ -698,7 +700,7 @@ def encode_sparse(
     """The whole level-1 encoding of the common case in one call: scan, then
     Rice-coded positions and sign-magnitude contents (encode_scanned), the same
     bytes as the step-by-step path."""
-    changed, resume = scan_diffs(base, new, pos, diff, old, 0)
+    changed, resume = scan_diffs(base, new, pos, diff, old, np.int64(0))
     return encode_scanned(base, pos, diff, big, mags, out, planes, changed, resume)
 
 
@@ -740,7 +742,7 @@ def encode_scanned(
     )
     if not done:
         return nothing
-    rice_write(pos, changed, param, out, 0, unary_n)
+    rice_write(pos, changed, param, out, np.int64(0), unary_n)
     return (
         DONE,
         changed,

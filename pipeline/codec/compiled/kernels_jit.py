@@ -9,10 +9,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import numba  # type: ignore[import-untyped]
 import numpy as np
 
-jit = numba.njit(cache=True, nogil=True)
+from pipeline import kernel_cache
+
+jit = kernel_cache.jit  # numba.njit(cache=True, nogil=True), cached in the kernels folder
 
 
 @jit  # type: ignore[untyped-decorator,misc]

@@ -13,13 +13,13 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
-import numba  # type: ignore[import-untyped]
 import numpy as np
 from llvmlite import binding as llvm  # type: ignore[import-untyped]
 from llvmlite import ir  # type: ignore[import-untyped]
 from numba.core import cgutils, types  # type: ignore[import-untyped]
 from numba.extending import intrinsic  # type: ignore[import-untyped]
 
+from pipeline import kernel_cache
 from pipeline.codec.compiled.fused_jit import (
     bit_reverse,
     neq_mask,
@@ -30,7 +30,7 @@ from pipeline.codec.compiled.fused_jit import (
 )
 from pipeline.intrinsics_jit import prefetch_write
 
-jit = numba.njit(cache=True, nogil=True)
+jit = kernel_cache.jit  # numba.njit(cache=True, nogil=True), cached in the kernels folder
 
 LANES = 64
 # Changes whose contents a bucket walk writes at once: a few blocks' worth, so their
@@ -636,13 +636,13 @@ def encode_chunks(
             for t in range(np.uint64(k * stride), np.uint64(k * stride + counts[k])):
                 q = np.uint64(by_bucket[t]) >> p
                 while q >= np.uint64(32):
-                    acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
+                    acc, held, index = put_bits(out, acc, held, index, np.uint64(0), np.int64(32))
                     q -= np.uint64(32)
                 acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
         for t in range(bc):
             q = np.uint64(big_gaps[t]) >> bpu
             while q >= np.uint64(32):
-                acc, held, index = put_bits(out, acc, held, index, np.uint64(0), 32)
+                acc, held, index = put_bits(out, acc, held, index, np.uint64(0), np.int64(32))
                 q -= np.uint64(32)
             acc, held, index = put_bits(out, acc, held, index, one, np.int64(q) + 1)
         # Their fixed-width low bits, in the same order.

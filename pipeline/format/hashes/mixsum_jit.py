@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba  # type: ignore[import-untyped]
 import numpy as np
 
+from pipeline import kernel_cache
 from pipeline.format.hashes.mixsum import KEYS
 from pipeline.intrinsics_jit import AHEAD, prefetch_read
 
-jit = numba.njit(cache=True, nogil=True)
+jit = kernel_cache.jit  # numba.njit(cache=True, nogil=True), cached in the kernels folder
 
 _K_POS = np.uint64(KEYS[0])
 _K_A = np.uint64(KEYS[1])
@@ -117,7 +117,12 @@ def change_sums(positions: Any, old: Any, new: Any, bounds: Any) -> Any:
     out = np.empty((bounds.size - 1, 2), np.uint64)
     for k in range(bounds.size - 1):
         lo, hi = bounds[k], bounds[k + 1]
-        out[k] = change_sum(positions[lo:hi], old[lo:hi], new[lo:hi], 0)
+        # Element by element (a row assignment compiles a shape check with its error
+        # message, seconds of compiling), the offset not a literal (the compiled
+        # change_sum that Python calls serves).
+        sums = change_sum(positions[lo:hi], old[lo:hi], new[lo:hi], np.int64(0))
+        out[k, 0] = sums[0]
+        out[k, 1] = sums[1]
     return out
 
 
