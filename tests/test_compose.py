@@ -342,6 +342,7 @@ NOT_PASSED_THROUGH = {
     "DELTASYNC_FAULT": "fault injection for tests",
     "DELTASYNC_FAULT_FILE": "fault injection for tests",
     "DELTASYNC_VLLM_CPU_PLAIN_LINEAR": "set by the vLLM target for its own workers",
+    "DELTASYNC_KERNEL_CACHE": "a host path; the images compile the kernels into their own cache",
 }
 
 
