@@ -92,6 +92,18 @@ def digest(root: Path = _ROOT) -> str:
     return h.hexdigest()[:24]
 
 
+def import_kernels() -> None:
+    """Import numba and every kernel module on the calling thread. Two threads importing
+    numba at once can each see it half-initialised, and a failed import leaves it broken
+    for the process: a thread that compiles beside others (the warm-up) starts after this."""
+    import importlib
+
+    for name in KERNEL_SOURCES:
+        if name.endswith("_jit.py"):
+            importlib.import_module("pipeline." + name.removesuffix(".py").replace("/", "."))
+    from numba.core import caching  # noqa: F401  # the cache locator's module
+
+
 @functools.cache
 def _digest() -> str:
     return digest()

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 import torch
 
-from pipeline import logs
+from pipeline import kernel_cache, logs
 from pipeline.codec import DEFAULT_LEVEL, LEVELS, encode_delta, read_delta
 from pipeline.config import Settings
 from pipeline.format.hashes import content_hashes
@@ -39,6 +39,7 @@ from pipeline.rollout.fetch import fetch_delta, stream_anchor
 from pipeline.store.file import FileStore
 from pipeline.targets.proving import SMALL_CHANGES
 from pipeline.targets.torch import TorchTarget
+from pipeline.testing import faults
 from pipeline.testing.synthetic import save_state
 from pipeline.versions import chain
 
@@ -137,7 +138,11 @@ def warm(
     other than bf16. Returns the seconds it took."""
     started = time.perf_counter()
     # The small run's own log lines would read as the caller's.
-    with logs.quiet(), tempfile.TemporaryDirectory(prefix="deltasync-warm-") as folder:
+    with (
+        logs.quiet(),
+        faults.disarmed(),
+        tempfile.TemporaryDirectory(prefix="deltasync-warm-") as folder,
+    ):
         run_once(Path(folder), levels, content_hash)
     if all_widths:
         generator = torch.Generator().manual_seed(0)
@@ -164,7 +169,7 @@ def warm_all() -> float:
 
 
 def in_background(settings: Settings) -> threading.Thread:
-    """:func:`warm` of the configured level and content hash on a daemon thread; one
+    """:func:`warm` of the configured level and content hash on a thread of its own; one
     log line when done, or on a failure (the kernels then compile on first use)."""
 
     def run() -> None:
@@ -175,6 +180,9 @@ def in_background(settings: Settings) -> threading.Thread:
         else:
             log.info("kernels ready", seconds=round(took, 2))
 
-    thread = threading.Thread(target=run, name="deltasync-warm", daemon=True)
+    kernel_cache.import_kernels()
+    # Not a daemon: the interpreter waits for it at exit. A daemon thread still in
+    # compiled code while the runtime tears down aborts the process.
+    thread = threading.Thread(target=run, name="deltasync-warm", daemon=False)
     thread.start()
     return thread
