@@ -101,7 +101,7 @@ def import_kernels() -> None:
     for name in KERNEL_SOURCES:
         if name.endswith("_jit.py"):
             importlib.import_module("pipeline." + name.removesuffix(".py").replace("/", "."))
-    from numba.core import caching  # noqa: F401  # the cache locator's module
+    from numba.core import caching  # type: ignore[import-untyped]  # noqa: F401
 
 
 @functools.cache
