@@ -83,7 +83,7 @@ def start_services(home: Path, serve_model: Path, port: int) -> list[subprocess.
     commands = {
         "diff-worker": ["worker", "diff"],
         "serve": [
-            "serve", "--run", RUN, "--model", str(serve_model), "--host", "127.0.0.1",
+            "serve", "--run", RUN, "--wait", "--model", str(serve_model), "--host", "127.0.0.1",
             "--port", str(port), "--poll", "0.5", "--dtype", "bfloat16",
             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
         ],

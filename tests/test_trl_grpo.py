@@ -92,7 +92,7 @@ def test_grpo_through_deltasync_serve_and_the_version_gate(tmp_path: Path, redis
     env = deltasync_env(redis_url, tmp_path, OMP_NUM_THREADS="2")
     settings = Settings.from_env(env)
     emitter = Emitter(RUN, settings=settings)
-    serve = ["serve", "--run", RUN, "--model", str(serve_model), "--host", "127.0.0.1",
+    serve = ["serve", "--run", RUN, "--wait", "--model", str(serve_model), "--host", "127.0.0.1",
              "--port", str(port), "--poll", "0.5", "--dtype", "bfloat16",
              "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20)]  # fmt: skip
 
