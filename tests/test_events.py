@@ -22,6 +22,7 @@ from pipeline.coord.events import (
     DeltaAvailable,
     DeltaPart,
     Event,
+    JobRefused,
     ReplicaError,
     StepCompleted,
     StepFailed,
@@ -40,6 +41,14 @@ def sample_events(run: str = RUN) -> list[Event]:
         StepCompleted.now(run=run, version=0, checkpoint="/staging/step-0", owned=True, level=2),
         StepCompleted(run=run, version=1, checkpoint="s3://b/ckpt", owned=False, level=None),
         StepFailed.now(run=run, version=3, reason="TypeError: not a path", checkpoint="?"),
+        JobRefused.now(
+            run=run,
+            version=0,
+            job_id="b1c2",
+            queue="deltasync:diff",
+            function="os.system",
+            reason="function 'os.system' is not a deltasync job of queue deltasync:diff",
+        ),
         DeltaAvailable.now(
             run=run,
             version=1,

@@ -50,6 +50,7 @@ PINNED = {
     keys.part_hosts_key("r", 6): "deltasync:run:r:part-hosts:6",
     keys.shards_key("r", 7): "deltasync:run:r:shards:7",
     keys.cache_damage_key("r"): "deltasync:run:r:cache-damage",
+    keys.refused_jobs_key(): "deltasync:refused-jobs",
     keys.DIFF_QUEUE_NAME: "deltasync:diff",
     keys.diff_host_queue("h1"): "deltasync:diff:host:h1",
     keys.COMPACT_QUEUE_NAME: "deltasync:compact",

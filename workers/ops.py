@@ -19,7 +19,7 @@ from pipeline.coord import keys
 from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.events import DeltaPart, Event
 from pipeline.coord.hints import PartListener
-from pipeline.coord.problems import list_cache_damage, list_failing
+from pipeline.coord.problems import list_cache_damage, list_failing, list_refused_jobs
 from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream, list_runs
 from pipeline.errors import ConfigError, DeltasyncError
@@ -221,6 +221,9 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
         }
         for d in list_cache_damage(r, run)
     ]
+    # Jobs the workers refused to run (not deltasync's): every run's operator sees them.
+    refused, recent = list_refused_jobs(r)
+    report["refused_jobs"] = {"count": refused, "recent": [asdict(job) for job in recent]}
     report["time"] = now.isoformat()
     return report
 
@@ -344,6 +347,19 @@ def render_status(report: dict[str, Any]) -> None:
             f"[red]state cache of {escape(d['host'])}:[/] tensor {escape(d['tensor'])!r} of "
             f"v{d['version']} failed its scrub ({escape(d['note'])}; {d['count']} so far, "
             f"last {d['time']}); the next step rebuilds it from the store"
+        )
+    refused = report.get("refused_jobs") or {}
+    if refused.get("count"):
+        console.print(
+            f"[red]{refused['count']} job(s) refused[/] (not deltasync's jobs; nothing of "
+            "them ran): someone with Redis write access queued them",
+            soft_wrap=True,
+        )
+    for job in refused.get("recent", []):
+        console.print(
+            f"  [red]refused[/] {escape(job['job_id'])} on {escape(job['queue'])} "
+            f"{job['time']}: {escape(job['reason'])}",
+            soft_wrap=True,
         )
 
 

@@ -1,19 +1,25 @@
-"""rq queues, job ids and enqueueing, all with the JSON serializer (never pickle)."""
+"""rq queues, job ids and enqueueing, all with the JSON serializer (never pickle), and
+the only functions jobs on these queues may name."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import re
 import secrets
 from typing import Any
 
 import redis
 from rq import Queue, Retry
+from rq.exceptions import DeserializationError
+from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pipeline import config
 from pipeline.coord import keys
+from pipeline.errors import DeltasyncError
 
 DIFF_QUEUE = keys.DIFF_QUEUE_NAME
 COMPACT_QUEUE = keys.COMPACT_QUEUE_NAME
@@ -21,6 +27,14 @@ COMPACT_QUEUE = keys.COMPACT_QUEUE_NAME
 DIFF_JOB = "workers.jobs.diff.diff_job"
 DIFF_PART_JOB = "workers.jobs.diff.diff_part_job"
 COMPACT_JOB = "workers.jobs.compaction.compact_job"
+
+# What each queue may carry: rq imports and calls whatever function a job names, so
+# the workers refuse any other (JobWorker.execute_job) before importing anything.
+DIFF_QUEUE_JOBS = frozenset({DIFF_JOB, DIFF_PART_JOB})
+HOST_QUEUE_JOBS = frozenset({DIFF_PART_JOB})  # a trainer host's queue: part jobs only
+COMPACT_QUEUE_JOBS = frozenset({COMPACT_JOB})
+JOB_FUNCTIONS = DIFF_QUEUE_JOBS | HOST_QUEUE_JOBS | COMPACT_QUEUE_JOBS
+_HOST_QUEUE = keys.DIFF_HOST_QUEUE.regex()
 
 # A field of rq's worker hash: the worker's lease (seconds), which status judges it by.
 LEASE_FIELD = "deltasync_lease"
@@ -33,6 +47,68 @@ COMPACT_TIMEOUT_S = config.COMPACT_JOB_TIMEOUT_S
 
 def queue(connection: redis.Redis, name: str) -> Queue:
     return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def jobs_of(queue_name: str) -> frozenset[str]:
+    """The job functions ``queue_name`` may carry (none for a queue deltasync does not use)."""
+    if queue_name == DIFF_QUEUE:
+        return DIFF_QUEUE_JOBS
+    if queue_name == COMPACT_QUEUE:
+        return COMPACT_QUEUE_JOBS
+    return HOST_QUEUE_JOBS if _HOST_QUEUE.fullmatch(queue_name) else frozenset()
+
+
+def refusal(job: Job, queue_name: str) -> str | None:
+    """Why a worker must not run ``job`` taken from ``queue_name`` (one line), or None.
+
+    The function's name is checked as a string first: nothing is imported for a job
+    that names anything else. deltasync's jobs have no callbacks or webhooks (rq would
+    import those, or send requests to them)."""
+    try:
+        name, instance, args, kwargs = job.func_name, job.instance, job.args, job.kwargs
+    except DeserializationError:
+        return "job data is not JSON"
+    if not isinstance(name, str) or name not in jobs_of(queue_name):
+        return f"function {name!r} is not a deltasync job of queue {queue_name}"
+    if instance is not None:
+        return f"{name} called on an object"
+    saved = job.to_dict(include_meta=False, include_result=False)
+    hooks = [k for k in ("success", "failure", "stopped") if saved.get(f"{k}_callback_name")]
+    if hooks or job.webhooks:
+        return f"{name} with callbacks or webhooks ({', '.join(hooks) or 'webhooks'})"
+    module, _, attr = name.rpartition(".")
+    try:  # a deltasync job: safe to import; its arguments must fit (their values it checks)
+        inspect.signature(getattr(importlib.import_module(module), attr)).bind(*args, **kwargs)
+    except TypeError as exc:
+        return f"{name}: arguments do not fit ({exc})"
+    return None
+
+
+class RefusedJobError(DeltasyncError):
+    """A job names a function that is not one of deltasync's jobs."""
+
+
+class DeltasyncJob(Job):  # type: ignore[misc]
+    """rq's Job that resolves only deltasync's job functions and never a callback: the
+    workers check each job (``refusal``) first; this holds wherever else rq reads them."""
+
+    @property
+    def func(self) -> Any:
+        if self.func_name not in JOB_FUNCTIONS or self.instance is not None:
+            raise RefusedJobError(f"function {self.func_name!r} is not a deltasync job")
+        return super().func
+
+    @property
+    def success_callback(self) -> None:
+        return None
+
+    @property
+    def failure_callback(self) -> None:
+        return None
+
+    @property
+    def stopped_callback(self) -> None:
+        return None
 
 
 def _id_part(text: str) -> str:

@@ -7,10 +7,16 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from rq import SimpleWorker
+from rq.defaults import DEFAULT_FAILURE_TTL
+from rq.exceptions import DeserializationError
+from rq.job import JobStatus
+from rq.results import Result
 from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
+from rq.utils import now
 
 from pipeline import config
+from pipeline.coord.problems import report_refused_job
 from pipeline.coord.replicas import process_token, release_dead_holder
 from pipeline.errors import DeltasyncError
 from pipeline.format.hashes.scrub import ScrubPace
@@ -89,9 +95,13 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
     Its lease is rq's ``worker_ttl`` (``DELTASYNC_WORKER_LEASE``): idle, rq renews the
     heartbeat every lease - 15 s (at least every second); busy, :meth:`_beat` renews it
     at least three times a lease. A lost Redis is retried every few seconds at most
-    (rq waits up to a minute), so a restarted server is found again at once."""
+    (rq waits up to a minute), so a restarted server is found again at once.
+
+    It runs deltasync's jobs only: any other job is refused before rq imports or calls
+    anything of it (:meth:`execute_job`)."""
 
     max_connection_wait_time = 5.0
+    job_class = queues.DeltasyncJob
 
     def register_birth(self) -> None:
         super().register_birth()  # type: ignore[no-untyped-call]
@@ -151,6 +161,43 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
         retry. Here a thread renews it while the job runs (``perform_job``)."""
         return config.JOB_HEARTBEAT_TTL_S
 
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        reason = queues.refusal(job, queue.name)
+        if reason is None:
+            super().execute_job(job, queue)
+        else:
+            self.refuse(job, queue, reason)
+
+    def refuse(self, job: Job, queue: Queue, reason: str) -> None:
+        """Move ``job`` to the failed registry with ``reason``, unrun and never retried,
+        record it (``deltasync status``) and announce it (``job-refused``)."""
+        function = _func_name(job)
+        log.error(
+            "job refused", job_id=job.id, queue=queue.name, function=function[:300], reason=reason
+        )
+        with self.connection.pipeline() as pipe:
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job.ended_at = now()
+            queue.failed_job_registry.add(
+                job, ttl=DEFAULT_FAILURE_TTL, exc_string=reason, pipeline=pipe
+            )
+            Result.create_failure(
+                job, DEFAULT_FAILURE_TTL, exc_string=reason, worker_name=self.name, pipeline=pipe
+            )
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipe.execute()
+        try:
+            report_refused_job(
+                self.connection,
+                job_id=job.id,
+                queue=queue.name,
+                function=function,
+                reason=reason,
+                worker=self.name,
+            )
+        except DeltasyncError as exc:  # Redis away for a moment: the job is set aside
+            log.warning("refused job not recorded", job_id=job.id, error=str(exc))
+
     def perform_job(self, job: Job, queue: Queue, execution: Execution) -> bool:
         clear_context()
         JOB_RUNNING.set()
@@ -175,6 +222,14 @@ class JobWorker(SimpleWorker):  # type: ignore[misc]
                 self.maintain_heartbeats(job, execution)
             except Exception as exc:  # never end the beat: Redis away for a moment, say
                 log.warning("job heartbeat failed", job_id=job.id, error=str(exc))
+
+
+def _func_name(job: Job) -> str:
+    """The function a job names, as text (``?`` when its data is not JSON)."""
+    try:
+        return str(job.func_name)
+    except DeserializationError:
+        return "?"
 
 
 def start_cache_scrub(runtime: Runtime) -> CacheScrubber | None:

@@ -256,6 +256,20 @@ class StepFailed(_Event):
     checkpoint: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class JobRefused(_Event):
+    """A worker refused job ``job_id`` of ``queue``: it names ``function``, not one of
+    deltasync's jobs (or carries what deltasync never sets). Nothing of it ran. Sent
+    to every run's stream, with version 0: it belongs to no run or version."""
+
+    TYPE: ClassVar[str] = "job-refused"
+
+    job_id: str
+    queue: str
+    function: str
+    reason: str
+
+
 Event = (
     StepCompleted
     | DeltaAvailable
@@ -265,6 +279,7 @@ Event = (
     | ReplicaError
     | DeltaPart
     | StepFailed
+    | JobRefused
 )
 EVENT_TYPES: dict[str, type[_Event]] = {
     cls.TYPE: cls
@@ -277,6 +292,7 @@ EVENT_TYPES: dict[str, type[_Event]] = {
         ReplicaError,
         DeltaPart,
         StepFailed,
+        JobRefused,
     )
 }
 

@@ -113,6 +113,9 @@ DIFF_HOST_QUEUE = Template(
     f"{PREFIX}:diff:host:{{host}}", "queue", "rq queue of the part jobs routed to a trainer host."
 )
 COMPACT_QUEUE = Template(f"{PREFIX}:compact", "queue", "rq queue of compaction jobs.")
+REFUSED_JOBS = Template(
+    f"{PREFIX}:refused-jobs", "stream", "Jobs the workers refused to run (capped): why, what."
+)
 
 TEMPLATES: tuple[Template, ...] = (
     RUNS,
@@ -138,6 +141,7 @@ TEMPLATES: tuple[Template, ...] = (
     PART_HOSTS,
     SHARDS,
     CACHE_DAMAGE,
+    REFUSED_JOBS,
     DIFF_QUEUE,
     DIFF_HOST_QUEUE,
     COMPACT_QUEUE,
@@ -259,6 +263,10 @@ def shards_key(run: str, step: int) -> str:
 
 def cache_damage_key(run: str) -> str:
     return CACHE_DAMAGE.format(run=check_run_name(run))
+
+
+def refused_jobs_key() -> str:
+    return REFUSED_JOBS.format()
 
 
 def diff_host_queue(host: str) -> str:

@@ -11,12 +11,18 @@ successful sync.
 A diff worker whose background scrub finds a state-cache tensor changed on disk
 records it in ``deltasync:run:<run>:cache-damage`` (host -> the version, tensor,
 time and how many so far); the record expires a week after the last finding.
+
+A job a worker refuses to run (it names a function that is not one of deltasync's
+jobs) is recorded in ``deltasync:refused-jobs``, a stream capped at MAX_REFUSED
+entries, and announced as ``job-refused`` on every run's event stream.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import asdict, dataclass
+from dataclasses import fields as fields_of
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,11 +31,20 @@ import redis
 from pipeline.config import CACHE_DAMAGE_TTL_S
 from pipeline.coord import scripts
 from pipeline.coord.connection import redis_errors, text
-from pipeline.coord.events import now_iso
-from pipeline.coord.keys import cache_damage_key, failing_index_key, failing_key
+from pipeline.coord.events import JobRefused, now_iso
+from pipeline.coord.keys import (
+    cache_damage_key,
+    failing_index_key,
+    failing_key,
+    refused_jobs_key,
+)
 from pipeline.coord.replicas import DEFAULT_TTL_S, node_records
+from pipeline.coord.stream import EventStream, list_runs
 
 MAX_ERROR_CHARS = 2000
+MAX_REFUSED = 1000  # refused-job records kept
+MAX_REFUSED_CHARS = 300  # per field: a refused job's names are a stranger's text
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -153,3 +168,63 @@ def list_cache_damage(client: redis.Redis, run: str) -> list[CacheDamage]:
         except (ValueError, TypeError, KeyError, RecursionError):
             continue
     return sorted(out, key=lambda d: d.host)
+
+
+@dataclass(frozen=True)
+class RefusedJob:
+    job_id: str
+    queue: str
+    function: str  # as the job named it (shortened, control characters replaced)
+    reason: str  # one line
+    worker: str
+    time: str  # ISO 8601, UTC
+
+
+def _line(value: object) -> str:
+    line = _CONTROL.sub("?", str(value)) or "?"
+    return line if len(line) <= MAX_REFUSED_CHARS else line[: MAX_REFUSED_CHARS - 3] + "..."
+
+
+def report_refused_job(
+    client: redis.Redis, *, job_id: str, queue: str, function: str, reason: str, worker: str
+) -> RefusedJob:
+    """Record that ``worker`` refused a job, and announce it on every run's stream."""
+    found = RefusedJob(
+        _line(job_id), _line(queue), _line(function), _line(reason), _line(worker), now_iso()
+    )
+    runs = list_runs(client)
+    with (
+        redis_errors(client, "recording a refused job"),
+        client.pipeline(transaction=True) as pipe,
+    ):
+        doc = json.dumps(asdict(found), sort_keys=True)
+        pipe.xadd(refused_jobs_key(), {"job": doc}, maxlen=MAX_REFUSED, approximate=False)
+        for run in runs:
+            event = JobRefused.now(
+                run=run,
+                version=0,
+                job_id=found.job_id,
+                queue=found.queue,
+                function=found.function,
+                reason=found.reason,
+            )
+            EventStream(client, run).publish(event, pipeline=pipe)
+        pipe.execute()
+    return found
+
+
+def list_refused_jobs(client: redis.Redis, count: int = 5) -> tuple[int, list[RefusedJob]]:
+    """How many refused jobs are recorded (at most MAX_REFUSED), and the last ``count``,
+    newest first."""
+    key = refused_jobs_key()
+    with redis_errors(client, f"reading {key}"):
+        total = int(client.xlen(key))
+        entries: Any = client.xrevrange(key, count=count)
+    out: list[RefusedJob] = []
+    for _entry_id, fields in entries:
+        try:
+            doc = json.loads({text(k): v for k, v in fields.items()}["job"])
+            out.append(RefusedJob(**{f.name: str(doc[f.name]) for f in fields_of(RefusedJob)}))
+        except (ValueError, TypeError, KeyError, RecursionError):
+            continue
+    return total, out
