@@ -39,6 +39,8 @@ DOCKER_DIR = ROOT / "docker"
 DEPLOY_DOC = ROOT / "docs" / "DEPLOY.md"
 # Variables a developer's shell may set; the tests pin them to known values instead.
 CONFIG_PREFIXES = ("DELTASYNC_", "AWS_", "HF_", "VLLM_", "TORCH_INDEX", "COMPOSE_")
+REDIS_PASSWORD = "0f3a9c21b7d4e58a6c1f2e3d4b5a6978"  # what `openssl rand -hex 16` gives
+SERVICE_REDIS_URL = f"redis://:{REDIS_PASSWORD}@redis:6379/0"
 
 
 def compose_binary() -> Path:
@@ -60,7 +62,9 @@ def compose(
 ) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(CONFIG_PREFIXES)}
     clean["DOCKER_CONFIG"] = str(tmp_path / "docker-config")  # never touch ~/.docker
+    clean["DELTASYNC_REDIS_PASSWORD"] = REDIS_PASSWORD  # required: see the tests below
     clean.update(env or {})
+    clean = {k: v for k, v in clean.items() if v}  # an empty value: the variable unset
     return subprocess.run(
         [str(compose_binary()), "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args],
         capture_output=True,
@@ -239,7 +243,7 @@ def test_defaults_run_on_a_local_store_and_the_bundled_redis(tmp_path: Path) -> 
     for name, service in services.items():
         env = service["environment"]
         assert env["DELTASYNC_STORE"] == "file:///data/store", name
-        assert env["DELTASYNC_REDIS_URL"] == "redis://redis:6379/0", name
+        assert env["DELTASYNC_REDIS_URL"] == SERVICE_REDIS_URL, name
         mounts = {v["target"]: v for v in service["volumes"]}
         assert mounts["/data/store"]["source"] == "store", name
         assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
@@ -272,6 +276,59 @@ def test_redis_persists_and_reports_health(tmp_path: Path) -> None:
     assert command[command.index("--appendonly") + 1] == "yes"
     assert any(v["target"] == "/data" and v["type"] == "volume" for v in redis["volumes"])
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    # A password, which the healthcheck's redis-cli and every service know.
+    assert command[command.index("--requirepass") + 1] == REDIS_PASSWORD
+    assert redis["environment"]["REDISCLI_AUTH"] == REDIS_PASSWORD
+
+
+def test_redis_password_is_required_and_says_where_to_set_it(tmp_path: Path) -> None:
+    for profiles in ([], ["--profile", "vllm"]):
+        proc = compose(tmp_path, *profiles, "config", env={"DELTASYNC_REDIS_PASSWORD": ""})
+        assert "DELTASYNC_REDIS_PASSWORD" in proc.stderr, proc.stderr
+        assert "set DELTASYNC_REDIS_PASSWORD in .env next to compose.yaml" in proc.stderr
+        assert "services" not in proc.stdout  # nothing resolved, nothing started
+    readme = (ROOT / "README.md").read_text()
+    assert "DELTASYNC_REDIS_PASSWORD=" in readme and "openssl rand -hex 16" in readme
+    # A Redis URL of the user's own is used as it is; the bundled server still asks.
+    env = {"DELTASYNC_REDIS_URL": "redis://:other@redis.internal:6379/0"}
+    for service in deltasync_services(resolved(tmp_path, env)).values():
+        assert service["environment"]["DELTASYNC_REDIS_URL"] == env["DELTASYNC_REDIS_URL"]
+
+
+def test_redis_started_as_compose_starts_it_takes_the_services_url(tmp_path: Path) -> None:
+    """compose's redis command on a real redis-server: the services' URL (its host made
+    local) and the healthcheck's redis-cli get in; no password, no access."""
+    config = resolved(tmp_path)
+    command = config["services"]["redis"]["command"]
+    port = _free_port()
+    args = [*command[1:], "--port", str(port), "--dir", str(tmp_path), "--appendonly", "no"]
+    proc = subprocess.Popen([_redis_server(), *args], stdout=subprocess.DEVNULL)
+    try:
+        url = config["services"]["diff-worker"]["environment"]["DELTASYNC_REDIS_URL"]
+        client = redis.Redis.from_url(url.replace("@redis:6379", f"@127.0.0.1:{port}"))
+        for _ in range(1500):  # a generous bound for a loaded machine, not a timing claim
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server exited at start"
+                time.sleep(0.02)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).set("k", "v")
+        cli = shutil.which("redis-cli")
+        if cli is not None:
+            auth = config["services"]["redis"]["environment"]
+            pong = subprocess.run(
+                [cli, "-p", str(port), "ping"],
+                env={**os.environ, **auth},
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert pong.stdout.strip() == "PONG", pong.stdout + pong.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_remote_store_and_credentials_come_from_the_environment(tmp_path: Path) -> None:
@@ -377,7 +434,7 @@ def test_every_service_environment_makes_valid_settings(tmp_path: Path) -> None:
         assert settings.store_url == "file:///data/store", name
         assert str(settings.staging_dir) == "/data/staging", name
         assert str(settings.cache_dir) == "/data/cache", name
-        assert settings.redis_url == "redis://redis:6379/0", name
+        assert settings.redis_url == SERVICE_REDIS_URL, name
         assert settings.log_json is True, name
         assert settings.signing_key_path is None and settings.verify_key_path is None, name
 

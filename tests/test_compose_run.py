@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -258,6 +259,7 @@ def stack(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
         "COMPOSE_PROJECT_NAME": PROJECT,
         "DELTASYNC_RUN": RUN,
         "DELTASYNC_REDIS_PORT": str(_free_port()),
+        "DELTASYNC_REDIS_PASSWORD": secrets.token_hex(16),
         # A short chain: the compaction worker writes anchors during the run.
         "DELTASYNC_COMPACT_MAX_CHAIN": "4",
     }
