@@ -8,13 +8,16 @@ tail`; the workers go on publishing and compacting."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from rq import Callback, Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
+from rq.webhook import Webhook
 
 from pipeline.config import Settings
 from pipeline.coord.connection import redis_client
@@ -122,3 +125,37 @@ def test_workers_refuse_jobs_that_are_not_deltasyncs(tmp_path: Path, redis_url: 
         assert procs["diff"].poll() is None and procs["compact"].poll() is None
     for marker in markers:
         assert not marker.exists(), marker
+
+
+def test_what_each_queue_may_carry(redis_url: str) -> None:
+    """The allowlist per queue, and what a job of deltasync's own must not carry."""
+    r = redis_client(redis_url)
+    args = {"run": RUN, "step": 1, "checkpoint": "/x"}
+    part = {**args, "part": "p0", "parent_version": 0}
+    host_queue = queues.diff_host_queue(HOST)
+
+    def refusal(name: str, function: str, *a: object, **kw: Any) -> str | None:
+        job = Queue(name, connection=r, serializer=JSONSerializer).enqueue(function, *a, **kw)
+        fetched = Job.fetch(job.id, connection=r, serializer=JSONSerializer)
+        return queues.refusal(fetched, name)
+
+    assert refusal(queues.DIFF_QUEUE, queues.DIFF_JOB, **args) is None
+    assert refusal(queues.DIFF_QUEUE, queues.DIFF_PART_JOB, **part) is None
+    assert refusal(host_queue, queues.DIFF_PART_JOB, **part) is None
+    assert refusal(queues.COMPACT_QUEUE, queues.COMPACT_JOB, run=RUN, version=3) is None
+    assert "of queue deltasync:diff:host:h1" in str(refusal(host_queue, queues.DIFF_JOB, **args))
+    assert "not a deltasync job" in str(refusal("deltasync:other", queues.DIFF_JOB, **args))
+    assert "do not fit" in str(refusal(queues.DIFF_QUEUE, queues.DIFF_JOB, 1, 2, 3, 4, 5, 6, 7, 8))
+    hook = Webhook("http://attacker.invalid/", "failed")
+    assert "webhooks" in str(refusal(queues.DIFF_QUEUE, queues.DIFF_JOB, webhooks=[hook], **args))
+    # A job whose stored data is not JSON (a pickle, say) is refused unread.
+    job = Queue(queues.DIFF_QUEUE, connection=r, serializer=JSONSerializer).enqueue(
+        queues.DIFF_JOB, **args
+    )
+    r.hset(job.key, "data", zlib.compress(b"\x80\x04\x95pickle"))
+    fetched = Job.fetch(job.id, connection=r, serializer=JSONSerializer)
+    assert queues.refusal(fetched, queues.DIFF_QUEUE) == "job data is not JSON"
+    # And the workers' job class resolves no other function, wherever rq asks.
+    other = Queue(queues.DIFF_QUEUE, connection=r, serializer=JSONSerializer).enqueue("os.getcwd")
+    with pytest.raises(queues.RefusedJobError):
+        _ = queues.DeltasyncJob.fetch(other.id, connection=r, serializer=JSONSerializer).func

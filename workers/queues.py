@@ -69,7 +69,8 @@ def refusal(job: Job, queue_name: str) -> str | None:
     except DeserializationError:
         return "job data is not JSON"
     if not isinstance(name, str) or name not in jobs_of(queue_name):
-        return f"function {name!r} is not a deltasync job of queue {queue_name}"
+        shown = repr(name) if len(repr(name)) <= 200 else repr(name)[:197] + "..."
+        return f"function {shown} is not a deltasync job of queue {queue_name}"
     if instance is not None:
         return f"{name} called on an object"
     saved = job.to_dict(include_meta=False, include_result=False)
