@@ -5,6 +5,7 @@ symlink inside a file store is refused, never written through."""
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -173,6 +174,28 @@ def test_a_retried_poison_step_is_recorded_and_announced_once(redis_url: str) ->
     events = [e for _, e in EventStream(r, run).read("0-0") if e is not None]
     assert [e.type for e in events] == ["step-failed"]
     assert not r.hexists(pending, "2")
+
+
+def test_oversized_records_planted_in_redis_are_not_parsed(redis_url: str) -> None:
+    """Records read back from Redis go through the bounded loader: a planted record past
+    its size limit is passed over, not decoded whole, and the well-formed ones still show."""
+    from pipeline.coord import problems
+    from pipeline.coord.connection import redis_client
+    from pipeline.format.bounded import MAX_REDIS_RECORD_BYTES
+    from pipeline.publish import dead_letters
+
+    r = redis_client(redis_url)
+    run = "planted"
+    pending = f"deltasync:run:{run}:pending-steps"
+    r.hset(pending, "1", "{}")
+    dead_letters.record(r, run, 1, "/x", ValueError("bad"), pending)
+    padded = {"reason": "r", "checkpoint": "/y", "time": "t", "pad": "x" * MAX_REDIS_RECORD_BYTES}
+    r.hset(f"deltasync:run:{run}:dead-steps", "2", json.dumps(padded))
+    assert [d.step for d in dead_letters.list_dead(r, run)] == [1]
+    problems.report_cache_damage(r, run, "host-a", 3, "w", "flipped")
+    big = {"version": 3, "tensor": "w", "note": "n", "time": "t", "count": 1}
+    r.hset(f"deltasync:run:{run}:cache-damage", "host-b", json.dumps({**big, "pad": padded["pad"]}))
+    assert [d.host for d in problems.list_cache_damage(r, run)] == ["host-a"]
 
 
 def test_a_fifo_named_as_a_checkpoint_is_refused_without_blocking(tmp_path: Path) -> None:

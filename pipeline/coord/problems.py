@@ -40,6 +40,8 @@ from pipeline.coord.keys import (
 )
 from pipeline.coord.replicas import DEFAULT_TTL_S, node_records
 from pipeline.coord.stream import EventStream, list_runs
+from pipeline.errors import CorruptObjectError, DeltasyncError
+from pipeline.format.bounded import MAX_REDIS_RECORD_BYTES, load_json
 
 MAX_ERROR_CHARS = 2000
 MAX_REFUSED = 1000  # refused-job records kept
@@ -56,6 +58,11 @@ class FailingReplica:
     failing_for_s: float
     last_s_ago: float  # since the last failure
     failures: int  # failed syncs in a row
+
+
+def _record(raw: bytes | str, key: str) -> Any:
+    """A JSON record read from Redis, bounded in size and nesting (CorruptObjectError)."""
+    return load_json(raw, max_bytes=MAX_REDIS_RECORD_BYTES, what=key, error=CorruptObjectError)
 
 
 def report_failure(
@@ -130,8 +137,8 @@ def report_cache_damage(
     with redis_errors(client, f"reporting state-cache damage of {run}"):
         raw: Any = client.hget(key, host)
         try:
-            count = int(json.loads(raw)["count"]) + 1 if raw else 1
-        except (ValueError, TypeError, KeyError):
+            count = int(_record(raw, key)["count"]) + 1 if raw else 1
+        except (DeltasyncError, TypeError, KeyError, ValueError):
             count = 1
         doc = {
             "version": int(version),
@@ -154,7 +161,7 @@ def list_cache_damage(client: redis.Redis, run: str) -> list[CacheDamage]:
     out: list[CacheDamage] = []
     for host, value in raw.items():
         try:
-            doc = json.loads(value)
+            doc = _record(value, key)
             out.append(
                 CacheDamage(
                     text(host),
@@ -165,7 +172,7 @@ def list_cache_damage(client: redis.Redis, run: str) -> list[CacheDamage]:
                     int(doc["count"]),
                 )
             )
-        except (ValueError, TypeError, KeyError, RecursionError):
+        except (DeltasyncError, ValueError, TypeError, KeyError):
             continue
     return sorted(out, key=lambda d: d.host)
 
@@ -223,8 +230,8 @@ def list_refused_jobs(client: redis.Redis, count: int = 5) -> tuple[int, list[Re
     out: list[RefusedJob] = []
     for _entry_id, fields in entries:
         try:
-            doc = json.loads({text(k): v for k, v in fields.items()}["job"])
+            doc = _record({text(k): v for k, v in fields.items()}["job"], key)
             out.append(RefusedJob(**{f.name: str(doc[f.name]) for f in fields_of(RefusedJob)}))
-        except (ValueError, TypeError, KeyError, RecursionError):
+        except (DeltasyncError, ValueError, TypeError, KeyError):
             continue
     return total, out

@@ -16,6 +16,9 @@ from pipeline.errors import DeltasyncError
 # Deeper than any document deltasync writes (a manifest nests 4 levels, an event 1),
 # far below the interpreter's recursion limit.
 MAX_JSON_DEPTH = 32
+# A record deltasync keeps in Redis (a dead step, a refused job, a damage report) is a
+# few hundred bytes; a larger one is not its own.
+MAX_REDIS_RECORD_BYTES = 64 * 1024
 _CONTAINERS = (dict, list)
 
 

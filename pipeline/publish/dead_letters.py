@@ -21,11 +21,13 @@ from pipeline.coord.events import StepFailed, now_iso
 from pipeline.coord.keys import dead_steps_key
 from pipeline.coord.stream import EventStream
 from pipeline.errors import (
+    CorruptObjectError,
     DeltasyncError,
     LockError,
     ServiceUnavailableError,
     StoreError,
 )
+from pipeline.format.bounded import MAX_REDIS_RECORD_BYTES, load_json
 from pipeline.versions.binding import StoreBindingError
 
 MAX_REASON = 300
@@ -105,7 +107,12 @@ def list_dead(client: redis.Redis, run: str) -> list[DeadStep]:
     for key, value in raw.items():
         try:
             step = int(key)
-            doc = json.loads(value)
+            doc = load_json(
+                value,
+                max_bytes=MAX_REDIS_RECORD_BYTES,
+                what=f"dead step {step}",
+                error=CorruptObjectError,
+            )
             args = doc.get("args")
             out.append(
                 DeadStep(
@@ -116,6 +123,6 @@ def list_dead(client: redis.Redis, run: str) -> list[DeadStep]:
                     args if isinstance(args, dict) else None,
                 )
             )
-        except (ValueError, TypeError, KeyError, RecursionError, AttributeError):
+        except (DeltasyncError, ValueError, TypeError, KeyError, AttributeError):
             continue
     return sorted(out, key=lambda d: d.step)
