@@ -35,7 +35,9 @@ def test_slowly_written_checkpoint_emits_once(redis_url: str, tmp_path: Path) ->
     env = deltasync_env(redis_url, tmp_path)
     watch = ["watch", str(folder), "--run", run, "--settle", "0.5"]
     with processes(env, tmp_path / "logs", watch=watch) as procs:
-        time.sleep(3)  # let the watcher start (importing torch takes a moment)
+        log = tmp_path / "logs" / "watch.log"
+        # Written only while the watcher runs: otherwise nothing here is tested.
+        wait_for(lambda: b"watching for checkpoints" in log.read_bytes(), "the watcher", 60)
         data = _checkpoint_bytes(1)
         target = folder / "model-100.safetensors"
         with target.open("wb") as f:
