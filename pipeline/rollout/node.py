@@ -23,14 +23,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pipeline import collector, metrics
-from pipeline.config import REPLICA_TTL_S
+from pipeline.config import REPLICA_TTL_S, Settings
 from pipeline.coord.stream import EventStream
 from pipeline.errors import (
     ChainError,
@@ -45,11 +45,13 @@ from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.hashes.scrub import Scrubbable, Scrubber, ScrubPace
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.matching import check_tensors
+from pipeline.format.signing import load_public_key
 from pipeline.rollout.early import EarlyParts
 from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor, stream_anchor_pieces
 from pipeline.rollout.report import Reporter
 from pipeline.rollout.state import read_state, remove_state, write_state
 from pipeline.rollout.stream import StreamFollower
+from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.targets.base import (
     EarlyProofStarter,
@@ -73,8 +75,28 @@ HANDOFF_WAIT_S = 0.02
 HANDOFF_IDLE_WAIT_S = 0.1
 
 
+# ``public_key``'s default: the verify key the settings (DELTASYNC_VERIFY_KEY) name, so
+# that a node built by hand checks signatures wherever one is configured.
+CONFIGURED: Literal["configured"] = "configured"
+
+
+def configured_public_key(settings: Settings | None = None) -> Ed25519PublicKey | None:
+    """The verify key ``settings`` (default: the environment's) name, or None."""
+    path = (settings or Settings.from_env()).verify_key_path
+    return load_public_key(path) if path is not None else None
+
+
+def state_path_for(data_dir: Path, run: str, node_id: str) -> Path:
+    """Where a node records the last version it applied (checked, never trusted)."""
+    return data_dir / "rollout" / run / f"{node_id}.json"
+
+
 class RolloutNode:
-    """Brings ``target`` to the head of ``run`` in ``store`` and keeps it there."""
+    """Brings ``target`` to the head of ``run`` in ``store`` and keeps it there.
+
+    :meth:`from_settings` wires everything the settings configure (store, Redis,
+    signatures, state file, early start, scrubbing). Built directly, a node still checks
+    signatures against the configured verify key unless ``public_key=None`` is passed."""
 
     def __init__(
         self,
@@ -89,7 +111,7 @@ class RolloutNode:
         poll_interval_s: float = 2.0,
         prefetch: bool = True,
         prefetch_depth: int = 2,
-        public_key: Ed25519PublicKey | None = None,
+        public_key: Ed25519PublicKey | Literal["configured"] | None = CONFIGURED,
         state_path: Path | None = None,
         heartbeat_interval_s: float = 5.0,
         replica_ttl_s: float = REPLICA_TTL_S,
@@ -111,7 +133,7 @@ class RolloutNode:
         self.poll_interval_s = poll_interval_s
         self.prefetch = prefetch
         self.prefetch_depth = max(1, prefetch_depth)
-        self.public_key = public_key
+        self.public_key = configured_public_key() if public_key == CONFIGURED else public_key
         self.state_path = state_path
         self.max_backoff_s = max_backoff_s
         self.progress = sys.stderr.isatty() if progress is None else progress
@@ -160,6 +182,44 @@ class RolloutNode:
             self.scrubber = Scrubber(target, scrub, self._on_scrub_mismatch)
 
     # -- public ----------------------------------------------------------------------
+
+    @classmethod
+    def from_settings(
+        cls,
+        run: str,
+        target: Target,
+        settings: Settings | None = None,
+        *,
+        store: ObjectStore | None = None,
+        redis: Any = None,
+        node_id: str = "node",
+        **options: Any,
+    ) -> RolloutNode:
+        """A node of ``run`` wired as ``settings`` (default: the environment's) say: the
+        store, the verify key, the state file, the replica TTL, early start and scrubbing;
+        ``redis`` (a client) adds events, hints and heartbeats. ``options`` are the
+        constructor's other keywords (``verify``, ``poll_interval_s``, ...)."""
+        settings = settings or Settings.from_env()
+        wired: dict[str, Any] = {
+            "public_key": configured_public_key(settings),
+            "state_path": state_path_for(settings.data_dir, run, node_id),
+            "replica_ttl_s": settings.replica_ttl_s,
+            "early_start": settings.early_start,
+            "scrub": (
+                ScrubPace(settings.scrub_minutes * 60, settings.scrub_cpu)
+                if settings.scrub_minutes > 0
+                else None
+            ),
+        }
+        if redis is not None:
+            wired.update(events=EventStream(redis, run), redis=redis)
+        return cls(
+            store if store is not None else open_store(settings.store_url),
+            run,
+            target,
+            node_id=node_id,
+            **{**wired, **options},
+        )
 
     @property
     def applied_version(self) -> int | None:

@@ -17,7 +17,6 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -30,7 +29,6 @@ from pipeline.coord.events import ReplicaError
 from pipeline.coord.replicas import forget_replica
 from pipeline.coord.stream import EventStream
 from pipeline.errors import DeltasyncError
-from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.format.manifest import Manifest
 from pipeline.format.signing import load_public_key
 from pipeline.logs import bind_context, configure_logging
@@ -53,11 +51,6 @@ log = structlog.get_logger(__name__)
 
 def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def state_path_for(data_dir: Path, run: str, node_id: str) -> Path:
-    """Where a node records the last version it applied (checked, never trusted)."""
-    return data_dir / "rollout" / run / f"{node_id}.json"
 
 
 def run_rollout(
@@ -181,28 +174,19 @@ def make_node(
 ) -> RolloutNode:
     """A rollout node of ``run`` with the process's settings (signatures, state file,
     replica TTL, early start unless ``early_start`` says)."""
-    return RolloutNode(
-        store,
+    options: dict[str, Any] = {} if early_start is None else {"early_start": early_start}
+    return RolloutNode.from_settings(
         run,
         target,
-        events=EventStream(client, run),
+        settings,
+        store=store,
         redis=client,
         node_id=node_id,
         verify=_verify_mode(verify),
         poll_interval_s=poll_interval_s,
         prefetch=prefetch,
-        public_key=(
-            load_public_key(settings.verify_key_path) if settings.verify_key_path else None
-        ),
-        state_path=state_path_for(settings.data_dir, run, node_id),
-        replica_ttl_s=settings.replica_ttl_s,
-        early_start=settings.early_start if early_start is None else early_start,
         on_applied=on_applied,
-        scrub=(
-            ScrubPace(settings.scrub_minutes * 60, settings.scrub_cpu)
-            if settings.scrub_minutes > 0
-            else None
-        ),
+        **options,
     )
 
 
@@ -252,4 +236,4 @@ def _signals_stop(stop: threading.Event) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-__all__ = ["default_node_id", "run_rollout", "state_path_for"]
+__all__ = ["default_node_id", "run_rollout"]
