@@ -21,7 +21,7 @@ from pipeline.coord.connection import redis_errors
 from pipeline.coord.events import check_run_name
 from pipeline.coord.keys import binding_key
 from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError
-from pipeline.format.bounded import load_json
+from pipeline.format.bounded import MAX_REDIS_RECORD_BYTES, load_json
 from pipeline.store.base import ObjectStore, put_if_absent, read_bounded
 from pipeline.versions.index import list_versions
 
@@ -94,11 +94,12 @@ def bound(client: Any, run: str) -> tuple[str, str] | None:
         raw = client.get(binding_key(run))
     if raw is None:
         return None
+    what = f"redis key {binding_key(run)}"
+    doc = load_json(raw, max_bytes=MAX_REDIS_RECORD_BYTES, what=what, error=ConfigError)
     try:
-        doc = json.loads(raw)
         return str(doc["store"]), str(doc["instance"])
-    except (ValueError, TypeError, KeyError, RecursionError):
-        raise ConfigError(f"redis key {binding_key(run)} is malformed") from None
+    except (TypeError, KeyError):
+        raise ConfigError(f"{what} is malformed") from None
 
 
 def check(client: Any, run: str, store: ObjectStore, instance: RunInstance | None) -> None:
