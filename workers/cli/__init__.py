@@ -6,5 +6,5 @@ import sys
 # in): 0.2-0.4 s of every command's start. The CLI never turns redis-py's telemetry on,
 # so the import is refused (redis-py then runs without it). `deltasync serve` keeps it:
 # the vLLM server in its process is the user's to instrument.
-if sys.argv[1:2] != ["serve"]:
-    sys.modules.setdefault("opentelemetry.sdk.metrics", None)
+if sys.argv[1:2] != ["serve"] and "opentelemetry.sdk.metrics" not in sys.modules:
+    sys.modules["opentelemetry.sdk.metrics"] = None  # type: ignore[assignment]  # import fails
