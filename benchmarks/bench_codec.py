@@ -159,7 +159,7 @@ def split_sizes(data: bytes) -> tuple[int, int]:
 
 
 def record_streams(record: dict[str, Any] | list[Any]) -> dict[str, int]:
-    """Role -> size of a record, in the object form (levels 1, 2) or the compact
+    """Role -> size of a record, in the object form (level 1) or the compact
     array form (level 3)."""
     if isinstance(record, dict):
         return dict(record["streams"])
@@ -216,7 +216,7 @@ def main() -> None:
     base = {k: v.to(args.device) for k, v in base.items()}
     new = {k: v.to(args.device) for k, v in new.items()}
     pairs = [(name, base[name], new[name]) for name in new]
-    objects = {level: encode_delta(pairs, level=level) for level in (1, 2, 3)}
+    objects = {level: encode_delta(pairs, level=level) for level in (1, 3)}
 
     def decode_apply(data: bytes, targets: State) -> None:
         obj = read_delta(data, object_name="bench")
@@ -294,8 +294,6 @@ def main() -> None:
         tasks[f"decode+apply_patch, level 1, {path}"] = switched(decode_task(objects[1]))
         if compiled:
             tasks["decode+apply_patch, level 3"] = decode_task(objects[3])
-    tasks["diff+encode, level 2"] = encode_task(2)
-    tasks["decode+apply, level 2"] = decode_task(objects[2])
     # The largest tensor alone, its chunks decoded on 1, 2 and 4 threads.
     # The largest tensor with the most changes (the embedding and the head tie in size).
     changes = {k: int((int_bits(base[k]) != int_bits(new[k])).sum()) for k in new}
@@ -340,9 +338,6 @@ def main() -> None:
         ("level 1 (default)", float(len(objects[1]))),
         ("  of which positions", float(split_sizes(objects[1])[0])),
         ("  of which contents", float(split_sizes(objects[1])[1])),
-        ("level 2 (exponent classes)", float(len(objects[2]))),
-        ("  of which positions", float(split_sizes(objects[2])[0])),
-        ("  of which contents", float(split_sizes(objects[2])[1])),
         ("level 3 (chunked, buckets)", float(len(objects[3]))),
         ("  of which chunked streams", float(split_sizes(objects[3])[0])),
         ("  of which magnitudes", float(split_sizes(objects[3])[1])),

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipeline.codec.names import ANCHOR_COMPRESSIONS, LEVELS
+from pipeline.codec.names import ANCHOR_COMPRESSIONS, LEVELS, RETIRED_LEVELS
 from pipeline.errors import ConfigError
 from pipeline.format.hashes import content_hashes
 
@@ -390,6 +390,8 @@ class Settings:
             _check_redis_url(self.redis_url)
         if "://" not in self.store_url:
             raise ConfigError(f"DELTASYNC_STORE: not a store URL: {self.store_url!r}")
+        if self.level in RETIRED_LEVELS:
+            raise ConfigError(f"DELTASYNC_LEVEL: {RETIRED_LEVELS[self.level]}")
         if self.level not in LEVELS:
             raise ConfigError(f"DELTASYNC_LEVEL: {self.level} is not one of {list(LEVELS)}")
         if self.part_bytes < 1:

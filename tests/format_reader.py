@@ -2,12 +2,11 @@
 
 It imports nothing of deltasync: only the standard library, numpy and zstandard
 (tests/test_format_spec.py checks that). It reads manifests and ``run.json``, anchor
-objects (both forms), and delta objects of levels 1 and 3 (level 2's ``classed`` is
-refused), applies them to a base, computes mixsum-128 and the signing payload, and
-rebuilds a version of a run from a store folder. xxh3-128 (the delta checksum, the
-state hash, the schema-1 content hash) is a hash this module does not implement: the
-caller passes a function computing it (``bytes -> 32 hex``), or None to skip those
-checks.
+objects (both forms), and delta objects of levels 1 and 3, applies them to a base,
+computes mixsum-128 and the signing payload, and rebuilds a version of a run from a
+store folder. xxh3-128 (the delta checksum, the state hash, the schema-1 content hash)
+is a hash this module does not implement: the caller passes a function computing it
+(``bytes -> 32 hex``), or None to skip those checks.
 
 Tensors are held as their *bits*: a flat numpy array of the unsigned integer of their
 width, with the dtype name and shape beside it.
@@ -223,7 +222,6 @@ ROLES = {
     "sparse": ("unary", "fixed"),
     "bitmap": ("mask",),
     "dense": ("values",),
-    "classed": ("unary", "fixed"),
     "chunked": ("table", "bits", "mags"),
 }
 CONTENTS = {"planes": ("values",), "signmag": ("sign", "big_unary", "big_fixed", "mags")}
@@ -265,6 +263,8 @@ def read_delta(data: bytes, xxh3: Xxh3 = None) -> tuple[int, list[Record]]:
         )
         if metadata["checksum"] != "xxh3-128:" + xxh3(payload):
             raise FormatError("checksum mismatch")
+    if level_text not in ("1", "3"):
+        raise FormatError(f"delta level {level_text!r} is not 1 or 3")
     level = int(level_text)
     rows = json.loads(tensors)
     records: list[Record] = []

@@ -102,7 +102,7 @@ def walked_names(data: bytes, bases: dict[str, torch.Tensor]) -> list[str]:
     return [t.name for t in delta.tensors if delta.walks(t.name, bases[t.name])]
 
 
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, 3])
 def test_a_batch_gathers_what_one_at_a_time_does_and_its_digests_are_full_hashes(
     level: int,
 ) -> None:
@@ -113,7 +113,7 @@ def test_a_batch_gathers_what_one_at_a_time_does_and_its_digests_are_full_hashes
     delta = read_delta(data)
     walked = walked_names(data, bases)
     methods = {t.name: r for t in delta.tensors for r in [delta._records[t.name].params]}
-    # Other encodings (level 2 codes float positions per class of the base) are taken
+    # Other encodings (level 3 codes float positions per bucket of the base) are taken
     # one at a time.
     assert len(walked) >= len(pairs) // 2
     assert {methods[n].get("contents") for n in walked} == {"signmag", "planes"}

@@ -84,17 +84,15 @@ def pinned_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 # differences +-1 instead of 2 in 3 (an encoder's choice: i64.sparse changed method).
 PINNED = {
     1: "ec64b661cf767dd5a47ad45ebf74bc8abe1c35b518f12b19f16ece64c76b90a2",
-    2: "da1d364b4d7b2a584500fb289a8ff4127ef423b6c3f79768543a710ee224d84a",
 }
-# What they were before, levels 1, 2 and 3: stores hold such objects.
+# What they were before, levels 1 and 3: stores hold such objects.
 PINNED_TWO_THIRDS = {
     1: "beabbfcdeb67247b7931d17c0b233dd050730d96a3068015c30b23370745208b",
-    2: "1ec66d4db1af119a6bc016614f63ccde94883e46b902caed47a841592576575f",
     3: "102c20d60ab4a8a9d66f01249935dc48e7814c46a2a2361374d5a73658577ea8",
 }
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [1, 3])
 def test_objects_written_under_the_two_thirds_rule_still_decode(
     level: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,14 +118,13 @@ def test_objects_written_under_the_two_thirds_rule_still_decode(
                 assert torch.equal(bits(target), bits(new)), name
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_encoding_is_pinned(level: int) -> None:
+def test_encoding_is_pinned() -> None:
     pairs = pinned_pairs()
     encodings = set()
     for enabled in PATHS:
         with compiled_kernels(enabled):
-            data = encode_delta(pairs, level=level)
-            assert hashlib.sha256(data).hexdigest() == PINNED[level]
+            data = encode_delta(pairs, level=1)
+            assert hashlib.sha256(data).hexdigest() == PINNED[1]
             obj = read_delta(data, object_name="pinned")
             for name, base, new in pairs:
                 target = base.clone()
@@ -135,12 +132,8 @@ def test_encoding_is_pinned(level: int) -> None:
                 assert torch.equal(bits(target), bits(new))
     for record in json.loads(read_container(data, "pinned").metadata["tensors"]):
         encodings.add((record["encoding"], record["params"].get("contents")))
-    expected = {("sparse", "signmag"), ("bitmap", "signmag"), ("dense", None), ("same", None)}
-    if level == 1:
-        expected.add(("sparse", "planes"))
-    else:
-        expected |= {("classed", "signmag"), ("classed", "planes")}
-    assert expected <= encodings
+    expected = {("sparse", "signmag"), ("sparse", "planes"), ("bitmap", "signmag")}
+    assert expected | {("dense", None), ("same", None)} <= encodings
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -306,23 +299,21 @@ def _one_call_edge_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_one_call_encoder_matches_the_reference_path(level: int) -> None:
+def test_one_call_encoder_matches_the_reference_path() -> None:
     if len(PATHS) < 2:
         pytest.skip("compiled kernels unavailable")
     pairs = _one_call_edge_pairs()
     objects = []
     for enabled in PATHS:
         with compiled_kernels(enabled):
-            objects.append(encode_delta(pairs, level=level))
+            objects.append(encode_delta(pairs))
     assert objects[0] == objects[1]
     records = json.loads(read_container(objects[0], "edges").metadata["tensors"])
     kinds = {r["name"]: (r["encoding"], r["params"].get("contents")) for r in records}
     assert kinds["bitmap"][0] == "bitmap"
     assert kinds["planes"][1] == "planes"
-    assert kinds["int32"] == ("sparse", "signmag")  # no exponent: sparse at level 2 too
-    positions = "sparse" if level == 1 else "classed"
-    assert kinds["long_gaps"][0] == kinds["past_capacity"][0] == positions
+    assert kinds["int32"] == ("sparse", "signmag")
+    assert kinds["long_gaps"][0] == kinds["past_capacity"][0] == "sparse"
     obj = read_delta(objects[0], object_name="edges")
     for name, base, new in pairs:
         target = base.clone()
@@ -365,9 +356,8 @@ def _split_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
-@pytest.mark.parametrize("level", [1, 2])
 def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
-    level: int, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Tensors are encoded largest first on a pool, the largest scanned in pieces
     by every thread and then coded beside their ``on_changes``: the object is byte
@@ -397,7 +387,7 @@ def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
             seen[name] = (where.tobytes(), diff.tobytes(), old.tobytes())
             calls.append(name)
 
-        objects.append(encode_delta(pairs, level=level, on_changes=hook))
+        objects.append(encode_delta(pairs, on_changes=hook))
         changes.append(seen)
         assert sorted(calls) == sorted(seen)
     assert objects[0] == objects[1]
@@ -414,10 +404,9 @@ def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
     contents_of = {r["name"]: r["params"].get("contents") for r in records}
     assert contents_of["large.uniform"] == "signmag"
     assert contents_of["large.threes"] == "planes"  # after the split coding gave up
-    if level == 1:  # level 2 codes bf16 positions per exponent class, unsplit
-        # Pieces ran for the four large tensors; the crowded one went back to one thread.
-        assert len(split_results) == 4
-        assert sum(r is None for r in split_results) == 1
+    # Pieces ran for the four large tensors; the crowded one went back to one thread.
+    assert len(split_results) == 4
+    assert sum(r is None for r in split_results) == 1
     obj = read_delta(objects[1], object_name="split")
     assert [t.name for t in obj.tensors] == [n for n, _, _ in pairs]
     for name, base, new in pairs:

@@ -49,7 +49,7 @@ def test_environment_is_parsed(tmp_path: Path) -> None:
         "DELTASYNC_STORE": "s3://bucket/prefix",
         "DELTASYNC_STAGING": str(tmp_path / "stage"),
         "DELTASYNC_CACHE": str(tmp_path / "cache"),
-        "DELTASYNC_LEVEL": "2",
+        "DELTASYNC_LEVEL": "3",
         "DELTASYNC_COMPACT_MAX_CHAIN": " 7 ",
         "DELTASYNC_COMPACT_MAX_FRACTION": "0.25",
         "DELTASYNC_KEEP_ANCHORS": "3",
@@ -65,7 +65,7 @@ def test_environment_is_parsed(tmp_path: Path) -> None:
     assert s.store_url == "s3://bucket/prefix"
     assert s.staging_dir == tmp_path / "stage"
     assert s.cache_dir == tmp_path / "cache"
-    assert (s.level, s.max_chain, s.keep_anchors) == (2, 7, 3)
+    assert (s.level, s.max_chain, s.keep_anchors) == (3, 7, 3)
     assert (s.max_delta_fraction, s.replica_ttl_s) == (0.25, 30.5)
     assert s.signing_key_path == key and s.signing_key() == key.read_bytes()
     assert s.verify_key() == key.read_bytes()
@@ -75,7 +75,7 @@ def test_environment_is_parsed(tmp_path: Path) -> None:
 def test_overrides_win_and_none_means_not_given(tmp_path: Path) -> None:
     env = {
         "DELTASYNC_HOME": str(tmp_path),
-        "DELTASYNC_LEVEL": "2",
+        "DELTASYNC_LEVEL": "3",
         "DELTASYNC_REDIS_URL": "redis://env:6379/0",
     }
     s = Settings.from_env(env, level=1, redis_url=None, store_url=str(tmp_path / "elsewhere"))
@@ -104,6 +104,7 @@ def test_empty_variables_count_as_unset(tmp_path: Path) -> None:
         ("DELTASYNC_REDIS_URL", "unix://"),
         ("DELTASYNC_LEVEL", "fast"),
         ("DELTASYNC_LEVEL", "9"),
+        ("DELTASYNC_LEVEL", "2"),
         ("DELTASYNC_LEVEL", "1.5"),
         ("DELTASYNC_COMPACT_MAX_CHAIN", "0"),
         ("DELTASYNC_COMPACT_MAX_CHAIN", "-3"),
@@ -131,6 +132,12 @@ def test_bad_values_name_the_variable(tmp_path: Path, variable: str, value: str)
     assert message.startswith(variable)
     assert "\n" not in message
     assert "secret" not in message
+
+
+def test_a_retired_codec_level_says_what_to_use_instead(tmp_path: Path) -> None:
+    advice = "level 2 is no longer supported; republish with level 1 or 3"
+    with pytest.raises(ConfigError, match=advice):
+        Settings.from_env({"DELTASYNC_HOME": str(tmp_path), "DELTASYNC_LEVEL": "2"})
 
 
 def test_bad_typed_overrides(tmp_path: Path) -> None:

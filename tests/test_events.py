@@ -38,7 +38,7 @@ RUN = "run-1"
 
 def sample_events(run: str = RUN) -> list[Event]:
     return [
-        StepCompleted.now(run=run, version=0, checkpoint="/staging/step-0", owned=True, level=2),
+        StepCompleted.now(run=run, version=0, checkpoint="/staging/step-0", owned=True, level=3),
         StepCompleted(run=run, version=1, checkpoint="s3://b/ckpt", owned=False, level=None),
         StepFailed.now(run=run, version=3, reason="TypeError: not a path", checkpoint="?"),
         JobRefused.now(

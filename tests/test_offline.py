@@ -40,7 +40,7 @@ def test_round_trip(tmp_path: Path, sharded: bool) -> None:
     a, b, new = _training_pair(tmp_path, sharded=sharded)
     if sharded:
         (a / "config.json").write_text('{"model_type": "llama"}')
-    summary = create_delta(a, b, tmp_path / "d", level=2, part_bytes=50_000)
+    summary = create_delta(a, b, tmp_path / "d", level=3, part_bytes=50_000)
     assert 0 < summary.changed < summary.total
     assert summary.bytes < sum(t.numel() * t.element_size() for t in new.values())
     manifest = parse_manifest((tmp_path / "d" / MANIFEST_NAME).read_bytes())

@@ -95,11 +95,11 @@ def test_partition_is_fixed_by_the_first_anchor(file_store: FileStore, tmp_path:
     anchor = chain.load_manifest(file_store, trainer.run, "anchor", 0)
     path = trainer.checkpoint(1, sharded=True)  # a different file layout, too
     result = publish_step(
-        file_store, trainer.run, 1, path, trainer.cache, level=2, part_bytes=1 << 30
+        file_store, trainer.run, 1, path, trainer.cache, level=3, part_bytes=1 << 30
     )
     assert result.manifest is not None
     assert result.manifest.parts() == anchor.parts()
-    assert result.manifest.codec.level == 2
+    assert result.manifest.codec.level == 3
     compacted = compact(file_store, trainer.run)
     assert compacted.parts() == anchor.parts()
     trainer.assert_rebuilds(1)

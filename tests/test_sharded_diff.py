@@ -290,7 +290,7 @@ def test_partition_of_a_rank_follows_its_sidecar_split_by_part_bytes(tmp_path: P
 
 def test_box_pieces_in_process(redis_url: str, tmp_path: Path) -> None:
     """Ranks holding boxes (FSDP x TP on a 2 x 2 mesh): anchor, deltas of levels 1 and
-    2, a rebuilt rank cache and a compaction, each version bit for bit; a torch
+    3, a rebuilt rank cache and a compaction, each version bit for bit; a torch
     replica follows them, and a delta whose boxes are swapped is refused unwritten."""
     client = redis_client(redis_url)
     store = open_store(f"file://{tmp_path / 'store'}")
@@ -308,7 +308,8 @@ def test_box_pieces_in_process(redis_url: str, tmp_path: Path) -> None:
     assert node.step_once() == 0
     for step in (1, 2):
         checkpoint = stage(client, hosts.staging, step, states[step], boxes=True)
-        manifest = hosts.publish(step, checkpoint, level=step, here="ha" if step == 2 else None)
+        level = 2 * step - 1  # codec levels 1 and 3
+        manifest = hosts.publish(step, checkpoint, level=level, here="ha" if step == 2 else None)
         assert all(e.changed > 0 for e in manifest.tensors), "every tensor touched"
         check_version(store, step, states[step], boxes=True)
         assert node.step_once() == step
@@ -391,9 +392,10 @@ def test_sharded_versions_in_process(
 
     for step in (1, 2):
         checkpoint = stage(client, hosts.staging, step, states[step])
-        # Codec levels 1 and 2; at step 2 the coordinator serves hb and does hb's parts.
-        manifest = hosts.publish(step, checkpoint, level=step, here="hb" if step == 2 else None)
-        assert manifest.codec.level == step
+        # Codec levels 1 and 3; at step 2 the coordinator serves hb and does hb's parts.
+        level = 2 * step - 1
+        manifest = hosts.publish(step, checkpoint, level=level, here="hb" if step == 2 else None)
+        assert manifest.codec.level == level
         assert manifest.parent == step - 1
         assert sorted(o.key for o in manifest.objects) == sorted(o.key for o in anchor.objects)
         assert (

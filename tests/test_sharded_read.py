@@ -47,7 +47,7 @@ def store(tmp_path: Path) -> FileStore:
     return FileStore(tmp_path / "store")
 
 
-@pytest.fixture(params=[1, 2, 3], ids=["level1", "level2", "level3"])
+@pytest.fixture(params=[1, 3], ids=["level1", "level3"])
 def level(request: pytest.FixtureRequest) -> int:
     return int(request.param)
 

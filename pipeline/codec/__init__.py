@@ -30,8 +30,7 @@ the records and every entry). Each tensor with changes has one 1-d uint8 entry
 named after it holding its streams back to back. Tensors are compared in the
 integer view of their width; contents are the differences new - base of those
 integers (wrapping), so decoding needs the exact base. Encodings: ``same``,
-``sparse`` (Rice-coded gaps), ``classed`` (gaps per exponent class of the base
-value, level 2), ``bitmap`` (zstd of the change mask), ``dense`` (zstd byte
+``sparse`` (Rice-coded gaps), ``bitmap`` (zstd of the change mask), ``dense`` (zstd byte
 planes of every difference), ``chunked`` (level 3: chunks of 2**20 elements
 that decode independently, each with its positions coded per magnitude bucket
 of the base value and its contents; streams ``table``, ``bits``, ``mags``, see

@@ -23,7 +23,7 @@ from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.container import read_container, write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.level3 import chunked, chunked_torch
-from pipeline.codec.names import CODEC_NAME, CODEC_VERSION, DEFAULT_LEVEL, LEVELS
+from pipeline.codec.names import CODEC_NAME, CODEC_VERSION, DEFAULT_LEVEL, LEVELS, RETIRED_LEVELS
 from pipeline.codec.records import TensorRecord, parse_record
 from pipeline.codec.tensorcodec import (
     DamagedStreamError,
@@ -59,7 +59,7 @@ class EncodedTensorInfo:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    encoding: str  # "same" | "sparse" | "bitmap" | "dense" (+ level-specific variants)
+    encoding: str  # "same" | "sparse" | "bitmap" | "dense" | "chunked" (level 3)
     changed: int
     nbytes: int  # payload bytes for this tensor in the object
 
@@ -256,7 +256,7 @@ class DeltaObject:
         ``name``'s changed elements, from the streams alone: ``base`` (any device)
         gives the size and is not read. What a content hash updated from the changes
         needs, with the old contents gathered once. None where the positions depend
-        on the base's contents (level 2's ``classed``)."""
+        on the base's contents (level 3's ``chunked``)."""
         found = self._differences(name, base)
         if found is not None:
             return found
@@ -567,6 +567,8 @@ def encode_delta(
     second pass over the changes nor over the base. Every pair is checked before
     any is encoded; the tensors are then encoded on ENCODE_THREADS threads, the
     largest first, and the scans of the largest in pieces on all of them."""
+    if level in RETIRED_LEVELS:
+        raise CodecError(f"codec {CODEC_NAME}: {RETIRED_LEVELS[level]}")
     if level not in LEVELS:
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
     entries: dict[str, npt.NDArray[np.uint8]] = {}
@@ -694,6 +696,9 @@ def read_delta(data: bytes, *, object_name: str = "<delta>") -> DeltaObject:
         raise CorruptObjectError(
             f"delta object {object_name}: checksum mismatch, object is damaged"
         )
+    retired = {str(x): why for x, why in RETIRED_LEVELS.items()}.get(level_text)
+    if retired is not None:
+        raise CodecError(f"delta object {object_name}: {retired}")
     if level_text not in {str(x) for x in LEVELS}:
         raise CorruptObjectError(f"delta object {object_name}: bad level {level_text!r}")
     raw_records = load_json(

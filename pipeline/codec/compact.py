@@ -1,6 +1,6 @@
 """Level 3's container layout, smaller for models of many small tensors.
 
-Levels 1 and 2 write one JSON object per tensor record and one safetensors entry
+Level 1 writes one JSON object per tensor record and one safetensors entry
 per changed tensor (each entry costs a header line naming the tensor again, its
 dtype, shape and offsets). Level 3 writes each record as a JSON array
 ``[name, dtype, shape, encoding, changed, [stream sizes in role order], params]``

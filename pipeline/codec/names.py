@@ -5,6 +5,8 @@ from __future__ import annotations
 
 CODEC_NAME = "deltasync-bitdelta"
 CODEC_VERSION = 1
-LEVELS = (1, 2, 3)
+LEVELS = (1, 3)
+# Levels once written and no longer read: their objects are refused with this advice.
+RETIRED_LEVELS = {2: "level 2 is no longer supported; republish with level 1 or 3"}
 DEFAULT_LEVEL = 1
 ANCHOR_COMPRESSIONS = ("none", "zstd")

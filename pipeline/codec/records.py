@@ -146,13 +146,7 @@ def _check_streams(rec: TensorRecord, streams: dict[str, U8]) -> str | None:
         if contents.frame_content_size(streams["values"]) != rec.numel * width:
             return "contents frame does not declare the tensor's size"
         return None
-    exponent_top = rec.info.exponent[1] if rec.info.exponent else None
     reason = positions.check_positions(
-        rec.encoding,
-        streams,
-        rec.params,
-        changed=rec.changed,
-        numel=rec.numel,
-        exponent_top=exponent_top,
+        rec.encoding, streams, rec.params, changed=rec.changed, numel=rec.numel
     )
     return reason or contents.check_contents(streams, rec.params, rec.changed, width)

@@ -124,31 +124,6 @@ def gaps_to_positions(gaps: I64) -> I64:
     return np.cumsum(gaps + 1) - 1
 
 
-def unary_bits(quotients: I64) -> U8:
-    """Unpacked unary codes (one uint8 per bit), for concatenating several groups."""
-    if quotients.size == 0:
-        return np.zeros(0, np.uint8)
-    ends = np.cumsum(quotients + 1) - 1
-    bits = np.zeros(int(ends[-1]) + 1, np.uint8)
-    bits[ends] = 1
-    return bits
-
-
-def fixed_bits(values: I64, width: int) -> U8:
-    if width == 0 or values.size == 0:
-        return np.zeros(0, np.uint8)
-    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
-    return ((values[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1)
-
-
-def bits_to_ints(bits: U8, count: int, width: int) -> I64:
-    if width == 0:
-        return np.zeros(count, np.int64)
-    shifts = np.arange(width - 1, -1, -1, dtype=np.int64)
-    out: I64 = (bits.reshape(-1, width).astype(np.int64) << shifts).sum(axis=1)
-    return out
-
-
 def _guess_param(count: int, span: int) -> int:
     """Rice parameter near the optimum for ``count`` gaps summing to ``span``."""
     mean = span / max(count, 1)

@@ -3,7 +3,6 @@
 Encodings (the smallest wins per tensor):
 - ``same``: nothing changed, no streams.
 - ``sparse``: positions as Rice-coded gaps, then contents.
-- ``classed`` (level 2): positions coded per exponent class of the base value.
 - ``bitmap``: zstd of the packed change mask, then contents.
 - ``dense``: zigzagged difference of every element as zstd byte planes.
 - ``chunked`` (level 3): independent chunks, positions per magnitude bucket of
@@ -29,13 +28,13 @@ from pipeline.codec import contents, positions, rice
 from pipeline.codec.compiled import fused, kernels
 from pipeline.codec.dtypes import DtypeInfo
 from pipeline.codec.level3 import chunked
-from pipeline.codec.positions import ClassIndex, to_numpy
+from pipeline.codec.positions import to_numpy
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
 AnyUInt = npt.NDArray[np.unsignedinteger]
 
-ENCODINGS = ("same", "sparse", "classed", "bitmap", "dense", "chunked")
+ENCODINGS = ("same", "sparse", "bitmap", "dense", "chunked")
 BITMAP_MIN_DENSITY = 1 / 32
 DENSE_MIN_DENSITY = 1 / 4
 # A tensor this large has its scan cut into pieces that idle encoding threads help
@@ -209,12 +208,7 @@ def encode_tensor(
     if level >= 3:
         return _encode_chunked(chunked.encoder(), base_flat, new_flat, info, on_changes)
     compiled = fused.get()
-    if (
-        compiled is not None
-        and base_flat.device.type == "cpu"
-        and info.width <= 4
-        and (level == 1 or info.exponent is None)
-    ):
+    if compiled is not None and base_flat.device.type == "cpu" and info.width <= 4:
         base_np = base_flat.numpy().view(info.unsigned)
         new_np = new_flat.numpy().view(info.unsigned)
         encoded, scanned, hooked = _encode_sparse_compiled(
@@ -241,12 +235,6 @@ def encode_tensor(
     if changed < numel:
         streams, params = positions.encode_sparse(where)
         candidates.append(Encoded("sparse", changed, streams, params))
-        if level >= 2 and info.exponent is not None:
-            index = ClassIndex.build(base_flat, info)
-            shift, top = info.exponent
-            classes = ((old >> shift) & top).astype(np.int64)
-            streams, params = positions.encode_classed(where, classes, index)
-            candidates.append(Encoded("classed", changed, streams, params))
     if changed >= numel * BITMAP_MIN_DENSITY:
         mask = np.zeros(numel, bool)
         mask[where] = True
@@ -521,11 +509,8 @@ def decode_tensor(
                 return where, new
             if encoding == "sparse":
                 where = positions.decode_sparse(streams, params, changed, numel)
-            elif encoding == "bitmap":
-                where = positions.decode_bitmap(streams, changed, numel)
             else:
-                index = ClassIndex.build(base_flat, info)
-                where = positions.decode_classed(streams, params, changed, index)
+                where = positions.decode_bitmap(streams, changed, numel)
             if where.size and int(where[-1]) >= numel:
                 raise DamagedStreamError(
                     f"position {int(where[-1])} is out of range for {numel} elements"
@@ -583,7 +568,7 @@ def decode_differences(
     info: DtypeInfo,
 ) -> tuple[I64, AnyUInt] | None:
     """(positions, new - base modulo the element width, unsigned) of the changed
-    elements, from the streams alone: the base is not read. None for ``classed``,
+    elements, from the streams alone: the base is not read. None for ``chunked``,
     whose positions depend on the base's contents."""
     unsigned = info.unsigned
     try:

@@ -276,7 +276,7 @@ def updated_hashes(
         if found is not None:  # the base read at the changed positions, once
             out[name] = algorithm.gathered(held[name], flat, *found, region)[0]
             continue
-        patch = delta.decode(name, base)  # level 2's classed positions need the base
+        patch = delta.decode(name, base)  # level 3's chunked positions need the base
         old = flat.index_select(0, patch.positions.to(flat.device))
         where = patch.positions if region is None else region.positions(patch.positions)
         out[name] = algorithm.updated(held[name], where, old, patch.values, base.element_size())

@@ -156,7 +156,7 @@ def prove_pieced(
                 at = region.positions(at.to(flat.device))
                 old, new = old.to(flat.device), new.to(flat.device)
             else:
-                # Level 2's classed positions depend on the base: decoded against it.
+                # Level 3's chunked positions depend on the base: decoded against it.
                 patch = guarded(delta.decode, entry, part)
                 at = patch.positions.to(flat.device)
                 if at.numel() and (int(at[0]) < 0 or int(at[-1]) >= piece.numel):

@@ -430,7 +430,7 @@ def _incremental_one(
             raise CorruptObjectError(f"tensor {entry.name}: {exc}") from None
         patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), where, new)
         return HashedPatch(patch, old, digest)
-    # Level 2's classed positions depend on the base: decoded against it.
+    # Level 3's chunked positions depend on the base: decoded against it.
     patch = decode_entry(delta, entry, held)
     positions = patch.positions.to(flat.device)
     if positions.numel() and (int(positions[0]) < 0 or int(positions[-1]) >= flat.numel()):

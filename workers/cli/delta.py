@@ -29,22 +29,22 @@ def delta() -> None:
 @click.option("--out", required=True, type=_PATH, help="Delta folder to write.")
 @click.option(
     "--level",
-    type=click.IntRange(min(LEVELS), max(LEVELS)),
-    default=DEFAULT_LEVEL,
+    type=click.Choice([str(level) for level in LEVELS]),
+    default=str(DEFAULT_LEVEL),
     show_default=True,
-    help="Codec level: 1 codes positions on their own; 2 also conditions them on the "
-    "base's exponent classes (smaller, a little slower).",
+    help="Codec level: 1 codes positions on their own; 3 also conditions them on the "
+    "base's magnitudes, in chunks that decode independently (smaller).",
 )
-def create(base: Path, new: Path, out: Path, level: int) -> None:
+def create(base: Path, new: Path, out: Path, level: str) -> None:
     """Encode the bitwise difference from BASE to NEW into the folder OUT.
 
     \b
     Example:
-      deltasync delta create --base a.safetensors --new b.safetensors --out d/ --level 2
+      deltasync delta create --base a.safetensors --new b.safetensors --out d/ --level 3
     """
     from pipeline.publish import offline
 
-    summary = offline.create_delta(base, new, out, level=level)
+    summary = offline.create_delta(base, new, out, level=int(level))
     click.echo(
         f"wrote {out}: {summary.changed:,} of {summary.total:,} elements changed "
         f"({100 * summary.changed / max(summary.total, 1):.2f}%), {summary.bytes:,} bytes"

@@ -1,1 +1,1 @@
-"""The compiled kernels of levels 1 and 2 (numba, loaded by name) and their constants."""
+"""The compiled kernels of level 1 (numba, loaded by name) and their constants."""
