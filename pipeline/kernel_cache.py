@@ -46,7 +46,7 @@ KERNEL_SOURCES = (
     "codec/compiled/fused_jit.py",
     "codec/compiled/kernels_jit.py",
     "codec/level3/chunked_jit.py",
-    "format/hashes/mixsum.py",
+    "format/hashes/mixsum_keys.py",
     "format/hashes/mixsum_jit.py",
     "targets/confirmed_jit.py",
 )

@@ -31,9 +31,8 @@ from pipeline.format.manifest import Manifest, object_key
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.targets.base import ApplyReport, EarlyProofStarter, TensorSpec, VerifyMode
+from pipeline.targets.base import ApplyReport, EarlyProof, EarlyProofStarter, TensorSpec, VerifyMode
 from pipeline.targets.early_proofs import BackgroundProofs
-from pipeline.targets.proving import EarlyProof
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 from pipeline.versions import chain

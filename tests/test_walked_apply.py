@@ -13,8 +13,9 @@ import torch
 from pipeline.codec import DeltaObject, HashedPatch, encode_delta, read_delta
 from pipeline.errors import MismatchError, TargetError
 from pipeline.format.hashes.hashing import content_hash
+from pipeline.targets.base import ProvenDigest
 from pipeline.targets.patching import int_view, split_for_two_writers
-from pipeline.targets.proving import ProvenDigest, decode_and_prove
+from pipeline.targets.proving import decode_and_prove
 from pipeline.targets.torch import TorchTarget
 from pipeline.targets.walking import Walk, written_patch
 from tests.test_torch_target import (

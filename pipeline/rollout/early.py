@@ -33,8 +33,7 @@ from pipeline.errors import CorruptObjectError, DeltasyncError
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.store.base import ObjectStore
-from pipeline.targets.base import EarlyProofStarter, EarlyProver
-from pipeline.targets.proving import EarlyProof
+from pipeline.targets.base import EarlyProof, EarlyProofStarter, EarlyProver
 
 log = structlog.get_logger("pipeline.rollout.node")
 

@@ -8,27 +8,53 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from pipeline.codec.api import HashedPatch
+from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.manifest import Manifest, Piece
 from pipeline.format.tensors import TensorSpec
 
 __all__ = [
     "ApplyReport",
+    "EarlyProof",
     "EarlyProofStarter",
     "EarlyProver",
+    "EarlyResult",
     "PieceLoader",
+    "ProvenDigest",
     "Target",
     "TensorSpec",
     "VerifyMode",
 ]
 
-if TYPE_CHECKING:
-    from pipeline.targets.proving import EarlyProof
-
 VerifyMode = Literal["touched", "all", "none"]
+
+
+@dataclass(frozen=True)
+class ProvenDigest:
+    """An early proof that kept only the hash after the patch (the tensor is walked
+    when written, see :mod:`pipeline.targets.walking`)."""
+
+    digest: str
+    changed: int
+
+
+EarlyResult = HashedPatch | ProvenDigest
+
+
+@dataclass(frozen=True)
+class EarlyProof:
+    """A delta object decoded and hashed against a target's held weights before its
+    manifest was read: what :func:`prove_entries` would compute for its tensors."""
+
+    key: str  # the object's key in its version folder
+    sha256: str  # of the object's bytes
+    generation: str  # the target and its write count when made: stale after a write
+    hashed: dict[str, EarlyResult]
+    content_hash: str = XXH3  # the algorithm of its digests: others' proofs are ignored
 
 
 @dataclass(frozen=True)

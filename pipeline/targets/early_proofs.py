@@ -19,9 +19,9 @@ import structlog
 import torch
 
 from pipeline.format.hashes.content_hashes import XXH3_ALGORITHM, HashAlgorithm
+from pipeline.targets.base import EarlyProof
 from pipeline.targets.proving import (
     DEFAULT_PATCH_MEMORY_BYTES,
-    EarlyProof,
     PatchAllowance,
     prove_object,
     prove_object_incremental,

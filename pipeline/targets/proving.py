@@ -23,7 +23,7 @@ from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
 from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.format.hashes.content_hashes import XXH3, HashAlgorithm
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
-from pipeline.targets.base import TensorSpec
+from pipeline.targets.base import EarlyProof, EarlyResult, ProvenDigest, TensorSpec
 from pipeline.targets.patching import (
     changed_entries,
     check_objects,
@@ -39,18 +39,6 @@ from pipeline.targets.patching import (
 from pipeline.targets.walking import Walk
 
 _R = TypeVar("_R")
-
-
-@dataclass(frozen=True)
-class ProvenDigest:
-    """An early proof that kept only the hash after the patch (the tensor is walked
-    when written, see :mod:`pipeline.targets.walking`)."""
-
-    digest: str
-    changed: int
-
-
-EarlyResult = HashedPatch | ProvenDigest
 
 
 # Decoded patches (positions, new and old contents: about 12 bytes per changed bf16
@@ -504,18 +492,6 @@ def _to_device(hashed: HashedPatch, device: torch.device) -> HashedPatch:
 def _check_digest(entry: TensorEntry, digest: str) -> None:
     if digest != entry.hash:
         raise hash_mismatch(entry.name, digest, entry.hash)
-
-
-@dataclass(frozen=True)
-class EarlyProof:
-    """A delta object decoded and hashed against a target's held weights before its
-    manifest was read: what :func:`prove_entries` would compute for its tensors."""
-
-    key: str  # the object's key in its version folder
-    sha256: str  # of the object's bytes
-    generation: str  # the target and its write count when made: stale after a write
-    hashed: dict[str, EarlyResult]
-    content_hash: str = XXH3  # the algorithm of its digests: others' proofs are ignored
 
 
 def prove_object(

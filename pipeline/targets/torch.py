@@ -31,7 +31,7 @@ from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.format.matching import check_tensors
 from pipeline.format.regions import Region, tiling_error
-from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
+from pipeline.targets.base import ApplyReport, EarlyProof, EarlyResult, TensorSpec, VerifyMode
 from pipeline.targets.patching import (
     apply_verified,
     check_objects,
@@ -42,8 +42,6 @@ from pipeline.targets.patching import (
 from pipeline.targets.pieced import AnchorPiece, prove_pieced
 from pipeline.targets.proving import (
     DEFAULT_PATCH_MEMORY_BYTES,
-    EarlyProof,
-    EarlyResult,
     PatchAllowance,
     ProvenPatches,
     decode_and_prove,

@@ -39,11 +39,10 @@ import torch
 
 from pipeline import cpus
 from pipeline.errors import CorruptObjectError
+from pipeline.format.hashes.mixsum_keys import KEYS
 from pipeline.format.tensors import UNSIGNED
 
 NAME = "mixsum-128"
-# k0 (positions), k1 (lane A), k2 (lane B), k3 (odd multiplier of the bits, lane B).
-KEYS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89 | 1)
 _MASK = (1 << 64) - 1
 _SIGNED_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

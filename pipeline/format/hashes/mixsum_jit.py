@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import kernel_cache
-from pipeline.format.hashes.mixsum import KEYS
+from pipeline.format.hashes.mixsum_keys import KEYS
 from pipeline.intrinsics_jit import AHEAD, prefetch_read
 
 jit = kernel_cache.jit  # numba.njit(cache=True, nogil=True), cached in the kernels folder
