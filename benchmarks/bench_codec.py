@@ -44,7 +44,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_apply import sync
 from pipeline.codec import apply_patch, encode_delta, read_delta
-from pipeline.codec.compiled import kernels
 from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.codec.level3 import chunked
 from pipeline.codec.tensorcodec import roles
@@ -63,13 +62,10 @@ PAIRS = (
 )
 
 
-def read_floor_task(obj: Any, weights: list[State]) -> Callable[[], object] | None:
+def read_floor_task(obj: Any, weights: list[State]) -> Callable[[], object]:
     """What level 3's walk cannot do without: one vector compare of every block of
     64 base elements of each bucketed tensor against its first bound, one thread,
-    nothing decoded or written (into fresh weights, as ``apply_to``). None without
-    numba."""
-    if chunked.compiled() is None:
-        return None
+    nothing decoded or written (into fresh weights, as ``apply_to``)."""
     import numba  # type: ignore[import-untyped]
 
     from pipeline.codec.level3.chunked_jit import below_mask, popcount
@@ -263,37 +259,17 @@ def main() -> None:
         "torch clone of all weights": lambda: {k: v.clone() for k, v in new.items()},
         COPY_INTO: lambda: [preallocated[k].copy_(v) for k, v in new.items()],
     }
-    for compiled in (True, False):
-        path = "compiled" if compiled else "numpy"
-
-        def switched(task: Callable[[], object], on: bool = compiled) -> Callable[[], object]:
-            def run() -> object:
-                kernels.ENABLED = on
-                try:
-                    return task()
-                finally:
-                    kernels.ENABLED = True
-
-            return run
-
-        if compiled and kernels.get() is None:
-            continue
-        # Level 3 right after level 1 in each round, so that each pair of times is
-        # taken on the same machine (PAIRS below).
-        tasks[f"diff+encode, level 1, {path}"] = switched(encode_task(1))
-        if compiled:
-            tasks["diff+encode, level 3"] = encode_task(3)
-        tasks[f"apply_to, level 1, {path}"] = switched(apply_to_task(objects[1]))
-        if compiled:
-            tasks["apply_to, level 3"] = apply_to_task(objects[3])
-            floor = read_floor_task(read_delta(objects[3], object_name="bench"), spare)
-            if floor is not None and on_cpu:
-                tasks[FLOOR] = floor
-        if compiled and on_cpu:
-            tasks["apply_to on 2 threads, level 1, compiled"] = two_threads_task(objects[1])
-        tasks[f"decode+apply_patch, level 1, {path}"] = switched(decode_task(objects[1]))
-        if compiled:
-            tasks["decode+apply_patch, level 3"] = decode_task(objects[3])
+    # Level 3 right after level 1 in each round, so that each pair of times is taken on
+    # the same machine (PAIRS below).
+    tasks["diff+encode, level 1, compiled"] = encode_task(1)
+    tasks["diff+encode, level 3"] = encode_task(3)
+    tasks["apply_to, level 1, compiled"] = apply_to_task(objects[1])
+    tasks["apply_to, level 3"] = apply_to_task(objects[3])
+    if on_cpu:
+        tasks[FLOOR] = read_floor_task(read_delta(objects[3], object_name="bench"), spare)
+        tasks["apply_to on 2 threads, level 1, compiled"] = two_threads_task(objects[1])
+    tasks["decode+apply_patch, level 1, compiled"] = decode_task(objects[1])
+    tasks["decode+apply_patch, level 3"] = decode_task(objects[3])
     # The largest tensor alone, its chunks decoded on 1, 2 and 4 threads.
     # The largest tensor with the most changes (the embedding and the head tie in size).
     changes = {k: int((int_bits(base[k]) != int_bits(new[k])).sum()) for k in new}
@@ -328,8 +304,7 @@ def main() -> None:
     )
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads "
-        f"{torch.get_num_threads()}, torch {torch.__version__}, compiled kernels "
-        f"{'on' if kernels.get() is not None else 'unavailable'}, weights on {args.device}"
+        f"{torch.get_num_threads()}, torch {torch.__version__}, weights on {args.device}"
         + (f" ({torch.cuda.get_device_name()})" if not on_cpu else "")
     )
     print()

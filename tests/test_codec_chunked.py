@@ -13,20 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import apply_patch, encode_delta, read_delta, tensorcodec
+from pipeline.codec import encode_delta, read_delta, tensorcodec
 from pipeline.codec.container import read_container
 from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.codec.level3 import chunked, chunked_torch
 from pipeline.errors import DeltasyncError
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
+from tests import codec_reference
 from tests.test_codec_errors import rebuild
 from tests.test_codec_fused import pinned_pairs
-from tests.test_codec_roundtrip import DTYPES, bits, compiled_kernels, realistic_update
+from tests.test_codec_roundtrip import DTYPES, bits, realistic_update
 
-needs_compiled = pytest.mark.skipif(
-    chunked.compiled() is None, reason="level 3 encodes with the compiled kernels (numba)"
-)
-pytestmark = [needs_compiled, pytest.mark.kernels]  # rerun with bounds checks
+pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
 # sha256 of the level-3 object written for pinned_pairs(); moved on 2026-12-06 with
 # level 1's contents rule (test_codec_fused.PINNED_TWO_THIRDS has the one before).
@@ -75,12 +73,11 @@ def check_object(data: bytes, pairs: list[tuple[str, torch.Tensor, torch.Tensor]
         patch = obj.decode(name, base)
         assert torch.equal(patch.positions, expected)
         assert torch.equal(patch.values, bits(new).reshape(-1)[expected])
-        with compiled_kernels(False):
-            patch = obj.decode(name, base)
-            assert torch.equal(patch.positions, expected)
-            assert torch.equal(patch.values, bits(new).reshape(-1)[expected])
-            if obj._records[name].encoding == "chunked":
-                assert obj.gathered(name, base) is None  # no compiled walk: differences
+        # The reference: level-1 records in numpy, chunked ones by the torch decoder.
+        where, new_bits = codec_reference.decode(obj, name, base)
+        assert np.array_equal(where, expected.numpy())
+        want = bits(new).reshape(-1)[expected].numpy()
+        assert np.array_equal(new_bits, want.view(new_bits.dtype))
         if obj._records[name].encoding == "chunked":
             # A replica's proof: positions, new and old contents from the one decode,
             # the held tensor read and left as it was.
@@ -269,14 +266,10 @@ def test_the_device_decoder_takes_a_few_chunks_a_pass(
     for elements, split in ((1 << 30, 1), (3 * 4096, 4), (4096, 11)):
         monkeypatch.setattr(chunked_torch, "PASS_ELEMENTS", elements)
         passes.clear()
-        with compiled_kernels(False):
-            patch = obj.decode("w", base)
+        where, new_bits = codec_reference.decode(obj, "w", base)  # the torch decoder
         assert len(passes) == split and passes[-1][1] == 11
-        assert torch.equal(patch.positions, host.positions)
-        assert torch.equal(patch.values, host.values)
-    target = base.clone()
-    apply_patch(target, patch)
-    assert torch.equal(bits(target), bits(new))
+        assert np.array_equal(where, host.positions.numpy())
+        assert np.array_equal(new_bits, host.values.numpy().view(new_bits.dtype))
 
 
 # ----------------------------------------------------------------------------- hostile
@@ -310,9 +303,10 @@ def _try_all(data: bytes, base: torch.Tensor) -> None:
         obj = read_delta(data, object_name="fuzz")
     except DeltasyncError:
         return
-    for enabled in (True, False):
-        with compiled_kernels(enabled), contextlib.suppress(DeltasyncError):
-            obj.decode("w", base)
+    with contextlib.suppress(DeltasyncError):
+        obj.decode("w", base)
+    with contextlib.suppress(codec_reference.DamagedError):
+        codec_reference.decode(obj, "w", base)  # the torch decoder
     buffer, target = _guarded(base)
     before = buffer.clone()
     with contextlib.suppress(DeltasyncError):
@@ -490,15 +484,20 @@ def test_both_decoders_refuse_the_same_damage() -> None:
             obj = read_delta(damaged, object_name="fuzz")
         except DeltasyncError:
             continue
-        outcomes = []
-        for enabled in (True, False):
-            with compiled_kernels(enabled):
-                try:
-                    patch = obj.decode("w", base)
-                except DeltasyncError:
-                    outcomes.append(None)
-                else:
-                    outcomes.append((patch.positions.tolist(), patch.values.tolist()))
+        outcomes: list[tuple[list[int], list[int]] | None] = []
+        try:
+            patch = obj.decode("w", base)
+        except DeltasyncError:
+            outcomes.append(None)
+        else:
+            values = patch.values.numpy().view(np.uint16)
+            outcomes.append((patch.positions.tolist(), values.tolist()))
+        try:
+            where, new_bits = codec_reference.decode(obj, "w", base)  # the torch decoder
+        except codec_reference.DamagedError:
+            outcomes.append(None)
+        else:
+            outcomes.append((where.tolist(), new_bits.tolist()))
         assert outcomes[0] == outcomes[1]
         compared += 1
     assert compared > 100
@@ -595,7 +594,7 @@ def test_the_scan_ranks_every_change_in_its_bucket(
     size = base.float().abs().numpy()
     chance = np.where(size < 0.01, small_chance, np.where(size < 0.05, small_chance / 10, 0.0))
     new_u = old_u + (gen.random(numel) < chance).astype(info.unsigned)
-    walker = chunked.encoder()
+    walker = chunked.compiled()
     found = chunked.scan(walker, old_u, new_u, info)
     assert found.bounds.size >= 1
     where = np.flatnonzero(old_u != new_u)
@@ -651,7 +650,7 @@ def test_every_inconsistent_chunk_table_is_named(small_chunks: None) -> None:
     old_u = bits(base).reshape(-1).numpy().view(np.uint16)
     new_u = bits(new).reshape(-1).numpy().view(np.uint16)
     where = np.flatnonzero(old_u != new_u)
-    walker = chunked.encoder()
+    walker = chunked.compiled()
     found = chunked.scan(walker, old_u, new_u, info)
     assert np.array_equal(found.where, where)
     enc = chunked.encode(walker, old_u, found)

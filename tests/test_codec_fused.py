@@ -12,16 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.codec import api, apply_patch, contents, encode_delta, read_delta, rice, tensorcodec
-from pipeline.codec.compiled import fused, kernels
+from pipeline.codec import api, contents, rice, tensorcodec
+from pipeline.codec.api import apply_patch, encode_delta, read_delta
+from pipeline.codec.compiled import fused
 from pipeline.codec.container import read_container
 from pipeline.codec.dtypes import info_for
-from pipeline.codec.level3 import chunked
 from pipeline.codec.tensorcodec import encode_tensor
 from pipeline.errors import CorruptObjectError, MismatchError
+from tests import codec_reference
 from tests.pipeline_helpers import REPO
 from tests.test_codec_errors import rebuild, with_last_stream
-from tests.test_codec_roundtrip import DTYPES, PATHS, bits, compiled_kernels, realistic_update
+from tests.test_codec_roundtrip import DTYPES, bits, realistic_update
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
@@ -93,43 +94,37 @@ PINNED_TWO_THIRDS = {
 
 
 @pytest.mark.parametrize("level", [1, 3])
-def test_objects_written_under_the_two_thirds_rule_still_decode(
-    level: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The numpy encoder under the old contents rule (sign-magnitude from 2 in 3 of
-    the differences +-1) writes the objects pinned before the rule moved, byte for
-    byte, and today's decoders apply them bit for bit: stores written before stay
+def test_objects_written_under_the_two_thirds_rule_still_decode(level: int) -> None:
+    """The reference encoder under the old contents rule (sign-magnitude from 2 in 3
+    of the differences +-1) writes the objects pinned before the rule moved, byte for
+    byte, and today's decoder applies them bit for bit: stores written before stay
     readable."""
-    if level == 3 and chunked.compiled() is None:
-        pytest.skip("level 3 encodes with the compiled kernels (numba)")
     pairs = pinned_pairs()
-    with monkeypatch.context() as patched, compiled_kernels(False):
-        patched.setattr(fused, "SIGNMAG_ONES", 2)
-        patched.setattr(fused, "SIGNMAG_OF", 3)
-        data = encode_delta(pairs, level=level)
+    data = codec_reference.encode_delta(pairs, level, rule=(2, 3))
     assert hashlib.sha256(data).hexdigest() == PINNED_TWO_THIRDS[level]
     assert data != encode_delta(pairs, level=level)  # the rule did move for these
-    for enabled in PATHS:
-        with compiled_kernels(enabled):
-            obj = read_delta(data, object_name="two-thirds")
-            for name, base, new in pairs:
-                target = base.clone()
-                obj.apply_to(name, target)
-                assert torch.equal(bits(target), bits(new)), name
+    obj = read_delta(data, object_name="two-thirds")
+    for name, base, new in pairs:
+        target = base.clone()
+        obj.apply_to(name, target)
+        assert torch.equal(bits(target), bits(new)), name
 
 
 def test_encoding_is_pinned() -> None:
     pairs = pinned_pairs()
     encodings = set()
-    for enabled in PATHS:
-        with compiled_kernels(enabled):
-            data = encode_delta(pairs, level=1)
-            assert hashlib.sha256(data).hexdigest() == PINNED[1]
-            obj = read_delta(data, object_name="pinned")
-            for name, base, new in pairs:
-                target = base.clone()
-                obj.apply_to(name, target)
-                assert torch.equal(bits(target), bits(new))
+    data = encode_delta(pairs, level=1)
+    assert hashlib.sha256(data).hexdigest() == PINNED[1]
+    assert codec_reference.encode_delta(pairs) == data
+    obj = read_delta(data, object_name="pinned")
+    for name, base, new in pairs:
+        target = base.clone()
+        obj.apply_to(name, target)
+        assert torch.equal(bits(target), bits(new))
+        where, new_bits = codec_reference.decode(obj, name, base)
+        flat_new = bits(new).reshape(-1).numpy()
+        assert np.array_equal(where, np.flatnonzero(bits(base).reshape(-1).numpy() != flat_new))
+        assert np.array_equal(new_bits, flat_new[where].view(new_bits.dtype))
     for record in json.loads(read_container(data, "pinned").metadata["tensors"]):
         encodings.add((record["encoding"], record["params"].get("contents")))
     expected = {("sparse", "signmag"), ("sparse", "planes"), ("bitmap", "signmag")}
@@ -138,28 +133,24 @@ def test_encoding_is_pinned() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("density", [-1.0, 0.003, 0.02, 0.3, 1.0])
-@pytest.mark.parametrize("enabled", PATHS)
-def test_apply_to_equals_decode_and_apply(
-    dtype: torch.dtype, density: float, enabled: bool
-) -> None:
+def test_apply_to_equals_decode_and_apply(dtype: torch.dtype, density: float) -> None:
     gen = np.random.default_rng(7)
     raw = gen.integers(0, 256, size=6007 * torch.empty(0, dtype=dtype).element_size())
     base = torch.from_numpy(raw.astype(np.uint8)).view(dtype)
     if dtype == torch.bool:
         base = (base.view(torch.uint8) & 1).view(torch.bool)
     new = realistic_update(base, density, gen)
-    with compiled_kernels(enabled):
-        obj = read_delta(encode_delta([("t", base, new)]), object_name="obj")
-        target = base.clone()
-        undo = obj.apply_to("t", target, undo=True)
-        assert torch.equal(bits(target), bits(new))
-        assert undo is not None
-        reference = obj.decode("t", base)
-        assert torch.equal(undo.positions, reference.positions)
-        apply_patch(target, undo)
-        assert torch.equal(bits(target), bits(base))
-        assert obj.apply_to("t", target) is None
-        assert torch.equal(bits(target), bits(new))
+    obj = read_delta(encode_delta([("t", base, new)]), object_name="obj")
+    target = base.clone()
+    undo = obj.apply_to("t", target, undo=True)
+    assert torch.equal(bits(target), bits(new))
+    assert undo is not None
+    reference = obj.decode("t", base)
+    assert torch.equal(undo.positions, reference.positions)
+    apply_patch(target, undo)
+    assert torch.equal(bits(target), bits(base))
+    assert obj.apply_to("t", target) is None
+    assert torch.equal(bits(target), bits(new))
 
 
 def test_apply_to_checks_the_target() -> None:
@@ -209,7 +200,6 @@ def _long_gap_late(unary: np.ndarray) -> None:  # type: ignore[type-arg]
     unary[unary.size - 40 : unary.size - 1] = 0  # a late gap runs past the tensor's end
 
 
-@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("damage", [_set_last_byte, _clear_late_bits, _long_gap_late])
 def test_damaged_streams_leave_the_target_untouched(damage: object) -> None:
     """A crafted object with a valid checksum is caught mid-walk; what was already
@@ -227,14 +217,13 @@ def test_damaged_streams_leave_the_target_untouched(damage: object) -> None:
     with pytest.raises(CorruptObjectError, match="'w'"):
         obj.gathered("w", held)
     assert torch.equal(bits(held), bits(base))
-    with compiled_kernels(False), pytest.raises(CorruptObjectError, match="'w'"):
-        read_delta(damaged, object_name="obj").apply_to("w", base.clone())
+    with pytest.raises(codec_reference.DamagedError):  # the reference refuses it too
+        codec_reference.decode(obj, "w", base)
 
 
 def test_reference_path_matches_the_fused_path_on_every_dtype() -> None:
-    """Both paths write identical bytes for a realistic update of every dtype."""
-    if len(PATHS) < 2:
-        pytest.skip("compiled kernels unavailable")
+    """The codec and the numpy reference write identical bytes for a realistic
+    update of every dtype."""
     gen = np.random.default_rng(11)
     pairs = []
     for i, dtype in enumerate(DTYPES):
@@ -242,12 +231,7 @@ def test_reference_path_matches_the_fused_path_on_every_dtype() -> None:
         raw = torch.from_numpy(gen.integers(0, 256, size=3001 * width).astype(np.uint8))
         base = raw.view(dtype) if dtype != torch.bool else (raw & 1).view(torch.bool)
         pairs.append((f"t{i}", base, realistic_update(base, 0.02, gen)))
-    objects = []
-    for enabled in PATHS:
-        with compiled_kernels(enabled):
-            objects.append(encode_delta(pairs))
-    assert objects[0] == objects[1]
-    assert kernels.ENABLED
+    assert encode_delta(pairs) == codec_reference.encode_delta(pairs)
 
 
 def _one_call_edge_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -300,13 +284,8 @@ def _one_call_edge_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 
 
 def test_one_call_encoder_matches_the_reference_path() -> None:
-    if len(PATHS) < 2:
-        pytest.skip("compiled kernels unavailable")
     pairs = _one_call_edge_pairs()
-    objects = []
-    for enabled in PATHS:
-        with compiled_kernels(enabled):
-            objects.append(encode_delta(pairs))
+    objects = [encode_delta(pairs), codec_reference.encode_delta(pairs)]
     assert objects[0] == objects[1]
     records = json.loads(read_container(objects[0], "edges").metadata["tensors"])
     kinds = {r["name"]: (r["encoding"], r["params"].get("contents")) for r in records}
@@ -355,7 +334,6 @@ def _split_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     return out
 
 
-@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 def test_scans_split_over_threads_encode_the_same_bytes_and_changes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -424,11 +402,10 @@ def _rice_case(
         [gen.integers(0, 4 << param, short), [0, 0, (70 << param) + 3, 1 << (param + 6)]]
     ).astype(np.int64)
     gen.shuffle(gaps)
-    unary, fixed = rice.encode_gaps(gaps, param)
-    return rice.gaps_to_positions(gaps), unary, fixed
+    unary, fixed = codec_reference.encode_gaps(gaps, param)
+    return codec_reference.gaps_to_positions(gaps), unary, fixed
 
 
-@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("param", [0, 1, 5, 13, 40])
 def test_rice_writer_matches_the_reference_and_stays_in_its_streams(param: int) -> None:
     """The one compiled Rice writer, at offsets in a shared buffer: the numpy
@@ -447,7 +424,6 @@ def test_rice_writer_matches_the_reference_and_stays_in_its_streams(param: int) 
     assert np.array_equal(out, expected)
 
 
-@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("param", [0, 1, 5, 13, 40])
 def test_rice_reader_matches_the_reference_on_whole_and_damaged_streams(param: int) -> None:
     """The compiled Rice reader (a word of unary bits at a time) decodes what the
@@ -460,8 +436,7 @@ def test_rice_reader_matches_the_reference_on_whole_and_damaged_streams(param: i
     def both(u: np.ndarray, f: np.ndarray, count: int, lim: int) -> object:  # type: ignore[type-arg]
         out = np.full(count, -7, np.int64)
         fast = rice.decode_positions(u, f, count, param, lim, out)
-        with compiled_kernels(False):
-            slow = rice.decode_positions(u, f, count, param, lim)
+        slow = codec_reference.decode_positions(u, f, count, param, lim)
         assert (fast is None) == (slow is None)
         if fast is None:
             return None
@@ -506,7 +481,6 @@ def test_compiled_kernels_refuse_constants_they_were_not_written_for() -> None:
     assert "CONSTANTS says" in done.stderr and "BATCH=128" in done.stderr
 
 
-@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 def test_the_gathering_walk_gives_positions_new_and_old_contents_on_every_dtype() -> None:
     """What a replica's proof takes from one walk (``DeltaObject.gathered``): the
     positions and differences the streams give, the held tensor read there and left
@@ -565,24 +539,22 @@ WALKED_WIDTHS = [
 ]
 
 
-@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("dtype", WALKED_WIDTHS, ids=str)
 def test_byte_plane_records_are_walked_bit_for_bit(dtype: torch.dtype) -> None:
     """Sparse records with byte-plane contents take the one compiled walk (apply,
     gather, differences, undo) and give what the numpy reference path gives."""
     base, new, data = _planes_object(dtype, 31)
     want = torch.nonzero(bits(base).view(-1) != bits(new).view(-1)).view(-1)
-    with compiled_kernels(False):
-        reference = read_delta(data).decode("w", base)
     obj = read_delta(data)
+    where, reference_bits = codec_reference.decode(obj, "w", base)
     held = base.clone()
     found = obj.gathered("w", held)
     assert found is not None, "byte-plane records are walked"
     positions, new_bits, old_bits = found
     assert torch.equal(bits(held), bits(base))
-    assert torch.equal(positions, want) and torch.equal(reference.positions, want)
+    assert torch.equal(positions, want) and np.array_equal(where, want.numpy())
     assert torch.equal(new_bits, bits(new).view(-1)[want])
-    assert torch.equal(reference.values, new_bits)
+    assert np.array_equal(reference_bits, new_bits.numpy().view(reference_bits.dtype))
     assert torch.equal(old_bits, bits(base).view(-1)[want])
     differences = obj.differences("w", base)
     assert differences is not None
@@ -598,10 +570,7 @@ def test_byte_plane_records_are_walked_bit_for_bit(dtype: torch.dtype) -> None:
     assert torch.equal(bits(target), bits(base))
 
 
-@pytest.mark.parametrize("compiled", PATHS)
-def test_a_zero_byte_plane_difference_is_refused_with_the_target_untouched(
-    compiled: bool,
-) -> None:
+def test_a_zero_byte_plane_difference_is_refused_with_the_target_untouched() -> None:
     """A crafted byte-plane frame (valid checksum) that zeroes one changed element's
     difference, late in the tensor so a walk has written batches before it."""
     base, _, data = _planes_object(torch.bfloat16, 32)
@@ -614,20 +583,19 @@ def test_a_zero_byte_plane_difference_is_refused_with_the_target_untouched(
     ).copy()
     raw[changed - 3 :: changed] = 0  # both planes of the third-last element
     damaged = with_last_stream(data, "values", contents.compress(raw))
-    with compiled_kernels(compiled):
-        obj = read_delta(damaged, object_name="obj")
-        target = base.clone()
-        with pytest.raises(CorruptObjectError, match="zero difference"):
-            obj.apply_to("w", target)
-        assert torch.equal(bits(target), bits(base))
-        with pytest.raises(CorruptObjectError, match="zero difference"):
-            obj.decode("w", base)
-        if compiled:
-            with pytest.raises(CorruptObjectError, match="zero difference"):
-                obj.gathered("w", base.clone())
+    obj = read_delta(damaged, object_name="obj")
+    target = base.clone()
+    with pytest.raises(CorruptObjectError, match="zero difference"):
+        obj.apply_to("w", target)
+    assert torch.equal(bits(target), bits(base))
+    with pytest.raises(CorruptObjectError, match="zero difference"):
+        obj.decode("w", base)
+    with pytest.raises(CorruptObjectError, match="zero difference"):
+        obj.gathered("w", base.clone())
+    with pytest.raises(codec_reference.DamagedError, match="zero difference"):
+        codec_reference.decode(obj, "w", base)
 
 
-@pytest.mark.skipif(fused.get() is None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("contents_method", ["signmag", "planes"])
 def test_a_confirmed_walk_reads_its_writes_back_from_memory(contents_method: str) -> None:
     """fused.CONFIRM reads each written batch back from the target's memory: over a

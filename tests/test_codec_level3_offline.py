@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.codec.level3 import chunked
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.publish.offline import apply_delta, create_delta
 from tests.test_checkpoint import same_bits
@@ -16,7 +15,6 @@ from tests.test_offline import _training_pair
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
 
-@pytest.mark.skipif(chunked.compiled() is None, reason="level 3 encodes with numba")
 @pytest.mark.parametrize("sharded", [False, True])
 def test_level_3_round_trip(tmp_path: Path, sharded: bool) -> None:
     a, b, new = _training_pair(tmp_path, sharded=sharded)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -12,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from pipeline.codec import LEVELS, apply_patch, encode_delta, read_delta
-from pipeline.codec.compiled import kernels
 from pipeline.codec.dtypes import BY_DTYPE
+from tests import codec_reference
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
@@ -101,37 +98,23 @@ def realistic_update(base: torch.Tensor, density: float, gen: np.random.Generato
     return flat.view(base.dtype).reshape(base.shape)
 
 
-@contextmanager
-def compiled_kernels(enabled: bool) -> Iterator[None]:
-    saved = kernels.ENABLED
-    kernels.ENABLED = enabled
-    try:
-        yield
-    finally:
-        kernels.ENABLED = saved
-
-
-PATHS = [True, False] if kernels.get() is not None else [False]
-
-
 def roundtrip(base: torch.Tensor, new: torch.Tensor, level: int) -> None:
-    """Through the compiled and the numpy path, which must agree byte for byte."""
-    objects = []
-    for enabled in PATHS:
-        with compiled_kernels(enabled):
-            objects.append(encode_delta([("t", base, new)], level=level))
-    assert all(data == objects[0] for data in objects)
+    """The compiled codec and the numpy reference (tests/codec_reference.py) write the
+    same bytes and read the same changes from them; those make ``new`` of ``base``."""
+    data = encode_delta([("t", base, new)], level=level)
+    assert codec_reference.encode_delta([("t", base, new)], level=level) == data
     changed = int((bits(base) != bits(new)).sum())
-    for enabled in PATHS:
-        with compiled_kernels(enabled):
-            obj = read_delta(objects[0], object_name="obj")
-            patch = obj.decode("t", base)
-            assert patch.positions.dtype == torch.int64
-            assert bool((patch.positions[1:] > patch.positions[:-1]).all())
-            assert obj.info("t").changed == changed == patch.positions.numel()
-            target = base.clone()
-            apply_patch(target, patch)
-        assert torch.equal(bits(target), bits(new))
+    obj = read_delta(data, object_name="obj")
+    patch = obj.decode("t", base)
+    assert patch.positions.dtype == torch.int64
+    assert bool((patch.positions[1:] > patch.positions[:-1]).all())
+    assert obj.info("t").changed == changed == patch.positions.numel()
+    where, new_bits = codec_reference.decode(obj, "t", base)
+    assert np.array_equal(patch.positions.numpy(), where)
+    assert np.array_equal(patch.values.numpy().view(new_bits.dtype), new_bits)
+    target = base.clone()
+    apply_patch(target, patch)
+    assert torch.equal(bits(target), bits(new))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

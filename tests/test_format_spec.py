@@ -27,7 +27,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from pipeline.codec import encode_anchor, encode_delta
-from pipeline.codec.level3 import chunked
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import content_hashes
@@ -269,7 +268,6 @@ def test_mixsum_of_pieces_and_boxes_is_the_librarys() -> None:
 # ---------------------------------------------------------------- level 3 objects
 
 
-@pytest.mark.skipif(chunked.compiled() is None, reason="level 3 encodes with numba")
 def test_level_3_objects_decode_bit_for_bit() -> None:
     """Chunked records (several chunks, the last one partial; one bucket and several;
     large magnitudes) and the level-1 records a level-3 object falls back to."""

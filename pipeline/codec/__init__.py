@@ -35,9 +35,10 @@ planes of every difference), ``chunked`` (level 3: chunks of 2**20 elements
 that decode independently, each with its positions coded per magnitude bucket
 of the base value and its contents; streams ``table``, ``bits``, ``mags``, see
 ``pipeline.codec.level3.chunked``); contents ``signmag`` or ``planes``. Encoding is
-deterministic: the same inputs give the same bytes. Level 3 is written only by
-the compiled kernels and read by them on CPU tensors (a tensor's chunks on
-several threads) or by torch operations on the tensor's device.
+deterministic: the same inputs give the same bytes. Compiled kernels (numba)
+write and read it on CPU tensors (level 3: a tensor's chunks on several threads);
+other devices' tensors are read with torch operations. tests/codec_reference.py
+holds level 1 in plain numpy, the form the kernels are tested against.
 
 Anchors (``pipeline.codec.anchor``): ``encode_anchor(tensors, method)`` with
 ``method`` one of ``ANCHOR_COMPRESSIONS`` (``none``: plain safetensors;

@@ -190,15 +190,14 @@ class DeltaObject:
         old contents are returned instead), torch operations elsewhere."""
         info = record.info
         assert record.layout is not None  # parse_record sets it
-        walker = chunked.compiled() if base_flat.device.type == "cpu" else None
-        if walker is None:
+        if base_flat.device.type != "cpu":
             if write:
                 raise TargetError(f"tensor {record.name!r}: no in-place decode here")
             streams = record.split(self._entries[record.name])
             with self._named_damage(record.name):
                 return chunked_torch.decode(streams, record.layout, record.changed, base_flat, info)
         target = base_flat.numpy().view(info.unsigned)
-        where, new, old = self._walk_chunked(walker, record, target, write=write)
+        where, new, old = self._walk_chunked(chunked.compiled(), record, target, write=write)
         signed = _numpy_dtype(info.view)
         values = old if write else new
         return torch.from_numpy(where), torch.from_numpy(values.view(signed))
@@ -223,13 +222,12 @@ class DeltaObject:
         Positions and differences come from the streams alone; each chunk of ``base``
         is then copied into a small host buffer (from the GPU for a GPU tensor),
         patched and hashed while in cache. None where only :meth:`decode` applies
-        (other encodings, no compiled kernels)."""
+        (other encodings)."""
         found = self._differences(name, base)
         if found is None:
             return None
         positions, diffs = found
         walker = fused.get()
-        assert walker is not None  # _differences needed it
         record = self._records[name]
         info = record.info
         old, new = np.empty_like(diffs), np.empty_like(diffs)
@@ -381,14 +379,12 @@ class DeltaObject:
     ) -> list[tuple[DtypeInfo, list[str], list[RecordWalk]]]:
         """The compiled walk's records of ``items`` (name, CPU tensor), grouped by the
         dtype's integer view, leaving out those it does not walk (see :meth:`walks`)."""
-        walker = fused.get()
         groups: dict[torch.dtype, tuple[DtypeInfo, list[str], list[RecordWalk]]] = {}
         for name, base in items:
             record = self._record(name, base)
             info = record.info
             if (
-                walker is None
-                or base.device.type != "cpu"
+                base.device.type != "cpu"
                 or record.changed == 0
                 or not walk_applies(record.encoding, record.params, info)
                 or not base.is_contiguous()
@@ -447,19 +443,18 @@ class DeltaObject:
             return TensorPatch(name, info.dtype, record.shape, nothing, nothing.to(info.view))
         if confirm and not self.walks(name, tensor):
             raise TargetError(f"tensor {name!r}: a confirmed write needs the compiled walk")
-        chunk_walker = chunked.compiled() if tensor.device.type == "cpu" else None
-        if record.encoding == "chunked" and chunk_walker is not None:
+        on_cpu = tensor.device.type == "cpu"
+        if record.encoding == "chunked" and on_cpu:
             if not tensor.is_contiguous():
                 raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
             flat = tensor.detach().view(info.view).view(-1)
             if not undo:
                 target = flat.numpy().view(info.unsigned)
-                self._walk_chunked(chunk_walker, record, target, write=True)
+                self._walk_chunked(chunked.compiled(), record, target, write=True)
                 return None
             where_t, old_t = self._decode_chunked(record, flat, write=True)
             return TensorPatch(name, info.dtype, record.shape, where_t, old_t)
-        walker = fused.get() if tensor.device.type == "cpu" else None
-        if walker is None or not walk_applies(record.encoding, record.params, info):
+        if not on_cpu or not walk_applies(record.encoding, record.params, info):
             patch = self.decode(name, tensor)
             restore = None
             if undo:
@@ -473,7 +468,7 @@ class DeltaObject:
         target = tensor.detach().view(info.view).view(-1).numpy().view(info.unsigned)
         mode = fused.CONFIRM if confirm else fused.APPLY
         try:
-            where, old_np, _ = self._walk(walker, name, record, target, mode, record_out=undo)
+            where, old_np, _ = self._walk(fused.get(), name, record, target, mode, record_out=undo)
         except ReadBackError as exc:
             raise MismatchError(f"tensor {name}: read back after the write: {exc}") from None
         if not undo:
@@ -493,11 +488,12 @@ class DeltaObject:
         record = self._record(name, tensor)
         if record.changed == 0:
             return
-        walker = fused.get() if tensor.device.type == "cpu" else None
-        if walker is None or not walk_applies(record.encoding, record.params, record.info):
+        if tensor.device.type != "cpu" or not walk_applies(
+            record.encoding, record.params, record.info
+        ):
             raise TargetError(f"tensor {name!r}: its delta cannot be walked back in place")
         target = tensor.detach().view(record.info.view).view(-1).numpy().view(record.info.unsigned)
-        self._walk(walker, name, record, target, fused.UNDO, record_out=False)
+        self._walk(fused.get(), name, record, target, fused.UNDO, record_out=False)
 
     def _walk(
         self,
@@ -543,14 +539,9 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:
 def _walker(record: TensorRecord) -> Any | None:
     """The compiled walk for a record it handles (changed, sparse positions, either
     contents), else None."""
-    walker = fused.get()
-    if (
-        walker is None
-        or record.changed == 0
-        or not walk_applies(record.encoding, record.params, record.info)
-    ):
+    if record.changed == 0 or not walk_applies(record.encoding, record.params, record.info):
         return None
-    return walker
+    return fused.get()
 
 
 def encode_delta(
@@ -747,17 +738,10 @@ def apply_patch(tensor: torch.Tensor, patch: TensorPatch) -> None:
     flat = tensor.detach().view(info.view).view(-1)
     out_of_range = CodecError(f"tensor {patch.name!r}: patch position out of range")
     if flat.device.type == "cpu" and patch.positions.device.type == "cpu":
-        # Scattering through numpy (or a compiled loop) is several times faster
-        # than index_copy_ on CPU.
+        # A compiled loop scatters several times faster than index_copy_ on CPU.
         target, where, new = flat.numpy(), patch.positions.numpy(), patch.values.numpy()
-        compiled = kernels.get()
-        if compiled is not None:
-            if compiled.scatter(target, where, new) < 0:
-                raise out_of_range
-            return
-        if int(where.min()) < 0 or int(where.max()) >= target.size:
+        if kernels.get().scatter(target, where, new) < 0:
             raise out_of_range
-        target[where] = new
         return
     positions = patch.positions.to(flat.device)
     if int(positions.min()) < 0 or int(positions.max()) >= flat.numel():

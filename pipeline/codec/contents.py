@@ -136,15 +136,15 @@ def encode_contents(diff: AnyUInt) -> tuple[dict[str, U8], dict[str, Any]]:
     """Streams and params for the differences new - base (unsigned, wrapping) of
     the changed elements.
 
-    Sign-magnitude where it pays (:func:`signmag_pays`), byte planes otherwise."""
+    Sign-magnitude where it pays (:func:`signmag_pays`), byte planes otherwise;
+    elements of up to 4 bytes in one compiled pass, wider ones in numpy."""
     count = diff.size
-    compiled = fused.get()
-    if compiled is not None and diff.itemsize <= 4:
+    if diff.itemsize <= 4:
         signs = np.empty((count + 7) // 8, np.uint8)
         big_buf = scratch("big", count, np.int64)
         mags_buf = scratch("mags", count, diff.dtype)
         top = (1 << (8 * diff.itemsize)) - 1
-        ones, nbig = compiled.signmag_diffs(diff, top, signs, big_buf, mags_buf)
+        ones, nbig = fused.get().signmag_diffs(diff, top, signs, big_buf, mags_buf)
         if signmag_pays(ones, count):
             return _signmag_streams(signs, big_buf[:nbig], mags_buf[:nbig])
         return {"values": encode_planes(zigzag(diff))}, {"contents": "planes"}

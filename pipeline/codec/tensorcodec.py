@@ -101,35 +101,8 @@ Scanned = tuple[I64, AnyUInt, AnyUInt, int, int]
 
 def find_changes(base: AnyUInt, new: AnyUInt) -> Changes:
     """Positions where two flat arrays differ, the differences new - base there
-    (wrapping) and the base contents there.
-
-    Compiled: one vectorised pass (fused.scan_diffs). numpy: compares 8-byte
-    words first and looks inside the few words that differ; with a few percent
-    of elements changed this writes and scans a quarter of the mask an
-    element-wise comparison would (for 2-byte elements)."""
-    compiled = fused.get()
-    if compiled is not None:
-        return _scan_compiled(compiled, base, new)
-    lanes = 8 // base.itemsize
-    aligned = base.ctypes.data % 8 == 0 and new.ctypes.data % 8 == 0
-    if base.size < 64 or not aligned:
-        where = np.flatnonzero(base != new)
-        return where, new[where] - base[where], base[where]
-    main = base.size - base.size % lanes
-    words = np.flatnonzero(base[:main].view(np.uint64) != new[:main].view(np.uint64))
-    base_lanes = base[:main].view(np.uint64)[words].view(base.dtype)
-    new_lanes = new[:main].view(np.uint64)[words].view(base.dtype)
-    inner = np.flatnonzero(base_lanes != new_lanes)
-    shift = lanes.bit_length() - 1
-    where = (words[inner >> shift] << shift) | (inner & (lanes - 1))
-    old = base_lanes[inner]
-    diff = new_lanes[inner] - old
-    if main < base.size:
-        tail = np.flatnonzero(base[main:] != new[main:]) + main
-        where = np.concatenate([where, tail])
-        diff = np.concatenate([diff, new[tail] - base[tail]])
-        old = np.concatenate([old, base[tail]])
-    return where, diff, old
+    (wrapping) and the base contents there: one vectorised pass (fused.scan_diffs)."""
+    return _scan_compiled(fused.get(), base, new)
 
 
 def _scan_capacity(numel: int) -> int:
@@ -206,9 +179,9 @@ def encode_tensor(
     if numel == 0:
         return Encoded("same", 0)
     if level >= 3:
-        return _encode_chunked(chunked.encoder(), base_flat, new_flat, info, on_changes)
+        return _encode_chunked(chunked.compiled(), base_flat, new_flat, info, on_changes)
     compiled = fused.get()
-    if compiled is not None and base_flat.device.type == "cpu" and info.width <= 4:
+    if base_flat.device.type == "cpu" and info.width <= 4:
         base_np = base_flat.numpy().view(info.unsigned)
         new_np = new_flat.numpy().view(info.unsigned)
         encoded, scanned, hooked = _encode_sparse_compiled(
@@ -494,17 +467,17 @@ def decode_tensor(
     """(positions, new contents as unsigned integers) of the changed elements."""
     numel = base_flat.numel()
     unsigned = info.unsigned
+    on_cpu = base_flat.device.type == "cpu"
     try:
         if encoding == "same":
             return np.zeros(0, np.int64), np.zeros(0, unsigned)
         if encoding == "dense":
             where, diff = _dense_differences(streams, changed, numel, unsigned)
         else:
-            walker = fused.get() if base_flat.device.type == "cpu" else None
-            if walker is not None and walk_applies(encoding, params, info):
+            if on_cpu and walk_applies(encoding, params, info):
                 base_np = base_flat.numpy().view(unsigned)
                 where, new, _ = walk_sparse(
-                    walker, streams, params, changed, base_np, info, fused.DECODE
+                    fused.get(), streams, params, changed, base_np, info, fused.DECODE
                 )
                 return where, new
             if encoding == "sparse":
@@ -515,19 +488,13 @@ def decode_tensor(
                 raise DamagedStreamError(
                     f"position {int(where[-1])} is out of range for {numel} elements"
                 )
-            compiled = kernels.get()
-            if (
-                compiled is not None
-                and base_flat.device.type == "cpu"
-                and params["contents"] == "signmag"
-                and info.width <= 4
-            ):
+            if on_cpu and params["contents"] == "signmag" and info.width <= 4:
                 # Differences and base in one pass, without materialising either.
                 signs, big, mags = contents.signmag_parts(streams, params, changed, unsigned)
                 out = np.empty(changed, unsigned)
                 top = (1 << (8 * info.width)) - 1
                 base_np = base_flat.numpy().view(unsigned)
-                if compiled.signmag_values(signs, big, mags, base_np, where, out, top) < 0:
+                if kernels.get().signmag_values(signs, big, mags, base_np, where, out, top) < 0:
                     raise DamagedStreamError(
                         "contents hold a zero difference for a changed element"
                     )
@@ -535,15 +502,11 @@ def decode_tensor(
             diff = contents.decode_contents(streams, params, changed, unsigned)
     except (positions.PositionsError, contents.ContentsError) as exc:
         raise DamagedStreamError(str(exc)) from None
-    if base_flat.device.type == "cpu":
-        compiled = kernels.get()
-        if compiled is not None:
-            out = np.empty(where.size, unsigned)
-            compiled.gather_add(base_flat.numpy().view(unsigned), where, diff, out)
-            return where, out
-        base_vals = base_flat.numpy().view(unsigned)[where]
-    else:
-        base_vals = to_numpy(base_flat[torch.from_numpy(where).to(base_flat.device)]).view(unsigned)
+    if on_cpu:
+        out = np.empty(where.size, unsigned)
+        kernels.get().gather_add(base_flat.numpy().view(unsigned), where, diff, out)
+        return where, out
+    base_vals = to_numpy(base_flat[torch.from_numpy(where).to(base_flat.device)]).view(unsigned)
     return where, base_vals + diff
 
 

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from typing import Any
 
-from pipeline.codec.compiled import kernels
 from pipeline.codec.compiled.fused_constants import (
     APPLY,
     BAD_BIG,
@@ -80,17 +78,12 @@ __all__ = [
 ]
 
 
-def get() -> Any | None:
-    """The fused kernels, or None when compiled kernels are off or unavailable."""
-    if kernels.get() is None:
-        return None
+def get() -> Any:
+    """The fused kernels (numba is imported, and they are built, on first use)."""
     return _build()
 
 
 @functools.cache
-def _build() -> Any | None:
-    # Module-level functions, so that numba's disk cache finds them again in the
-    # next process (functions made inside a function are compiled anew each time).
-    if importlib.util.find_spec("numba") is None:
-        return None  # the numpy paths serve
+def _build() -> Any:
+    # Loaded by name: a process that never codes a delta never imports numba.
     return importlib.import_module("pipeline.codec.compiled.fused_jit").FUSED

@@ -1,31 +1,25 @@
-"""Compiled inner loops for the hot paths, when numba is importable.
+"""Compiled inner loops for the hot paths (numba).
 
-The numpy code in rice.py and tensorcodec.py is the reference and the
-fallback; these loops produce byte-identical streams in one pass over the
-data instead of several, which is what makes diffing and patching cost about
-a copy of the weights. Compiled on first use and cached on disk.
+They produce the streams of rice.py and contents.py in one pass over the data
+instead of several, which is what makes diffing and patching cost about a copy of
+the weights. tests/codec_reference.py holds the same format in plain numpy, and the
+tests hold these loops to it byte for byte. Compiled on first use and cached on
+disk.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 from typing import Any
 
-# Tests switch this off to exercise the numpy reference path.
-ENABLED = True
 
-
-def get() -> Any | None:
-    """The compiled kernels, or None when disabled or numba is missing."""
-    return _build() if ENABLED else None
+def get() -> Any:
+    """The compiled kernels (numba is imported, and they are built, on first use)."""
+    return _build()
 
 
 @functools.cache
-def _build() -> Any | None:
-    # Module-level functions, so that numba's disk cache finds them again in the
-    # next process (functions made inside a function are compiled anew each time).
-    if importlib.util.find_spec("numba") is None:
-        return None  # the numpy paths serve
+def _build() -> Any:
+    # Loaded by name: a process that never codes a delta never imports numba.
     return importlib.import_module("pipeline.codec.compiled.kernels_jit").KERNELS

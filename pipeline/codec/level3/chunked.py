@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import itertools
 import os
 import threading
@@ -36,9 +35,7 @@ import numpy.typing as npt
 
 from pipeline import cpus
 from pipeline.codec import contents
-from pipeline.codec.compiled import kernels
 from pipeline.codec.dtypes import DtypeInfo
-from pipeline.errors import CodecError
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -94,29 +91,11 @@ class ChunkedError(Exception):
     """Chunked streams do not decode to what the record promises."""
 
 
-def compiled() -> Any | None:
-    """The chunked kernels for decoding, or None without compiled kernels (the
-    torch-ops decoder serves then)."""
-    if kernels.get() is None:
-        return None
-    return _build()
-
-
-def encoder() -> Any:
-    """The chunked kernels for encoding and for checking a record's chunk table.
-    Level 3 is only written by them, whether or not the compiled paths are switched
-    off, so that its bytes never depend on the path taken; without numba, level 3
-    can be neither written nor read."""
-    found = _build()
-    if found is None:
-        raise CodecError("codec level 3 needs the compiled kernels (numba is not installed)")
-    return found
-
-
 @functools.cache
-def _build() -> Any | None:
-    if importlib.util.find_spec("numba") is None:
-        return None
+def compiled() -> Any:
+    """The chunked kernels (numba is imported, and they are built, on first use):
+    they encode, check a record's chunk table and decode on CPU tensors; the
+    torch-ops decoder (chunked_torch.py) serves other devices."""
     return importlib.import_module("pipeline.codec.level3.chunked_jit").CHUNKED
 
 
@@ -140,7 +119,7 @@ def write_varints(values: I64) -> U8:
     """Non-negative integers below 2**63 as LEB128 (7 bits a byte, low first, high
     bit: more)."""
     out = np.empty(10 * values.size, np.uint8)
-    used = encoder().write_varints(values, out)
+    used = compiled().write_varints(values, out)
     return out[:used].copy()
 
 
@@ -349,7 +328,7 @@ def layout(
     groups = len(raw_bounds) + 1
     table = np.empty((nchunks, 2 * groups + 3), np.int64)
     starts, changes, out_at, big_at = np.empty((4, nchunks), np.int64)
-    found, most_codes = encoder().read_table(
+    found, most_codes = compiled().read_table(
         streams["table"],
         groups,
         chunk,
