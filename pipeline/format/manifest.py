@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
+from pipeline.format import sealed
 from pipeline.format.dtype_names import WIDTHS
 from pipeline.format.hashes.digests import state_hash
 from pipeline.format.regions import Region
@@ -180,7 +181,8 @@ class Manifest:
     state_hash: str  # pipeline.format.hashes.hashing.state_hash over (name, hash) of all tensors
     created: str  # ISO 8601 UTC
     schema: int = SCHEMA_VERSION
-    signature: dict[str, str] | None = None
+    # The envelope header that signs it (pipeline.format.sealed), or None: unsigned.
+    signature: dict[str, Any] | None = None
     extra: dict[str, object] = field(default_factory=dict)  # stats; never needed to decode
     parent_state_hash: str | None = None  # state hash of the parent version
     instance: str | None = None  # the run instance (pipeline/versions/binding.py); optional
@@ -287,7 +289,8 @@ def compute_state_hash(tensors: tuple[TensorEntry, ...] | list[TensorEntry]) -> 
 # ---------------------------------------------------------------- JSON
 
 
-def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any]:
+def to_dict(manifest: Manifest) -> dict[str, Any]:
+    """The manifest document, without its signature (which is the envelope's)."""
     if manifest.is_pieced and manifest.schema < PIECES_SCHEMA:
         raise ConfigError(f"manifest {manifest.key} has tensors in pieces: schema 3 or later")
     doc: dict[str, Any] = {
@@ -326,8 +329,6 @@ def to_dict(manifest: Manifest, *, with_signature: bool = True) -> dict[str, Any
         doc["tensor_form"] = manifest.tensor_form
     if manifest.schema >= 2:
         doc["content_hash"] = manifest.content_hash
-    if with_signature and manifest.signature is not None:
-        doc["signature"] = dict(manifest.signature)
     return doc
 
 
@@ -348,13 +349,17 @@ def _dumps(doc: dict[str, Any]) -> bytes:
 
 
 def to_json(manifest: Manifest) -> bytes:
-    """Canonical JSON: sorted keys, no whitespace, ASCII only."""
+    """Canonical JSON (sorted keys, no whitespace, ASCII only); a signed manifest in its
+    envelope (:mod:`pipeline.format.sealed`), the signed bytes being this JSON."""
+    payload = signing_payload(manifest)
+    if manifest.signature is None:
+        return payload
+    return sealed.wrap(manifest.signature, payload)
+
+
+def signing_payload(manifest: Manifest) -> bytes:
+    """The manifest's canonical JSON: the bytes its signature covers."""
     try:
         return _dumps(to_dict(manifest))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"manifest {manifest.run}/{manifest.version} is not JSON: {e}") from e
-
-
-def signing_payload(manifest: Manifest) -> bytes:
-    """The bytes a signature covers: the canonical JSON without the signature field."""
-    return _dumps(to_dict(manifest, with_signature=False))

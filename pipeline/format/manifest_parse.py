@@ -14,6 +14,7 @@ import re
 from typing import Any, cast
 
 from pipeline.errors import CodecError, CorruptObjectError, MismatchError
+from pipeline.format import sealed
 from pipeline.format.bounded import load_json
 from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import (
@@ -117,9 +118,15 @@ def parse_manifest(
     expected_kind: Kind | None = None,
     source: str = "<manifest>",
 ) -> Manifest:
-    """Parse and validate a manifest; CorruptObjectError (CodecError for an unknown schema)."""
+    """Parse and validate a manifest, plain or in its signed envelope (whose signature
+    this does not check: see ``signing.verify_sealed``); CorruptObjectError (CodecError
+    for an unknown schema)."""
     c = _Checker(source)
-    doc = load_manifest_json(data, source)
+    raw = data.encode("ascii", errors="replace") if isinstance(data, str) else bytes(data)
+    if len(raw) > MAX_MANIFEST_BYTES + sealed.HEADER_BYTES:
+        raise c.fail(f"{len(raw)} bytes exceeds the limit of {MAX_MANIFEST_BYTES}")
+    payload, signature = sealed.unwrap(raw, f"manifest {source}")
+    doc = load_manifest_json(payload, source)
     if not isinstance(doc, dict):
         raise c.fail("is not a JSON object")
     schema = doc.get("schema")
@@ -179,7 +186,10 @@ def parse_manifest(
     extra = doc.get("extra", {})
     if not isinstance(extra, dict):
         raise c.fail("extra is not an object")
-    signature = _parse_signature(c, doc.get("signature"))
+    # A "signature" member is the in-document signature of earlier releases: readable
+    # without a key, never trusted (a reader with a key wants the envelope's).
+    if doc.get("signature") is not None:
+        c.obj(doc["signature"], "signature", frozenset({"alg", "key_id", "sig"}))
     instance_raw = doc.get("instance")
     instance = None if instance_raw is None else c.string(instance_raw, "instance", _HEX32)
     form = doc.get("tensor_form")
@@ -378,10 +388,3 @@ def _dims(c: _Checker, p: dict[str, Any], key: str) -> list[object]:
     if not isinstance(dims, list) or len(dims) > MAX_NDIM:
         raise c.fail(f"a piece's {key} is not a list of at most {MAX_NDIM} integers")
     return dims
-
-
-def _parse_signature(c: _Checker, raw: object) -> dict[str, str] | None:
-    if raw is None:
-        return None
-    sig = c.obj(raw, "signature", frozenset({"alg", "key_id", "sig"}))
-    return {k: c.string(sig.get(k), f"signature {k}") for k in ("alg", "key_id", "sig")}

@@ -73,7 +73,8 @@ def write_manifest(
     store: ObjectStore, manifest: Manifest, signing_key: PrivateKey | None, fault: str
 ) -> Manifest:
     manifest = replace(
-        manifest, instance=run_binding.instance_for_publish(store, manifest.run).instance
+        manifest,
+        instance=run_binding.instance_for_publish(store, manifest.run, signing_key).instance,
     )
     if signing_key is not None:
         manifest = sign(manifest, signing_key)

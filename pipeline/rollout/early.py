@@ -32,7 +32,7 @@ from pipeline.coord.hints import PartListener
 from pipeline.errors import CorruptObjectError, DeltasyncError
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import Manifest, object_key
-from pipeline.store.base import ObjectStore
+from pipeline.store.base import ObjectStore, read_bounded
 from pipeline.targets.base import EarlyProof, EarlyProofStarter, EarlyProver
 
 log = structlog.get_logger("pipeline.rollout.node")
@@ -100,8 +100,13 @@ class EarlyParts:
             self._parts[(hint.version, hint.key)] = (hint.sha256, future)
 
     def _start(self, hint: DeltaPart) -> EarlyPart:
-        """Download the hinted object, check it is as hinted, and prove it if the target can."""
-        data = self.store.get(object_key(self.run, "delta", hint.version, hint.key))
+        """Download the hinted object, check it is as hinted, and prove it if the target can.
+        Read as the manifest's objects are (``read_bounded``): no more than the hinted
+        size, and only from a regular file, so that a FIFO, device or huge (sparse) file
+        in the hinted object's place is refused at once instead of blocking the node or
+        filling its memory."""
+        key = object_key(self.run, "delta", hint.version, hint.key)
+        data = read_bounded(self.store, key, hint.size, what="hinted object")
         if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
             raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
         if not isinstance(self.target, EarlyProver):

@@ -49,10 +49,18 @@ from pipeline.format.signing import load_public_key
 from pipeline.rollout.early import EarlyParts
 from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor, stream_anchor_pieces
 from pipeline.rollout.report import Reporter
-from pipeline.rollout.state import read_state, remove_state, write_state
+from pipeline.rollout.state import (
+    pin_path,
+    read_pin,
+    read_state,
+    remove_state,
+    write_pin,
+    write_state,
+)
 from pipeline.rollout.stream import StreamFollower
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
+from pipeline.store.trust import store_key
 from pipeline.targets.base import (
     EarlyProofStarter,
     EarlyProver,
@@ -144,6 +152,7 @@ class RolloutNode:
         # the store once); a node never goes back below either's word.
         self._highest: int | None = None
         self._instance: run_binding.RunInstance | None = None
+        self._pinned: str | None = None  # the instance recorded beside the state file
         self._head_seen: int | None = None  # the store's head at the last sync
         self._state_hash: str | None = None
         self._started = False
@@ -593,14 +602,35 @@ class RolloutNode:
     def _check_instance(self, manifest: Manifest) -> None:
         """SignatureError for a manifest of another instance of the run (an old run's
         signed versions under a reused name and key), or one without an instance where
-        the run's record says every manifest has one."""
+        the run's record says every manifest has one.
+
+        With a key, the record (``run.json``) must be signed by it, every manifest must
+        carry its instance, and the instance must be the one this node has followed
+        (pinned beside its state file): none of this needs Redis, so a node without it,
+        or after Redis lost its data, refuses another instance's versions too."""
+        key = self._key()
         if self._instance is None:
-            self._instance = run_binding.read_instance(self.store, self.run_name)
+            record = run_binding.read_instance(self.store, self.run_name, key)
+            if record is not None and key is not None:
+                pinned = read_pin(self.state_path, self.run_name)
+                if self.state_path is not None and pinned not in (None, record.instance):
+                    assert pinned is not None
+                    raise SignatureError(
+                        f"run {self.run_name}: the store holds instance {record.instance[:8]}, "
+                        f"this node follows instance {pinned[:8]}; if the run was started "
+                        f"anew on purpose, remove {pin_path(self.state_path)}"
+                    )
+            self._instance = record
         record = self._instance
-        if record is None:
-            return  # a run older than instance ids
         name = f"{manifest.kind} {manifest.version} of run {self.run_name}"
-        if manifest.instance is None and manifest.version >= record.since:
+        if record is None:
+            if key is not None:
+                raise SignatureError(
+                    f"{name}: the run has no run record ({run_binding.record_key(self.run_name)})"
+                    " to check its instance against"
+                )
+            return  # a run older than instance ids
+        if manifest.instance is None and (key is not None or manifest.version >= record.since):
             raise SignatureError(f"{name} carries no run instance")
         if manifest.instance is not None and manifest.instance != record.instance:
             raise SignatureError(
@@ -608,10 +638,18 @@ class RolloutNode:
                 f"not {record.instance[:8]})"
             )
 
+    def _key(self) -> Ed25519PublicKey | None:
+        """The key manifests and the run record must be signed by, or None."""
+        return self.public_key if self.public_key is not None else store_key(self.store)
+
     def _set_applied(self, manifest: Manifest) -> None:
         self._applied = manifest.version
         self._state_hash = manifest.state_hash
         write_state(self.state_path, self.run_name, self.node_id, manifest)
+        if manifest.instance not in (None, self._pinned) and self._key() is not None:
+            assert manifest.instance is not None
+            write_pin(self.state_path, self.run_name, manifest.instance)
+            self._pinned = manifest.instance
         if self.on_applied is not None:
             self.on_applied(manifest)
         self.report.heartbeat(self._applied, self._state_hash)

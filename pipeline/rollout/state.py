@@ -60,3 +60,36 @@ def remove_state(path: Path | None) -> None:
     if path is not None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+
+
+def pin_path(path: Path) -> Path:
+    """Where the node records the run instance it follows, beside its state file (which
+    is removed whenever the node must bootstrap; the instance stays)."""
+    return path.with_name(path.name + ".instance")
+
+
+def read_pin(path: Path | None, run: str) -> str | None:
+    """The run instance this node has followed ``run`` in, or None."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads(pin_path(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable instance pin", path=str(pin_path(path)), error=str(exc))
+        return None
+    if not isinstance(doc, dict) or doc.get("run") != run:
+        return None
+    instance = doc.get("instance")
+    return instance if isinstance(instance, str) else None
+
+
+def write_pin(path: Path | None, run: str, instance: str) -> None:
+    if path is None:
+        return
+    target = pin_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"instance": instance, "run": run}, sort_keys=True))
+    os.replace(tmp, target)

@@ -187,3 +187,13 @@ def read_bounded(store: ObjectStore, key: str, limit: int, *, what: str = "objec
     if len(data) > limit:
         raise CorruptObjectError(f"{what} {key} is larger than the {limit} bytes expected")
     return data
+
+
+def read_prefix(store: ObjectStore, key: str, length: int, *, what: str = "object") -> bytes:
+    """At most the first ``length`` bytes of an object (all of a shorter one), reading no
+    more: what a signature header is checked from before the rest is read. A FIFO or
+    device in place of a file-store object is refused without blocking."""
+    data = bytes(store.get_range(key, 0, length))
+    if len(data) > length:
+        raise CorruptObjectError(f"{what} {key}: the store answered more than {length} bytes")
+    return data

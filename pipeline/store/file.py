@@ -160,9 +160,9 @@ class FileStore:
         except OSError as error:
             raise self._store_error("read", key, error) from error
 
-    def get_bounded(self, key: str, limit: int) -> bytes:
-        """At most ``limit + 1`` bytes of a regular file: a FIFO, device or folder in
-        place of an object is refused without blocking, a huge one before reading it."""
+    def _open_regular(self, key: str) -> BinaryIO:
+        """The object's file opened for reading: a FIFO, device or folder in place of an
+        object is refused without blocking, a link not followed."""
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -170,13 +170,20 @@ class FileStore:
             raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
         except OSError as error:
             raise self._store_error("read", key, error) from error
-        with os.fdopen(fd, "rb") as source:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise StoreError(f"cannot read {key!r} in {self.url}: not a regular file")
-            if info.st_size > limit:
+        source = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            source.close()
+            raise StoreError(f"cannot read {key!r} in {self.url}: not a regular file")
+        return source
+
+    def get_bounded(self, key: str, limit: int) -> bytes:
+        """At most ``limit + 1`` bytes of a regular file: a FIFO, device or folder in
+        place of an object is refused without blocking, a huge one before reading it."""
+        with self._open_regular(key) as source:
+            size = os.fstat(source.fileno()).st_size
+            if size > limit:
                 raise CorruptObjectError(
-                    f"object {key} is {info.st_size} bytes, more than {limit} expected"
+                    f"object {key} is {size} bytes, more than {limit} expected"
                 )
             try:
                 return source.read(limit + 1)
@@ -185,15 +192,12 @@ class FileStore:
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)
-        path = self._path(key)
-        try:
-            with open(path, "rb") as source:
+        with self._open_regular(key) as source:
+            try:
                 source.seek(start)
                 return source.read(length)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:
-            raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
-        except OSError as error:
-            raise self._store_error("read", key, error) from error
+            except OSError as error:
+                raise self._store_error("read", key, error) from error
 
     def get_file(self, key: str, path: Path) -> None:
         source_path = self._path(key)

@@ -9,22 +9,17 @@ second, unverified way to read a manifest from such a store.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
 
-from pipeline.errors import ConfigError, SignatureError
+from pipeline.errors import ConfigError
 from pipeline.format.signing import (
-    SIGNATURE_ALG,
     key_id,
     private_key_from,
     public_key_from,
@@ -116,30 +111,3 @@ def process_key(signing_pem: bytes | None, verify_pem: bytes | None) -> Ed25519P
             "what it signs"
         )
     return verify or signing
-
-
-def verify_document(doc: object, public_key: Ed25519PublicKey, name: str) -> None:
-    """SignatureError unless the decoded manifest ``doc`` carries a valid signature by
-    ``public_key`` over its canonical JSON without the signature. Runs before the
-    schema is checked, so nothing unsigned is interpreted."""
-    if not isinstance(doc, dict):
-        raise SignatureError(f"{name} is not signed (not a JSON object)")
-    sig = doc.get("signature")
-    if sig is None:
-        raise SignatureError(f"{name} is not signed")
-    if not isinstance(sig, dict) or not all(
-        isinstance(sig.get(k), str) for k in ("alg", "key_id", "sig")
-    ):
-        raise SignatureError(f"{name} has a malformed signature")
-    if sig["alg"] != SIGNATURE_ALG:
-        raise SignatureError(f"{name} is signed with unsupported algorithm {sig['alg'][:40]!r}")
-    if sig["key_id"] != key_id(public_key):
-        raise SignatureError(f"{name} is signed by key {sig['key_id'][:40]!r}, not the trusted key")
-    unsigned = {k: v for k, v in doc.items() if k != "signature"}
-    try:
-        payload = json.dumps(
-            unsigned, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-        ).encode("ascii")
-        public_key.verify(base64.b64decode(sig["sig"], validate=True), payload)
-    except (InvalidSignature, binascii.Error, ValueError, TypeError, RecursionError):
-        raise SignatureError(f"{name} has an invalid signature") from None

@@ -1,12 +1,14 @@
 """A run is bound to one store: a random run-instance id kept in the store and in Redis.
 
 The first publish of a run writes ``<run>/run.json`` (``{"instance": <32 hex>, "since":
-<version>}``) into the store, once, and records ``{"store": <url>, "instance": ...}``
-under ``deltasync:run:<run>:store`` in Redis, once. Every manifest published from
-then on carries the instance id (covered by its signature). A worker or node whose
-store holds another instance, or none, than Redis records for the run is refused with
-one line: two stores on one Redis cannot fork a run, and a run that reuses an old
-run's name and key does not accept the old run's signed versions.
+<version>}``, in a signed envelope when the publisher signs) into the store, once, and
+records ``{"store": <url>, "instance": ...}`` under ``deltasync:run:<run>:store`` in
+Redis, once. Every manifest published from then on carries the instance id (covered
+by its signature). A worker or node whose store holds another instance, or none, than
+Redis records for the run is refused with one line: two stores on one Redis cannot
+fork a run. A node with a verify key also checks the record's signature, with or
+without Redis, so that a run that reuses an old run's name and key does not accept
+the old run's signed versions (pipeline/rollout/node.py).
 """
 
 from __future__ import annotations
@@ -17,17 +19,26 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from pipeline.coord.connection import redis_errors
 from pipeline.coord.events import check_run_name
 from pipeline.coord.keys import binding_key
-from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError
+from pipeline.errors import ConfigError, CorruptObjectError, ObjectNotFoundError, SignatureError
+from pipeline.format import sealed
 from pipeline.format.bounded import MAX_REDIS_RECORD_BYTES, load_json
+from pipeline.format.signing import SIGNS_RUN_RECORD, private_key_from, seal, verify_sealed
 from pipeline.store.base import ObjectStore, put_if_absent, read_bounded
 from pipeline.versions.index import list_versions
 
 RECORD_NAME = "run.json"
 MAX_RECORD_BYTES = 4096
 INSTANCE_PATTERN = re.compile(r"^[0-9a-f]{32}$")
+
+log = structlog.get_logger(__name__)
+
+PrivateKey = Ed25519PrivateKey | bytes
 
 
 class StoreBindingError(ConfigError):
@@ -38,21 +49,28 @@ class StoreBindingError(ConfigError):
 class RunInstance:
     instance: str
     since: int  # manifests of older versions predate instance ids and may lack one
+    signed: bool = False  # the record is in a signed envelope (checked only with a key)
 
 
 def record_key(run: str) -> str:
     return f"{check_run_name(run)}/{RECORD_NAME}"
 
 
-def read_instance(store: ObjectStore, run: str) -> RunInstance | None:
+def read_instance(
+    store: ObjectStore, run: str, public_key: Ed25519PublicKey | bytes | None = None
+) -> RunInstance | None:
     """The run's instance record in ``store``, None if it has none; CorruptObjectError if
-    it is malformed."""
+    it is malformed. With ``public_key``: SignatureError unless the record is signed by
+    that key."""
     key = record_key(run)
     try:
         data = read_bounded(store, key, MAX_RECORD_BYTES, what="run record")
     except ObjectNotFoundError:
         return None
-    doc = load_json(data, max_bytes=MAX_RECORD_BYTES, what=key, error=CorruptObjectError)
+    if public_key is not None:
+        verify_sealed(data, SIGNS_RUN_RECORD, public_key, f"run record {key}")
+    payload, signature = sealed.unwrap(data, f"run record {key}")
+    doc = load_json(payload, max_bytes=MAX_RECORD_BYTES, what=key, error=CorruptObjectError)
     instance = doc.get("instance") if isinstance(doc, dict) else None
     since = doc.get("since") if isinstance(doc, dict) else None
     if (
@@ -63,17 +81,25 @@ def read_instance(store: ObjectStore, run: str) -> RunInstance | None:
         or since < 0
     ):
         raise CorruptObjectError(f"run record {key} in {store.url} is malformed")
-    return RunInstance(instance, since)
+    return RunInstance(instance, since, signed=signature is not None)
 
 
-def ensure_instance(store: ObjectStore, run: str, since: int) -> RunInstance:
+def record_bytes(instance: RunInstance, signing_key: PrivateKey | None) -> bytes:
+    """``run.json`` as stored: signed when there is a key."""
+    payload = sealed.canonical({"instance": instance.instance, "since": instance.since})
+    return payload if signing_key is None else seal(payload, SIGNS_RUN_RECORD, signing_key)
+
+
+def ensure_instance(
+    store: ObjectStore, run: str, since: int, signing_key: PrivateKey | None = None
+) -> RunInstance:
     """The run's instance in ``store``, created (once, atomically where the backend can)
     with ``since`` when there is none."""
     found = read_instance(store, run)
     if found is not None:
         return found
-    doc = {"instance": secrets.token_hex(16), "since": since}
-    put_if_absent(store, record_key(run), json.dumps(doc, sort_keys=True).encode())
+    fresh = RunInstance(secrets.token_hex(16), since)
+    put_if_absent(store, record_key(run), record_bytes(fresh, signing_key))
     created = read_instance(store, run)
     assert created is not None  # just written, by this call or a concurrent one
     return created
@@ -127,21 +153,33 @@ def check_store(client: Any, run: str, store: ObjectStore) -> RunInstance | None
     return instance
 
 
-def instance_for_publish(store: ObjectStore, run: str) -> RunInstance:
+def instance_for_publish(
+    store: ObjectStore, run: str, signing_key: PrivateKey | None = None
+) -> RunInstance:
     """The instance every new manifest of ``run`` carries; created with the run's first
     publish (for a run older than instance ids: the first one after them, so that its
-    older manifests stay valid)."""
+    older manifests stay valid). With ``signing_key``, a record that is not signed by it
+    (written by an earlier release, or before the key) is signed now: nodes with the
+    verify key accept no version of a run whose record is not."""
     found = read_instance(store, run)
-    if found is not None:
-        return found
-    head = list_versions(store, run).head
-    return ensure_instance(store, run, since=0 if head is None else head + 1)
+    if found is None:
+        head = list_versions(store, run).head
+        return ensure_instance(store, run, 0 if head is None else head + 1, signing_key)
+    if signing_key is not None:
+        try:
+            read_instance(store, run, private_key_from(signing_key).public_key())
+        except SignatureError:
+            store.put(record_key(run), record_bytes(found, signing_key))
+            log.info("run record signed", run=run, instance=found.instance[:8])
+    return found
 
 
-def bind_store(client: Any, run: str, store: ObjectStore) -> RunInstance:
+def bind_store(
+    client: Any, run: str, store: ObjectStore, signing_key: PrivateKey | None = None
+) -> RunInstance:
     """Before publishing to ``run``: StoreBindingError if Redis binds it to another
     store (checked before anything is written here), else bind it to this one."""
     check_store(client, run, store)
-    instance = instance_for_publish(store, run)
+    instance = instance_for_publish(store, run, signing_key)
     bind(client, run, store, instance)
     return instance

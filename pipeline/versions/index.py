@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pipeline.errors import ChainError, CorruptObjectError, ObjectNotFoundError
+from pipeline.errors import ChainError, CorruptObjectError, ObjectNotFoundError, SignatureError
+from pipeline.format import sealed
 from pipeline.format.hashes.digests import sha256_bytes
 from pipeline.format.manifest import (
     KIND_FOLDERS,
@@ -22,10 +23,10 @@ from pipeline.format.manifest import (
     check_run,
     manifest_key,
 )
-from pipeline.format.manifest_parse import load_manifest_json, parse_manifest
-from pipeline.format.signing import public_key_from, verify_signature
-from pipeline.store.base import ObjectStore, read_bounded
-from pipeline.store.trust import store_key, verify_document
+from pipeline.format.manifest_parse import parse_manifest
+from pipeline.format.signing import SIGNS_MANIFEST, public_key_from, verify_sealed
+from pipeline.store.base import ObjectStore, read_bounded, read_prefix
+from pipeline.store.trust import store_key
 
 _MANIFEST_IN_FOLDER = re.compile(r"^(\d{10})/manifest\.json$")
 _VERSION_FOLDER = re.compile(r"^(\d{10})/")
@@ -110,23 +111,28 @@ def load_manifest(
     public_key: PublicKey | None = None,
 ) -> Manifest:
     """Fetch and validate one manifest. With a key (``public_key``, else the one the
-    store is trusted with, see :mod:`pipeline.store.trust`) the order is: bounded bytes, then
-    the signature, then the schema; nothing unsigned is interpreted."""
+    store is trusted with, see :mod:`pipeline.store.trust`) the order is: the object's
+    first bytes, the signature they hold, then only the bytes that signature names, then
+    the schema; an unsigned or wrongly signed manifest costs a bounded read whatever its
+    size, and nothing unsigned is interpreted."""
     key = manifest_key(run, kind, version)
+    trusted_key = public_key_from(public_key) if public_key is not None else store_key(store)
+    limit = MAX_MANIFEST_BYTES
+    verified = b""
     try:
-        data = read_bounded(store, key, MAX_MANIFEST_BYTES, what="manifest")
+        if trusted_key is not None:
+            name = f"{kind} {version} of run {run}"
+            prefix = read_prefix(store, key, sealed.HEADER_BYTES + len(sealed.SEPARATOR))
+            header = verify_sealed(prefix, SIGNS_MANIFEST, trusted_key, name)
+            limit, verified = header.total, prefix[: header.length]
+        data = read_bounded(store, key, limit, what="manifest")
     except ObjectNotFoundError:
         raise ObjectNotFoundError(f"manifest {key} does not exist in {store.url}") from None
-    trusted_key = public_key_from(public_key) if public_key is not None else store_key(store)
-    if trusted_key is not None:
-        doc = load_manifest_json(data, key)
-        verify_document(doc, trusted_key, f"{kind} {version} of run {run}")
-    manifest = parse_manifest(
+    if not data.startswith(verified):  # replaced between the two reads
+        raise SignatureError(f"manifest {key} changed while it was read")
+    return parse_manifest(
         data, expected_run=run, expected_version=version, expected_kind=kind, source=key
     )
-    if trusted_key is not None:
-        verify_signature(manifest, trusted_key)
-    return manifest
 
 
 def resolve(

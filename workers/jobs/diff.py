@@ -215,7 +215,8 @@ def _diff_one(
         announced.append(manifest.version)
         faults.point("diff.after_announce")
 
-    run_binding.bind_store(runtime.redis, run, runtime.store)  # one store per run
+    # One store per run; a signing publisher signs the run's record too.
+    run_binding.bind_store(runtime.redis, run, runtime.store, runtime.settings.signing_key())
     with parallel_diff.diff_lease(runtime, run, step):
         if sharded:
             result = parallel_diff.publish_sharded_step(
