@@ -3,10 +3,11 @@
 It imports nothing of deltasync: only the standard library, numpy and zstandard
 (tests/test_format_spec.py checks that). It reads manifests and ``run.json``, anchor
 objects (both forms), and delta objects of levels 1 and 3, applies them to a base,
-computes mixsum-128 and the signing payload, and rebuilds a version of a run from a
-store folder. xxh3-128 (the delta checksum, the state hash, the schema-1 content hash)
-is a hash this module does not implement: the caller passes a function computing it
-(``bytes -> 32 hex``), or None to skip those checks.
+computes mixsum-128, opens signed envelopes (and gives the statement their signature
+covers), and rebuilds a version of a run from a store folder. xxh3-128 (the delta
+checksum, the state hash, the schema-1 content hash) is a hash this module does not
+implement: the caller passes a function computing it (``bytes -> 32 hex``), or None to
+skip those checks.
 
 Tensors are held as their *bits*: a flat numpy array of the unsigned integer of their
 width, with the dtype name and shape beside it.
@@ -502,9 +503,30 @@ def canonical(doc: Any) -> bytes:
     ).encode("ascii")
 
 
-def signing_payload(manifest: dict[str, Any]) -> bytes:
-    """The bytes an Ed25519 signature of ``manifest`` covers."""
-    return canonical({k: v for k, v in manifest.items() if k != "signature"})
+ENVELOPE_PREFIX = b'{"signature":{'
+
+
+def open_envelope(raw: bytes) -> tuple[bytes, dict[str, Any] | None]:
+    """(the document's bytes, the signature header or None) of a stored manifest or
+    ``run.json``: a signed one is ``{"signature":{...},"signed":<document>}``, the
+    document's bytes being exactly those the header's ``size`` and ``sha256`` name."""
+    if not raw.startswith(ENVELOPE_PREFIX):
+        return raw, None
+    envelope = json.loads(raw)
+    if raw != canonical(envelope) or set(envelope) != {"signature", "signed"}:
+        raise FormatError("signed envelope is not canonical JSON")
+    header = envelope["signature"]
+    start = len(b'{"signature":' + canonical(header) + b',"signed":')
+    payload = raw[start:-1]
+    if len(payload) != header["size"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise FormatError("signed bytes are not those the signature names")
+    return payload, header
+
+
+def signed_statement(header: dict[str, Any], signs: str) -> bytes:
+    """The bytes an envelope's Ed25519 signature covers (``signs``: ``manifest`` or
+    ``run record``)."""
+    return canonical({"sha256": header["sha256"], "signs": signs, "size": header["size"]})
 
 
 def key_id(raw_public_key: bytes) -> str:
@@ -555,7 +577,8 @@ class Store:
         )
 
     def manifest(self, run: str, kind: str, version: int) -> dict[str, Any]:
-        raw = (self.root / run / kind / f"{version:010d}" / "manifest.json").read_bytes()
+        stored = (self.root / run / kind / f"{version:010d}" / "manifest.json").read_bytes()
+        raw, _ = open_envelope(stored)
         doc: dict[str, Any] = json.loads(raw)
         if raw != canonical(doc):
             raise FormatError("manifest is not canonical JSON")
@@ -567,7 +590,7 @@ class Store:
             raise FormatError("state hash does not match the tensor hashes")
         record = self.root / run / "run.json"
         if record.is_file():
-            instance = json.loads(record.read_bytes())
+            instance = json.loads(open_envelope(record.read_bytes())[0])
             if version >= instance["since"] and doc.get("instance") != instance["instance"]:
                 raise FormatError("manifest belongs to another run instance")
         return doc

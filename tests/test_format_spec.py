@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import json
 import math
 import sys
 from pathlib import Path
@@ -350,20 +351,32 @@ def step(previous: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
 
 
 def check_signed(store_root: Path, manifest: Manifest, raw_public: bytes) -> dict[str, Any]:
-    """The reader's signing payload is what the signature covers."""
+    """The stored manifest is an envelope whose header's signature verifies over the
+    reader's statement of the signed bytes, which are the manifest's canonical JSON."""
     folder = "deltas" if manifest.kind == "delta" else "anchors"
     doc = spec.Store(store_root).manifest(manifest.run, folder, manifest.version)
-    signature = doc["signature"]
+    stored = (store_root / manifest.key).read_bytes()
+    payload, signature = spec.open_envelope(stored)
+    assert signature is not None
     assert signature["alg"] == "ed25519"
     assert signature["key_id"] == spec.key_id(raw_public)
-    payload = spec.signing_payload(doc)
     Ed25519PublicKey.from_public_bytes(raw_public).verify(
-        base64.b64decode(signature["sig"], validate=True), payload
+        base64.b64decode(signature["sig"], validate=True),
+        spec.signed_statement(signature, "manifest"),
     )
-    # The same bytes as the stored manifest with its signature member cut out.
-    stored = (store_root / manifest.key).read_bytes()
-    assert stored.replace(b',"signature":' + spec.canonical(signature), b"") == payload
+    assert payload == spec.canonical(doc) and "signature" not in doc
     return doc
+
+
+def check_signed_record(store_root: Path, run: str, raw_public: bytes) -> None:
+    """``run.json`` of a signed run is signed the same way, as a ``run record``."""
+    payload, signature = spec.open_envelope((store_root / run / "run.json").read_bytes())
+    assert signature is not None and signature["key_id"] == spec.key_id(raw_public)
+    Ed25519PublicKey.from_public_bytes(raw_public).verify(
+        base64.b64decode(signature["sig"], validate=True),
+        spec.signed_statement(signature, "run record"),
+    )
+    assert set(json.loads(payload)) == {"instance", "since"}
 
 
 def test_a_signed_run_rebuilds_from_the_store_alone(tmp_path: Path) -> None:
@@ -438,6 +451,7 @@ def test_a_signed_run_rebuilds_from_the_store_alone(tmp_path: Path) -> None:
     assert read.versions(run, "deltas") == [1, 3, 4, 7]
     assert read.versions(run, "anchors") == [0, 4]
     assert [m["version"] for _, m in read.chain(run, 7)] == [4, 7]
+    check_signed_record(root, run, raw_public)
     for manifest in manifests:
         doc = check_signed(root, manifest, raw_public)
         got = read.rebuild(run, manifest.version)

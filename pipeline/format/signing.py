@@ -35,9 +35,8 @@ SIGNS_RUN_RECORD = "run record"
 # What a reader holding a key says of a manifest or record without an envelope: it may
 # be one signed inside the document, the form of earlier releases, no longer accepted.
 UNSIGNED_FIX = (
-    "(a signature inside the document, as earlier releases wrote, is no longer accepted: "
-    "publish again with this release and DELTASYNC_SIGNING_KEY, e.g. a new anchor with "
-    "`deltasync compact`)"
+    "(a signature inside the manifest, as earlier releases wrote, is no longer accepted: "
+    "re-sign the run with `deltasync resign --run RUN` and DELTASYNC_SIGNING_KEY)"
 )
 
 

@@ -100,6 +100,13 @@ class EarlyParts:
             self._parts[(hint.version, hint.key)] = (hint.sha256, future)
 
     def _start(self, hint: DeltaPart) -> EarlyPart:
+        try:
+            return self._early(hint)
+        except DeltasyncError as exc:  # kept for _ready; said now, while it is news
+            log.info("early part refused", version=hint.version, key=hint.key, error=str(exc))
+            raise
+
+    def _early(self, hint: DeltaPart) -> EarlyPart:
         """Download the hinted object, check it is as hinted, and prove it if the target can.
         Read as the manifest's objects are (``read_bounded``): no more than the hinted
         size, and only from a regular file, so that a FIFO, device or huge (sparse) file

@@ -1,4 +1,5 @@
-"""Operator commands: compact, tail, status, verify, repair, retry, keygen, redis, warm."""
+"""Operator commands: compact, tail, status, verify, repair, retry, keygen, resign, redis,
+warm."""
 
 from __future__ import annotations
 
@@ -370,6 +371,43 @@ def keygen(out: Path) -> None:
     click.echo(f"public key (DELTASYNC_VERIFY_KEY): {public}")
 
 
+@click.command("resign")
+@RUN
+@click.pass_context
+def resign(ctx: click.Context, run: str) -> None:
+    """Re-sign a run stored by an earlier release with DELTASYNC_SIGNING_KEY: manifests
+    signed inside the document (which nodes with the verify key now refuse) move to the
+    signed envelope, and run.json is signed. A manifest whose old signature is not
+    valid for the key is left as it is, and named.
+
+    \b
+    Example:
+      DELTASYNC_SIGNING_KEY=keys/signing.key deltasync resign --run grpo-7
+    """
+    from pipeline import config
+    from pipeline.coord.replicas import run_lock
+    from pipeline.publish.resign import resign_run
+    from workers.runtime import from_context
+
+    runtime = from_context(ctx)
+    key = runtime.settings.signing_key()
+    if key is None:
+        raise click.UsageError("resign needs the signing key: set DELTASYNC_SIGNING_KEY")
+    # No compaction or garbage collection of the run meanwhile.
+    with run_lock(
+        runtime.redis,
+        run,
+        "compact",
+        timeout_s=config.LOCK_LEASE_S,
+        wait_s=REPAIR_LOCK_WAIT_S,
+        renew_every_s=config.LOCK_RENEW_S,
+    ):
+        result = resign_run(runtime.store, run, key)
+    click.echo(result.describe())
+    for refused in result.refused:
+        click.echo(f"  left unsigned: {refused}")
+
+
 @click.command("warm")
 @click.option(
     "--all",
@@ -463,6 +501,7 @@ def redis_stop(ctx: click.Context) -> None:
 
 COMMANDS: list[click.Command] = [
     compact,
+    resign,
     tail,
     status,
     verify,
