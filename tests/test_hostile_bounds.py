@@ -165,7 +165,8 @@ def test_an_oversized_manifest_is_refused_without_reading_it(tmp_path: Path) -> 
 
 def test_a_verifying_reader_checks_the_signature_before_the_schema(tmp_path: Path) -> None:
     """An unsigned manifest whose schema is broken fails as unsigned: nothing unsigned
-    is interpreted. A deep one is refused at the size and depth bound first."""
+    is interpreted. A deep one is refused as unsigned too, from its first bytes;
+    without a key, at the depth bound."""
     store = _publish(tmp_path, 1)
     _, public = generate_keypair(tmp_path / "keys")
     key = manifest_key(RUN, "anchor", 0)
@@ -178,8 +179,10 @@ def test_a_verifying_reader_checks_the_signature_before_the_schema(tmp_path: Pat
     with pytest.raises(SignatureError, match="anchor 0 of run bounds is not signed"):
         chain.load_manifest(verified, RUN, "anchor", 0)
     store.put(key, b"[" * 100_000)
-    with pytest.raises(CorruptObjectError, match="nested deeper"):
+    with pytest.raises(SignatureError, match="is not signed"):
         chain.load_manifest(verified, RUN, "anchor", 0)
+    with pytest.raises(CorruptObjectError, match="nested deeper"):
+        chain.load_manifest(store, RUN, "anchor", 0)
 
 
 # --------------------------------------------------------------------------- bounded objects
