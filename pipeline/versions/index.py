@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pipeline.errors import ChainError, CorruptObjectError, ObjectNotFoundError, SignatureError
-from pipeline.format import sealed
 from pipeline.format.hashes.digests import sha256_bytes
 from pipeline.format.manifest import (
     KIND_FOLDERS,
@@ -32,6 +31,9 @@ _MANIFEST_IN_FOLDER = re.compile(r"^(\d{10})/manifest\.json$")
 _VERSION_FOLDER = re.compile(r"^(\d{10})/")
 
 PublicKey = Ed25519PublicKey | bytes
+# What a verifying reader reads of a manifest before its signature is checked: the
+# header, and all of a small manifest.
+FIRST_READ_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -118,14 +120,17 @@ def load_manifest(
     key = manifest_key(run, kind, version)
     trusted_key = public_key_from(public_key) if public_key is not None else store_key(store)
     limit = MAX_MANIFEST_BYTES
-    verified = b""
+    verified = prefix = b""
     try:
         if trusted_key is not None:
             name = f"{kind} {version} of run {run}"
-            prefix = read_prefix(store, key, sealed.HEADER_BYTES + len(sealed.SEPARATOR))
+            prefix = read_prefix(store, key, FIRST_READ_BYTES)
             header = verify_sealed(prefix, SIGNS_MANIFEST, trusted_key, name)
             limit, verified = header.total, prefix[: header.length]
-        data = read_bounded(store, key, limit, what="manifest")
+        if len(verified) and len(prefix) < FIRST_READ_BYTES:
+            data = prefix  # the whole object: a small manifest is read once
+        else:
+            data = read_bounded(store, key, limit, what="manifest")
     except ObjectNotFoundError:
         raise ObjectNotFoundError(f"manifest {key} does not exist in {store.url}") from None
     if not data.startswith(verified):  # replaced between the two reads
