@@ -337,13 +337,13 @@ def test_a_node_starts_on_hinted_parts_and_fetches_each_object_once(
     thread starts those proofs, and the applies use them."""
     trainer.publish()
     reads: list[str] = []
-    real_get = store.get
+    real_get = store.get_bounded  # early and manifest-led downloads both read bounded
 
-    def counted_get(key: str) -> bytes:
+    def counted_get(key: str, limit: int) -> bytes:
         reads.append(key)
-        return real_get(key)
+        return real_get(key, limit)
 
-    store.get = counted_get  # type: ignore[method-assign]
+    store.get_bounded = counted_get  # type: ignore[method-assign]
     sent: list[DeltaPart] = []
     proofs: list[str] = []
     real_prove = TorchTarget.prove_object

@@ -613,12 +613,12 @@ class RolloutNode:
             record = run_binding.read_instance(self.store, self.run_name, key)
             if record is not None and key is not None:
                 pinned = read_pin(self.state_path, self.run_name)
-                if self.state_path is not None and pinned not in (None, record.instance):
-                    assert pinned is not None
+                if pinned is not None and pinned != record.instance:
+                    where = pin_path(self.state_path) if self.state_path else "its pin"
                     raise SignatureError(
                         f"run {self.run_name}: the store holds instance {record.instance[:8]}, "
                         f"this node follows instance {pinned[:8]}; if the run was started "
-                        f"anew on purpose, remove {pin_path(self.state_path)}"
+                        f"anew on purpose, remove {where}"
                     )
             self._instance = record
         record = self._instance

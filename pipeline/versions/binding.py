@@ -49,7 +49,6 @@ class StoreBindingError(ConfigError):
 class RunInstance:
     instance: str
     since: int  # manifests of older versions predate instance ids and may lack one
-    signed: bool = False  # the record is in a signed envelope (checked only with a key)
 
 
 def record_key(run: str) -> str:
@@ -69,7 +68,7 @@ def read_instance(
         return None
     if public_key is not None:
         verify_sealed(data, SIGNS_RUN_RECORD, public_key, f"run record {key}")
-    payload, signature = sealed.unwrap(data, f"run record {key}")
+    payload, _ = sealed.unwrap(data, f"run record {key}")
     doc = load_json(payload, max_bytes=MAX_RECORD_BYTES, what=key, error=CorruptObjectError)
     instance = doc.get("instance") if isinstance(doc, dict) else None
     since = doc.get("since") if isinstance(doc, dict) else None
@@ -81,7 +80,7 @@ def read_instance(
         or since < 0
     ):
         raise CorruptObjectError(f"run record {key} in {store.url} is malformed")
-    return RunInstance(instance, since, signed=signature is not None)
+    return RunInstance(instance, since)
 
 
 def record_bytes(instance: RunInstance, signing_key: PrivateKey | None) -> bytes:
