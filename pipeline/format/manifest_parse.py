@@ -122,7 +122,7 @@ def parse_manifest(
     this does not check: see ``signing.verify_sealed``); CorruptObjectError (CodecError
     for an unknown schema)."""
     c = _Checker(source)
-    raw = data.encode("ascii", errors="replace") if isinstance(data, str) else bytes(data)
+    raw = data.encode("utf-8", errors="surrogatepass") if isinstance(data, str) else bytes(data)
     if len(raw) > MAX_MANIFEST_BYTES + sealed.HEADER_BYTES:
         raise c.fail(f"{len(raw)} bytes exceeds the limit of {MAX_MANIFEST_BYTES}")
     payload, signature = sealed.unwrap(raw, f"manifest {source}")
