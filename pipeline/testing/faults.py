@@ -14,6 +14,10 @@ the second object upload):
 - ``DELTASYNC_FAULT_FILE``: a file holding the name, read at each point and
   removed when the fault fires, so a long-lived process (a worker restarted
   after each kill) can be armed again and again from outside.
+
+A name prefixed ``stop:`` (``stop:publish.after_read``) stops the process with
+SIGSTOP instead, as a paused VM or a debugger would: it goes on where it stopped
+once sent SIGCONT.
 """
 
 from __future__ import annotations
@@ -45,29 +49,37 @@ def disarmed() -> Iterator[None]:
         _local.off = before
 
 
+STOP_PREFIX = "stop:"
+
+
 def _split(armed: str) -> tuple[str, int]:
-    name, _, nth = armed.strip().partition("@")
+    name, _, nth = armed.strip().removeprefix(STOP_PREFIX).partition("@")
     return name, int(nth) if nth.isdigit() else 1
 
 
-def _armed_in_file(name: str) -> bool:
+def _stops(armed: str) -> bool:
+    return armed.strip().startswith(STOP_PREFIX)
+
+
+def _armed_in_file(name: str) -> str | None:
+    """The armed text when the file's fault fires here, else None."""
     path = Path(fault_file())
     try:
         armed = path.read_text()
         stat = path.stat()
     except OSError:
-        return False
+        return None
     point_name, nth = _split(armed)
     if point_name != name:
-        return False
+        return None
     # Passes count from the moment the file was (re)written, not from process start.
     arming = (armed, stat.st_mtime_ns, stat.st_ino)
     _file_passes[arming] += 1
     if _file_passes[arming] != nth:
-        return False
+        return None
     with contextlib.suppress(OSError):
         path.unlink()  # fire once: the restarted process runs clean
-    return True
+    return armed
 
 
 def point(name: str) -> None:
@@ -75,14 +87,17 @@ def point(name: str) -> None:
     if getattr(_local, "off", False):
         return
     env = armed_fault()
-    fire = False
+    fired: str | None = None
     if env is not None:
         _passes[name] += 1
         point_name, nth = _split(env)
-        fire = point_name == name and _passes[name] == nth
-    if not fire and fault_file():
-        fire = _armed_in_file(name)
-    if not fire:
+        fired = env if point_name == name and _passes[name] == nth else None
+    if fired is None and fault_file():
+        fired = _armed_in_file(name)
+    if fired is None:
+        return
+    if _stops(fired):
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
         return
     try:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -124,6 +124,8 @@ def diff_job(
         except Exception as exc:
             if dead_letters.is_transient(exc):
                 raise  # the services are the problem: this job is retried as a whole
+            if published_meanwhile(runtime, run, earlier, exc):
+                continue
             # That step's own input is bad: set aside, so that later steps publish.
             where = str(args.get("checkpoint"))
             reason = dead_letters.record(
@@ -143,6 +145,8 @@ def diff_job(
     except Exception as exc:
         if dead_letters.is_transient(exc):
             raise
+        if published_meanwhile(runtime, run, step, exc):
+            return {"run": run, "version": step, "status": "skipped", "reason": "already published"}
         metrics.refused(run, "diff", exc)
         args = {"run": run, "step": step, "checkpoint": checkpoint, "owned": owned}
         args.update({"level": level} if level is not None else {})
@@ -153,6 +157,22 @@ def diff_job(
         raise dead_letters.PoisonStepError(
             f"step {step} of run {run} set aside: {reason}"
         ) from None
+
+
+def published_meanwhile(runtime: Runtime, run: str, step: int, exc: BaseException) -> bool:
+    """True when the store (the truth) holds ``step`` although this job failed on it:
+    another worker published it meanwhile (this one was paused past its lease, say).
+    Such a step is no dead letter. A store that cannot be read raises (the job is
+    retried) rather than a step-failed written on a guess."""
+    if step not in chain.list_versions(runtime.store, run).versions:
+        return False
+    log.warning(
+        "step failed here but is published: not set aside",
+        step=step,
+        error=dead_letters.reason_of(exc),
+    )
+    runtime.redis.hdel(keys.pending_steps_key(run), str(step))
+    return True
 
 
 def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, dict[str, Any]]]:

@@ -1,0 +1,108 @@
+"""Recovery where Redis and the store disagree, with real processes: the store is the
+truth and events are hints.
+
+- a policy compaction that fails is retried with backoff and `status` says why;
+- a step emitted just before Redis lost its data is found again from the staging
+  folder, and the run's store binding is restored from the store, so a worker on
+  another store refuses the run;
+- steps set aside while a damaged head blocked them publish after `deltasync repair`;
+- a worker paused past its lease writes no `step-failed` for a step another worker
+  published meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rq.scheduler import RQScheduler
+
+from pipeline.coord import keys
+from pipeline.coord.events import StepFailed
+from pipeline.versions import chain
+from tests.pipeline_helpers import cli, wait_for
+from tests.test_faults_workers import Cluster, cluster, retry_abandoned
+from workers import queues
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]  # each test starts its own redis-server
+
+
+def _status(c: Cluster) -> dict[str, Any]:
+    done = cli(c.env, "status", "--run", c.run, "--json", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
+
+
+def _stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP), per the kernel."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _log_lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
+def _job_ended(log: Path, job_id: str, after: int) -> bool:
+    """The worker logging to ``log`` finished ``job_id`` (either way) in a line past the
+    first ``after`` lines."""
+    for doc in _log_lines(log)[after:]:
+        if doc.get("logger") != "rq.worker" or doc.get("job_id") != job_id:
+            continue
+        if doc.get("level") == "error" or str(doc.get("event", "")).startswith("Successfully"):
+            return True
+    return False
+
+
+def _leases_lapse(c: Cluster) -> None:
+    """What time does to a stopped worker's leases, without waiting for it: its job's
+    heartbeat (90 s) lapses and rq retries the job, its run lock (60 s) and its
+    scheduler lock (a minute) expire."""
+    retry_abandoned(c.redis, queues.DIFF_QUEUE)
+    c.redis.delete(keys.lock_key(c.run, "diff"), RQScheduler.get_locking_key(queues.DIFF_QUEUE))
+
+
+# --------------------------------------------------------------------------- paused worker
+
+
+def test_a_worker_paused_past_its_lease_writes_no_false_step_failed(tmp_path: Path) -> None:
+    with cluster(tmp_path, DELTASYNC_WORKER_LEASE="3") as c:
+        paused = c.procs.start("paused", "worker", "diff")
+        c.emit()
+        wait_for(lambda: c.head() == 0, "v0")
+        c.arm("stop:publish.after_read")  # stopped with step 1 read, before its encode
+        step = c.emit()
+        wait_for(lambda: _stopped(paused.pid), "the worker stopped")
+
+        def workers() -> list[str]:
+            found = _status(c)["queues"][queues.DIFF_QUEUE]["workers"]
+            return [w["state"] for w in found]
+
+        wait_for(lambda: workers() == ["dead"], "the paused worker past its lease")
+        _leases_lapse(c)
+        c.procs.start("other", "worker", "diff")
+        wait_for(lambda: c.head() == step, "step 1 published by the other worker")
+
+        log = c.procs.log_dir / "paused.log"
+        seen = len(_log_lines(log))
+        os.kill(paused.pid, signal.SIGCONT)
+        job_id = queues.diff_job_id(c.run, step)
+        wait_for(lambda: _job_ended(log, job_id, seen), "the resumed worker's job over")
+
+        failed = [e for e in c.events() if isinstance(e, StepFailed)]
+        assert failed == [], failed
+        assert _status(c)["dead_steps"] == []
+        c.check_versions({0, 1})
