@@ -23,6 +23,8 @@ from rq.scheduler import RQScheduler
 
 from pipeline.coord import keys
 from pipeline.coord.events import StepFailed
+from pipeline.store import open_store
+from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, wait_for
 from tests.test_faults_workers import Cluster, cluster, retry_abandoned
@@ -106,3 +108,69 @@ def test_a_worker_paused_past_its_lease_writes_no_false_step_failed(tmp_path: Pa
         assert failed == [], failed
         assert _status(c)["dead_steps"] == []
         c.check_versions({0, 1})
+
+
+# --------------------------------------------------------------------------- Redis loses its data
+
+
+def test_a_step_emitted_before_redis_lost_its_data_is_found_again(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        worker = c.procs.start("diff", "worker", "diff")
+        c.emit()
+        wait_for(lambda: c.head() == 0, "v0")
+        c.procs.stop(worker)  # nothing takes the next steps yet
+
+        lost = c.emit()
+        c.redis.flushall()  # the step's job, pending entry and event are gone
+        assert _status(c)["lost_steps"] == [lost]  # reported
+        worker = c.procs.start("diff-again", "worker", "diff")
+        c.emit()  # the emitter finds step 1 in its staging folder and sends it first
+        wait_for(lambda: c.head() == 2, "v2")
+        assert _status(c)["lost_steps"] == []
+
+        c.procs.stop(worker)
+        lost = c.emit()
+        c.redis.flushall()
+        shown = cli(c.env, "status", "--run", c.run)
+        assert f"deltasync retry --run {c.run} --step {lost}" in shown.stdout, shown.stdout
+        done = cli(c.env, "retry", "--run", c.run, "--step", str(lost))
+        assert done.returncode == 0, done.stderr[-2000:]
+        c.procs.start("diff-3", "worker", "diff")
+        wait_for(lambda: c.head() == lost, "the lost step sent by `deltasync retry`")
+        c.check_versions({0, 1, 2, 3}, lossy_events=True)
+
+
+def test_the_store_binding_is_restored_from_the_store_after_redis_lost_it(
+    tmp_path: Path,
+) -> None:
+    with cluster(tmp_path) as c:
+        right = c.procs.start("diff", "worker", "diff")
+        c.emit()
+        wait_for(lambda: c.head() == 0, "v0")
+        c.procs.stop(right)
+        c.redis.flushall()  # the binding of the run to its store is gone with the rest
+
+        other_url = (tmp_path / "other-store").as_uri()
+        wrong = c.procs.start("wrong", "worker", "diff", DELTASYNC_STORE=other_url)
+        c.emit()  # the emitter binds the run again, from its store's record
+        other = open_store(other_url)
+        log = c.procs.log_dir / "wrong.log"
+        refusal = f"run {c.run} is bound to store {c.settings.store_url}"
+        wait_for(
+            lambda: (
+                refusal in log.read_text(errors="replace")
+                or chain.list_versions(other, c.run).head is not None
+            ),
+            "the worker on another store done with step 1",
+        )
+        assert chain.list_versions(other, c.run).versions == ()  # it took nothing over
+        lines = [d for d in _log_lines(log) if refusal in str(d.get("exc_info", d.get("event")))]
+        assert lines, log.read_text()[-3000:]
+        binding = run_binding.bound(c.redis, c.run)
+        assert binding is not None and binding[0] == c.settings.store_url
+        c.procs.stop(wrong)
+
+        c.procs.start("diff-again", "worker", "diff")
+        c.emit()  # step 1 publishes before it (rq's retry of it, or this job)
+        wait_for(lambda: c.head() == 2, "v2 on the run's store")
+        c.check_versions({0, 1, 2}, lossy_events=True)

@@ -24,6 +24,7 @@ from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream, list_runs
 from pipeline.errors import ConfigError, DeltasyncError
 from pipeline.publish.dead_letters import list_dead
+from pipeline.publish.staged import lost_staged_steps
 from pipeline.store.trust import store_key
 from pipeline.versions import index as chain
 from pipeline.versions.runs import require_run
@@ -173,6 +174,8 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
     report["pending_steps"] = sorted(
         int(k) for k in r.hkeys(keys.pending_steps_key(run)) if text(k).isdigit()
     )
+    # Staged here, newer than the head, unknown to Redis: lost with its data.
+    report["lost_steps"] = lost_staged_steps(r, store, runtime.settings.staging_dir, run)
     now = datetime.now(UTC)
     replicas = []
     for info in list_replicas(r, run):
@@ -324,6 +327,13 @@ def render_status(report: dict[str, Any]) -> None:
             console.print(f"[yellow]no live worker on {name}[/]")
     if report.get("pending_steps"):
         console.print(f"steps waiting to publish {report['pending_steps']}", soft_wrap=True)
+    for step in report.get("lost_steps", []):
+        console.print(
+            f"[yellow]step {step} is staged but Redis does not know it[/] (Redis lost its "
+            f"data?): `deltasync retry --run {escape(report['run'])} --step {step}` sends it "
+            "again, or the trainer's next step does",
+            soft_wrap=True,
+        )
     replicas_table = Table(title="replicas")
     for col in ("node", "version", "lag (versions)", "last seen", "state"):
         replicas_table.add_column(col)

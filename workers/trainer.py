@@ -45,6 +45,8 @@ from pipeline.format.checkpoint_names import FORM_METADATA_KEY, TensorForm, chec
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.logs import get_logger
 from pipeline.publish.dead_letters import list_dead
+from pipeline.publish.staged import lost_staged_steps, staged_path
+from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
 from workers import queues
 from workers.runtime import Runtime
@@ -119,7 +121,7 @@ class Emitter(RunEmitter):
     """Publishes a run's steps: one per optimizer step (or every k steps)."""
 
     def staging_path(self, step: int) -> Path:
-        return self.settings.staging_dir / self.run / f"step-{step:010d}"
+        return staged_path(self.settings.staging_dir, self.run, step)
 
     def emit_state(
         self,
@@ -165,8 +167,26 @@ class Emitter(RunEmitter):
         return self._send(step, path, owned=False)
 
     def _send(self, step: int, path: Path, *, owned: bool) -> Emitted:
+        self.resend_lost(step)
         kwargs = {"run": self.run, "step": step, "checkpoint": str(path), "owned": owned}
         return send_step(self.runtime, kwargs)
+
+    def resend_lost(self, before: int) -> list[int]:
+        """Send again, oldest first, the steps below ``before`` that are staged here but
+        that Redis no longer knows (it lost its data: restarted without persistence,
+        flushed), so that they publish before the next step instead of vanishing.
+        Returns them."""
+        runtime = self.runtime
+        staging = self.settings.staging_dir
+        lost = lost_staged_steps(runtime.redis, runtime.store, staging, self.run, below=before)
+        for step in lost:
+            path = self.staging_path(step)
+            log.warning("step found again in staging, sent again", run=self.run, step=step)
+            send_step(
+                self.runtime,
+                {"run": self.run, "step": step, "checkpoint": str(path), "owned": True},
+            )
+        return lost
 
 
 def reachable(runtime: Runtime, doing: str) -> None:
@@ -191,6 +211,12 @@ def send_step(runtime: Runtime, kwargs: dict[str, Any]) -> Emitted:
     run, step, checkpoint = kwargs["run"], kwargs["step"], str(kwargs["checkpoint"])
     doing = f"emitting step {step} of run {run}"
     r = runtime.redis
+    # Redis may have lost the run's store binding: restored from this store first, so
+    # that a worker on another store refuses the step rather than taking the run over.
+    try:
+        run_binding.restore(r, run, runtime.store)
+    except ServiceUnavailableError as exc:
+        raise StepNotSentError(f"{exc}; nothing was sent, emit it again") from None
     try:
         marker = keys.emitted_key(run, step)
         set_aside = bool(r.hexists(keys.dead_steps_key(run), str(step)))
@@ -245,11 +271,19 @@ _STEP_ARGS = ("checkpoint", "owned", "level", "sharded", "launch")
 
 def retry_step(runtime: Runtime, run: str, step: int) -> Emitted:
     """Send a step that was set aside again, with the arguments it was set aside with
-    (its cause fixed meanwhile). ConfigError when it is not set aside or its checkpoint
-    is gone; ChainError when the run has moved past it."""
+    (its cause fixed meanwhile), or a staged step Redis lost (``lost_staged_steps``).
+    ConfigError when it is neither or its checkpoint is gone; ChainError when the run
+    has moved past it."""
     check_run_name(run)
     dead = {d.step: d for d in list_dead(runtime.redis, run)}
     found = dead.get(step)
+    staging = runtime.settings.staging_dir
+    if found is None and step in lost_staged_steps(runtime.redis, runtime.store, staging, run):
+        # Staged, then lost with Redis's data (`deltasync status` lists it).
+        staged = staged_path(staging, run, step)
+        return send_step(
+            runtime, {"run": run, "step": step, "checkpoint": str(staged), "owned": True}
+        )
     if found is None:
         listed = ", ".join(str(s) for s in sorted(dead)) or "none"
         raise ConfigError(f"step {step} of run {run} is not set aside (set aside: {listed})")

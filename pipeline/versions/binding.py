@@ -9,6 +9,11 @@ Redis records for the run is refused with one line: two stores on one Redis cann
 fork a run. A node with a verify key also checks the record's signature, with or
 without Redis, so that a run that reuses an old run's name and key does not accept
 the old run's signed versions (pipeline/rollout/node.py).
+
+Redis may lose the binding (a restart without persistence, FLUSHALL); the store keeps
+its record. Whoever sends a run work from the run's own store (the trainer's emitter,
+`deltasync retry`, `deltasync compact`) restores the binding from that record first
+(:func:`restore`), so a worker on another store still refuses the run.
 """
 
 from __future__ import annotations
@@ -182,3 +187,17 @@ def bind_store(
     instance = instance_for_publish(store, run, signing_key)
     bind(client, run, store, instance)
     return instance
+
+
+def restore(client: Any, run: str, store: ObjectStore) -> bool:
+    """Bind ``run`` in Redis again from the record in ``store`` when Redis holds no
+    binding (it lost its data) and the store has a record: True if it did. Called only
+    by processes whose store is the run's (they send it work), never by workers, which
+    would bind the run to whatever store they were given."""
+    if bound(client, run) is not None:
+        return False
+    instance = read_instance(store, run)
+    if instance is None:
+        return False
+    bind(client, run, store, instance)
+    return True

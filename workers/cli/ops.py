@@ -52,6 +52,7 @@ def compact(
     from rq.serializers import JSONSerializer
 
     from pipeline.errors import ServiceUnavailableError
+    from pipeline.versions import binding as run_binding
     from pipeline.versions import chain
     from pipeline.versions.runs import require_run
     from workers import queues
@@ -74,6 +75,7 @@ def compact(
             f"no compaction worker listens on {queues.COMPACT_QUEUE} (start `deltasync worker "
             "compact`, then run this again); nothing was queued"
         )
+    run_binding.restore(runtime.redis, run, runtime.store)  # Redis may have lost it
     job_id = request_compaction(runtime, run, target, "manual", requested_by="cli")
     click.echo(f"compaction of {run} version {target} queued as job {job_id}")
     if not listening:
