@@ -17,6 +17,7 @@ import redis
 
 from pipeline.coord import keys
 from pipeline.coord.connection import redis_errors, text
+from pipeline.coord.events import check_run_name
 from pipeline.store.base import ObjectStore
 from pipeline.versions.index import list_versions
 
@@ -37,7 +38,7 @@ def lost_staged_steps(
     try:
         staged = sorted(
             int(m.group(1))
-            for entry in (staging_dir / keys.check_run_name(run)).iterdir()
+            for entry in (staging_dir / check_run_name(run)).iterdir()
             if (m := STAGED.fullmatch(entry.name))
         )
         staged = [s for s in staged if below is None or s < below]
