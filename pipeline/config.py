@@ -53,6 +53,10 @@ FANOUT_TTL_S = 24 * 3600.0  # a parallel diff's fan-out record and part records
 SHARDED_RECALL_S = 2.0
 # A policy compaction that never finishes (its worker died) stops blocking the next one.
 POLICY_PENDING_TTL_S = 3600.0
+# A failed policy compaction is tried again after DELTASYNC_COMPACT_RETRY seconds,
+# doubled after each failure in a row up to this; its record is shown this long.
+COMPACT_RETRY_MAX_S = 3600.0
+COMPACTION_FAILED_TTL_S = 7 * 24 * 3600.0
 ANNOUNCED_TTL_S = 30 * 24 * 3600  # once-only markers of announced versions
 EMITTED_TTL_S = 7 * 24 * 3600  # markers of emitted steps
 # Ranks registered for a sharded step: long enough for any step to finish staging.
@@ -150,6 +154,15 @@ class Settings:
             "0.5",
             "Compaction policy: request a new anchor once the chain's cumulative delta "
             "bytes exceed this fraction of the anchor's bytes.",
+        ),
+    )
+    compact_retry_s: float = field(
+        default=60.0,
+        metadata=_var(
+            "DELTASYNC_COMPACT_RETRY",
+            "60",
+            "Seconds before a failed policy compaction is tried again; doubled after each "
+            "failure in a row, up to an hour. `deltasync status` shows the failure's reason.",
         ),
     )
     keep_anchors: int = field(
@@ -408,6 +421,11 @@ class Settings:
             )
         if self.max_chain < 1:
             raise ConfigError(f"DELTASYNC_COMPACT_MAX_CHAIN: must be >= 1, got {self.max_chain}")
+        if not (math.isfinite(self.compact_retry_s) and self.compact_retry_s > 0):
+            raise ConfigError(
+                f"DELTASYNC_COMPACT_RETRY: must be a positive number of seconds, "
+                f"got {self.compact_retry_s}"
+            )
         if not (math.isfinite(self.max_delta_fraction) and self.max_delta_fraction > 0):
             raise ConfigError(
                 f"DELTASYNC_COMPACT_MAX_FRACTION: must be a positive number, "
@@ -623,6 +641,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "level": _int,
     "max_chain": _int,
     "max_delta_fraction": _float,
+    "compact_retry_s": _float,
     "keep_anchors": _int,
     "replica_ttl_s": _float,
     "worker_lease_s": _float,

@@ -45,6 +45,7 @@ PINNED = {
     keys.announced_key("r", 4): "deltasync:run:r:announced:4",
     keys.anchored_key("r", 4): "deltasync:run:r:anchored:4",
     keys.compaction_pending_key("r"): "deltasync:run:r:compaction-pending",
+    keys.compaction_failed_key("r"): "deltasync:run:r:compaction-failed",
     keys.diff_waiting_key("r"): "deltasync:run:r:diff-waiting",
     keys.diff_waiting_lease_key("r", 5): "deltasync:run:r:diff-waiting:5",
     keys.part_hosts_key("r", 6): "deltasync:run:r:part-hosts:6",

@@ -19,7 +19,12 @@ from pipeline.coord import keys
 from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.events import DeltaPart, Event
 from pipeline.coord.hints import PartListener
-from pipeline.coord.problems import list_cache_damage, list_failing, list_refused_jobs
+from pipeline.coord.problems import (
+    compaction_failure,
+    list_cache_damage,
+    list_failing,
+    list_refused_jobs,
+)
 from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream, list_runs
 from pipeline.errors import ConfigError, DeltasyncError
@@ -195,6 +200,9 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
             }
         )
     report["replicas"] = replicas
+    # The last policy compaction failed (and is tried again at retry_at): why, in one line.
+    failure = compaction_failure(r, run)
+    report["compaction_failing"] = None if failure is None else asdict(failure)
     report["dead_steps"] = [
         {"step": d.step, "reason": d.reason, "checkpoint": d.checkpoint, "time": d.time}
         for d in list_dead(r, run)
@@ -350,7 +358,18 @@ def render_status(report: dict[str, Any]) -> None:
         replicas_table.add_row("-", "-", "-", "no replica reported recently", "-")
     console.print(replicas_table)
     for dead in report.get("dead_steps", []):
-        console.print(f"[red]step {dead['step']} set aside:[/] {escape(dead['reason'])}")
+        console.print(
+            f"[red]step {dead['step']} set aside:[/] {escape(dead['reason'])} (once its cause "
+            f"is fixed: `deltasync retry --run {escape(report['run'])} --step {dead['step']}`)",
+            soft_wrap=True,
+        )
+    failing = report.get("compaction_failing")
+    if failing:
+        console.print(
+            f"[red]policy compaction failed[/] ({failing['failures']} in a row since "
+            f"{failing['since']}; next try {failing['retry_at']}): {escape(failing['reason'])}",
+            soft_wrap=True,
+        )
     render_failing(console, report.get("failing", []))
     for d in report.get("cache_damage", []):
         console.print(

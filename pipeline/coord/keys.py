@@ -91,6 +91,11 @@ ANCHORED = Template(
 COMPACTION_PENDING = Template(
     f"{RUN}:compaction-pending", "string", "A policy compaction is queued or running."
 )
+COMPACTION_FAILED = Template(
+    f"{RUN}:compaction-failed",
+    "string",
+    "The last failed policy compaction: reason, failures in a row, next try (JSON).",
+)
 DIFF_WAITING = Template(
     f"{RUN}:diff-waiting", "zset", "Parallel diff jobs waiting for the diff lock, by step."
 )
@@ -136,6 +141,7 @@ TEMPLATES: tuple[Template, ...] = (
     ANNOUNCED,
     ANCHORED,
     COMPACTION_PENDING,
+    COMPACTION_FAILED,
     DIFF_WAITING,
     DIFF_WAITING_LEASE,
     PART_HOSTS,
@@ -243,6 +249,10 @@ def anchored_key(run: str, version: int) -> str:
 
 def compaction_pending_key(run: str) -> str:
     return COMPACTION_PENDING.format(run=check_run_name(run))
+
+
+def compaction_failed_key(run: str) -> str:
+    return COMPACTION_FAILED.format(run=check_run_name(run))
 
 
 def diff_waiting_key(run: str) -> str:

@@ -15,6 +15,10 @@ time and how many so far); the record expires a week after the last finding.
 A job a worker refuses to run (it names a function that is not one of deltasync's
 jobs) is recorded in ``deltasync:refused-jobs``, a stream capped at MAX_REFUSED
 entries, and announced as ``job-refused`` on every run's event stream.
+
+A policy compaction that fails records ``deltasync:run:<run>:compaction-failed``: its
+one-line reason, the failures in a row, and when it is tried next (the delay doubles
+with each failure, up to a cap); a successful one removes it.
 """
 
 from __future__ import annotations
@@ -23,17 +27,18 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from dataclasses import fields as fields_of
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
 
-from pipeline.config import CACHE_DAMAGE_TTL_S
+from pipeline.config import CACHE_DAMAGE_TTL_S, COMPACTION_FAILED_TTL_S
 from pipeline.coord import scripts
 from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.events import JobRefused, now_iso
 from pipeline.coord.keys import (
     cache_damage_key,
+    compaction_failed_key,
     failing_index_key,
     failing_key,
     refused_jobs_key,
@@ -235,3 +240,78 @@ def list_refused_jobs(client: redis.Redis, count: int = 5) -> tuple[int, list[Re
         except (DeltasyncError, ValueError, TypeError, KeyError):
             continue
     return total, out
+
+
+@dataclass(frozen=True)
+class CompactionFailure:
+    version: int | None  # what it was to anchor (None: the head)
+    reason: str  # one line: "ErrorType: message"
+    failures: int  # in a row
+    since: str  # the first of them (ISO 8601, UTC)
+    time: str  # the last
+    retry_in_s: float  # the delay before the next try, from ``time``
+    retry_at: str
+
+
+def record_compaction_failure(
+    client: redis.Redis,
+    run: str,
+    version: int | None,
+    reason: str,
+    *,
+    base_s: float,
+    max_s: float,
+) -> CompactionFailure:
+    """Record one more failed policy compaction of ``run``; the next try waits
+    ``base_s`` doubled for each failure in a row before this one, at most ``max_s``.
+    Callers hold the run's compaction lock (one writer)."""
+    previous = compaction_failure(client, run)
+    failures = 1 if previous is None else previous.failures + 1
+    delay = min(base_s * 2.0 ** min(failures - 1, 62), max_s)
+    now = datetime.now(UTC)
+    at = now.isoformat(timespec="seconds").replace("+00:00", "Z")
+    failure = CompactionFailure(
+        version=version,
+        reason=reason[:MAX_ERROR_CHARS],
+        failures=failures,
+        since=at if previous is None else previous.since,
+        time=at,
+        retry_in_s=delay,
+        retry_at=(now + timedelta(seconds=delay))
+        .isoformat(timespec="seconds")
+        .replace("+00:00", "Z"),
+    )
+    with redis_errors(client, f"recording the failed compaction of {run}"):
+        client.set(
+            compaction_failed_key(run),
+            json.dumps(failure.__dict__, sort_keys=True),
+            ex=round(COMPACTION_FAILED_TTL_S),
+        )
+    return failure
+
+
+def compaction_failure(client: redis.Redis, run: str) -> CompactionFailure | None:
+    """The run's last failed policy compaction, None once one succeeded (or never)."""
+    with redis_errors(client, f"reading the failed compaction of {run}"):
+        raw: Any = client.get(compaction_failed_key(run))
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        version = doc["version"]
+        return CompactionFailure(
+            version=None if version is None else int(version),
+            reason=str(doc["reason"]),
+            failures=int(doc["failures"]),
+            since=str(doc["since"]),
+            time=str(doc["time"]),
+            retry_in_s=float(doc["retry_in_s"]),
+            retry_at=str(doc["retry_at"]),
+        )
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return None
+
+
+def clear_compaction_failure(client: redis.Redis, run: str) -> None:
+    with redis_errors(client, f"clearing the failed compaction of {run}"):
+        client.delete(compaction_failed_key(run))
