@@ -23,11 +23,13 @@ from rq.scheduler import RQScheduler
 
 from pipeline.coord import keys
 from pipeline.coord.events import StepFailed
+from pipeline.publish.state_cache import StateCache
 from pipeline.store import open_store
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, wait_for
 from tests.test_faults_workers import Cluster, cluster, retry_abandoned
+from tests.test_operator_day import _failed_for_good, _flip_a_byte
 from workers import queues
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]  # each test starts its own redis-server
@@ -75,6 +77,82 @@ def _leases_lapse(c: Cluster) -> None:
     scheduler lock (a minute) expire."""
     retry_abandoned(c.redis, queues.DIFF_QUEUE)
     c.redis.delete(keys.lock_key(c.run, "diff"), RQScheduler.get_locking_key(queues.DIFF_QUEUE))
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def test_a_failing_policy_compaction_is_shown_and_retried_with_backoff(tmp_path: Path) -> None:
+    policy = {"DELTASYNC_COMPACT_MAX_CHAIN": "3", "DELTASYNC_COMPACT_RETRY": "1"}
+    with cluster(tmp_path) as c:
+        c.procs.start("diff", "worker", "diff", **policy)
+        c.emit()
+        c.emit()
+        wait_for(lambda: c.head() == 1, "v1")
+        flipped = _flip_a_byte(c, 1)
+        # A compaction worker on another machine: no state cache of its own proves a
+        # later version, so the damaged chain fails it.
+        elsewhere = str(tmp_path / "elsewhere-cache")
+        c.procs.start("compact", "worker", "compact", DELTASYNC_CACHE=elsewhere, **policy)
+        c.emit()
+        c.emit()  # three deltas: the policy asks for an anchor
+        wait_for(lambda: c.head() == 3, "v3")
+
+        def failing() -> dict[str, Any] | None:
+            found: dict[str, Any] | None = _status(c)["compaction_failing"]
+            return found
+
+        wait_for(lambda: (failing() or {}).get("failures", 0) >= 2, "a failed compaction retried")
+        shown = failing()
+        assert shown is not None and shown["retry_in_s"] >= 2  # 1 s, then doubled
+        assert shown["reason"].startswith("CorruptObjectError: ") and "\n" not in shown["reason"]
+        assert flipped in shown["reason"] and "deltasync repair" in shown["reason"]
+        text = cli(c.env, "status", "--run", c.run).stdout
+        lines = [line for line in text.splitlines() if "policy compaction failed" in line]
+        assert len(lines) == 1 and shown["reason"] in lines[0], text
+
+        _flip_a_byte(c, 1)  # the cause gone (the byte back): the next try compacts
+        wait_for(lambda: 3 in chain.list_versions(c.store, c.run).anchors, "anchor 3")
+        wait_for(lambda: failing() is None, "the failure forgotten")
+        c.emit()
+        c.emit()
+        c.emit()  # three more deltas: the policy asks again, at once
+        wait_for(lambda: 6 in chain.list_versions(c.store, c.run).anchors, "anchor 6")
+        c.check_reachable(6)
+
+
+# --------------------------------------------------------------------------- set-aside steps
+
+
+def test_steps_set_aside_behind_a_damaged_head_publish_after_repair(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        first = c.procs.start("diff", "worker", "diff")
+        for _ in range(3):
+            c.emit()
+        wait_for(lambda: c.head() == 2, "v2")
+        cache = StateCache(c.settings.cache_dir, c.run)
+        wait_for(lambda: cache.version == 2, "the diff worker's cache at the head")
+        c.procs.stop(first)
+        _flip_a_byte(c, 2)  # the head is damaged
+        # A diff worker without that cache rebuilds the head from the store, and fails.
+        c.procs.start("elsewhere", "worker", "diff", DELTASYNC_CACHE=str(tmp_path / "other"))
+        blocked = [c.emit(), c.emit()]
+
+        def set_aside() -> list[int]:
+            return [d["step"] for d in _status(c)["dead_steps"]]
+
+        wait_for(lambda: set_aside() == blocked, "steps 3 and 4 set aside")
+        for step in blocked:
+            wait_for(lambda s=step: _failed_for_good(c, s), f"rq's retries of step {step} over")
+        shown = cli(c.env, "status", "--run", c.run).stdout
+        assert f"deltasync retry --run {c.run} --step 3" in shown, shown
+
+        done = cli(c.env, "repair", "--run", c.run)  # the cache on this machine proves v2
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "step 3, set aside meanwhile, sent again" in done.stdout, done.stdout
+        wait_for(lambda: c.head() == 4, "the set-aside steps published")
+        assert set_aside() == []
+        c.check_versions({0, 1, 2, 3, 4}, lossy_events=True)
 
 
 # --------------------------------------------------------------------------- paused worker

@@ -341,6 +341,31 @@ def repair(ctx: click.Context, run: str, checkpoint: Path | None, check_only: bo
         click.echo("nothing to repair")
     else:
         click.echo(f"run {run} is reachable again (head {result.check.index.head})")
+        _after_repair(runtime, run)
+
+
+def _after_repair(runtime: Runtime, run: str) -> None:
+    """What the damage blocked goes on: steps set aside meanwhile (newer than the head;
+    a damaged head fails every step built on it) are sent again, and the policy may ask
+    for a compaction at once instead of after a failed one's backoff."""
+    from pipeline.coord import keys
+    from pipeline.coord.problems import clear_compaction_failure
+    from pipeline.publish.dead_letters import list_dead
+    from pipeline.versions import chain
+    from workers.trainer import retry_step
+
+    clear_compaction_failure(runtime.redis, run)
+    runtime.redis.delete(keys.compaction_pending_key(run))
+    head = chain.list_versions(runtime.store, run).head
+    for dead in list_dead(runtime.redis, run):
+        if head is not None and dead.step <= head:
+            continue
+        try:
+            retry_step(runtime, run, dead.step)
+        except DeltasyncError as exc:
+            click.echo(f"step {dead.step} stays set aside: {exc}")
+            continue
+        click.echo(f"step {dead.step}, set aside meanwhile, sent again")
 
 
 REPAIR_LOCK_WAIT_S = 120.0  # a compaction running meanwhile: wait this long for it
