@@ -155,7 +155,8 @@ def diff_job(
             runtime.redis, run, step, str(checkpoint), exc, pending, args=args
         )
         raise dead_letters.PoisonStepError(
-            f"step {step} of run {run} set aside: {reason}"
+            f"step {step} of run {run} set aside: {reason} (once its cause is fixed: "
+            f"`deltasync retry --run {run} --step {step}`)"
         ) from None
 
 
