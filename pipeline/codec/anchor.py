@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -40,7 +39,12 @@ import zstandard
 from pipeline.codec.names import ANCHOR_COMPRESSIONS
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.bounded import load_json
-from pipeline.format.checkpoint import HeaderEntry, parse_header, tensors_from_bytes
+from pipeline.format.checkpoint import (
+    HeaderEntry,
+    header_bytes,
+    parse_header,
+    tensors_from_bytes,
+)
 from pipeline.format.checkpoint_write import safetensors_bytes
 from pipeline.format.manifest import MAX_ELEMENTS, MAX_NDIM, dtype_name
 from pipeline.format.tensors import DTYPES
@@ -112,19 +116,13 @@ def encode_anchor(
         FORMAT_KEY: FORMAT,
         TENSORS_KEY: json.dumps(records, separators=(",", ":"), ensure_ascii=False),
     }
-    header: dict[str, Any] = {"__metadata__": dict(sorted(meta.items()))}
+    fields = []
     offset = 0
     for record in records:
         size = sum(n for _, n in record["planes"])
-        header[record["name"]] = {
-            "dtype": "U8",
-            "shape": [size],
-            "data_offsets": [offset, offset + size],
-        }
+        fields.append((record["name"], "U8", [size], offset, offset + size))
         offset += size
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-    return b"".join([struct.pack("<Q", len(raw)), raw, *chunks])
+    return b"".join([header_bytes(fields, dict(sorted(meta.items()))), *chunks])
 
 
 def _planes(tensor: torch.Tensor) -> list[npt.NDArray[np.uint8]]:

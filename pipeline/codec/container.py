@@ -8,7 +8,6 @@ hostile object is rejected before anything is allocated from its numbers.
 from __future__ import annotations
 
 import itertools
-import json
 import struct
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import numpy.typing as npt
 
 from pipeline.errors import CorruptObjectError
 from pipeline.format.bounded import load_json
+from pipeline.format.checkpoint import header_bytes
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
@@ -30,18 +30,12 @@ class Container:
 def write_container(streams: dict[str, npt.NDArray[np.uint8]], metadata: dict[str, str]) -> bytes:
     """A safetensors file of 1-d uint8 tensors, laid out deterministically (same
     input, same bytes) so that re-encoding a version yields the same object."""
-    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
-    for key, value in streams.items():
-        header[key] = {
-            "dtype": "U8",
-            "shape": [int(value.size)],
-            "data_offsets": [offset, offset + int(value.size)],
-        }
-        offset += int(value.size)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
-    parts = [struct.pack("<Q", len(raw)), raw]
+    ends = list(itertools.accumulate(int(v.size) for v in streams.values()))
+    fields = (
+        (key, "U8", [end - begin], begin, end)
+        for key, begin, end in zip(streams, [0, *ends], ends, strict=False)
+    )
+    parts = [header_bytes(fields, dict(sorted(metadata.items())), ensure_ascii=True)]
     parts.extend(np.ascontiguousarray(value).tobytes() for value in streams.values())
     return b"".join(parts)
 

@@ -60,6 +60,25 @@ class SafetensorsHeader:
     data_start: int  # 8 + header length
 
 
+def header_bytes(
+    tensors: Iterable[tuple[str, str, Iterable[int], int, int]],
+    metadata: dict[str, str],
+    *,
+    ensure_ascii: bool = False,
+) -> bytes:
+    """A safetensors header: the 8-byte length, then the JSON of ``metadata`` (in the
+    order given) and of each ``(name, dtype code, shape, begin, end)``, padded with
+    spaces so that the data section starts 8-byte aligned. The one writer of headers:
+    checkpoints, delta containers and compressed anchors. ``ensure_ascii`` keeps the
+    delta containers' bytes as they always were (tensor names escaped)."""
+    doc: dict[str, Any] = {"__metadata__": metadata}
+    for name, code, shape, begin, end in tensors:
+        doc[name] = {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=ensure_ascii).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHeader:
     """Parse and check a safetensors header.
 

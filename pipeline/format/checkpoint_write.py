@@ -13,33 +13,30 @@ import json
 import math
 import os
 import shutil
-import struct
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 
 from pipeline.errors import ConfigError, MismatchError
-from pipeline.format.checkpoint import INDEX_NAME, SAFETENSORS_CODES, HeaderEntry, Tensors
+from pipeline.format.checkpoint import (
+    INDEX_NAME,
+    SAFETENSORS_CODES,
+    HeaderEntry,
+    Tensors,
+    header_bytes,
+)
 from pipeline.format.hashes.hashing import tensor_bytes
 
 
 def _header_bytes(entries: list[HeaderEntry], metadata: dict[str, str] | None) -> bytes:
     # "format": "pt" is what transformers expects of a torch safetensors file.
-    doc: dict[str, Any] = {
-        "__metadata__": {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
-    }
-    for e in entries:
-        doc[e.name] = {
-            "dtype": SAFETENSORS_CODES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [e.begin, e.end],
-        }
-    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw
+    meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    return header_bytes(
+        ((e.name, SAFETENSORS_CODES[e.dtype], e.shape, e.begin, e.end) for e in entries), meta
+    )
 
 
 def _append_tensor(
