@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -297,8 +297,6 @@ def repair(ctx: click.Context, run: str, checkpoint: Path | None, check_only: bo
       deltasync repair --run grpo-7
       deltasync repair --run grpo-7 --from /ckpt/step-120
     """
-    from pipeline import config
-    from pipeline.coord.replicas import run_lock
     from pipeline.publish.repair import check_run, repair
     from pipeline.publish.state_cache import StateCache
     from pipeline.versions.runs import require_run
@@ -314,15 +312,7 @@ def repair(ctx: click.Context, run: str, checkpoint: Path | None, check_only: bo
         if not found.healthy:
             raise SystemExit(1)
         return
-    # No compaction or garbage collection of the run meanwhile.
-    with run_lock(
-        runtime.redis,
-        run,
-        "compact",
-        timeout_s=config.LOCK_LEASE_S,
-        wait_s=REPAIR_LOCK_WAIT_S,
-        renew_every_s=config.LOCK_RENEW_S,
-    ):
+    with _no_compaction(runtime, run):
         result = repair(
             runtime.store,
             run,
@@ -371,6 +361,21 @@ def _after_repair(runtime: Runtime, run: str) -> None:
 REPAIR_LOCK_WAIT_S = 120.0  # a compaction running meanwhile: wait this long for it
 
 
+def _no_compaction(runtime: Any, run: str) -> Any:
+    """The run's compaction lock: no compaction or garbage collection of it meanwhile."""
+    from pipeline import config
+    from pipeline.coord.replicas import run_lock
+
+    return run_lock(
+        runtime.redis,
+        run,
+        "compact",
+        timeout_s=config.LOCK_LEASE_S,
+        wait_s=REPAIR_LOCK_WAIT_S,
+        renew_every_s=config.LOCK_RENEW_S,
+    )
+
+
 def _show_check(found: RunCheck) -> None:
     click.echo(found.describe())
     for damage in found.damage:
@@ -411,8 +416,6 @@ def resign(ctx: click.Context, run: str) -> None:
     Example:
       DELTASYNC_SIGNING_KEY=keys/signing.key deltasync resign --run grpo-7
     """
-    from pipeline import config
-    from pipeline.coord.replicas import run_lock
     from pipeline.publish.resign import resign_run
     from workers.runtime import from_context
 
@@ -420,15 +423,7 @@ def resign(ctx: click.Context, run: str) -> None:
     key = runtime.settings.signing_key()
     if key is None:
         raise click.UsageError("resign needs the signing key: set DELTASYNC_SIGNING_KEY")
-    # No compaction or garbage collection of the run meanwhile.
-    with run_lock(
-        runtime.redis,
-        run,
-        "compact",
-        timeout_s=config.LOCK_LEASE_S,
-        wait_s=REPAIR_LOCK_WAIT_S,
-        renew_every_s=config.LOCK_RENEW_S,
-    ):
+    with _no_compaction(runtime, run):
         result = resign_run(runtime.store, run, key)
     click.echo(result.describe())
     for refused in result.refused:
