@@ -26,6 +26,7 @@ rebuilt from the store and compared bit for bit with the emulator's state.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -41,14 +42,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_parallel_diff import event_time
 from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, qwen_like_shapes
+from pipeline.coord.stream import ENTRY_FIELD, stream_key
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.store import open_store
 from pipeline.testing.synthetic import save_state
 from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, bits, deltasync_env, wait_for
 from tests.servers import RedisServer
+
+
+def event_time(r: redis.Redis, run: str, kind: str, version: int) -> float | None:
+    """When the run's stream got the ``kind`` event of ``version`` (seconds), or None."""
+    for entry_id, fields in r.xrange(stream_key(run)):
+        doc = json.loads(fields[ENTRY_FIELD.encode()])
+        if doc.get("type") == kind and int(doc["version"]) == version:
+            return int(entry_id.decode().split("-")[0]) / 1000
+    return None
 
 
 def host_of(rank: int) -> str:

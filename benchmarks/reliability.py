@@ -5,7 +5,7 @@
 
 Every scenario uses real processes and servers (redis-server, SeaweedFS S3, the
 `deltasync` worker and rollout commands) through the scenario functions of the
-tests (tests/test_faults_*.py, tests/test_parallel_diff.py, tests/test_service_loss.py,
+tests (tests/test_faults_*.py, tests/test_service_loss.py,
 tests/test_hostile_corruption.py); a scenario that raises counts as a failure and its
 first line is written into the table.
 """
@@ -32,7 +32,6 @@ from pipeline.logs import configure_logging  # noqa: E402
 from tests import test_faults_rollout as rollout  # noqa: E402
 from tests import test_faults_workers as workers  # noqa: E402
 from tests import test_hostile_corruption as corruption  # noqa: E402
-from tests import test_parallel_diff as parallel  # noqa: E402
 from tests import test_service_loss as service  # noqa: E402
 from tests.servers import RedisServer, SeaweedS3Server, redis_executable  # noqa: E402
 
@@ -169,27 +168,6 @@ def main() -> None:
     )
     for _ in range(rounds):
         attempt(r, len(workers.COMPACT_POINTS), compact_points)
-    r = row(
-        "parallel diff: a helper SIGKILLed (process group) holding a part claim while "
-        "another machine's claim lapses; the coordinator finishes both parts",
-        "kill",
-    )
-    for _ in range(rounds):
-        attempt(r, 1, lambda t: parallel.helper_kill_scenario(t).runs)
-    r = row(
-        "parallel diff: coordinator SIGKILLed after its 2nd part upload (redone by the "
-        "next step's job, then rq's late retry) or before its manifest (redone by rq's "
-        "retry); the run goes on",
-        "kill + restart",
-    )
-
-    def coordinator_points(tmp: Path) -> int:
-        first, second = parallel.COORDINATOR_POINTS
-        runs = parallel.coordinator_kill_scenario(tmp / "a", first, rq_retry=False).runs
-        return runs + parallel.coordinator_kill_scenario(tmp / "b", second, rq_retry=True).runs
-
-    for _ in range(rounds):
-        attempt(r, len(parallel.COORDINATOR_POINTS), coordinator_points)
     r = row(
         f"rollout node SIGKILLed at each of {len(rollout.ROLLOUT_POINTS)} points "
         "(mid-bootstrap, mid-download, mid-write, after apply before its state file); "
@@ -349,7 +327,7 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "parent is the previous version (one linear chain), every version rebuilds from "
         "the store with the trainer's content hashes, and nodes' dumps hash equal to the "
         "trainer's head. The CI tests (`tests/test_faults_*.py`, "
-        "`tests/test_parallel_diff.py`, `tests/test_service_loss.py`, `tests/test_hostile_*.py`, "
+        "`tests/test_service_loss.py`, `tests/test_hostile_*.py`, "
         "`tests/test_signing_e2e.py`) run each point once.",
         "",
         "| Scenario | Runs | Outcome | Time |",
@@ -393,11 +371,11 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "two minutes; the next step's job does not (it publishes pending earlier steps "
         "first). `deltasync status` shows each worker's state and job, the jobs running "
         "and the steps waiting to publish.",
-        "- Parallel diff: a helper's part claim is a 60 s lease like the run lock (taken "
-        "over at once from a dead process on the machine). A dead coordinator's step is "
-        "redone by rq's retry or by the next step's job, reusing the parts recorded "
-        "against the same parent; parts of a step never published are collected by the "
-        "next garbage collection once a newer version is the head.",
+        "- A sharded step's part claim is a 60 s lease like the run lock (taken over at "
+        "once from a dead process on the machine). A dead coordinator's step is redone "
+        "by rq's retry or by the next step's job, reusing the parts recorded against the "
+        "same parent; parts of a step never published are collected by the next garbage "
+        "collection once a newer version is the head.",
         "- A node serving a version that must re-bootstrap proves the whole anchor "
         "first (held in memory), so a damaged anchor never leaves a mix of versions; "
         "a fresh node's failed bootstrap claims no version.",

@@ -37,7 +37,7 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 # --------------------------------------------------------------------------- leases, TTLs
 # Run locks are short leases renewed while their job runs: a worker that dies stops
 # holding the run within a minute (at once on the same machine), not after the
-# longest job. Part claims of a parallel diff are run locks too.
+# longest job. Part claims of a sharded step are run locks too.
 LOCK_LEASE_S = 60.0
 LOCK_RENEW_S = 15.0
 DIFF_LOCK_WAIT_S = 3600.0  # a diff job waits this long for the run's diff lock
@@ -46,8 +46,8 @@ DIFF_LOCK_WAIT_S = 3600.0  # a diff job waits this long for the run's diff lock
 CACHE_LOCK_WAIT_S = 900.0
 CACHE_LOCK_LOG_S = 30.0  # and says it waits this often
 COMPACT_LOCK_WAIT_S = 6 * 3600.0
-DIFF_LINE_LEASE_S = 30.0  # a parallel diff job waiting its turn, unless it renews
-FANOUT_TTL_S = 24 * 3600.0  # a parallel diff's fan-out record and part records
+DIFF_LINE_LEASE_S = 30.0  # a diff job waiting its turn, unless it renews
+FANOUT_TTL_S = 24 * 3600.0  # a sharded step's fan-out record and part records
 # A sharded step's coordinator calls a host in again for a part nobody holds (its
 # worker died, its job was lost) this often while it waits.
 SHARDED_RECALL_S = 2.0
@@ -252,14 +252,6 @@ class Settings:
         ),
     )
 
-    parallel_parts: bool = field(
-        default=False,
-        metadata=_var(
-            "DELTASYNC_PARALLEL_PARTS",
-            "false",
-            "Diff a version's parts on every diff worker of the machine (shared cache).",
-        ),
-    )
     diff_host: str | None = field(
         default=None,
         metadata=_var(
@@ -652,7 +644,6 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "log_json": _bool,
     "keep_staging": _bool,
     "checkpoint_roots": _paths,
-    "parallel_parts": _bool,
     "diff_host": _host,
     "launch": _host,
     "cache_link": _bool,
@@ -801,6 +792,24 @@ def set_in_environment(name: str) -> bool:
     if name not in specs:
         raise ConfigError(f"unknown setting {name!r}")
     return specs[name].metadata["env"] in os.environ
+
+
+# Settings that no longer exist, with what to do instead: a deployment that still sets
+# one gets a warning line from its diff workers (unknown variables are not errors).
+REMOVED_SETTINGS: dict[str, str] = {
+    "DELTASYNC_PARALLEL_PARTS": "a version's parts are encoded by one diff job, whose "
+    "threads use the cores (docs/PERFORMANCE.md); unset it",
+}
+
+
+def removed_settings(env: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each removed setting that ``env`` (default ``os.environ``) sets."""
+    environ = os.environ if env is None else env
+    return [
+        f"{name} is set but was removed and is ignored: {why}"
+        for name, why in REMOVED_SETTINGS.items()
+        if name in environ
+    ]
 
 
 def environment_variables() -> list[str]:

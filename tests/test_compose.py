@@ -400,6 +400,7 @@ NOT_PASSED_THROUGH = {
     "DELTASYNC_FAULT_FILE": "fault injection for tests",
     "DELTASYNC_VLLM_CPU_PLAIN_LINEAR": "set by the vLLM target for its own workers",
     "DELTASYNC_KERNEL_CACHE": "a host path; the images compile the kernels into their own cache",
+    "DELTASYNC_PARALLEL_PARTS": "removed; named only to warn a deployment that still sets it",
 }
 
 
@@ -415,7 +416,7 @@ def variables_the_code_reads() -> set[str]:
 
 def test_every_setting_on_the_host_reaches_every_container(tmp_path: Path) -> None:
     names = variables_the_code_reads()
-    assert {"DELTASYNC_LEVEL", "DELTASYNC_PARALLEL_PARTS", "DELTASYNC_S3_PART_SIZE"} <= names
+    assert {"DELTASYNC_LEVEL", "DELTASYNC_SHARDED_PART_WAIT_S", "DELTASYNC_S3_PART_SIZE"} <= names
     assert set(NOT_PASSED_THROUGH) <= names, "an exemption for a variable nothing reads"
     passed = [*sorted(names - set(NOT_PASSED_THROUGH)), "AWS_ENDPOINT_URL"]
     env = {name: f"value-of-{name.lower()}" for name in passed}

@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import (
+    REMOVED_SETTINGS,
     S3Tuning,
     Settings,
     configuration_reference,
     environment_variables,
+    removed_settings,
     s3_tuning,
     vllm_options,
 )
 from pipeline.errors import ConfigError
+from tests.pipeline_helpers import cli, deltasync_env
 
 
 def test_defaults_derive_from_the_home_folder(tmp_path: Path) -> None:
@@ -167,6 +170,8 @@ def test_every_variable_is_read_in_config_alone() -> None:
     pipeline/config.py, and no other module reads the environment for one."""
     declared = set(environment_variables())
     assert len(declared) == len(environment_variables())
+    assert not declared & set(REMOVED_SETTINGS), "a removed setting is read"
+    declared |= set(REMOVED_SETTINGS)
     repo = Path(__file__).resolve().parents[1]
     for path in sorted([*repo.glob("pipeline/**/*.py"), *repo.glob("workers/**/*.py")]):
         text = path.read_text()
@@ -193,3 +198,19 @@ def test_process_variables(tmp_path: Path) -> None:
     for bad in ("{", "[1]"):
         with pytest.raises(ConfigError, match="DELTASYNC_VLLM_OPTIONS"):
             vllm_options({"DELTASYNC_VLLM_OPTIONS": bad})
+
+
+def test_a_removed_setting_is_ignored_with_one_warning(redis_url: str, tmp_path: Path) -> None:
+    """An old deployment's DELTASYNC_PARALLEL_PARTS (the single-machine parallel diff,
+    removed) builds settings as before; a diff worker says once that it is ignored."""
+    old = {"DELTASYNC_PARALLEL_PARTS": "1"}
+    assert Settings.from_env(old) == Settings.from_env({})
+    assert removed_settings({}) == []
+    [line] = removed_settings(old)
+    assert line.startswith("DELTASYNC_PARALLEL_PARTS is set but was removed and is ignored")
+    for extra, count in ((old, 1), ({}, 0)):
+        done = cli(deltasync_env(redis_url, tmp_path, **extra), "worker", "diff", "--burst")
+        assert done.returncode == 0, done.stderr[-2000:]
+        warned = [x for x in done.stderr.splitlines() if "DELTASYNC_PARALLEL_PARTS" in x]
+        assert len(warned) == count, done.stderr[-2000:]
+        assert all('"level": "warning"' in x for x in warned), warned

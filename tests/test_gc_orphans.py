@@ -1,21 +1,20 @@
 """Garbage collection of part objects no manifest will ever name, on every store backend.
 
-A parallel diff whose coordinator died leaves the parts its workers uploaded in the
-version's folder without a manifest. Once a newer version is the head, that folder
-can never be published (publish refuses steps not newer than the head), so GC
-removes it; the parts of a version above the head may belong to a diff in flight
-and are never touched.
+A diff job that died before its manifest (one worker's, or a sharded step's
+coordinator) leaves the parts uploaded in the version's folder without a manifest.
+Once a newer version is the head, that folder can never be published (publish
+refuses steps not newer than the head), so GC removes it; the parts of a version
+above the head may belong to a diff in flight and are never touched.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.coord.connection import redis_client
+from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, manifest_key, version_prefix
 from pipeline.publish.compaction import collect_garbage, compact
-from pipeline.publish.diff import DeltaTask
-from pipeline.publish.parallel import assemble, start_fanout, work_parts
+from pipeline.publish.diff import DeltaTask, LocalLedger, PartRecord, assemble_delta, encode_parts
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 from tests.test_chain import SyntheticRun
@@ -27,27 +26,31 @@ def _keys(store: ObjectStore, version: int) -> list[str]:
     return sorted(store.list(version_prefix(RUN, "delta", version)))
 
 
-def _parts_of_a_fanout(trainer: SyntheticRun, redis_url: str, step: int) -> DeltaTask:
-    """What the workers of a parallel diff of ``step`` upload before its manifest."""
+def _parts_before_the_manifest(
+    trainer: SyntheticRun, step: int
+) -> tuple[DeltaTask, dict[str, PartRecord]]:
+    """What a diff job of ``step`` uploads before its manifest, and its part records."""
     index = chain.list_versions(trainer.store, RUN)
     head = index.head
     assert head is not None
     kind: Kind = "anchor" if head in index.anchors else "delta"
     parent = chain.load_manifest(trainer.store, RUN, kind, head)
-    fanout = DeltaTask(RUN, step, str(trainer.checkpoint(step)), head, kind, 1)
-    r = redis_client(redis_url)
-    start_fanout(r, fanout)
-    assert work_parts(r, trainer.store, trainer.cache, fanout, parent) == len(parent.objects)
-    return fanout
+    task = DeltaTask(RUN, step, str(trainer.checkpoint(step)), head, kind, 1)
+    assert trainer.cache.is_valid_for(parent)
+    ledger = LocalLedger()
+    with CheckpointReader(task.checkpoint) as new, trainer.cache.reader() as base:
+        done = encode_parts(trainer.store, task, parent, base, new, ledger)
+    assert done == len(parent.objects)
+    return task, ledger.records()
 
 
-def test_gc_removes_a_dead_coordinators_parts_and_keeps_a_diff_in_flight(
-    store: ObjectStore, redis_url: str, tmp_path: Path
+def test_gc_removes_a_dead_jobs_parts_and_keeps_a_diff_in_flight(
+    store: ObjectStore, tmp_path: Path
 ) -> None:
     trainer = SyntheticRun(tmp_path, store, RUN)
     trainer.publish(0)
     trainer.publish(1)
-    _parts_of_a_fanout(trainer, redis_url, 2)  # its coordinator dies here
+    _parts_before_the_manifest(trainer, 2)  # its job dies here
     abandoned = _keys(store, 2)
     assert len(abandoned) >= 3 and manifest_key(RUN, "delta", 2) not in abandoned
     # Before a newer version exists, step 2 may still be redone: nothing is collected.
@@ -55,7 +58,7 @@ def test_gc_removes_a_dead_coordinators_parts_and_keeps_a_diff_in_flight(
     assert _keys(store, 2) == abandoned
 
     trainer.publish(3)  # the run went on without step 2
-    in_flight = _parts_of_a_fanout(trainer, redis_url, 4)
+    in_flight, records = _parts_before_the_manifest(trainer, 4)
     waiting = _keys(store, 4)
     assert waiting
 
@@ -65,15 +68,15 @@ def test_gc_removes_a_dead_coordinators_parts_and_keeps_a_diff_in_flight(
     assert _keys(store, 4) == waiting, "the parts of a diff in flight are kept"
     assert chain.list_versions(store, RUN).versions == (0, 1, 3)
 
-    # A helper of the dead fan-out that uploads after the collection leaves one more
-    # orphan; the next collection takes it.
+    # An upload of the dead job that lands after the collection (its request was in
+    # flight) leaves one more orphan; the next collection takes it.
     late = abandoned[0]
     store.put(late, b"late part")
     assert collect_garbage(store, RUN, keep_anchors=1, min_live_version=None) == [late]
 
     # The diff in flight completes from the parts GC kept, bit-exactly.
     parent = chain.load_manifest(store, RUN, "delta", 3)
-    manifest = assemble(redis_client(redis_url), store, in_flight, parent, None)
+    manifest = assemble_delta(store, in_flight, parent, records)
     assert manifest.version == 4 and manifest.parent == 3
     assert collect_garbage(store, RUN, keep_anchors=1, min_live_version=None) == []
     for version in (0, 1, 3, 4):
@@ -81,7 +84,7 @@ def test_gc_removes_a_dead_coordinators_parts_and_keeps_a_diff_in_flight(
 
 
 def test_gc_never_collects_the_folder_of_a_version_above_the_head(
-    store: ObjectStore, redis_url: str, tmp_path: Path
+    store: ObjectStore, tmp_path: Path
 ) -> None:
     """Even with the head's chain compacted and old versions collected, a folder above
     the head without a manifest stays, however many times GC runs."""
@@ -89,7 +92,7 @@ def test_gc_never_collects_the_folder_of_a_version_above_the_head(
     for step in (0, 1, 2):
         trainer.publish(step)
     compact(store, RUN, 2)
-    _parts_of_a_fanout(trainer, redis_url, 7)
+    _parts_before_the_manifest(trainer, 7)
     waiting = _keys(store, 7)
     store.put(version_prefix(RUN, "delta", 9) + "part-00000.safetensors", b"x")
     deleted = collect_garbage(store, RUN, keep_anchors=1, min_live_version=None)

@@ -140,8 +140,11 @@ def test_what_each_queue_may_carry(redis_url: str) -> None:
         return queues.refusal(fetched, name)
 
     assert refusal(queues.DIFF_QUEUE, queues.DIFF_JOB, **args) is None
-    assert refusal(queues.DIFF_QUEUE, queues.DIFF_PART_JOB, **part) is None
     assert refusal(host_queue, queues.DIFF_PART_JOB, **part) is None
+    # Part jobs are a sharded step's, on its hosts' queues only.
+    assert refusal(queues.DIFF_QUEUE, queues.DIFF_PART_JOB, **part) == (
+        f"function {queues.DIFF_PART_JOB!r} is not a deltasync job of queue deltasync:diff"
+    )
     assert refusal(queues.COMPACT_QUEUE, queues.COMPACT_JOB, run=RUN, version=3) is None
     assert "of queue deltasync:diff:host:h1" in str(refusal(host_queue, queues.DIFF_JOB, **args))
     assert "not a deltasync job" in str(refusal("deltasync:other", queues.DIFF_JOB, **args))

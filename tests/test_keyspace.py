@@ -85,14 +85,9 @@ def test_every_template_matches_what_it_builds_and_nothing_foreign() -> None:
     assert template_of("rq:queue:deltasync:diff") is None
 
 
-@pytest.mark.parametrize("parallel", ["0", "1"])
-def test_a_short_run_writes_only_declared_keys(
-    redis_url: str, tmp_path: Path, parallel: str
-) -> None:
+def test_a_short_run_writes_only_declared_keys(redis_url: str, tmp_path: Path) -> None:
     run = "keys"
-    env = deltasync_env(
-        redis_url, tmp_path, DELTASYNC_COMPACT_MAX_CHAIN="2", DELTASYNC_PARALLEL_PARTS=parallel
-    )
+    env = deltasync_env(redis_url, tmp_path, DELTASYNC_COMPACT_MAX_CHAIN="2")
     settings = Settings.from_env(env)
     set_current(Runtime(settings))
     r = redis_client(redis_url)
@@ -127,7 +122,5 @@ def test_a_short_run_writes_only_declared_keys(
     assert not undeclared, f"keys without a template in pipeline/coord/keys.py: {undeclared}"
     used = {template_of(k) for k in ours}
     expected = [keys.EVENTS, keys.REPLICA, keys.FAILING, keys.LOCK, keys.DEAD_STEPS]
-    if parallel == "1":
-        expected.append(keys.PART_RECORDS)
     for template in expected:
         assert template in used, template.pattern

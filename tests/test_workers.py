@@ -321,8 +321,9 @@ def test_a_later_job_publishes_earlier_pending_steps_first(redis_url: str, tmp_p
 def test_workers_announcing_one_version_at_once_append_one_event(
     redis_url: str, tmp_path: Path
 ) -> None:
-    """``publish_once`` from many threads at the same moment (as parallel diff workers
-    finishing one version may): the marker is WATCHed, so one event per version."""
+    """``publish_once`` from many threads at the same moment (as a job, its rq retry and
+    the next step's job announcing one version may): the marker is WATCHed, so one
+    event per version."""
     import threading
 
     from pipeline.coord.events import DeltaAvailable

@@ -30,7 +30,7 @@ COMPACT_JOB = "workers.jobs.compaction.compact_job"
 
 # What each queue may carry: rq imports and calls whatever function a job names, so
 # the workers refuse any other (JobWorker.execute_job) before importing anything.
-DIFF_QUEUE_JOBS = frozenset({DIFF_JOB, DIFF_PART_JOB})
+DIFF_QUEUE_JOBS = frozenset({DIFF_JOB})
 HOST_QUEUE_JOBS = frozenset({DIFF_PART_JOB})  # a trainer host's queue: part jobs only
 COMPACT_QUEUE_JOBS = frozenset({COMPACT_JOB})
 JOB_FUNCTIONS = DIFF_QUEUE_JOBS | HOST_QUEUE_JOBS | COMPACT_QUEUE_JOBS
@@ -145,18 +145,17 @@ def enqueue_diff_part(
     checkpoint: str,
     part: str,
     parent: int,
-    host: str | None = None,
+    host: str,
     *,
     again: bool = False,
 ) -> str:
-    """Queue one part of a parallel diff, ahead of waiting steps (they wait on it): on
-    the queue of ``host``'s diff workers when the part is routed to a host. ``again``:
-    one more job for a part whose first was lost (a job id of its own)."""
+    """Queue one part of a sharded step on the queue of ``host``'s diff workers, ahead
+    of waiting steps (they wait on it). ``again``: one more job for a part whose first
+    was lost (a job id of its own)."""
     job_id = diff_part_job_id(run, step, part)
     if again:
         job_id += f"-again-{secrets.token_hex(4)}"
-    name = DIFF_QUEUE if host is None else diff_host_queue(host)
-    queue(connection, name).enqueue_call(
+    queue(connection, diff_host_queue(host)).enqueue_call(
         DIFF_PART_JOB,
         kwargs={
             "run": run,

@@ -287,6 +287,8 @@ def run_worker(
     )
     if runtime.settings.signing_key_path is None:
         log.warning("versions are unsigned: set DELTASYNC_SIGNING_KEY to sign manifests")
+    for line in config.removed_settings():
+        log.warning(line)
     serve_metrics(runtime.settings.metrics_port, queues_of=connection)
     if kind == "diff" and runtime.settings.warm:
         warm.in_background(runtime.settings)

@@ -74,7 +74,7 @@ LOCK = Template(
 STORE_BINDING = Template(f"{RUN}:store", "string", "The store instance the run is bound to.")
 PART_HINTS = Template(f"{RUN}:parts", "channel", "Pub/sub: each delta part once uploaded.")
 DEAD_STEPS = Template(f"{RUN}:dead-steps", "hash", "Steps set aside: step -> why, checkpoint.")
-FANOUT = Template(f"{RUN}:fanout", "string", "The step being diffed part by part (JSON).")
+FANOUT = Template(f"{RUN}:fanout", "string", "The sharded step being diffed part by part (JSON).")
 PART_RECORDS = Template(
     f"{RUN}:parts:{{step}}:{{parent}}", "hash", "Encoded parts of a fan-out: part -> record."
 )
@@ -97,7 +97,7 @@ COMPACTION_FAILED = Template(
     "The last failed policy compaction: reason, failures in a row, next try (JSON).",
 )
 DIFF_WAITING = Template(
-    f"{RUN}:diff-waiting", "zset", "Parallel diff jobs waiting for the diff lock, by step."
+    f"{RUN}:diff-waiting", "zset", "Diff jobs waiting for the diff lock, by step."
 )
 DIFF_WAITING_LEASE = Template(
     f"{RUN}:diff-waiting:{{step}}", "string", "A waiting job's lease (lapses if it died)."

@@ -3,10 +3,10 @@
 A version's delta is the run's partition of parts (:mod:`pipeline.publish.parts`),
 each encoded against the parent's state and uploaded as one object. Which worker
 encodes which part is the ledger's business: a single worker keeps the records in
-memory (:class:`LocalLedger`) and claims every part; workers sharing a version keep
-them in Redis (:mod:`pipeline.publish.parallel`) and claim parts with leases. Both
-run :func:`encode_parts`, and :func:`assemble_delta` writes the manifest from the
-records once every part is recorded: the same bytes for one worker or N.
+memory (:class:`LocalLedger`) and claims every part; the hosts of a sharded step
+keep them in Redis (:mod:`pipeline.publish.fanout`) and claim parts with leases.
+Both run :func:`encode_parts`, and :func:`assemble_delta` writes the manifest from
+the records once every part is recorded.
 
 Crash points (see :mod:`pipeline.testing.faults`): ``publish.after_read``,
 ``publish.after_encode``, ``publish.after_upload``, ``publish.before_manifest``,
@@ -119,12 +119,6 @@ class Ledger(Protocol):
 
     def records(self) -> dict[str, PartRecord]: ...
 
-    def wait(self) -> None:
-        """Pause while parts held by other workers are not yet recorded."""
-
-    def clear(self) -> None:
-        """Forget every record (they were encoded against a base found damaged)."""
-
     def close(self) -> None:
         """The manifest is written (or the attempt given up): nobody starts a part."""
 
@@ -146,12 +140,6 @@ class LocalLedger:
 
     def records(self) -> dict[str, PartRecord]:
         return dict(self._records)
-
-    def wait(self) -> None:
-        raise ChainError("a local ledger has no other worker to wait for")
-
-    def clear(self) -> None:
-        self._records.clear()
 
     def close(self) -> None:
         pass
@@ -476,11 +464,6 @@ def _check_pieces(key: str, held: list[tuple[TensorEntry, Piece]], pairs: Pairs)
                 )
 
 
-def is_complete(ledger: Ledger, parent: Manifest) -> bool:
-    records = ledger.records()
-    return all(key in records for key, _ in parent.parts())
-
-
 def assemble_delta(
     store: ObjectStore,
     task: DeltaTask,
@@ -598,13 +581,10 @@ def publish_delta(
     base_unchanged: Callable[[], bool] | None = None,
     on_part: Callable[[DeltaPart], None] | None = None,
     base_proven: bool = False,
-    ledger: Ledger | None = None,
 ) -> Manifest:
     """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
     as delta ``version``, part by part in the run's partition, manifest last. ``index``
-    saves a listing when the caller has just made one. ``ledger`` shares the parts with
-    other workers (default: this worker encodes them all); this call encodes what is
-    left to it and waits for the rest. See :func:`encode_parts` and
+    saves a listing when the caller has just made one. See :func:`encode_parts` and
     :func:`assemble_delta` for ``on_part``, ``base_proven`` and ``base_unchanged``."""
     key = manifest_key(run, "delta", version)
     if store.exists(key):
@@ -621,22 +601,18 @@ def publish_delta(
     check_tensors(parent, base.specs(), holder=f"base {base.path}", complete=True)
     parent_kind: Kind = parent.kind
     task = DeltaTask(run, version, str(new.path), parent.version, parent_kind, level)
-    ledger = ledger or LocalLedger()
-    while True:
-        encode_parts(
-            store,
-            task,
-            parent,
-            base,
-            new,
-            ledger,
-            timings=timings,
-            base_proven=base_proven,
-            on_part=on_part,
-        )
-        if is_complete(ledger, parent):
-            break
-        ledger.wait()  # parts held by other workers
+    ledger = LocalLedger()
+    encode_parts(
+        store,
+        task,
+        parent,
+        base,
+        new,
+        ledger,
+        timings=timings,
+        base_proven=base_proven,
+        on_part=on_part,
+    )
     return assemble_delta(
         store,
         task,

@@ -2,8 +2,8 @@
 on several hosts, each part encoded on the host that holds it, manifest last.
 
 The same diff path as every delta (:func:`pipeline.publish.diff.encode_parts`, part
-records in a :class:`~pipeline.publish.parallel.RedisLedger`, parts routed to hosts
-with :func:`~pipeline.publish.parallel.route_parts`); what differs is where a part's
+records in a :class:`~pipeline.publish.fanout.RedisLedger`, parts routed to hosts
+with :func:`~pipeline.publish.fanout.route_parts`); what differs is where a part's
 tensors come from. A part holds pieces of one rank (``part-r<rank>-<i>``): its new
 pieces are in the rank's staging folder on that rank's host, its base in that host's
 cache of the rank (:mod:`pipeline.publish.rank_cache`). So:
@@ -75,9 +75,8 @@ from pipeline.publish.diff import (
     encode_parts,
     part_index,
 )
-from pipeline.publish.parallel import (
+from pipeline.publish.fanout import (
     CallIn,
-    FanoutSpread,
     RedisLedger,
     current_fanout,
     part_hosts,
@@ -492,7 +491,9 @@ def publish_sharded(
         keys = [key for key, _ in parent.parts()]
         route_parts(client, run, step, {key: ranks[rank_of(key)].host for key in keys})
         fanout = DeltaTask(run, step, checkpoint, head, parent.kind, level, True, launch=launch)
-        ledger = FanoutSpread(client, call_in)(fanout, parent)
+        start_fanout(client, fanout)
+        ledger = RedisLedger(client, fanout, owner=True)
+        call_in(fanout, [(key, ranks[rank_of(key)].host) for key in keys])
         try:
             records = _await_parts(client, fanout, ledger, ranks, keys, again, work_here, wait_s)
             manifest = assemble_delta(
@@ -554,7 +555,7 @@ def _await_parts(
         if now >= recall_at:
             if work_here is not None:
                 work_here(fanout)
-            lost: list[tuple[str, str | None]] = [
+            lost: list[tuple[str, str]] = [
                 (k, ranks[rank_of(k)].host)
                 for k in missing
                 if not lock_held(client, run, part_lock(step, part_index(k, 0)))

@@ -3,10 +3,9 @@
 ``publish_step`` reads the run's head from the store, publishes the step's
 checkpoint as the first anchor or as a delta against the worker's state cache
 (rebuilt from the store when it does not hold the head), and then brings the
-cache up to the new version. It is the step routine of every diff worker: a
-single worker encodes every part itself; with ``spread`` (the parallel diff,
-:mod:`pipeline.publish.parallel`) it is the coordinator of workers sharing the
-parts. rq, leases and events stay in ``workers/jobs/diff.py``.
+cache up to the new version. It is the step routine of every diff worker for an
+unsharded run: one worker encodes every part itself (its threads use the cores).
+rq, leases and events stay in ``workers/jobs/diff.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.manifest_parse import check_tensor_name
 from pipeline.format.matching import check_tensors
-from pipeline.publish.diff import DeltaTask, Ledger, LocalLedger, StaleBaseError, publish_delta
+from pipeline.publish.diff import StaleBaseError, publish_delta
 from pipeline.publish.parts import DEFAULT_PART_BYTES
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.uploads import PublishTimings
@@ -38,10 +37,6 @@ from pipeline.store.trust import signer_store
 from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
-
-# How a delta's parts are shared out: the ledger its workers record them in (a
-# single worker's: :class:`LocalLedger`).
-Spread = Callable[[DeltaTask, Manifest], Ledger]
 
 
 @dataclass(frozen=True)
@@ -124,7 +119,6 @@ def publish_step(
     anchor_compression: str = "none",
     on_part: Callable[[DeltaPart], None] | None = None,
     content_hash: str | None = None,
-    spread: Spread | None = None,
 ) -> PublishResult:
     """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
 
@@ -140,9 +134,7 @@ def publish_step(
     gets a hint for each delta object once it is stored, before the manifest. With
     ``signing_key`` the head is verified with its public half before anything builds
     on it. ``content_hash`` names the tensor hash of a new run (its first anchor fixes
-    it; default ``content_hashes.DEFAULT``); later versions keep the run's. ``spread``
-    shares a delta's parts with other workers once the cache holds the parent (the
-    first anchor is always this worker's)."""
+    it; default ``content_hashes.DEFAULT``); later versions keep the run's."""
     store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     head = index.head
@@ -183,8 +175,6 @@ def publish_step(
                     "state cache is stale, rebuilding", run=run, head=head, cached=cache.version
                 )
                 cache.rebuild(store, run, head)
-            task = DeltaTask(run, step, str(checkpoint_path), head, parent_kind, level)
-            ledger = spread(task, parent) if spread is not None else LocalLedger()
 
             def delta(parent: Manifest = parent) -> Manifest:
                 proven = cache.is_proven_for(parent)
@@ -203,27 +193,22 @@ def publish_step(
                         base_unchanged=cache.still_holds_state,
                         on_part=on_part,
                         base_proven=proven,
-                        ledger=ledger,
                     )
 
             try:
-                try:
-                    manifest = delta()
-                except StaleBaseError as e:
-                    # The cache claimed the head's state but its bytes disagree: rebuild
-                    # once, and encode every part again.
-                    rewritten = not cache.linked_files_unchanged()  # turns linking off if so
-                    log.warning(
-                        "state cache is damaged, rebuilding",
-                        run=run,
-                        error=str(e),
-                        linked_checkpoint_rewritten=rewritten,
-                    )
-                    cache.rebuild(store, run, head)
-                    ledger.clear()
-                    manifest = delta()
-            finally:
-                ledger.close()
+                manifest = delta()
+            except StaleBaseError as e:
+                # The cache claimed the head's state but its bytes disagree: rebuild
+                # once, and encode every part again.
+                rewritten = not cache.linked_files_unchanged()  # turns linking off if so
+                log.warning(
+                    "state cache is damaged, rebuilding",
+                    run=run,
+                    error=str(e),
+                    linked_checkpoint_rewritten=rewritten,
+                )
+                cache.rebuild(store, run, head)
+                manifest = delta()
         published_s = time.perf_counter() - started
         if on_published is not None:
             on_published(manifest)

@@ -41,10 +41,10 @@ def gc_plan(index: VersionIndex, keep_anchors: int, min_live_version: int | None
 
 def orphan_delta_folders(store: ObjectStore, run: str, below: int) -> list[str]:
     """Delta folders under ``below`` (the head) holding objects but no manifest: remains
-    of a publish, or of a parallel diff's coordinator, that died. None can be published
+    of a publish, or of a sharded step's coordinator, that died. None can be published
     any more (publish refuses steps not newer than the head) and a diff in flight writes
-    above the head. A helper of a dead fan-out may still upload into such a folder after
-    it is collected; the next collection takes that object too."""
+    above the head. A host worker of a dead fan-out may still upload into such a folder
+    after it is collected; the next collection takes that object too."""
     folders = version_folders(store, run, "delta")
     published = set(with_manifest(folders))
     return [

@@ -85,10 +85,9 @@ def worker(
 
     Jobs run in this process (no fork per job: torch threads are live), with
     JSON arguments. Several diff workers serve several runs at once; a run's
-    steps are published one at a time, in order (the run's diff lock). With
-    DELTASYNC_PARALLEL_PARTS=1 the diff workers of one machine also share the
-    parts of each version. Compaction workers take the anchors asked for by
-    policy or by `deltasync compact`.
+    steps are published one at a time, in order (the run's diff lock).
+    Compaction workers take the anchors asked for by policy or by `deltasync
+    compact`.
 
     \b
     Examples:

@@ -29,7 +29,7 @@ from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
 from pipeline.versions.policy import compaction_reason
 from workers import metrics_http, queues
-from workers.jobs import parallel_diff
+from workers.jobs import sharded_diff
 from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
@@ -238,9 +238,9 @@ def _diff_one(
 
     # One store per run; a signing publisher signs the run's record too.
     run_binding.bind_store(runtime.redis, run, runtime.store, runtime.settings.signing_key())
-    with parallel_diff.diff_lease(runtime, run, step):
+    with sharded_diff.diff_lease(runtime, run, step):
         if sharded:
-            result = parallel_diff.publish_sharded_step(
+            result = sharded_diff.publish_sharded_step(
                 runtime, run, step, checkpoint, level or settings.level, published, launch
             )
         else:
@@ -279,8 +279,7 @@ def _publish_here(
     staged: bool,
     published: Callable[[Manifest], None],
 ) -> PublishResult:
-    """An unsharded step: published by this worker (its parts shared with the diff
-    workers of the machine in parallel mode)."""
+    """An unsharded step: published by this worker."""
     settings = runtime.settings
     return publish_step(
         runtime.store,
@@ -297,7 +296,6 @@ def _publish_here(
         anchor_compression=settings.anchor_compression,
         on_part=lambda hint: publish_part(runtime.redis, hint),
         content_hash=settings.content_hash,
-        spread=parallel_diff.spread(runtime) if settings.parallel_parts else None,
     )
 
 
@@ -326,9 +324,10 @@ def is_own_staging(settings: Settings, run: str, step: int, path: Path) -> bool:
 def diff_part_job(
     run: str, step: int, checkpoint: str, part: str, parent_version: int
 ) -> dict[str, Any]:
-    """rq entry point of one part of a parallel diff; arguments are JSON."""
+    """rq entry point of one part of a sharded step, on its host's queue; arguments are
+    JSON."""
     bind_context(run=run, version=step, job_id=_job_id())
-    done = parallel_diff.work_on_part(current(), run, step, checkpoint, part, parent_version)
+    done = sharded_diff.work_on_part(current(), run, step, checkpoint, part, parent_version)
     return {"run": run, "version": step, "part": part, "parts_encoded": done}
 
 

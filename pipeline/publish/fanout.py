@@ -1,19 +1,12 @@
-"""The parallel diff: one version's parts encoded by several diff workers.
+"""A sharded step's fan-out in Redis: the record of the step being diffed part by part,
+the parts routed to trainer hosts, and the part records its hosts' workers write.
 
-The same diff path as a single worker's (:mod:`pipeline.publish.diff`) with its part
-records in Redis instead of memory. The job that holds the run's diff lease (the
-coordinator) runs ``publish_step`` with a :class:`FanoutSpread`: once its state cache
-holds the parent version it publishes a *fan-out* record for (run, step) and has the
-helpers called in (:meth:`FanoutSpread.__call__`), then encodes parts itself while
-other workers sharing its state cache do the same (:func:`work_parts`). Each part is
-claimed with a renewed lease, encoded, uploaded, and its record written to a Redis
-hash. Once every part is recorded the coordinator writes the manifest (last), ends
-the fan-out, announces and advances the cache. A dead claimant's lease expires and
-its part is claimed again; the manifest appears only when every part is recorded,
-and the coordinator holds the diff lease throughout, so steps of a run stay in order.
-
-Helpers only read the coordinator's state cache (``cache_dir`` shared on one
-machine): it changes only after every part is recorded.
+The coordinator (the diff job holding the run's diff lease) publishes the fan-out
+record for (run, step) and calls the hosts' diff workers in
+(:mod:`pipeline.publish.sharded`). Each part is claimed with a renewed lease (a run
+lock), encoded, uploaded, and its record written to a Redis hash; once every part is
+recorded the coordinator writes the manifest (last) and ends the fan-out. A dead
+claimant's lease expires and its part is claimed again.
 
 Part records are kept per (step, parent): a step whose coordinator died is redone
 by the next coordinator, which reuses the records only when the head is still the
@@ -24,36 +17,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
 import redis
-import structlog
 
 from pipeline import config
 from pipeline.coord.connection import text
-from pipeline.coord.events import DeltaPart
 from pipeline.coord.keys import fanout_key, part_hosts_key, part_records_key
 from pipeline.coord.replicas import run_lock
-from pipeline.errors import DeltasyncError, LockError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.manifest import Manifest, ObjectEntry, Piece, TensorEntry
+from pipeline.errors import LockError
+from pipeline.format.manifest import ObjectEntry, Piece, TensorEntry
 from pipeline.format.pieces import StoredPiece
-from pipeline.publish.diff import DeltaTask, PartRecord, assemble_delta, encode_parts
-from pipeline.publish.state_cache import StateCache
-from pipeline.publish.uploads import PublishTimings
-from pipeline.publish.version import PrivateKey
-from pipeline.store.base import ObjectStore
-from pipeline.versions import chain
-
-log = structlog.get_logger(__name__)
+from pipeline.publish.diff import DeltaTask, PartRecord
 
 PART_LEASE_S = config.LOCK_LEASE_S
 PART_RENEW_S = config.LOCK_RENEW_S
 FANOUT_TTL_S = config.FANOUT_TTL_S
-IDLE_S = 0.1  # between looks at the records while other workers hold parts
 
 
 def part_lock(step: int, index: int) -> str:
@@ -80,11 +61,7 @@ def part_hosts(client: redis.Redis, run: str, step: int) -> dict[str, str]:
 
 
 def fanout_to_json(task: DeltaTask) -> str:
-    doc = asdict(task)
-    if not task.sharded:  # an unsharded fan-out's record as it always was
-        for field in ("sharded", "publishes", "anchor_compression", "launch", "part_bytes"):
-            del doc[field]
-    return json.dumps(doc, sort_keys=True)
+    return json.dumps(asdict(task), sort_keys=True)
 
 
 def fanout_from_json(text: str | bytes) -> DeltaTask:
@@ -211,103 +188,10 @@ class RedisLedger:
         raw = self.client.hgetall(self.key)
         return {text(k): _parse_record(v) for k, v in raw.items()}
 
-    def wait(self) -> None:
-        time.sleep(IDLE_S)
-
-    def clear(self) -> None:
-        self.client.delete(self.key)
-
     def close(self) -> None:
         if self.owner:
             end_fanout(self.client, self.fanout)
 
 
-# Calls the diff workers in on a fan-out: each part key with the host it is routed to.
-CallIn = Callable[[DeltaTask, list[tuple[str, str | None]]], None]
-
-
-class FanoutSpread:
-    """Spreads a coordinator's delta over the diff workers: publishes the fan-out and
-    calls ``call_in`` with it and its parts, each with its host (the worker queues a
-    job per part, on the host's queue when routed). ``host``: the coordinator's."""
-
-    def __init__(self, client: redis.Redis, call_in: CallIn, host: str | None = None) -> None:
-        self.client, self.call_in, self.host = client, call_in, host
-
-    def __call__(self, task: DeltaTask, parent: Manifest) -> RedisLedger:
-        start_fanout(self.client, task)
-        ledger = RedisLedger(self.client, task, owner=True, host=self.host)
-        self.call_in(task, [(key, ledger.host_of(key)) for key, _ in parent.parts()])
-        return ledger
-
-
-def work_parts(
-    client: redis.Redis,
-    store: ObjectStore,
-    cache: StateCache,
-    fanout: DeltaTask,
-    parent: Manifest,
-    *,
-    first: str | None = None,
-    on_part: Callable[[DeltaPart], None] | None = None,
-    host: str | None = None,
-) -> int:
-    """A helper's share of ``fanout``: every unrecorded, unclaimed part (``first``
-    first), encoded against the shared state cache. Returns the number of parts this
-    call recorded; 0 when the cache does not hold the parent (a worker on another
-    machine, or a cache being rebuilt)."""
-    if not cache.is_valid_for(parent):
-        return 0
-    proven = cache.is_proven_for(parent)
-    with CheckpointReader(fanout.checkpoint) as new, cache.reader() as base:
-        return encode_parts(
-            store,
-            fanout,
-            parent,
-            base,
-            new,
-            RedisLedger(client, fanout, host=host),
-            timings=PublishTimings(),
-            base_proven=proven,
-            on_part=on_part,
-            first=first,
-        )
-
-
-def help_fanout(
-    client: redis.Redis,
-    store: ObjectStore,
-    cache: StateCache,
-    fanout: DeltaTask,
-    *,
-    first: str | None = None,
-    on_part: Callable[[DeltaPart], None] | None = None,
-    host: str | None = None,
-) -> int:
-    """:func:`work_parts` at best effort: whatever a helper fails to do, the
-    coordinator does itself."""
-    try:
-        parent = chain.load_manifest(store, fanout.run, fanout.parent_kind, fanout.parent)
-        return work_parts(
-            client, store, cache, fanout, parent, first=first, on_part=on_part, host=host
-        )
-    except (DeltasyncError, OSError) as e:
-        # The fan-out ended under us (checkpoint removed or adopted, cache advanced) or
-        # the cache is damaged: the coordinator sees the same and acts on it.
-        log.info("cannot help with the fan-out", version=fanout.step, error=str(e))
-        return 0
-
-
-def assemble(
-    client: redis.Redis,
-    store: ObjectStore,
-    fanout: DeltaTask,
-    parent: Manifest,
-    signing_key: PrivateKey | None,
-    tensor_form: str | None = None,
-) -> Manifest:
-    """Write the manifest of ``fanout``'s delta from its recorded parts (manifest last)."""
-    records = RedisLedger(client, fanout).records()
-    return assemble_delta(
-        store, fanout, parent, records, signing_key=signing_key, tensor_form=tensor_form
-    )
+# Calls the hosts' diff workers in on a fan-out: each part key with its host.
+CallIn = Callable[[DeltaTask, list[tuple[str, str]]], None]

@@ -1,12 +1,11 @@
-"""The diff lease of a run and the part jobs of the parallel diff.
+"""The diff lease of a run and the part jobs of sharded steps.
 
 Every diff job takes the run's diff lease the same way: in line behind the
-smaller steps waiting for it, helping the in-flight fan-out meanwhile instead
-of idling (none in flight when ``DELTASYNC_PARALLEL_PARTS`` is off). The holder
-runs ``publish_step``, spreading its parts over the diff workers in parallel
-mode (part jobs, queued ahead of waiting steps, bring idle workers in), and
-keeps the lease until the manifest is written, so the next step never starts
-against an unpublished parent.
+smaller steps waiting for it, helping with the in-flight fan-out of a sharded
+step meanwhile (its own host's parts) instead of idling. The holder publishes
+its step (a sharded step's coordinator calls the hosts' workers in with part
+jobs on their host queues) and keeps the lease until the manifest is written,
+so the next step never starts against an unpublished parent.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ from pipeline.errors import LockError
 from pipeline.format.manifest import Manifest
 from pipeline.logs import get_logger
 from pipeline.publish.diff import DeltaTask
-from pipeline.publish.parallel import CallIn, FanoutSpread, current_fanout, help_fanout
+from pipeline.publish.fanout import CallIn, current_fanout
 from pipeline.publish.sharded import HostSide, help_host, publish_sharded
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import PublishResult
 from workers import queues
 from workers.runtime import Runtime
@@ -53,19 +51,10 @@ def work_on_part(
 
 
 def _help(runtime: Runtime, fanout: DeltaTask, first: str | None = None) -> int:
-    if fanout.sharded:  # a host's ranks' parts, by its workers only
-        side = host_side(runtime)
-        return 0 if side is None else help_host(side, fanout, first=first)
-    cache = StateCache(runtime.settings.cache_dir, fanout.run)
-    return help_fanout(
-        runtime.redis,
-        runtime.store,
-        cache,
-        fanout,
-        first=first,
-        on_part=lambda hint: publish_part(runtime.redis, hint),
-        host=runtime.settings.diff_host,
-    )
+    """A host's ranks' parts, by its workers only (an unsharded fan-out, left by an
+    older release, is nobody's to help with)."""
+    side = host_side(runtime) if fanout.sharded else None
+    return 0 if side is None else help_host(side, fanout, first=first)
 
 
 def host_side(runtime: Runtime) -> HostSide | None:
@@ -90,10 +79,10 @@ def _call_in(runtime: Runtime, again: bool) -> CallIn:
     once more): only on a host queue that is empty, since any job a host's worker
     takes has it sweep every free part of that host."""
 
-    def call_in(task: DeltaTask, parts: list[tuple[str, str | None]]) -> None:
+    def call_in(task: DeltaTask, parts: list[tuple[str, str]]) -> None:
         busy = {
             host
-            for host in {h for _, h in parts if h is not None}
+            for host in {h for _, h in parts}
             if again and queues.queue(runtime.redis, queues.diff_host_queue(host)).count > 0
         }
         for key, host in parts:
@@ -145,13 +134,6 @@ def publish_sharded_step(
         on_published=on_published,
         launch=launch,
     )
-
-
-def spread(runtime: Runtime) -> FanoutSpread:
-    """The parallel diff's spread: a part job per part of the fan-out, on the queue of
-    the host it is routed to (``DELTASYNC_DIFF_HOST`` of that host's workers)."""
-
-    return FanoutSpread(runtime.redis, _call_in(runtime, again=False), runtime.settings.diff_host)
 
 
 class _Line:
