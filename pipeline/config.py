@@ -795,7 +795,7 @@ def set_in_environment(name: str) -> bool:
 
 
 # Settings that no longer exist, with what to do instead: a deployment that still sets
-# one gets a warning line from its diff workers (unknown variables are not errors).
+# one gets a warning line from its workers (unknown variables are not errors).
 REMOVED_SETTINGS: dict[str, str] = {
     "DELTASYNC_PARALLEL_PARTS": "a version's parts are encoded by one diff job, whose "
     "threads use the cores (docs/PERFORMANCE.md); unset it",
