@@ -39,6 +39,11 @@ class ChainError(DeltasyncError):
     """A version cannot be resolved: missing delta, broken parent link, no anchor."""
 
 
+class RollbackError(ChainError):
+    """The store shows less than a node has verified (its floor) or than Redis has
+    announced: versions hidden or deleted. The node keeps what it holds."""
+
+
 class EventError(DeltasyncError):
     """An event is malformed, of an unknown type or of an unsupported schema."""
 

@@ -43,6 +43,7 @@ PINNED = {
     keys.pending_steps_key("r"): "deltasync:run:r:pending-steps",
     keys.emitted_key("r", 4): "deltasync:run:r:emitted:4",
     keys.announced_key("r", 4): "deltasync:run:r:announced:4",
+    keys.announced_head_key("r"): "deltasync:run:r:announced-head",
     keys.anchored_key("r", 4): "deltasync:run:r:anchored:4",
     keys.compaction_pending_key("r"): "deltasync:run:r:compaction-pending",
     keys.compaction_failed_key("r"): "deltasync:run:r:compaction-failed",

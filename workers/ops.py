@@ -37,6 +37,7 @@ from workers import queues
 from workers.runtime import Runtime
 
 _SKIP_FIELDS = {"type", "schema", "run", "version", "time"}
+ANNOUNCED_SCAN = 200  # newest events searched for delta-available besides the key
 
 
 def only_run(runtime: Runtime) -> str:
@@ -163,6 +164,16 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
             report["chain"] = {"error": str(exc)}
             report["signed"] = False
     r = runtime.redis
+    # Versions Redis announced that the store does not show: hidden or deleted behind
+    # the run's back (a freeze or a rollback), which lag alone would not tell.
+    announced = EventStream(r, run).announced_head(scan=ANNOUNCED_SCAN)
+    report["announced_head"] = announced
+    report["store_behind"] = (
+        f"store behind announcements: v{announced} announced, head "
+        f"{'none' if index.head is None else f'v{index.head}'}"
+        if announced is not None and (index.head is None or announced > index.head)
+        else None
+    )
     report["queues"] = {}
     for name in (queues.DIFF_QUEUE, queues.COMPACT_QUEUE):
         q = queues.queue(r, name)
@@ -307,6 +318,12 @@ def render_status(report: dict[str, Any]) -> None:
                 f"[bold]chain[/] anchor {c['anchor']} + {c['length']} deltas, "
                 f"{c['delta_bytes']:,} delta bytes vs {c['anchor_bytes']:,} anchor bytes"
             )
+    if report.get("store_behind"):
+        console.print(
+            f"[red]{report['store_behind']}[/] (versions hidden or deleted from the store; "
+            "nodes cannot reach them)",
+            soft_wrap=True,
+        )
     queues_table = Table(title="queues")
     for col in ("queue", "queued", "running", "failed", "recent failed jobs"):
         queues_table.add_column(col)

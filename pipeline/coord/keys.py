@@ -85,6 +85,9 @@ EMITTED = Template(f"{RUN}:emitted:{{step}}", "string", "Marker: the trainer emi
 ANNOUNCED = Template(
     f"{RUN}:announced:{{version}}", "string", "Marker: delta-available was sent for it."
 )
+ANNOUNCED_HEAD = Template(
+    f"{RUN}:announced-head", "string", "The newest version delta-available was sent for."
+)
 ANCHORED = Template(
     f"{RUN}:anchored:{{version}}", "string", "Marker: anchor-available was sent for it."
 )
@@ -139,6 +142,7 @@ TEMPLATES: tuple[Template, ...] = (
     PENDING_STEPS,
     EMITTED,
     ANNOUNCED,
+    ANNOUNCED_HEAD,
     ANCHORED,
     COMPACTION_PENDING,
     COMPACTION_FAILED,
@@ -241,6 +245,10 @@ def emitted_key(run: str, step: int) -> str:
 
 def announced_key(run: str, version: int) -> str:
     return ANNOUNCED.format(run=check_run_name(run), version=_int(version))
+
+
+def announced_head_key(run: str) -> str:
+    return ANNOUNCED_HEAD.format(run=check_run_name(run))
 
 
 def anchored_key(run: str, version: int) -> str:

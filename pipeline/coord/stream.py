@@ -21,11 +21,12 @@ from pipeline.coord.connection import redis_errors, text
 from pipeline.coord.events import (
     MAX_EVENT_BYTES,
     RUN_NAME_PATTERN,
+    DeltaAvailable,
     Event,
     check_run_name,
     parse_event,
 )
-from pipeline.coord.keys import runs_key, stream_added_key, stream_key
+from pipeline.coord.keys import announced_head_key, runs_key, stream_added_key, stream_key
 from pipeline.errors import ConfigError, EventError
 
 log = structlog.get_logger(__name__)
@@ -36,6 +37,15 @@ ENTRY_FIELD = "event"
 _STREAM_ID = re.compile(r"(\d+)-(\d+)")
 # Blocking reads stop this long before the client's socket timeout would fire.
 _BLOCK_MARGIN_MS = 1000
+ANNOUNCED_HEAD_TTL_S = 30 * 24 * 3600  # as long as the once-only markers of announcements
+
+# Raise the announced head to ARGV[1] unless it is higher already. KEYS: announced head.
+_RAISE_ANNOUNCED = """
+local held = tonumber(redis.call('GET', KEYS[1]) or '-1') or -1
+if tonumber(ARGV[1]) > held then redis.call('SET', KEYS[1], ARGV[1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 # --------------------------------------------------------------------------- stream ids
@@ -70,6 +80,9 @@ class EventStream:
         self.key = stream_key(run)
         # Counts every entry ever added; with XLEN it tells whether trimming happened.
         self.added_key = stream_added_key(run)
+        # The newest version a delta-available event was ever sent for: a store that
+        # no longer shows it was frozen or rolled back behind the run's back.
+        self.announced_key = announced_head_key(run)
 
     # -- writing
 
@@ -94,20 +107,22 @@ class EventStream:
                 f"exceeds {MAX_EVENT_BYTES} bytes"
             )
         if pipeline is not None:
-            self._queue(pipeline, payload)
+            self._queue(pipeline, payload, event)
             return None
         with (
             redis_errors(self.redis, f"publishing to {self.key}"),
             self.redis.pipeline(transaction=True) as pipe,
         ):
-            self._queue(pipe, payload)
+            self._queue(pipe, payload, event)
             results = pipe.execute()
         return text(results[0])
 
-    def _queue(self, pipe: redis.client.Pipeline, payload: str) -> None:
+    def _queue(self, pipe: redis.client.Pipeline, payload: str, event: Event) -> None:
         pipe.xadd(self.key, {ENTRY_FIELD: payload}, maxlen=self.maxlen, approximate=True)
         pipe.incr(self.added_key)
         pipe.sadd(RUNS_KEY, self.run)
+        if isinstance(event, DeltaAvailable):
+            pipe.eval(_RAISE_ANNOUNCED, 1, self.announced_key, event.version, ANNOUNCED_HEAD_TTL_S)
 
     def trim(self, maxlen: int | None = None, *, approximate: bool = True) -> int:
         """Keep about ``maxlen`` (default: the stream's) newest entries; returns how many went."""
@@ -171,6 +186,21 @@ class EventStream:
             except redis.ResponseError:  # no such key
                 return "0-0"
         return text(info["last-generated-id"])
+
+    def announced_head(self, scan: int = 0) -> int | None:
+        """The newest version a ``delta-available`` event was sent for, None if none is
+        known: the run's announced-head key, and with ``scan`` also the newest
+        ``delta-available`` among the last ``scan`` entries (events sent before the key
+        existed)."""
+        with redis_errors(self.redis, f"reading {self.announced_key}"):
+            raw: Any = self.redis.get(self.announced_key)
+            entries: Any = self.redis.xrevrange(self.key, count=scan) if scan > 0 else []
+        found = [int(raw)] if raw is not None and text(raw).isdigit() else []
+        for entry_id, fields in entries:
+            event = self._decode(text(entry_id), fields)
+            if isinstance(event, DeltaAvailable):
+                found.append(event.version)
+        return max(found, default=None)
 
     def first_id(self) -> str | None:
         """The id of the oldest entry still in the stream, or None if it is empty."""

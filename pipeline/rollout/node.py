@@ -38,7 +38,9 @@ from pipeline.errors import (
     DeltasyncError,
     MismatchError,
     ObjectNotFoundError,
+    RollbackError,
     SignatureError,
+    StoreError,
     TargetError,
 )
 from pipeline.format.checkpoint_write import write_checkpoint
@@ -50,10 +52,12 @@ from pipeline.rollout.early import EarlyParts
 from pipeline.rollout.fetch import Fetched, fetch_delta, stream_anchor, stream_anchor_pieces
 from pipeline.rollout.report import Reporter
 from pipeline.rollout.state import (
+    Recorded,
+    dump_metadata,
     pin_path,
+    read_dump,
     read_pin,
     read_state,
-    remove_state,
     write_pin,
     write_state,
 )
@@ -128,9 +132,12 @@ class RolloutNode:
         early_start: bool = False,
         on_applied: Callable[[Manifest], None] | None = None,
         scrub: ScrubPace | None = None,
+        held_from: Path | None = None,
     ) -> None:
         """``on_applied(manifest)`` runs on the node's thread each time the target is
-        known to hold a version (applied, loaded or resumed)."""
+        known to hold a version (applied, loaded or resumed). ``held_from``: the
+        checkpoint the target was loaded from; when it is a dump of a node of this run,
+        the node resumes from the version it records and keeps its floor."""
         self.store = store
         self.run_name = run
         self.target = target
@@ -146,11 +153,22 @@ class RolloutNode:
         self.max_backoff_s = max_backoff_s
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.on_applied = on_applied
+        self.held_from = held_from
 
         self._applied: int | None = None
+        self._held: Manifest | None = None  # the manifest of the applied version
         # Freshness: the newest verified version seen, and the run instance (read from
         # the store once); a node never goes back below either's word.
         self._highest: int | None = None
+        # The floor kept from before a restart (state file, dump) and the run instance
+        # it belongs to: together with the above, what the node never goes below.
+        self._floor: int | None = None
+        self._floor_instance: str | None = None
+        # Versions the state file or a dump says the target holds, not yet proved (their
+        # manifest was not in the store): tried again once the store lists them.
+        self._candidates: list[Recorded] = []
+        # Manifests that failed to load or verify, skipped when looking for the head.
+        self._unusable: dict[tuple[Kind, int], DeltasyncError] = {}
         self._instance: run_binding.RunInstance | None = None
         self._pinned: str | None = None  # the instance recorded beside the state file
         self._head_seen: int | None = None  # the store's head at the last sync
@@ -331,10 +349,18 @@ class RolloutNode:
             self.close()
         return self._applied
 
+    @property
+    def floor(self) -> int | None:
+        """The newest version this node verified, across restarts: it never goes below."""
+        known = [v for v in (self._highest, self._applied, self._floor) if v is not None]
+        return max(known) if known else None
+
     def dump(self, path: str | os.PathLike[str]) -> Path:
-        """Write the target's weights (checkpoint names) as a safetensors file."""
+        """Write the target's weights (checkpoint names) as a safetensors file; its
+        metadata names the version held and the node's floor (for a restart from it)."""
         out = Path(path)
-        write_checkpoint(out, self.target.export())
+        meta = dump_metadata(self.run_name, self._held, self.floor, self._floor_instance)
+        write_checkpoint(out, self.target.export(), metadata=meta)
         return out
 
     def close(self) -> None:
@@ -349,32 +375,96 @@ class RolloutNode:
     # -- resume ----------------------------------------------------------------------
 
     def _resume(self) -> None:
-        recorded = read_state(self.state_path, self.run_name)
-        if recorded is None:
-            return
-        version, kind = recorded
-        try:
-            manifest = self._manifest(kind, version)
-            held = self.target.hashes([t.name for t in manifest.tensors], manifest.content_hash)
-        except DeltasyncError as exc:
-            log.info("cannot resume, will bootstrap", version=version, error=str(exc))
-            return
-        bad = [t.name for t in manifest.tensors if held.get(t.name) != t.hash]
-        if bad:
-            log.info(
-                "held weights are not the recorded version, will bootstrap",
-                version=version,
-                first_mismatch=bad[0],
-                mismatches=len(bad),
-            )
-            return
-        self._set_applied(manifest)
-        log.info("resumed", run=self.run_name, version=version)
+        """Keep the floor the state file and a dump of this node record, and resume
+        from a version they say the target holds, once its weights prove it."""
+        for source, recorded in (
+            ("state file", read_state(self.state_path, self.run_name)),
+            ("dump", read_dump(self.held_from, self.run_name)),
+        ):
+            if recorded is None:
+                continue
+            self._keep_floor(recorded, source)
+            seen = {(c.version, c.kind) for c in self._candidates}
+            if recorded.version is not None and (recorded.version, recorded.kind) not in seen:
+                self._candidates.append(recorded)
+        self._try_resume(None)
 
-    def _forget_state(self) -> None:
+    def _keep_floor(self, recorded: Recorded, source: str) -> None:
+        """Adopt a recorded floor unless the store's run record names another instance
+        of the run (a new run under the old name, whose manifests a key would tell
+        apart; an old instance's versions are refused anyway)."""
+        if recorded.instance is not None:
+            record: run_binding.RunInstance | None = None
+            try:  # read here, not kept: _check_instance reads it with its own checks
+                record = run_binding.read_instance(self.store, self.run_name, self._key())
+            except DeltasyncError as exc:
+                log.info("cannot read the run record; keeping the floor", error=str(exc))
+            if record is not None and record.instance != recorded.instance:
+                log.info(
+                    "recorded floor belongs to another instance of the run, not kept",
+                    floor=recorded.floor,
+                    source=source,
+                )
+                return
+            self._floor_instance = recorded.instance
+        if self._floor is None or recorded.floor > self._floor:
+            self._floor = recorded.floor
+        log.info("floor kept across the restart", floor=self._floor, source=source)
+
+    def _try_resume(self, index: chain.VersionIndex | None) -> None:
+        """Resume from the first candidate the target's weights prove. One whose
+        manifest is not there (or not listed in ``index``) is kept for a later sync."""
+        for recorded in list(self._candidates):
+            version, kind = recorded.version, recorded.kind
+            assert version is not None  # only held versions are candidates
+            listed = index is None or version in (
+                index.deltas if kind == "delta" else index.anchors
+            )
+            if not listed:
+                continue
+            try:
+                manifest = self._manifest(kind, version)
+            except DeltasyncError as exc:
+                log.info("cannot resume yet", version=version, error=str(exc))
+                continue
+            self._candidates.remove(recorded)
+            try:
+                held = self.target.hashes([t.name for t in manifest.tensors], manifest.content_hash)
+            except DeltasyncError as exc:
+                log.info("cannot resume, will bootstrap", version=version, error=str(exc))
+                continue
+            bad = [t.name for t in manifest.tensors if held.get(t.name) != t.hash]
+            if bad:
+                log.info(
+                    "held weights are not the recorded version, will bootstrap",
+                    version=version,
+                    first_mismatch=bad[0],
+                    mismatches=len(bad),
+                )
+                continue
+            self._candidates.clear()
+            self._set_applied(manifest)
+            log.info("resumed", run=self.run_name, version=version)
+            return
+
+    def _forget_state(self, instance: str | None) -> None:
+        """Mid-load: the target holds no provable version; the floor stays recorded."""
         self._applied = None
+        self._held = None
         self._state_hash = None
-        remove_state(self.state_path)
+        self._write_state(None, instance)
+
+    def _write_state(self, manifest: Manifest | None, instance: str | None) -> None:
+        if instance is not None:
+            self._floor_instance = instance
+        write_state(
+            self.state_path,
+            self.run_name,
+            self.node_id,
+            manifest,
+            self.floor,
+            self._floor_instance,
+        )
 
     # -- sync ------------------------------------------------------------------------
 
@@ -385,6 +475,8 @@ class RolloutNode:
             self._sync_listed()
 
     def _sync_listed(self) -> None:
+        # Read before the listing: a version announced by then has its manifest stored.
+        announced = self._announced()
         index = chain.list_versions(self.store, self.run_name)
         try:
             self._sync_from(index)
@@ -398,31 +490,108 @@ class RolloutNode:
             log.info("versions collected since the listing, syncing again", run=self.run_name)
             self._manifests.clear()
             self._sync_from(fresh)
+        if announced is not None and (self._head_seen is None or announced > self._head_seen):
+            raise RollbackError(
+                f"run {self.run_name}: store behind announcements: v{announced} announced, "
+                f"head {_shown(self._head_seen)} (versions hidden or deleted from the "
+                f"store); this node holds {_shown(self._applied)}"
+            )
+        above = [
+            (v, exc)
+            for (_, v), exc in self._unusable.items()
+            if v in index.versions and (self._head_seen is None or v > self._head_seen)
+        ]
+        if above:
+            # Synced to the newest usable version; what sits above it is still reported.
+            raise max(above, key=lambda item: item[0])[1]
+
+    def _announced(self) -> int | None:
+        """The newest version Redis says was announced (None: none, or no Redis)."""
+        if self.events is None:
+            return None
+        try:
+            return self.events.announced_head()
+        except DeltasyncError:
+            return None  # events are hints: the store sync goes on without them
 
     def _sync_from(self, index: chain.VersionIndex) -> None:
-        head = index.head
-        floor = max(v for v in (self._highest, self._applied, -1) if v is not None)
-        if floor >= 0 and (head is None or head < floor):
-            raise ChainError(
-                f"run {self.run_name}: the store's head is v{head}, older than v{floor} "
-                "this node has seen; refusing to go back"
+        top = self._usable_head(index)
+        head = None if top is None else top.version
+        floor = self.floor
+        if floor is not None and (head is None or head < floor):
+            raise RollbackError(
+                f"run {self.run_name}: store head {_shown(head)} is below this node's floor "
+                f"v{floor} (the newest version it verified); refusing to go back, keeping "
+                f"what it holds ({_shown(self._applied)})"
             )
-        head = self._head_seen = index.head
-        if head is None:
+        self._head_seen = head
+        if top is None or head is None:
             return
+        if self._applied is None and self._candidates:
+            self._try_resume(index)
         if self._applied is None or self._need_bootstrap:
-            self._bootstrap(index)
+            self._bootstrap(index, top)
             return
         if head <= self._applied:
             return
         path = self._plan(index, self._applied, head)
-        anchor = _newest_anchor(index, head)
+        anchor = self._newest_usable_anchor(index, head)
         if path is None or (
             anchor is not None and anchor > self._applied and self._anchor_is_cheaper(anchor, path)
         ):
-            self._bootstrap(index)
+            self._bootstrap(index, top)
             return
         self._apply_chain(path)
+
+    def _usable_head(self, index: chain.VersionIndex) -> Manifest | None:
+        """The manifest of the newest listed version that loads and verifies. Unusable
+        ones above it (corrupt, unsigned, another instance) are logged and skipped, so
+        one planted at the head stops no node; the newest is read again each sync (a
+        good version may replace it)."""
+        newest = index.head
+        for version in reversed(index.versions):
+            for kind in ("delta", "anchor"):
+                listed = index.deltas if kind == "delta" else index.anchors
+                if version not in listed:
+                    continue
+                if (kind, version) in self._unusable and version != newest:
+                    continue
+                manifest = self._usable(kind, version)
+                if manifest is not None:
+                    return manifest
+        return None
+
+    def _newest_usable_anchor(self, index: chain.VersionIndex, head: int) -> int | None:
+        for version in sorted((a for a in index.anchors if a <= head), reverse=True):
+            if ("anchor", version) in self._unusable:
+                continue
+            if self._usable("anchor", version) is not None:
+                return version
+        return None
+
+    def _usable(self, kind: Kind, version: int) -> Manifest | None:
+        """The manifest, or None (logged once) when it fails to load or verify; a store
+        failure or a missing manifest is raised."""
+        try:
+            manifest = self._manifest(kind, version)
+        except StoreError:
+            raise
+        except DeltasyncError as exc:
+            if (kind, version) not in self._unusable:
+                log.warning(
+                    "unusable manifest skipped",
+                    run=self.run_name,
+                    node=self.node_id,
+                    kind=kind,
+                    version=version,
+                    error=str(exc),
+                    error_type=type(exc).__name__,
+                )
+                metrics.refused(self.run_name, "rollout", exc)
+            self._unusable[(kind, version)] = exc
+            return None
+        self._unusable.pop((kind, version), None)  # replaced by a good one since
+        return manifest
 
     def _plan(self, index: chain.VersionIndex, held: int, head: int) -> list[Manifest] | None:
         """The delta manifests from ``held`` (exclusive) to ``head``, in chain order;
@@ -446,12 +615,22 @@ class RolloutNode:
         after_anchor = sum(o.size for m in path if m.version > anchor for o in m.objects)
         return anchor_bytes + after_anchor < chain_bytes
 
-    def _bootstrap(self, index: chain.VersionIndex) -> None:
-        head = index.head
-        anchor = _newest_anchor(index, head)
+    def _bootstrap(self, index: chain.VersionIndex, top: Manifest) -> None:
+        head = top.version
+        anchor = self._newest_usable_anchor(index, head)
         if anchor is None:
-            raise ChainError(f"run {self.run_name}: no anchor at or below head v{head}")
-        store_state = (anchor, head, self._head_identity(index))
+            raise ChainError(f"run {self.run_name}: no usable anchor at or below head v{head}")
+        store_state = (anchor, head, top.created)  # tells a republished head apart
+        planned: list[Manifest] | None = None
+        floor = self.floor
+        if floor is not None and anchor < floor and head > anchor:
+            # Below the floor on the way up: only when the chain leads past it.
+            planned = self._plan(index, anchor, head)
+            if planned is None:
+                raise ChainError(
+                    f"run {self.run_name}: no delta chain from anchor v{anchor} to head "
+                    f"v{head}; not loading an anchor below this node's floor v{floor}"
+                )
         if self._stuck_on == store_state and self._applied is not None:
             # The same store state already failed to replay: keep what we hold, and
             # do not download the anchor again until the store changes.
@@ -481,7 +660,7 @@ class RolloutNode:
             tensors = iter(list(tensors))
             pieces = None if pieces is None else iter(list(pieces))
         self._stuck_on = store_state
-        self._forget_state()  # mid-load the target holds no provable version
+        self._forget_state(manifest.instance)  # mid-load the target holds no provable version
         if isinstance(self.target, HashSelector):
             self.target.use_content_hash(manifest.content_hash)
         if pieces is not None:
@@ -494,22 +673,14 @@ class RolloutNode:
         self._need_bootstrap = False
         self._set_applied(manifest)
         self.report.applied(manifest, fetch_s=0.0, apply_s=load_s, pause_s=load_s)
-        if head is not None and head > anchor:
-            path = self._plan(index, anchor, head)
+        if head > anchor:
+            path = planned or self._plan(index, anchor, head)
             if path is None:
                 raise ChainError(
                     f"run {self.run_name}: no delta chain from anchor v{anchor} to head v{head}"
                 )
             self._apply_chain(path)
         self._stuck_on = None
-
-    def _head_identity(self, index: chain.VersionIndex) -> str:
-        """Tells a republished head apart from the one that failed."""
-        head = index.head
-        if head is None:
-            return ""
-        kind: Kind = "delta" if head in index.deltas else "anchor"
-        return self._manifest(kind, head).created
 
     def _check_specs(self, manifest: Manifest) -> None:
         """Every tensor of the anchor is held with its dtype and shape (checked before
@@ -644,8 +815,9 @@ class RolloutNode:
 
     def _set_applied(self, manifest: Manifest) -> None:
         self._applied = manifest.version
+        self._held = manifest
         self._state_hash = manifest.state_hash
-        write_state(self.state_path, self.run_name, self.node_id, manifest)
+        self._write_state(manifest, manifest.instance)
         if manifest.instance not in (None, self._pinned) and self._key() is not None:
             assert manifest.instance is not None
             write_pin(self.state_path, self.run_name, manifest.instance)
@@ -662,7 +834,7 @@ class RolloutNode:
         backoff = min(self.max_backoff_s, self.poll_interval_s * 2 ** (self._failures - 1))
         self._next_retry = time.monotonic() + backoff
         self._manifests.clear()  # a repaired store may answer differently
-        if isinstance(exc, ChainError | ObjectNotFoundError):
+        if isinstance(exc, ChainError | ObjectNotFoundError) and not isinstance(exc, RollbackError):
             self._need_bootstrap = True  # broken chain or collected delta
         if isinstance(exc, SignatureError):
             self._need_bootstrap = False
@@ -690,8 +862,5 @@ def _collected(before: chain.VersionIndex, after: chain.VersionIndex) -> bool:
     return bool(set(before.deltas) - set(after.deltas) or set(before.anchors) - set(after.anchors))
 
 
-def _newest_anchor(index: chain.VersionIndex, head: int | None) -> int | None:
-    if head is None:
-        return None
-    eligible = [v for v in index.anchors if v <= head]
-    return max(eligible) if eligible else None
+def _shown(version: int | None) -> str:
+    return "none" if version is None else f"v{version}"

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from pipeline.errors import DeltasyncError
+from pipeline.errors import DeltasyncError, StoreError
 from pipeline.format.matching import spec_of
 from pipeline.format.tensors import TensorSpec
 from pipeline.store.base import ObjectStore
@@ -61,20 +61,28 @@ def anchor_specs(
 ) -> dict[str, TensorSpec] | None:
     """Names, dtypes and shapes of the newest anchor's tensors; waits for the run's
     first anchor if there is none yet (None: stopped while waiting). An anchor that
-    fails its signature or checks goes to ``refused`` (and is waited past)."""
-    anchor: int | None = None
+    fails its signature or checks goes to ``refused`` and the next older one is tried
+    (one unusable manifest planted at the head stops no node)."""
     while not stop.is_set():
         try:
-            index = chain.list_versions(store, run)
-            anchor = index.anchor_at_or_below(index.head) if index.head is not None else None
-            if anchor is not None:
-                manifest = chain.load_manifest(store, run, "anchor", anchor)
-                return {t.name: spec_of(t) for t in manifest.tensors}
-            log.info("waiting for the run's first anchor", store=store.url)
+            anchors = sorted(chain.list_versions(store, run).anchors, reverse=True)
         except DeltasyncError as exc:
-            log.warning("cannot read the run's anchors yet", error=str(exc))
-            if refused is not None and anchor is not None:
-                refused(anchor, exc)
+            log.warning("cannot list the run's anchors yet", error=str(exc))
+            anchors = []
+        for anchor in anchors:
+            try:
+                manifest = chain.load_manifest(store, run, "anchor", anchor)
+            except StoreError as exc:  # the store, not the manifest: try again later
+                log.warning("cannot read the run's anchors yet", error=str(exc))
+                break
+            except DeltasyncError as exc:
+                log.warning("unusable anchor skipped", version=anchor, error=str(exc))
+                if refused is not None:
+                    refused(anchor, exc)
+                continue
+            return {t.name: spec_of(t) for t in manifest.tensors}
+        else:
+            log.info("waiting for the run's first anchor", store=store.url)
         stop.wait(ANCHOR_WAIT_S)
     return None
 

@@ -17,6 +17,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -114,6 +115,7 @@ def run_rollout(
             poll_interval_s=options.poll_interval_s,
             prefetch=options.prefetch,
             early_start=options.early_start,
+            held_from=options.model_path,
         )
         try:
             applied = node.run(until_version=options.until_version, stop=stop)
@@ -171,9 +173,12 @@ def make_node(
     prefetch: bool = True,
     early_start: bool | None = None,
     on_applied: Callable[[Manifest], None] | None = None,
+    held_from: Path | None = None,
 ) -> RolloutNode:
     """A rollout node of ``run`` with the process's settings (signatures, state file,
-    replica TTL, early start unless ``early_start`` says)."""
+    replica TTL, early start unless ``early_start`` says). ``held_from``: the checkpoint
+    the target was loaded from (a dump of the node's resumes from it, and keeps its
+    floor)."""
     options: dict[str, Any] = {} if early_start is None else {"early_start": early_start}
     return RolloutNode.from_settings(
         run,
@@ -186,6 +191,7 @@ def make_node(
         poll_interval_s=poll_interval_s,
         prefetch=prefetch,
         on_applied=on_applied,
+        held_from=held_from,
         **options,
     )
 
