@@ -54,8 +54,11 @@ def _dump_hashes(path: Path) -> dict[str, str]:
         return {n: content_hash(reader.get(n)) for n in reader.names()}
 
 
-def _refused(env: dict[str, str], redis_url: str, run: str, node: str, log_dir: Path) -> str:
-    """Start a node, wait for its replica-error, stop it; it must never have applied."""
+def _refused(
+    env: dict[str, str], redis_url: str, run: str, node: str, log_dir: Path, bad: int = 0
+) -> str:
+    """Start a node, wait for its replica-error, stop it; it must never have applied
+    version ``bad`` or a newer one (the newest usable version below it, it may)."""
     with processes(env, log_dir, **{node: ["rollout", "--run", run, "--node-id", node,
                                            "--poll", "0.3"]}):  # fmt: skip
 
@@ -66,7 +69,9 @@ def _refused(env: dict[str, str], redis_url: str, run: str, node: str, log_dir: 
 
         wait_for(reported, f"{node} to refuse")
     events = _events(redis_url, run)
-    assert not any(isinstance(e, DeltaApplied) and e.node == node for e in events)
+    assert not any(
+        isinstance(e, DeltaApplied) and e.node == node and e.version >= bad for e in events
+    )
     errors = [e for e in events if isinstance(e, ReplicaError) and e.node == node]
     return errors[0].error
 
@@ -145,7 +150,7 @@ def test_a_tampered_signed_manifest_is_refused(tmp_path: Path, redis_url: str) -
     doc["created"] = "2000-01-01T00:00:00Z"
     store.put(key, json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
     verifier = {**base, "DELTASYNC_VERIFY_KEY": str(verify)}
-    error = _refused(verifier, redis_url, "tamper", "careful", tmp_path / "logs-node")
+    error = _refused(verifier, redis_url, "tamper", "careful", tmp_path / "logs-node", bad=1)
     assert "SignatureError" in error
 
 
@@ -205,5 +210,5 @@ def test_compaction_never_signs_an_unsigned_delta(tmp_path: Path, redis_url: str
 
     # A node that verifies never serves version 2.
     verifier = {**base, "DELTASYNC_VERIFY_KEY": str(verify)}
-    error = _refused(verifier, redis_url, run, "strict", tmp_path / "logs-node")
+    error = _refused(verifier, redis_url, run, "strict", tmp_path / "logs-node", bad=2)
     assert "SignatureError" in error and "not signed" in error

@@ -477,7 +477,7 @@ class RolloutNode:
     def _sync_listed(self) -> None:
         # Read before the listing: a version announced by then has its manifest stored.
         announced = self._announced()
-        index = chain.list_versions(self.store, self.run_name)
+        index = listed = chain.list_versions(self.store, self.run_name)
         try:
             self._sync_from(index)
         except (ObjectNotFoundError, CorruptObjectError):  # a manifest or an object gone
@@ -489,17 +489,20 @@ class RolloutNode:
             # real fault on the way from there is raised and reported).
             log.info("versions collected since the listing, syncing again", run=self.run_name)
             self._manifests.clear()
+            listed = fresh
             self._sync_from(fresh)
-        if announced is not None and (self._head_seen is None or announced > self._head_seen):
+        # Announced versions the store does not list at all: hidden or deleted. (One
+        # listed but unusable is reported by its own error, below.)
+        if announced is not None and (listed.head is None or announced > listed.head):
             raise RollbackError(
                 f"run {self.run_name}: store behind announcements: v{announced} announced, "
-                f"head {_shown(self._head_seen)} (versions hidden or deleted from the "
-                f"store); this node holds {_shown(self._applied)}"
+                f"head {_shown(listed.head)} (versions hidden or deleted from the store); "
+                f"this node holds {_shown(self._applied)}"
             )
         above = [
             (v, exc)
             for (_, v), exc in self._unusable.items()
-            if v in index.versions and (self._head_seen is None or v > self._head_seen)
+            if v in listed.versions and (self._head_seen is None or v > self._head_seen)
         ]
         if above:
             # Synced to the newest usable version; what sits above it is still reported.
