@@ -27,10 +27,10 @@ from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.signing import generate_keypair, load_private_key
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.rollout.node import state_path_for
 from pipeline.store.file import FileStore
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
-from workers.nodes.rollout import state_path_for
 from workers.trainer import Emitter
 
 pytestmark = pytest.mark.slow
@@ -206,9 +206,8 @@ def test_a_bad_manifest_at_the_head_does_not_stop_a_new_node(
     signing, verify = generate_keypair(tmp_path / "keys")
     store = FileStore(tmp_path / "store")
     _publish(store, tmp_path / "trainer", range(4), signing)
-    v3 = json.loads((store.root / RUN / "deltas" / f"{3:010d}" / "manifest.json").read_text())
-    planted = {**v3, "version": 4, "parent": 3}
-    planted.pop("signature")
+    stored = json.loads((store.root / RUN / "deltas" / f"{3:010d}" / "manifest.json").read_text())
+    planted = {**stored["signed"], "version": 4, "parent": 3}  # out of its signed envelope
     delta4 = store.root / RUN / "deltas" / f"{4:010d}"
     anchor4 = store.root / RUN / "anchors" / f"{4:010d}"
     delta4.mkdir(parents=True)
