@@ -293,3 +293,26 @@ def test_tail_and_a_running_node_survive_a_deep_event(tmp_path: Path, redis_url:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "delta-applied" in out.stdout and "v1" in out.stdout
     assert "Traceback" not in out.stderr
+
+
+def test_a_decode_error_blames_the_object_and_a_broken_install_blames_the_install() -> None:
+    """A damaged object may trip any parser: reported as that object's corruption. A
+    codec that cannot be imported is not the object's fault: it says so."""
+    from pipeline.errors import CorruptObjectError, TargetError
+    from pipeline.format.manifest import TensorEntry
+    from pipeline.targets.patching import guarded
+
+    entry = TensorEntry("w", "bfloat16", (4,), "0" * 32, "part-00000.safetensors", 1)
+    held = torch.zeros(4, dtype=torch.bfloat16)
+
+    def tripped(name: str, tensor: torch.Tensor) -> None:
+        raise ValueError("bad stream")
+
+    def broken(name: str, tensor: torch.Tensor) -> None:
+        raise ImportError("cannot import name 'x' from partially initialized module")
+
+    with pytest.raises(CorruptObjectError, match=r"part-00000\.safetensors: bad stream"):
+        guarded(tripped, entry, held)
+    with pytest.raises(TargetError, match="the codec cannot be loaded") as caught:
+        guarded(broken, entry, held)
+    assert not isinstance(caught.value, CorruptObjectError)

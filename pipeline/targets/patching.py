@@ -34,7 +34,7 @@ import torch
 from pipeline import cpus
 from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.codec.compiled import kernels
-from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError
+from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError, TargetError
 from pipeline.format.hashes.hashing import content_hash, patched_tensor_hash, sha256_bytes
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.format.matching import check_entry
@@ -124,6 +124,8 @@ def guarded(
         return decode(entry.name, held)
     except DeltasyncError:
         raise
+    except ImportError as exc:  # the installation's fault, not the object's
+        raise TargetError(f"the codec cannot be loaded ({exc}); reinstall deltasync") from exc
     except Exception as exc:
         raise CorruptObjectError(f"tensor {entry.name} in object {entry.object}: {exc}") from exc
 
