@@ -79,7 +79,7 @@ def header_bytes(
     return struct.pack("<Q", len(raw)) + raw
 
 
-def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHeader:
+def parse_header(prefix: bytes | memoryview, total_size: int, source: str) -> SafetensorsHeader:
     """Parse and check a safetensors header.
 
     ``prefix`` holds at least the first ``8 + header length`` bytes of a file or
@@ -98,7 +98,7 @@ def parse_header(prefix: bytes, total_size: int, source: str) -> SafetensorsHead
     if len(prefix) < 8 + n:
         raise CorruptObjectError(f"{source}: header is truncated")
     doc = load_json(
-        prefix[8 : 8 + n], max_bytes=n, what=f"{source}: header", error=CorruptObjectError
+        bytes(prefix[8 : 8 + n]), max_bytes=n, what=f"{source}: header", error=CorruptObjectError
     )
     if not isinstance(doc, dict):
         raise CorruptObjectError(f"{source}: header is not a JSON object")
