@@ -34,6 +34,8 @@ DIFF_QUEUE_JOBS = frozenset({DIFF_JOB})
 HOST_QUEUE_JOBS = frozenset({DIFF_PART_JOB})  # a trainer host's queue: part jobs only
 COMPACT_QUEUE_JOBS = frozenset({COMPACT_JOB})
 JOB_FUNCTIONS = DIFF_QUEUE_JOBS | HOST_QUEUE_JOBS | COMPACT_QUEUE_JOBS
+# A diff job's arguments after (run, step): what a pending or set-aside step is sent with.
+STEP_ARGS = ("checkpoint", "owned", "sharded", "launch")
 _HOST_QUEUE = keys.DIFF_HOST_QUEUE.regex()
 
 # A field of rq's worker hash: the worker's lease (seconds), which status judges it by.

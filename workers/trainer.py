@@ -265,10 +265,6 @@ def _send_transaction(r: redis.Redis, kwargs: dict[str, Any], marker: str) -> tu
         return list(pipe.execute()), at
 
 
-# The diff job arguments a set-aside step may be sent again with.
-_STEP_ARGS = ("checkpoint", "owned", "level", "sharded", "launch")
-
-
 def retry_step(runtime: Runtime, run: str, step: int) -> Emitted:
     """Send a step that was set aside again, with the arguments it was set aside with
     (its cause fixed meanwhile), or a staged step Redis lost (``lost_staged_steps``).
@@ -294,7 +290,7 @@ def retry_step(runtime: Runtime, run: str, step: int) -> Emitted:
             "(versions only move forward); emit a newer step"
         )
     recorded = found.args or {"checkpoint": found.checkpoint, "owned": False}
-    args: dict[str, Any] = {k: recorded[k] for k in _STEP_ARGS if k in recorded}
+    args: dict[str, Any] = {k: recorded[k] for k in queues.STEP_ARGS if k in recorded}
     args.update(run=run, step=step)
     args.setdefault("owned", False)
     if not isinstance(args.get("checkpoint"), str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,8 @@ from pipeline.coord.events import CompactionRequested, DeltaAvailable, Event
 from pipeline.coord.hints import publish_part
 from pipeline.coord.replicas import claim_once
 from pipeline.coord.stream import EventStream
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, DeltasyncError, EventError
+from pipeline.format.bounded import MAX_REDIS_RECORD_BYTES, load_json
 from pipeline.format.manifest import Kind, Manifest, manifest_key
 from pipeline.logs import bind_context, get_logger
 from pipeline.publish import dead_letters
@@ -100,7 +100,6 @@ def diff_job(
     step: int,
     checkpoint: str,
     owned: bool = False,
-    level: int | None = None,
     sharded: bool = False,
     launch: str | None = None,
 ) -> dict[str, Any]:
@@ -139,9 +138,7 @@ def diff_job(
             )
             log.warning("earlier step set aside", step=earlier, reason=reason)
     try:
-        return _diff_one(
-            runtime, run, step, checkpoint, owned, level, sharded=sharded, launch=launch
-        )
+        return _diff_one(runtime, run, step, checkpoint, owned, sharded=sharded, launch=launch)
     except Exception as exc:
         if dead_letters.is_transient(exc):
             raise
@@ -149,7 +146,6 @@ def diff_job(
             return {"run": run, "version": step, "status": "skipped", "reason": "already published"}
         metrics.refused(run, "diff", exc)
         args = {"run": run, "step": step, "checkpoint": checkpoint, "owned": owned}
-        args.update({"level": level} if level is not None else {})
         args.update({"sharded": True, "launch": launch} if sharded else {})
         reason = dead_letters.record(
             runtime.redis, run, step, str(checkpoint), exc, pending, args=args
@@ -181,14 +177,11 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, d
     for key, raw in runtime.redis.hgetall(keys.pending_steps_key(run)).items():
         try:
             earlier = int(key)
-            args = json.loads(raw)
-            out.append(
-                (
-                    earlier,
-                    {k: args[k] for k in ("checkpoint", "owned", "sharded", "launch") if k in args},
-                )
+            args = load_json(
+                raw, max_bytes=MAX_REDIS_RECORD_BYTES, what="pending step", error=EventError
             )
-        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            out.append((earlier, {k: args[k] for k in queues.STEP_ARGS if k in args}))
+        except (DeltasyncError, ValueError, TypeError, KeyError) as exc:
             log.warning("malformed pending step set aside", run=run, entry=str(key)[:40])
             name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
             if name.isdigit() and int(name) < step:
@@ -206,7 +199,6 @@ def _diff_one(
     step: int,
     checkpoint: str,
     owned: bool = False,
-    level: int | None = None,
     *,
     sharded: bool = False,
     launch: str | None = None,
@@ -241,10 +233,10 @@ def _diff_one(
     with sharded_diff.diff_lease(runtime, run, step):
         if sharded:
             result = sharded_diff.publish_sharded_step(
-                runtime, run, step, checkpoint, level or settings.level, published, launch
+                runtime, run, step, checkpoint, settings.level, published, launch
             )
         else:
-            result = _publish_here(runtime, run, step, path, level, staged, published)
+            result = _publish_here(runtime, run, step, path, staged, published)
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.
         published(result.manifest)
@@ -275,7 +267,6 @@ def _publish_here(
     run: str,
     step: int,
     path: Path,
-    level: int | None,
     staged: bool,
     published: Callable[[Manifest], None],
 ) -> PublishResult:
@@ -287,7 +278,7 @@ def _publish_here(
         step,
         path,
         StateCache(settings.cache_dir, run),
-        level=level or settings.level,
+        level=settings.level,
         signing_key=settings.signing_key(),
         part_bytes=settings.part_bytes,
         on_published=published,
