@@ -10,20 +10,17 @@ level 3's chunk encoder, whose level-1 alternative is this module's).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from pipeline.codec import compact, contents, positions
-from pipeline.codec.api import DeltaObject, _checksum
+from pipeline.codec import contents, positions
+from pipeline.codec.api import DeltaObject, pack_object
 from pipeline.codec.compiled import fused
-from pipeline.codec.container import write_container
 from pipeline.codec.dtypes import DtypeInfo, info_for, int_view_flat
 from pipeline.codec.level3 import chunked, chunked_torch
-from pipeline.codec.names import CODEC_NAME, CODEC_VERSION
 from pipeline.codec.records import TensorRecord
 from pipeline.codec.tensorcodec import BITMAP_MIN_DENSITY, DENSE_MIN_DENSITY, Encoded
 
@@ -298,18 +295,7 @@ def encode_delta(
                 encoded.params,
             )
         )
-    if level == 3:
-        tensors_json, entries = compact.pack(records, entries)
-    else:
-        tensors_json = json.dumps([r.to_json() for r in records], separators=(",", ":"))
-    metadata = {
-        "codec": CODEC_NAME,
-        "codec_version": str(CODEC_VERSION),
-        "level": str(level),
-        "tensors": tensors_json,
-        "checksum": _checksum(str(level), tensors_json, entries),
-    }
-    return write_container(entries, metadata)
+    return pack_object(records, entries, level)
 
 
 def decode(obj: DeltaObject, name: str, base: torch.Tensor) -> tuple[I64, AnyUInt]:

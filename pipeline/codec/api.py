@@ -563,7 +563,6 @@ def encode_delta(
     if level not in LEVELS:
         raise CodecError(f"codec {CODEC_NAME}: unknown level {level!r}, expected one of {LEVELS}")
     entries: dict[str, npt.NDArray[np.uint8]] = {}
-    records: list[dict[str, object]] = []
     written: list[TensorRecord] = []
     # Every pair is checked before any is encoded: a bad one fails the object whole.
     tasks: list[tuple[str, DtypeInfo, torch.Tensor, torch.Tensor]] = []
@@ -624,15 +623,24 @@ def encode_delta(
             entries[name] = encoded.blob
         elif encoded.streams:
             entries[name] = np.concatenate(list(encoded.streams.values()))
-        record = TensorRecord(
-            name, info, tuple(base.shape), encoded.encoding, encoded.changed, sizes, encoded.params
-        )
-        records.append(record.to_json())
-        written.append(record)
+        written.append(
+            TensorRecord(
+                name, info, tuple(base.shape), encoded.encoding, encoded.changed, sizes,
+                encoded.params,
+            )
+        )  # fmt: skip
+    return pack_object(written, entries, level)
+
+
+def pack_object(
+    records: list[TensorRecord], entries: dict[str, npt.NDArray[np.uint8]], level: int
+) -> bytes:
+    """The delta object of encoded tensors: their records (packed at the compact
+    levels), the streams, and the checksum over both, in one container."""
     if level in compact.COMPACT_LEVELS:
-        tensors_json, entries = compact.pack(written, entries)
+        tensors_json, entries = compact.pack(records, entries)
     else:
-        tensors_json = json.dumps(records, separators=(",", ":"))
+        tensors_json = json.dumps([r.to_json() for r in records], separators=(",", ":"))
     metadata = {
         "codec": CODEC_NAME,
         "codec_version": str(CODEC_VERSION),
