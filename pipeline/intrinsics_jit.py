@@ -21,7 +21,9 @@ from numba.extending import intrinsic  # type: ignore[import-untyped]
 AHEAD = 64
 
 
-def _prefetch(context: Any, builder: Any, sig: Any, args: Any, write: int) -> Any:
+def _prefetch(
+    context: Any, builder: Any, sig: Any, args: Any, write: int, locality: int = 3
+) -> Any:
     data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
     byte_pointer = ir.IntType(8).as_pointer()
     i32 = ir.IntType(32)
@@ -31,9 +33,10 @@ def _prefetch(context: Any, builder: Any, sig: Any, args: Any, write: int) -> An
         "llvm.prefetch.p0",
     )
     address = builder.bitcast(builder.gep(data, [args[1]]), byte_pointer)
-    # (address, read 0 / write 1, high temporal locality, data cache)
+    # (address, read 0 / write 1, temporal locality 3 (all levels) .. 0, data cache)
     builder.call(
-        function, [address, ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)]
+        function,
+        [address, ir.Constant(i32, write), ir.Constant(i32, locality), ir.Constant(i32, 1)],
     )
     return context.get_dummy_value()
 
@@ -54,6 +57,18 @@ def prefetch_read(typingctx: Any, array: Any, index: Any) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return _prefetch(context, builder, sig, args, 0)
+
+    return types.none(array, index), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator,misc]
+def prefetch_read_l2(typingctx: Any, array: Any, index: Any) -> Any:
+    """Hint that array[index] is about to be read, into the L2 cache and up, not L1
+    (no effect on results): for a loop that asks for its lines a batch before it
+    reads them (the delta walk's gather)."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return _prefetch(context, builder, sig, args, 0, locality=2)
 
     return types.none(array, index), codegen
 
