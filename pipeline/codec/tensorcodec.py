@@ -435,11 +435,11 @@ def _scan_in_pieces(
         start, stop = bounds[r], bounds[r + 1]
         lo = start // SCAN_SHARE
         hi = stop // SCAN_SHARE if r + 1 < pieces else pos.size
-        k, at = compiled.scan_diffs(
-            base[start:stop], new[start:stop], pos[lo:hi], diff[lo:hi], old[lo:hi], 0
+        # From ``start`` (a multiple of 64) of the tensor's prefix: positions come out
+        # as the tensor's, with no second pass to shift them.
+        found[r] = compiled.scan_diffs(
+            base[:stop], new[:stop], pos[lo:hi], diff[lo:hi], old[lo:hi], start
         )
-        pos[lo : lo + k] += start
-        found[r] = (k, start + at)
 
     _share([functools.partial(scan, r) for r in range(pieces)], helpers)
     total = 0
