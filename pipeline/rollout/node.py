@@ -599,18 +599,7 @@ class RolloutNode:
     def _plan(self, index: chain.VersionIndex, held: int, head: int) -> list[Manifest] | None:
         """The delta manifests from ``held`` (exclusive) to ``head``, in chain order;
         None when the chain does not lead back to ``held``."""
-        path: list[Manifest] = []
-        version: int | None = head
-        while version is not None and version > held:
-            if version not in index.deltas:
-                return None
-            manifest = self._manifest("delta", version)
-            path.append(manifest)
-            version = manifest.parent
-        if version != held:
-            return None
-        path.reverse()
-        return path
+        return chain.deltas_after(held, head, index.deltas, lambda v: self._manifest("delta", v))
 
     def _anchor_is_cheaper(self, anchor: int, path: list[Manifest]) -> bool:
         anchor_bytes = sum(o.size for o in self._manifest("anchor", anchor).objects)

@@ -7,6 +7,7 @@ import neither torch nor the codec; :mod:`pipeline.versions.chain` rebuilds vers
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -150,43 +151,55 @@ def resolve(
 ) -> ChainPlan:
     """The newest anchor at or below ``version`` and the deltas after it, by parent links."""
     index = index or list_versions(store, run)
-    anchors = set(index.anchors)
-    deltas = set(index.deltas)
-    if version in anchors:
+    if version in index.anchors:
         anchor = load_manifest(store, run, "anchor", version, public_key=public_key)
         return ChainPlan(run, version, anchor, ())
-    if version not in deltas:
+    if version not in index.deltas:
         raise ChainError(f"run {run} has no version {version} (head is {index.head})")
-    chain: list[Manifest] = []
-    current = version
-    while True:
+
+    def needed(kind: Kind, at: int) -> Manifest:
         try:
-            m = load_manifest(store, run, "delta", current, public_key=public_key)
+            if kind == "anchor" or at in index.deltas:
+                return load_manifest(store, run, kind, at, public_key=public_key)
         except ObjectNotFoundError:
-            raise ChainError(
-                f"run {run}: version {version} needs delta {current}, which is missing"
-            ) from None
-        chain.append(m)
-        parent = m.parent
-        assert parent is not None  # parse_manifest guarantees deltas have parents
-        if parent in anchors:
-            try:
-                anchor = load_manifest(store, run, "anchor", parent, public_key=public_key)
-            except ObjectNotFoundError:
-                raise ChainError(
-                    f"run {run}: version {version} needs anchor {parent}, which is missing"
-                ) from None
-            break
-        if parent not in deltas:
-            raise ChainError(
-                f"run {run}: version {version} needs version {parent} (parent of {current}), "
-                "which is missing"
-            )
-        current = parent
-    chain.reverse()
-    plan = ChainPlan(run, version, anchor, tuple(chain))
+            pass
+        what = "anchor" if kind == "anchor" else "version"
+        raise ChainError(f"run {run}: version {version} needs {what} {at}, which is missing")
+
+    deltas, parent = follow_parents(
+        version, lambda v: needed("delta", v), index.anchors.__contains__
+    )
+    assert parent is not None  # parse_manifest guarantees deltas have parents
+    plan = ChainPlan(run, version, needed("anchor", parent), tuple(deltas))
     _check_links(plan)
     return plan
+
+
+def follow_parents(
+    top: int, load: Callable[[int], Manifest | None], stop: Callable[[int], bool]
+) -> tuple[list[Manifest], int | None]:
+    """The walk every chain plan makes: the manifests from ``top`` down their parent links,
+    oldest first, and the version the walk ended at: the first that ``stop`` holds for,
+    or that ``load`` has no manifest for (None: past a version without a parent)."""
+    path: list[Manifest] = []
+    version: int | None = top
+    while version is not None and not stop(version):
+        manifest = load(version)
+        if manifest is None:
+            break
+        path.append(manifest)
+        version = manifest.parent
+    path.reverse()
+    return path, version
+
+
+def deltas_after(
+    held: int, top: int, deltas: Collection[int], load: Callable[[int], Manifest]
+) -> list[Manifest] | None:
+    """The delta manifests after ``held`` up to ``top`` by parent links (``load`` reads
+    one), oldest first; None when the links do not lead back to ``held``."""
+    path, end = follow_parents(top, lambda v: load(v) if v in deltas else None, lambda v: v <= held)
+    return path if end == held else None
 
 
 def _check_links(plan: ChainPlan) -> None:

@@ -214,19 +214,10 @@ def _deltas_between(
 ) -> list[Manifest] | None:
     """Delta manifests from ``held`` (exclusive) to ``version`` by parent links; None
     when the chain does not lead back to ``held``."""
-    index = chain.list_versions(store, run)
-    path: list[Manifest] = []
-    current: int | None = version
-    while current is not None and current > held:
-        if current not in index.deltas:
-            return None
-        manifest = chain.load_manifest(store, run, "delta", current, public_key=key)
-        path.append(manifest)
-        current = manifest.parent
-    if current != held:
-        return None
-    path.reverse()
-    return path
+    deltas = chain.list_versions(store, run).deltas
+    return chain.deltas_after(
+        held, version, deltas, lambda v: chain.load_manifest(store, run, "delta", v, public_key=key)
+    )
 
 
 __all__ = ["BACKEND", "DeltasyncTransferEngine", "register"]
