@@ -367,11 +367,9 @@ def _poison_and_good_jobs(env: dict[str, str], tmp: Path, redis_url: str) -> lis
         {"run": "okrun", "step": 2, "checkpoint": "/nonexistent/x", "owned": True},
         {"run": "okrun", "step": 3, "checkpoint": str(traversal), "owned": True},
     ):
-        bad.append(queues.enqueue_diff(r, kwargs))
+        bad.append(queues.enqueue_diff(r, queues.DiffArgs(**kwargs)))
     # A job whose stored payload is not even JSON (a pickle, say).
-    garbage = queues.enqueue_diff(
-        r, {"run": "okrun", "step": 4, "checkpoint": str(evil), "owned": False}
-    )
+    garbage = queues.enqueue_diff(r, queues.DiffArgs("okrun", 4, str(evil), owned=False))
     r.hset(f"rq:job:{garbage}", "data", b"\x80\x04\x95pickle")
     bad.append(garbage)
     good = _write(tmp / "good.safetensors", _state(1))

@@ -103,7 +103,7 @@ def test_only_the_steps_own_staging_folder_is_removed(tmp_path: Path, redis_url:
         emitter.emit_state(0, _state(0))
         wait_for(lambda: chain.list_versions(store, run).head == 0, "version 0")
         kwargs = {"run": run, "step": 1, "checkpoint": str(elsewhere), "owned": True}
-        queues.enqueue_diff(r, kwargs)
+        queues.enqueue_diff(r, queues.DiffArgs(**kwargs))
         wait_for(lambda: chain.list_versions(store, run).head == 1, "version 1")
     assert not emitter.staging_path(0).exists()  # its own folder: removed once published
     assert (elsewhere / "model.safetensors").is_file()

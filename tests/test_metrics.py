@@ -95,7 +95,7 @@ def test_worker_and_rollout_node_serve_the_series_of_real_versions(
             # A step whose checkpoint is gone: the diff job refuses it.
             queues.enqueue_diff(
                 emitter.runtime.redis,
-                {"run": RUN, "step": 3, "checkpoint": str(tmp_path / "gone"), "owned": False},
+                queues.DiffArgs(RUN, 3, str(tmp_path / "gone"), owned=False),
             )
             wait_for(
                 scraped(diff_port, lambda s: bool(value(s, "deltasync_refusals_total"))),

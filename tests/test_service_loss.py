@@ -74,7 +74,7 @@ def s3_outage_scenario(tmp: Path, s3: SeaweedS3Server, s3_url: str) -> Outcome:
         try:
             # What the trainer's emit does, less its look at the store's head.
             job_id = queues.enqueue_diff(
-                c.redis, {"run": c.run, "step": step, "checkpoint": str(staged), "owned": False}
+                c.redis, queues.DiffArgs(c.run, step, str(staged), owned=False)
             )
 
             def retrying() -> bool:

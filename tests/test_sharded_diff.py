@@ -651,7 +651,7 @@ def emit(client: redis.Redis, step: int, checkpoint: Path) -> None:
         "launch": LAUNCH,
     }
     with client.pipeline(transaction=True) as pipe:
-        queues.enqueue_diff(client, kwargs, pipeline=pipe)
+        queues.enqueue_diff(client, queues.DiffArgs(**kwargs), pipeline=pipe)
         pipe.set(keys.emitted_key(RUN, step), 1)
         pipe.hset(keys.pending_steps_key(RUN), str(step), json.dumps(kwargs))
         pipe.execute()

@@ -8,6 +8,8 @@ import importlib
 import inspect
 import re
 import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -34,8 +36,6 @@ DIFF_QUEUE_JOBS = frozenset({DIFF_JOB})
 HOST_QUEUE_JOBS = frozenset({DIFF_PART_JOB})  # a trainer host's queue: part jobs only
 COMPACT_QUEUE_JOBS = frozenset({COMPACT_JOB})
 JOB_FUNCTIONS = DIFF_QUEUE_JOBS | HOST_QUEUE_JOBS | COMPACT_QUEUE_JOBS
-# A diff job's arguments after (run, step): what a pending or set-aside step is sent with.
-STEP_ARGS = ("checkpoint", "owned", "sharded", "launch")
 _HOST_QUEUE = keys.DIFF_HOST_QUEUE.regex()
 
 # A field of rq's worker hash: the worker's lease (seconds), which status judges it by.
@@ -122,6 +122,47 @@ def _id_part(text: str) -> str:
     return safe
 
 
+@dataclass(frozen=True)
+class DiffArgs:
+    """A diff job's arguments (``diff_job``'s parameters). On the wire (the job's
+    kwargs, a pending or set-aside step's record) they are :meth:`wire`'s JSON object.
+    ``sharded``: ``checkpoint`` is the step folder of a sharded run's rank, whose
+    ranks registered under trainer start ``launch``."""
+
+    run: str
+    step: int
+    checkpoint: str
+    owned: bool = False
+    sharded: bool = False
+    launch: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "run": self.run,
+            "step": self.step,
+            "checkpoint": self.checkpoint,
+            "owned": self.owned,
+        }
+        return {**out, "sharded": True, "launch": self.launch} if self.sharded else out
+
+    @classmethod
+    def parse(cls, run: str, step: int, raw: Mapping[str, Any]) -> DiffArgs:
+        """Step ``step``'s recorded arguments (those of :meth:`wire` after run and step);
+        KeyError without a checkpoint, TypeError for a value of the wrong type."""
+        args = cls(
+            run,
+            step,
+            raw["checkpoint"],
+            raw.get("owned", False),
+            raw.get("sharded", False),
+            raw.get("launch"),
+        )
+        typed = (args.checkpoint, str), (args.owned, bool), (args.sharded, bool)
+        if not all(isinstance(v, t) for v, t in typed) or not isinstance(args.launch, str | None):
+            raise TypeError(f"step {step}: arguments of the wrong type")
+        return args
+
+
 def diff_job_id(run: str, step: int) -> str:
     return f"diff-{_id_part(run)}-{step}"
 
@@ -180,18 +221,18 @@ def compact_job_id(run: str, version: int, requested_by: str) -> str:
 
 def enqueue_diff(
     connection: redis.Redis,
-    kwargs: dict[str, Any],
+    args: DiffArgs,
     *,
     pipeline: redis.client.Pipeline | None = None,
 ) -> str:
-    job_id = diff_job_id(kwargs["run"], kwargs["step"])
+    job_id = diff_job_id(args.run, args.step)
     queue(connection, DIFF_QUEUE).enqueue_call(
         DIFF_JOB,
-        kwargs=kwargs,
+        kwargs=args.wire(),
         job_id=job_id,
         timeout=DIFF_TIMEOUT_S,
         retry=JOB_RETRY,
-        description=f"diff {kwargs['run']} step {kwargs['step']}",
+        description=f"diff {args.run} step {args.step}",
         pipeline=pipeline,
     )
     return job_id

@@ -24,7 +24,6 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +48,7 @@ from pipeline.format.shards import MAX_WORLD, RankLayout, RankPiece, layout_dige
 from pipeline.format.tensors import BY_TORCH
 from pipeline.logs import get_logger
 from pipeline.testing import faults
+from workers.queues import DiffArgs
 from workers.trainer import Emitted, RunEmitter, named_specs, named_tensors, send_step
 
 log = get_logger(__name__)
@@ -370,15 +370,9 @@ class ShardedEmitter(RunEmitter):
         completed = register_rank(self.runtime.redis, self.run, step, self.rank, entry)
         sent = None
         if completed:
-            kwargs: dict[str, Any] = {
-                "run": self.run,
-                "step": step,
-                "checkpoint": str(self.step_path(step).resolve()),
-                "owned": True,
-                "sharded": True,
-                "launch": self.launch,
-            }
-            sent = send_step(self.runtime, kwargs)
+            path = str(self.step_path(step).resolve())
+            args = DiffArgs(self.run, step, path, owned=True, sharded=True, launch=self.launch)
+            sent = send_step(self.runtime, args)
         log.info("rank staged", run=self.run, step=step, rank=self.rank, completed=completed)
         self._remove_incomplete(step, completed)
         self._last_step = step

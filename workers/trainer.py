@@ -168,8 +168,7 @@ class Emitter(RunEmitter):
 
     def _send(self, step: int, path: Path, *, owned: bool) -> Emitted:
         self.resend_lost(step)
-        kwargs = {"run": self.run, "step": step, "checkpoint": str(path), "owned": owned}
-        return send_step(self.runtime, kwargs)
+        return send_step(self.runtime, queues.DiffArgs(self.run, step, str(path), owned))
 
     def resend_lost(self, before: int) -> list[int]:
         """Send again, oldest first, the steps below ``before`` that are staged here but
@@ -182,10 +181,7 @@ class Emitter(RunEmitter):
         for step in lost:
             path = self.staging_path(step)
             log.warning("step found again in staging, sent again", run=self.run, step=step)
-            send_step(
-                self.runtime,
-                {"run": self.run, "step": step, "checkpoint": str(path), "owned": True},
-            )
+            send_step(self.runtime, queues.DiffArgs(self.run, step, str(path), owned=True))
         return lost
 
 
@@ -198,17 +194,16 @@ def reachable(runtime: Runtime, doing: str) -> None:
         raise StepNotSentError(f"{error}; nothing was sent, emit it again") from None
 
 
-def send_step(runtime: Runtime, kwargs: dict[str, Any]) -> Emitted:
-    """Send one step: in one transaction the diff job (``kwargs`` are its arguments: run,
-    step, checkpoint, owned and any others), ``step-completed``, the emitted marker and
-    the pending-steps entry. Not sent again when the marker says it was (best effort:
-    the diff job itself publishes each version once), unless the step was set aside:
-    then it is sent again, and leaves the dead letters.
+def send_step(runtime: Runtime, args: queues.DiffArgs) -> Emitted:
+    """Send one step: in one transaction the diff job (``args``), ``step-completed``,
+    the emitted marker and the pending-steps entry. Not sent again when the marker says
+    it was (best effort: the diff job itself publishes each version once), unless the
+    step was set aside: then it is sent again, and leaves the dead letters.
 
     A Redis failure is one line: StepNotSentError when nothing was sent, else
     ServiceUnavailableError (the transaction may have gone through: emitting the step
     again is safe, it is sent at most once)."""
-    run, step, checkpoint = kwargs["run"], kwargs["step"], str(kwargs["checkpoint"])
+    run, step, checkpoint = args.run, args.step, args.checkpoint
     doing = f"emitting step {step} of run {run}"
     r = runtime.redis
     # Redis may have lost the run's store binding: restored from this store first, so
@@ -229,7 +224,7 @@ def send_step(runtime: Runtime, kwargs: dict[str, Any]) -> Emitted:
         error = service_error(exc, runtime.redis_url_redacted, doing)
         raise StepNotSentError(f"{error}; nothing was sent, emit it again") from None
     try:
-        results, at = _send_transaction(r, kwargs, marker)
+        results, at = _send_transaction(r, args, marker)
     except redis.RedisError as exc:
         error = service_error(exc, runtime.redis_url_redacted, doing)
         raise ServiceUnavailableError(
@@ -242,25 +237,21 @@ def send_step(runtime: Runtime, kwargs: dict[str, Any]) -> Emitted:
     return Emitted(run, step, checkpoint, event_id, job_id)
 
 
-def _send_transaction(r: redis.Redis, kwargs: dict[str, Any], marker: str) -> tuple[list[Any], int]:
+def _send_transaction(r: redis.Redis, args: queues.DiffArgs, marker: str) -> tuple[list[Any], int]:
     """The step's job, event, marker and pending entry in one MULTI/EXEC; (replies, index
     of the event id among them)."""
-    run, step = kwargs["run"], kwargs["step"]
+    run, step = args.run, args.step
     event = StepCompleted.now(
-        run=run,
-        version=step,
-        checkpoint=str(kwargs["checkpoint"]),
-        owned=bool(kwargs["owned"]),
-        level=None,
+        run=run, version=step, checkpoint=args.checkpoint, owned=args.owned, level=None
     )
     with r.pipeline(transaction=True) as pipe:
         # rq opens the transaction itself, so the job goes first.
-        queues.enqueue_diff(r, kwargs, pipeline=pipe)
+        queues.enqueue_diff(r, args, pipeline=pipe)
         at = len(pipe.command_stack)
         EventStream(r, run).publish(event, pipeline=pipe)
         pipe.set(marker, 1, ex=config.EMITTED_TTL_S)
         # Lets whichever diff job runs first publish the steps in order.
-        pipe.hset(keys.pending_steps_key(run), str(step), json.dumps(kwargs))
+        pipe.hset(keys.pending_steps_key(run), str(step), json.dumps(args.wire()))
         pipe.hdel(keys.dead_steps_key(run), str(step))  # sent again after it was set aside
         return list(pipe.execute()), at
 
@@ -277,9 +268,7 @@ def retry_step(runtime: Runtime, run: str, step: int) -> Emitted:
     if found is None and step in lost_staged_steps(runtime.redis, runtime.store, staging, run):
         # Staged, then lost with Redis's data (`deltasync status` lists it).
         staged = staged_path(staging, run, step)
-        return send_step(
-            runtime, {"run": run, "step": step, "checkpoint": str(staged), "owned": True}
-        )
+        return send_step(runtime, queues.DiffArgs(run, step, str(staged), owned=True))
     if found is None:
         listed = ", ".join(str(s) for s in sorted(dead)) or "none"
         raise ConfigError(f"step {step} of run {run} is not set aside (set aside: {listed})")
@@ -289,15 +278,13 @@ def retry_step(runtime: Runtime, run: str, step: int) -> Emitted:
             f"step {step} of run {run} can no longer publish: the head is {head} "
             "(versions only move forward); emit a newer step"
         )
-    recorded = found.args or {"checkpoint": found.checkpoint, "owned": False}
-    args: dict[str, Any] = {k: recorded[k] for k in queues.STEP_ARGS if k in recorded}
-    args.update(run=run, step=step)
-    args.setdefault("owned", False)
-    if not isinstance(args.get("checkpoint"), str):
+    recorded = found.args or {"checkpoint": found.checkpoint}
+    if not isinstance(recorded.get("checkpoint"), str):
         raise ConfigError(f"step {step} of run {run} was set aside without a checkpoint path")
-    if not args.get("sharded") and not Path(args["checkpoint"]).exists():
+    args = queues.DiffArgs.parse(run, step, recorded)
+    if not args.sharded and not Path(args.checkpoint).exists():
         raise ConfigError(
-            f"step {step} of run {run}: its checkpoint {args['checkpoint'][:200]} is gone; "
+            f"step {step} of run {run}: its checkpoint {args.checkpoint[:200]} is gone; "
             "emit the step again with a checkpoint"
         )
     return send_step(runtime, args)

@@ -105,11 +105,8 @@ def diff_job(
 ) -> dict[str, Any]:
     """rq entry point; arguments are JSON. Returns a JSON summary. ``sharded``: the step
     was staged by the ranks of a sharded trainer (``checkpoint`` names the step folder
-    of the rank that completed it); this job coordinates its parts across the hosts.
-
-    ``sharded``: ``checkpoint`` is the step folder of a sharded run's rank (the ranks'
-    folders are registered in ``pipeline.coord.shards``, those of trainer start
-    ``launch``), not a checkpoint.
+    of the rank that completed it, see :class:`workers.queues.DiffArgs`); this job
+    coordinates its parts across the hosts.
 
     Steps emitted before ``step`` and not yet published go first, in order: with
     several diff workers the job of a later step may start first, and would
@@ -117,38 +114,36 @@ def diff_job(
     """
     runtime = current()
     pending = keys.pending_steps_key(run)
-    for earlier, args in _earlier_pending(runtime, run, step):
+    for earlier in _earlier_pending(runtime, run, step):
         try:
-            _diff_one(runtime, run, earlier, **args)
+            _diff_one(runtime, earlier)
         except Exception as exc:
             if dead_letters.is_transient(exc):
                 raise  # the services are the problem: this job is retried as a whole
-            if published_meanwhile(runtime, run, earlier, exc):
+            if published_meanwhile(runtime, run, earlier.step, exc):
                 continue
             # That step's own input is bad: set aside, so that later steps publish.
-            where = str(args.get("checkpoint"))
             reason = dead_letters.record(
                 runtime.redis,
                 run,
-                earlier,
-                where,
+                earlier.step,
+                earlier.checkpoint,
                 exc,
                 pending,
-                args={**args, "run": run, "step": earlier},
+                args=earlier.wire(),
             )
-            log.warning("earlier step set aside", step=earlier, reason=reason)
+            log.warning("earlier step set aside", step=earlier.step, reason=reason)
+    args = queues.DiffArgs(run, step, checkpoint, owned, sharded, launch)
     try:
-        return _diff_one(runtime, run, step, checkpoint, owned, sharded=sharded, launch=launch)
+        return _diff_one(runtime, args)
     except Exception as exc:
         if dead_letters.is_transient(exc):
             raise
         if published_meanwhile(runtime, run, step, exc):
             return {"run": run, "version": step, "status": "skipped", "reason": "already published"}
         metrics.refused(run, "diff", exc)
-        args = {"run": run, "step": step, "checkpoint": checkpoint, "owned": owned}
-        args.update({"sharded": True, "launch": launch} if sharded else {})
         reason = dead_letters.record(
-            runtime.redis, run, step, str(checkpoint), exc, pending, args=args
+            runtime.redis, run, step, str(checkpoint), exc, pending, args=args.wire()
         )
         raise dead_letters.PoisonStepError(
             f"step {step} of run {run} set aside: {reason} (once its cause is fixed: "
@@ -172,15 +167,16 @@ def published_meanwhile(runtime: Runtime, run: str, step: int, exc: BaseExceptio
     return True
 
 
-def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, dict[str, Any]]]:
-    out: list[tuple[int, dict[str, Any]]] = []
+def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[queues.DiffArgs]:
+    out: list[queues.DiffArgs] = []
     for key, raw in runtime.redis.hgetall(keys.pending_steps_key(run)).items():
         try:
             earlier = int(key)
             args = load_json(
                 raw, max_bytes=MAX_REDIS_RECORD_BYTES, what="pending step", error=EventError
             )
-            out.append((earlier, {k: args[k] for k in queues.STEP_ARGS if k in args}))
+            if "checkpoint" in args:
+                out.append(queues.DiffArgs.parse(run, earlier, args))
         except (DeltasyncError, ValueError, TypeError, KeyError) as exc:
             log.warning("malformed pending step set aside", run=run, entry=str(key)[:40])
             name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
@@ -190,28 +186,20 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[tuple[int, d
                 )
             else:
                 runtime.redis.hdel(keys.pending_steps_key(run), key)
-    return sorted((e, a) for e, a in out if e < step and "checkpoint" in a)
+    return sorted((a for a in out if a.step < step), key=lambda a: a.step)
 
 
-def _diff_one(
-    runtime: Runtime,
-    run: str,
-    step: int,
-    checkpoint: str,
-    owned: bool = False,
-    *,
-    sharded: bool = False,
-    launch: str | None = None,
-) -> dict[str, Any]:
+def _diff_one(runtime: Runtime, args: queues.DiffArgs) -> dict[str, Any]:
+    run, step, sharded = args.run, args.step, args.sharded
     settings = runtime.settings
     bind_context(run=run, version=step, job_id=_job_id())
-    path = Path(checkpoint)
+    path = Path(args.checkpoint)
     if not sharded:  # a sharded step's folders are on its hosts, each checks its own
         check_checkpoint_root(settings, run, path)
     # Only deltasync's own staging copies are moved or removed; never a user's checkpoint.
     # A sharded step's folders are its hosts' (they adopt or remove them).
     staged = (
-        owned
+        args.owned
         and not sharded
         and not settings.keep_staging
         and is_own_staging(settings, run, step, path)
@@ -233,7 +221,7 @@ def _diff_one(
     with sharded_diff.diff_lease(runtime, run, step):
         if sharded:
             result = sharded_diff.publish_sharded_step(
-                runtime, run, step, checkpoint, settings.level, published, launch
+                runtime, run, step, args.checkpoint, settings.level, published, args.launch
             )
         else:
             result = _publish_here(runtime, run, step, path, staged, published)
