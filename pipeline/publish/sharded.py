@@ -57,12 +57,9 @@ from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
     DTYPE_WIDTHS,
-    PIECES_SCHEMA,
     Manifest,
     ObjectEntry,
-    compute_state_hash,
     dtype_name,
-    now_iso,
     version_prefix,
 )
 from pipeline.format.pieces import StoredPiece, join_pieces
@@ -88,7 +85,7 @@ from pipeline.publish.parts import plan_parts
 from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.step import PublishResult, already_done
 from pipeline.publish.uploads import holds
-from pipeline.publish.version import ANCHOR_CODECS, PrivateKey, write_anchor
+from pipeline.publish.version import PrivateKey, anchor_manifest, write_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store
 from pipeline.testing import faults
@@ -587,23 +584,15 @@ def _assemble_anchor(
     head = chain.list_versions(store, run).head
     if head is not None:
         raise ChainError(f"run {run}: version {head} appeared while anchor {step} was written")
-    manifest = Manifest(
-        run=run,
-        version=step,
-        kind="anchor",
-        parent=None,
-        anchor=step,
-        codec=ANCHOR_CODECS[compression],
-        objects=tuple(records[k].object for k in keys),
-        tensors=tuple(entries),
-        state_hash=compute_state_hash(entries),
-        created=now_iso(),
-        schema=PIECES_SCHEMA,
-        extra={
-            "reason": "first version",
-            "ranks": {str(r): f.layout for r, f in sorted(ranks.items())},
-        },
-        content_hash=algorithm.name,
+    manifest = anchor_manifest(
+        run,
+        step,
+        [records[k].object for k in keys],
+        entries,
+        compression,
+        algorithm,
+        reason="first version",
+        extra={"ranks": {str(r): f.layout for r, f in sorted(ranks.items())}},
     )
     return write_anchor(store, manifest, signing_key, ranks=len(ranks))
 

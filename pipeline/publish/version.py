@@ -29,6 +29,7 @@ from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
     PIECES_SCHEMA,
+    SCHEMA_VERSION,
     CodecInfo,
     Kind,
     Manifest,
@@ -91,6 +92,49 @@ def write_manifest(
     store.put(manifest.key, data)
     faults.point(f"{fault}.after_manifest")
     return manifest
+
+
+def anchor_manifest(
+    run: str,
+    version: int,
+    objects: list[ObjectEntry],
+    entries: list[TensorEntry],
+    compression: str,
+    algorithm: HashAlgorithm,
+    *,
+    reason: str,
+    expected: Manifest | None = None,
+    parent: int | None = None,
+    parent_state_hash: str | None = None,
+    tensor_form: str | None = None,
+    extra: dict[str, object] | None = None,
+) -> Manifest:
+    """The manifest of anchor ``version`` whose objects are uploaded, to be written last
+    (:func:`write_anchor`); schema 3 when its tensors are in pieces (a sharded run).
+    ``expected``: the manifest of the version it replaces, whose state it must hold
+    (MismatchError otherwise)."""
+    digest = compute_state_hash(entries)
+    if expected is not None and digest != expected.state_hash:
+        raise MismatchError(
+            f"anchor {version} of run {run} does not hold the state of {expected.kind} {version}"
+        )
+    return Manifest(
+        run=run,
+        version=version,
+        kind="anchor",
+        parent=parent,
+        anchor=version,
+        codec=ANCHOR_CODECS[compression],
+        objects=tuple(objects),
+        tensors=tuple(entries),
+        state_hash=digest,
+        created=now_iso(),
+        schema=PIECES_SCHEMA if any(e.pieces for e in entries) else SCHEMA_VERSION,
+        extra={"reason": reason, **(extra or {})},
+        parent_state_hash=parent_state_hash,
+        tensor_form=tensor_form,
+        content_hash=algorithm.name,
+    )
 
 
 def write_anchor(
@@ -223,26 +267,18 @@ def publish_anchor(
             )
             del part  # else held while the next part is read: two parts resident, not one
         uploader.finish()
-    digest = compute_state_hash(entries)
-    if expected is not None and digest != expected.state_hash:
-        raise MismatchError(
-            f"anchor {version} of run {run} does not hold the state of {expected.kind} {version}"
-        )
-    manifest = Manifest(
-        run=run,
-        version=version,
-        kind="anchor",
+    manifest = anchor_manifest(
+        run,
+        version,
+        objects,
+        entries,
+        anchor_compression,
+        algorithm,
+        reason=reason,
+        expected=expected,
         parent=parent,
-        anchor=version,
-        codec=ANCHOR_CODECS[anchor_compression],
-        objects=tuple(objects),
-        tensors=tuple(entries),
-        state_hash=digest,
-        created=now_iso(),
-        extra={"reason": reason},
         parent_state_hash=parent_state_hash,
         tensor_form=published_form(tensors) if isinstance(tensors, CheckpointReader) else None,
-        content_hash=algorithm.name,
     )
     return write_anchor(store, manifest, signing_key)
 
@@ -309,27 +345,19 @@ def publish_pieced_anchor(
     if [o.key for o in objects] != list(layout):
         raise MismatchError(f"anchor {version} of run {run}: parts missing from what was given")
     entries = join_pieces(pieces, [t.name for t in expected.tensors], algorithm)
-    digest = compute_state_hash(entries)
-    if digest != expected.state_hash:
-        raise MismatchError(
-            f"anchor {version} of run {run} does not hold the state of {expected.kind} {version}"
-        )
-    manifest = Manifest(
-        run=run,
-        version=version,
-        kind="anchor",
+    manifest = anchor_manifest(
+        run,
+        version,
+        objects,
+        entries,
+        anchor_compression,
+        algorithm,
+        reason=reason,
+        expected=expected,
         parent=expected.parent,
-        anchor=version,
-        codec=ANCHOR_CODECS[anchor_compression],
-        objects=tuple(objects),
-        tensors=tuple(entries),
-        state_hash=digest,
-        created=now_iso(),
-        schema=PIECES_SCHEMA,
-        # The ranks' layouts the run's partition was fixed by: the next step checks its own.
-        extra={"reason": reason, **{k: v for k, v in expected.extra.items() if k == "ranks"}},
         parent_state_hash=expected.parent_state_hash,
         tensor_form=expected.tensor_form,
-        content_hash=algorithm.name,
+        # The ranks' layouts the run's partition was fixed by: the next step checks its own.
+        extra={k: v for k, v in expected.extra.items() if k == "ranks"},
     )
     return write_anchor(store, manifest, signing_key, pieced=True)
