@@ -29,6 +29,7 @@ from pipeline.publish.step import publish_step
 from pipeline.publish.version import publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
+from pipeline.store.trust import trusted
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from pipeline.versions import chain
 from tests.test_chain import PART_BYTES, SyntheticRun
@@ -212,15 +213,14 @@ def test_signed_versions(file_store: FileStore, tmp_path: Path) -> None:
     trainer = SyntheticRun(tmp_path, file_store)
     trainer.publish(0, signing_key=key)
     trainer.publish(1, signing_key=key)
-    plan = chain.resolve(file_store, trainer.run, 1, public_key=key.public_key())
+    plan = chain.resolve(trusted(file_store, key.public_key()), trainer.run, 1)
     assert all(m.signature is not None for m in plan.manifests)
     anchor = compact(file_store, trainer.run, 1, signing_key=key)
     assert anchor.signature is not None
-    chain.load_manifest(file_store, trainer.run, "anchor", 1, public_key=key.public_key())
+    chain.load_manifest(trusted(file_store, key.public_key()), trainer.run, "anchor", 1)
     with pytest.raises(SignatureError):
-        chain.resolve(
-            file_store, trainer.run, 1, public_key=Ed25519PrivateKey.generate().public_key()
-        )
+        other = Ed25519PrivateKey.generate().public_key()
+        chain.resolve(trusted(file_store, other), trainer.run, 1)
 
 
 def test_compaction(store: ObjectStore, tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ from pipeline.rollout.state import (
 from pipeline.rollout.stream import StreamFollower
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
-from pipeline.store.trust import store_key
+from pipeline.store.trust import store_key, trusted
 from pipeline.targets.base import (
     EarlyProofStarter,
     EarlyProver,
@@ -753,9 +753,8 @@ class RolloutNode:
         key = (kind, version)
         manifest = self._manifests.get(key)
         if manifest is None:
-            manifest = chain.load_manifest(
-                self.store, self.run_name, kind, version, public_key=self.public_key
-            )
+            store = trusted(self.store, self.public_key)
+            manifest = chain.load_manifest(store, self.run_name, kind, version)
             self._check_instance(manifest)
             if self.public_key is not None:
                 self._highest = max(self._highest or 0, manifest.version)

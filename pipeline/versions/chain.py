@@ -28,7 +28,6 @@ from pipeline.logs import Throttle
 from pipeline.store.base import ObjectStore
 from pipeline.versions.index import (
     ChainPlan,
-    PublicKey,
     VersionIndex,
     deltas_after,
     fetch_object,
@@ -43,7 +42,6 @@ from pipeline.versions.index import (
 # Re-exported: callers that rebuild versions list and resolve them from here too.
 __all__ = [
     "ChainPlan",
-    "PublicKey",
     "VersionIndex",
     "assemble",
     "deltas_after",

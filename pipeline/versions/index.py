@@ -10,8 +10,6 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
 from pipeline.errors import ChainError, CorruptObjectError, ObjectNotFoundError, SignatureError
 from pipeline.format.hashes.digests import sha256_bytes
 from pipeline.format.manifest import (
@@ -24,14 +22,13 @@ from pipeline.format.manifest import (
     manifest_key,
 )
 from pipeline.format.manifest_parse import parse_manifest
-from pipeline.format.signing import SIGNS_MANIFEST, public_key_from, verify_sealed
+from pipeline.format.signing import SIGNS_MANIFEST, verify_sealed
 from pipeline.store.base import ObjectStore, read_bounded, read_prefix
 from pipeline.store.trust import store_key
 
 _MANIFEST_IN_FOLDER = re.compile(r"^(\d{10})/manifest\.json$")
 _VERSION_FOLDER = re.compile(r"^(\d{10})/")
 
-PublicKey = Ed25519PublicKey | bytes
 # What a verifying reader reads of a manifest before its signature is checked: the
 # header, and all of a small manifest.
 FIRST_READ_BYTES = 64 << 10
@@ -110,16 +107,14 @@ def load_manifest(
     run: str,
     kind: Kind,
     version: int,
-    *,
-    public_key: PublicKey | None = None,
 ) -> Manifest:
-    """Fetch and validate one manifest. With a key (``public_key``, else the one the
-    store is trusted with, see :mod:`pipeline.store.trust`) the order is: the object's
+    """Fetch and validate one manifest. With a key (the one the store is trusted with,
+    :func:`pipeline.store.trust.trusted`: the one way a key reaches it) the order is: the object's
     first bytes, the signature they hold, then only the bytes that signature names, then
     the schema; an unsigned or wrongly signed manifest costs a bounded read whatever its
     size, and nothing unsigned is interpreted."""
     key = manifest_key(run, kind, version)
-    trusted_key = public_key_from(public_key) if public_key is not None else store_key(store)
+    trusted_key = store_key(store)
     limit = MAX_MANIFEST_BYTES
     verified = prefix = b""
     try:
@@ -147,12 +142,11 @@ def resolve(
     version: int,
     *,
     index: VersionIndex | None = None,
-    public_key: PublicKey | None = None,
 ) -> ChainPlan:
     """The newest anchor at or below ``version`` and the deltas after it, by parent links."""
     index = index or list_versions(store, run)
     if version in index.anchors:
-        anchor = load_manifest(store, run, "anchor", version, public_key=public_key)
+        anchor = load_manifest(store, run, "anchor", version)
         return ChainPlan(run, version, anchor, ())
     if version not in index.deltas:
         raise ChainError(f"run {run} has no version {version} (head is {index.head})")
@@ -160,7 +154,7 @@ def resolve(
     def needed(kind: Kind, at: int) -> Manifest:
         try:
             if kind == "anchor" or at in index.deltas:
-                return load_manifest(store, run, kind, at, public_key=public_key)
+                return load_manifest(store, run, kind, at)
         except ObjectNotFoundError:
             pass
         what = "anchor" if kind == "anchor" else "version"

@@ -30,6 +30,7 @@ from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.signing import load_public_key
 from pipeline.rollout.report import Reporter
 from pipeline.rollout.stream import StreamFollower
+from pipeline.store.trust import trusted
 from pipeline.versions import chain
 from workers.nodes.rollout import open_node_store
 from workers.redis_launcher import ensure_redis
@@ -123,7 +124,7 @@ def run_http_rollout(
                     todo = [index.head]  # the workers bootstrap from anchor and chain
                 for version in todo:
                     kind: Kind = "delta" if version in index.deltas else "anchor"
-                    manifest = chain.load_manifest(store, run, kind, version, public_key=key)
+                    manifest = chain.load_manifest(trusted(store, key), run, kind, version)
                     if held is None and label == f"{run}@{version}":
                         log.info("server already holds the head", version=version)
                     else:

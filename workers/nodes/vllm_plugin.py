@@ -39,6 +39,7 @@ from pipeline.format.manifest import Manifest
 from pipeline.format.signing import load_public_key
 from pipeline.rollout.fetch import fetch_delta, stream_anchor
 from pipeline.store import open_store
+from pipeline.store.trust import trusted
 from pipeline.targets.base import VerifyMode
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.extension import DeltasyncWorkerExtension
@@ -170,16 +171,16 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
 
     def _bring_to(self, info: DeltasyncUpdateInfo) -> None:
         settings = Settings.from_env()
-        store = open_store(info.store or settings.store_url)
         key = load_public_key(settings.verify_key_path) if settings.verify_key_path else None
+        store = trusted(open_store(info.store or settings.store_url), key)
         version = int(info.version)
         if self.run == info.run and self.version == version:
             return
         path: list[Manifest] | None = None
         if self.run == info.run and self.version is not None and version > self.version:
-            path = _deltas_between(store, info.run, self.version, version, key)
+            path = _deltas_between(store, info.run, self.version, version)
         if path is None:
-            plan = chain.resolve(store, info.run, version, public_key=key)
+            plan = chain.resolve(store, info.run, version)
             self._load_anchor(store, plan.anchor)
             path = list(plan.deltas)
         verify: VerifyMode = "touched"
@@ -209,14 +210,12 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
         log.info("deltasync anchor loaded", run=anchor.run, version=anchor.version)
 
 
-def _deltas_between(
-    store: Any, run: str, held: int, version: int, key: Any
-) -> list[Manifest] | None:
+def _deltas_between(store: Any, run: str, held: int, version: int) -> list[Manifest] | None:
     """Delta manifests from ``held`` (exclusive) to ``version`` by parent links; None
     when the chain does not lead back to ``held``."""
     deltas = chain.list_versions(store, run).deltas
     return chain.deltas_after(
-        held, version, deltas, lambda v: chain.load_manifest(store, run, "delta", v, public_key=key)
+        held, version, deltas, lambda v: chain.load_manifest(store, run, "delta", v)
     )
 
 
