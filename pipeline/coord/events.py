@@ -281,20 +281,7 @@ Event = (
     | StepFailed
     | JobRefused
 )
-EVENT_TYPES: dict[str, type[_Event]] = {
-    cls.TYPE: cls
-    for cls in (
-        StepCompleted,
-        DeltaAvailable,
-        AnchorAvailable,
-        CompactionRequested,
-        DeltaApplied,
-        ReplicaError,
-        DeltaPart,
-        StepFailed,
-        JobRefused,
-    )
-}
+EVENT_TYPES: dict[str, type[_Event]] = {cls.TYPE: cls for cls in get_args(Event)}
 
 
 # --------------------------------------------------------------------------- parsing

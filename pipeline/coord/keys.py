@@ -10,8 +10,9 @@ these keys, so a template never changes, only new ones are added.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pipeline.coord.events import RUN_NAME_PATTERN, check_run_name
 from pipeline.errors import ConfigError
@@ -44,6 +45,13 @@ class Template:
 
     def format(self, **fields: object) -> str:
         return self.pattern.format(**fields)
+
+    def build(self, *values: str | int) -> str:
+        """The key of ``values``, one per field in the pattern's order, each checked
+        first (ConfigError), so that no name reaches into another run's keys."""
+        names = _FIELD.findall(self.pattern)
+        checked = {n: _CHECKS[n](v) for n, v in zip(names, values, strict=True)}
+        return self.pattern.format(**checked)
 
     def regex(self) -> re.Pattern[str]:
         parts = _FIELD.split(self.pattern)
@@ -181,115 +189,51 @@ def _int(value: int) -> int:
     return value
 
 
-def runs_key() -> str:
-    return RUNS.format()
-
-
-def stream_key(run: str) -> str:
-    return EVENTS.format(run=check_run_name(run))
-
-
-def stream_added_key(run: str) -> str:
-    return EVENTS_ADDED.format(run=check_run_name(run))
-
-
-def replica_key(run: str, node: str) -> str:
-    return REPLICA.format(run=check_run_name(run), node=check_node_name(node))
-
-
-def replicas_key(run: str) -> str:
-    return REPLICAS.format(run=check_run_name(run))
-
-
-def failing_key(run: str, node: str) -> str:
-    return FAILING.format(run=check_run_name(run), node=check_node_name(node))
-
-
-def failing_index_key(run: str) -> str:
-    return FAILING_INDEX.format(run=check_run_name(run))
-
-
-def lock_key(run: str, name: str) -> str:
+def _lock_name(name: str) -> str:
     if not isinstance(name, str) or not NODE_PATTERN.fullmatch(name):
         raise ConfigError(f"invalid lock name {name!r}")
-    return LOCK.format(run=check_run_name(run), name=name)
+    return name
 
 
-def binding_key(run: str) -> str:
-    return STORE_BINDING.format(run=check_run_name(run))
+# How each field's value is checked before it goes into a key.
+_CHECKS: dict[str, Callable[[Any], object]] = {
+    "run": check_run_name,
+    "node": check_node_name,
+    "host": check_node_name,
+    "name": _lock_name,
+    "step": _int,
+    "version": _int,
+    "parent": _int,
+}
 
-
-def part_hints_channel(run: str) -> str:
-    return PART_HINTS.format(run=check_run_name(run))
-
-
-def dead_steps_key(run: str) -> str:
-    return DEAD_STEPS.format(run=check_run_name(run))
-
-
-def fanout_key(run: str) -> str:
-    return FANOUT.format(run=check_run_name(run))
-
-
-def part_records_key(run: str, step: int, parent: int) -> str:
-    return PART_RECORDS.format(run=check_run_name(run), step=_int(step), parent=_int(parent))
-
-
-def pending_steps_key(run: str) -> str:
-    return PENDING_STEPS.format(run=check_run_name(run))
-
-
-def emitted_key(run: str, step: int) -> str:
-    return EMITTED.format(run=check_run_name(run), step=_int(step))
-
-
-def announced_key(run: str, version: int) -> str:
-    return ANNOUNCED.format(run=check_run_name(run), version=_int(version))
-
-
-def announced_head_key(run: str) -> str:
-    return ANNOUNCED_HEAD.format(run=check_run_name(run))
-
-
-def anchored_key(run: str, version: int) -> str:
-    return ANCHORED.format(run=check_run_name(run), version=_int(version))
-
-
-def compaction_pending_key(run: str) -> str:
-    return COMPACTION_PENDING.format(run=check_run_name(run))
-
-
-def compaction_failed_key(run: str) -> str:
-    return COMPACTION_FAILED.format(run=check_run_name(run))
-
-
-def diff_waiting_key(run: str) -> str:
-    return DIFF_WAITING.format(run=check_run_name(run))
-
-
-def diff_waiting_lease_key(run: str, step: int) -> str:
-    return DIFF_WAITING_LEASE.format(run=check_run_name(run), step=_int(step))
-
-
-def part_hosts_key(run: str, step: int) -> str:
-    return PART_HOSTS.format(run=check_run_name(run), step=_int(step))
-
-
-def shards_key(run: str, step: int) -> str:
-    return SHARDS.format(run=check_run_name(run), step=_int(step))
-
-
-def cache_damage_key(run: str) -> str:
-    return CACHE_DAMAGE.format(run=check_run_name(run))
-
-
-def refused_jobs_key() -> str:
-    return REFUSED_JOBS.format()
-
-
-def diff_host_queue(host: str) -> str:
-    return DIFF_HOST_QUEUE.format(host=check_node_name(host))
-
+# Each builder takes its template's fields in order: run, then node, name, step, ...
+runs_key = RUNS.build
+stream_key = EVENTS.build
+stream_added_key = EVENTS_ADDED.build
+replica_key = REPLICA.build
+replicas_key = REPLICAS.build
+failing_key = FAILING.build
+failing_index_key = FAILING_INDEX.build
+lock_key = LOCK.build
+binding_key = STORE_BINDING.build
+part_hints_channel = PART_HINTS.build
+dead_steps_key = DEAD_STEPS.build
+fanout_key = FANOUT.build
+part_records_key = PART_RECORDS.build
+pending_steps_key = PENDING_STEPS.build
+emitted_key = EMITTED.build
+announced_key = ANNOUNCED.build
+announced_head_key = ANNOUNCED_HEAD.build
+anchored_key = ANCHORED.build
+compaction_pending_key = COMPACTION_PENDING.build
+compaction_failed_key = COMPACTION_FAILED.build
+diff_waiting_key = DIFF_WAITING.build
+diff_waiting_lease_key = DIFF_WAITING_LEASE.build
+part_hosts_key = PART_HOSTS.build
+shards_key = SHARDS.build
+cache_damage_key = CACHE_DAMAGE.build
+refused_jobs_key = REFUSED_JOBS.build
+diff_host_queue = DIFF_HOST_QUEUE.build
 
 DIFF_QUEUE_NAME = DIFF_QUEUE.format()
 COMPACT_QUEUE_NAME = COMPACT_QUEUE.format()
