@@ -26,7 +26,6 @@ from pipeline.format.signing import SIGNS_MANIFEST, verify_sealed
 from pipeline.store.base import ObjectStore, read_bounded, read_prefix
 from pipeline.store.trust import store_key
 
-_MANIFEST_IN_FOLDER = re.compile(r"^(\d{10})/manifest\.json$")
 _VERSION_FOLDER = re.compile(r"^(\d{10})/")
 
 # What a verifying reader reads of a manifest before its signature is checked: the
