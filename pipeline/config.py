@@ -574,25 +574,23 @@ def _store_url(env: str, value: object) -> str:
 
 
 def _int(env: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{env}: expected an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    try:
-        return int(_text(env, value).strip())
-    except ValueError:
-        raise ConfigError(f"{env}: expected an integer, got {value!r}") from None
+    return int(_number(env, value, int, "an integer"))
 
 
 def _float(env: str, value: object) -> float:
+    return _number(env, value, float, "a number")
+
+
+def _number(env: str, value: object, kind: type[float], what: str) -> float:
+    """``value`` as ``kind`` (int or float; an int stands for a float, never a bool)."""
     if isinstance(value, bool):
-        raise ConfigError(f"{env}: expected a number, got {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
+        raise ConfigError(f"{env}: expected {what}, got {value!r}")
+    if isinstance(value, int) or (kind is float and isinstance(value, float)):
+        return kind(value)
     try:
-        return float(_text(env, value).strip())
+        return kind(_text(env, value).strip())
     except ValueError:
-        raise ConfigError(f"{env}: expected a number, got {value!r}") from None
+        raise ConfigError(f"{env}: expected {what}, got {value!r}") from None
 
 
 def _bool(env: str, value: object) -> bool:
@@ -616,10 +614,6 @@ def _host(env: str, value: object) -> str:
     return text
 
 
-def _log_level(env: str, value: object) -> str:
-    return _text(env, value).strip().lower()
-
-
 def _choice(env: str, value: object) -> str:
     return _text(env, value).strip().lower()
 
@@ -640,7 +634,7 @@ _PARSERS: dict[str, Callable[[str, object], Any]] = {
     "redis_timeout_s": _float,
     "signing_key_path": _path,
     "verify_key_path": _path,
-    "log_level": _log_level,
+    "log_level": _choice,
     "log_json": _bool,
     "keep_staging": _bool,
     "checkpoint_roots": _paths,

@@ -48,7 +48,7 @@ def compact(
             signing_key=signing_key,
             anchor_compression=anchor_compression,
         )
-    manifest = publish_anchor(
+    return publish_anchor(
         store,
         run,
         target,
@@ -61,7 +61,6 @@ def compact(
         parent_state_hash=delta.parent_state_hash,
         anchor_compression=anchor_compression,
     )
-    return manifest
 
 
 def collect_garbage(
