@@ -193,7 +193,7 @@ def test_owned_checkpoints_move_into_the_cache_after_the_announcement(tmp_path: 
 def test_decode_hashed_equals_decode_then_hash_then_gather(
     dtype: torch.dtype, numel: int, density: float, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one-pass proof (codec.decode_hashed, via proving.decode_and_prove) gives the
+    """The one-pass proof (codec.decode_hashed, via proving.prove_entries) gives the
     same patch, old contents and hash as decoding, hashing a patched copy and gathering
     separately, for many chunks with a ragged end; a wrong base is refused. A GPU
     tensor's chunks are copied to the host; the results are host tensors."""
@@ -277,10 +277,10 @@ def test_proof_on_threads_equals_the_sequential_proof_and_names_the_first_fault(
     held = dict(chain.reconstruct_tensors(store, "r", 0))
     specs = {n: TensorSpec(t.dtype, tuple(t.shape)) for n, t in held.items()}
     monkeypatch.setattr(proving, "PROVE_THREADS", 1)
-    want = proving.decode_and_prove(manifest, objects, held.__getitem__, specs)
+    want = proving.prove_entries(manifest.tensors, objects, held.__getitem__, specs)
     monkeypatch.setattr(proving, "PROVE_THREADS", threads)
     monkeypatch.setattr(proving, "_prove_pool", None)
-    got = proving.decode_and_prove(manifest, objects, held.__getitem__, specs)
+    got = proving.prove_entries(manifest.tensors, objects, held.__getitem__, specs)
     assert [p.name for p in got.patches] == [p.name for p in want.patches]
     for a, b in zip(got.patches, want.patches, strict=True):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.values, b.values)
@@ -293,7 +293,7 @@ def test_proof_on_threads_equals_the_sequential_proof_and_names_the_first_fault(
         bits(held[name]).view(-1)[-1] ^= 1
     before = {n: bits(t).clone() for n, t in held.items()}
     with pytest.raises(MismatchError, match=f"tensor {first}:"):
-        proving.decode_and_prove(manifest, objects, held.__getitem__, specs)
+        proving.prove_entries(manifest.tensors, objects, held.__getitem__, specs)
     assert all(torch.equal(bits(held[n]), before[n]) for n in held)
 
 

@@ -15,7 +15,7 @@ from pipeline.errors import MismatchError, TargetError
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.targets.base import ProvenDigest
 from pipeline.targets.patching import int_view, split_for_two_writers
-from pipeline.targets.proving import decode_and_prove
+from pipeline.targets.proving import prove_entries
 from pipeline.targets.torch import TorchTarget
 from pipeline.targets.walking import Walk, written_patch
 from tests.test_torch_target import (
@@ -127,8 +127,8 @@ def test_walked_chain_is_bit_exact_and_keeps_no_patches() -> None:
     patched = TorchTarget(twin)  # the default: patches kept
     for v, verify in zip(range(1, len(versions)), ["touched", "all", "touched"], strict=True):
         manifest, objects = make_delta(versions[v - 1], versions[v], version=v, parent=v - 1)
-        proven = decode_and_prove(
-            manifest, objects, walked.tensor, walked.specs(), keep_patches=False
+        proven = prove_entries(
+            manifest.tensors, objects, walked.tensor, walked.specs(), keep_patches=False
         )
         changed = {e.name for e in manifest.tensors if e.changed}
         walks = {w.name for w in proven.walks}
@@ -178,7 +178,9 @@ def test_a_write_failing_midway_leaves_every_tensor_as_it_was(
     target = TorchTarget(held, patch_memory_bytes=0)
     new = mixed_next(held, seed=4)
     manifest, objects = make_delta(held, new)
-    proven = decode_and_prove(manifest, objects, target.tensor, target.specs(), keep_patches=False)
+    proven = prove_entries(
+        manifest.tensors, objects, target.tensor, target.specs(), keep_patches=False
+    )
     assert len(proven.walks) >= 3 and proven.patches  # walked and patched tensors both
     before = {n: t.clone() for n, t in held.items()}
     hashes = target.hashes()

@@ -7,6 +7,7 @@ parameters.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -23,6 +24,7 @@ __all__ = [
     "EarlyProofStarter",
     "EarlyProver",
     "EarlyResult",
+    "HeldWeights",
     "PieceLoader",
     "ProvenDigest",
     "Target",
@@ -96,6 +98,31 @@ class Target(Protocol):
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """CPU copies of every tensor in checkpoint names (for dumps and checks)."""
+
+
+class HeldWeights(Protocol):
+    """What a target supplies to the one path that proves and writes a delta
+    (:func:`pipeline.targets.proving.prove_and_write`): how its held weights are read
+    and hashed, and what surrounds a write. The checks of a manifest against the
+    target (names, base) and the caches kept stay the target's own."""
+
+    def specs(self) -> dict[str, TensorSpec]:
+        """Checkpoint name -> dtype and shape of every held tensor."""
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The held tensor a delta decodes against and is written into (contiguous,
+        checkpoint layout, its exact current contents)."""
+
+    def held_hash(self, name: str) -> str:
+        """The content hash (the one in use) the held tensor is known by."""
+
+    def canonical(self, name: str) -> str:
+        """The name a tensor is held under (tied names share one: written once)."""
+
+    def writing(self, names: Sequence[str]) -> AbstractContextManager[object]:
+        """Entered after the proof, around the write of tensors ``names``: refuse what
+        cannot be written, make early proofs stale, lock out readers, wait for the
+        device."""
 
 
 @runtime_checkable

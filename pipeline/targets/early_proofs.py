@@ -20,12 +20,7 @@ import torch
 
 from pipeline.format.hashes.content_hashes import XXH3_ALGORITHM, HashAlgorithm
 from pipeline.targets.base import EarlyProof
-from pipeline.targets.proving import (
-    DEFAULT_PATCH_MEMORY_BYTES,
-    PatchAllowance,
-    prove_object,
-    prove_object_incremental,
-)
+from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES, PatchAllowance, prove_object
 
 log = structlog.get_logger(__name__)
 
@@ -76,15 +71,16 @@ class BackgroundProofs:
         return True
 
     def _prove(self, key: str, data: bytes, sha256: str, generation: str) -> EarlyProof:
-        algorithm = self._algorithm()
-        if algorithm.incremental and self._held_hash is not None:
-            hashed = prove_object_incremental(
-                key, data, self._base, self._held_hash, algorithm, self._kept.admit
-            )
-        else:
-            algorithm = XXH3_ALGORITHM
-            hashed = prove_object(key, data, self._base, self._kept.admit)
-        return EarlyProof(key, sha256, generation, hashed, algorithm.name)
+        return prove_object(
+            key,
+            data,
+            sha256,
+            generation,
+            self._base,
+            self._algorithm(),
+            self._held_hash,
+            self._kept.admit,
+        )
 
     def take(self) -> list[EarlyProof]:
         """Wait for every proof started, then hand over those made against the weights

@@ -1,6 +1,6 @@
 """Decode and check a whole delta before any weight is written; apply it all or nothing.
 
-Shared by every target. The flow a target follows:
+Shared by every target, through ``pipeline.targets.proving.prove_and_write``. The flow:
 
 1. ``check_objects(manifest, objects)``: every object the manifest names is present
    and matches its size and sha256 (CorruptObjectError otherwise).
@@ -13,8 +13,8 @@ Shared by every target. The flow a target follows:
    content chunk by chunk in host memory (a few MiB of scratch, whatever the tensor's
    size or device) and check its hash against the manifest, still before any
    write, so a target can keep hashing out of the time its weights are locked.
-   ``pipeline.targets.proving.decode_and_prove`` does 2 and 3 (and gathers the old
-   contents) in one pass per tensor; targets call that.
+   ``pipeline.targets.proving.prove_entries`` does 2 and 3 (and gathers the old
+   contents) in one pass per tensor.
 4. ``apply_verified(patches, tensor, expected)``: write the patches into the held
    tensors in place, optionally hash the result, and roll every written element
    back if any hash differs from the manifest. Only the old contents at the
@@ -204,21 +204,6 @@ def check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> Non
         first, last = _ends(patch.positions)
         if first < 0 or last >= numel:
             raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
-
-
-def decode_manifest(
-    manifest: Manifest,
-    objects: Mapping[str, bytes],
-    base: Callable[[str], torch.Tensor],
-    specs: Mapping[str, TensorSpec],
-) -> list[TensorPatch]:
-    """``check_objects`` then ``decode_entries`` over all of the manifest's tensors."""
-    if manifest.kind != "delta":
-        raise MismatchError(
-            f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
-        )
-    check_objects(manifest, objects)
-    return decode_entries(manifest.tensors, objects, base, specs)
 
 
 def _hash_patched(held: torch.Tensor, patch: TensorPatch) -> str:

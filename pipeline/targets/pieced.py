@@ -31,8 +31,7 @@ from pipeline.targets.patching import (
     int_view,
     parse_objects,
 )
-from pipeline.targets.proving import ProvenPatches
-from pipeline.targets.walking import Walk
+from pipeline.targets.walking import ProvenPatches, Walk
 
 # (tensor name, piece, its 1-D elements): what a pieced anchor hands a target.
 AnchorPiece = tuple[str, Piece, torch.Tensor]

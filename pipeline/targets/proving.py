@@ -1,11 +1,15 @@
-"""Proving a delta before any write: every touched tensor's result is decoded and
-hashed against the manifest while the held weights are only read.
+"""Proving a delta before any write, then writing it: every touched tensor's result
+is decoded and hashed against the manifest while the held weights are only read.
 
-``decode_and_prove`` is what targets call before they take their write lock; for
-CPU tensors in the common encodings one chunked pass over each held tensor gives
-the patch, the old contents (for undo) and the hash after it. ``prove_object``
-does the same for one object before its manifest is known (early start), and
-``early_patches`` picks the results a manifest confirms.
+:func:`prove_and_write` is the one path every target takes (the torch target, each
+vLLM worker's shadow; whole tensors or a sharded run's pieces): it picks the proof
+(decode only, the one-pass full hash, the incremental hash, the pieced proof), then
+writes all proven tensors or none. A target supplies only its held weights
+(:class:`pipeline.targets.base.HeldWeights`). For CPU tensors in the common
+encodings one chunked pass over each held tensor gives the patch, the old contents
+(for undo) and the hash after it. :func:`prove_object` does the same for one object
+before its manifest is known (early start), and :func:`early_results` picks the
+results a manifest confirms.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -21,13 +25,21 @@ import torch
 from pipeline import cpus
 from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
 from pipeline.errors import CorruptObjectError, MismatchError
-from pipeline.format.hashes.content_hashes import XXH3, HashAlgorithm
-from pipeline.format.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
-from pipeline.targets.base import EarlyProof, EarlyResult, ProvenDigest, TensorSpec
+from pipeline.format.hashes.content_hashes import XXH3, XXH3_ALGORITHM, HashAlgorithm
+from pipeline.format.manifest import TensorEntry, dtype_from_name, dtype_name
+from pipeline.targets.base import (
+    EarlyProof,
+    EarlyResult,
+    HeldWeights,
+    ProvenDigest,
+    TensorSpec,
+    VerifyMode,
+)
 from pipeline.targets.patching import (
+    apply_verified,
     changed_entries,
-    check_objects,
     check_patch,
+    decode_entries,
     decode_entry,
     guarded,
     hash_mismatch,
@@ -36,7 +48,8 @@ from pipeline.targets.patching import (
     parse_objects,
     saved_old_values,
 )
-from pipeline.targets.walking import Walk
+from pipeline.targets.pieced import prove_pieced
+from pipeline.targets.walking import ProvenPatches, Walk, Written, apply_walks
 
 _R = TypeVar("_R")
 
@@ -81,37 +94,101 @@ class PatchAllowance:
             self._kept = 0
 
 
-@dataclass(frozen=True)
-class ProvenPatches:
-    """Patches whose results were checked against the manifest's hashes before any
-    write, with the held contents at their positions (for undo); and, without
-    ``keep_patches``, the proven tensors that keep no patch (``walks``)."""
-
-    patches: list[TensorPatch]
-    hashes: dict[str, str]  # new content hash per touched tensor
-    old_values: dict[str, torch.Tensor]
-    walks: list[Walk] = field(default_factory=list)
-
-
-def decode_and_prove(
-    manifest: Manifest,
+def prove_and_write(
+    weights: HeldWeights,
+    entries: Sequence[TensorEntry],
     objects: Mapping[str, bytes],
-    base: Callable[[str], torch.Tensor],
-    specs: Mapping[str, TensorSpec],
-    early: Mapping[str, EarlyResult] | None = None,
-    *,
-    keep_patches: bool = True,
-) -> ProvenPatches:
-    """``decode_manifest``, ``hash_patched`` and ``saved_old_values`` in one go, with
-    the same checks and errors, writing nothing. For CPU tensors in the common
-    encodings one chunked pass over each held tensor does all three (the codec's
-    ``decode_hashed``) instead of three passes, two of them scattered."""
-    if manifest.kind != "delta":
-        raise MismatchError(
-            f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
+    verify: VerifyMode,
+    algorithm: HashAlgorithm,
+    early: Mapping[str, EarlyResult],
+    patch_memory_bytes: int,
+) -> Written:
+    """Prove a delta's changed tensors against the held ``weights`` and write them all,
+    or none. ``entries`` are all of the delta manifest's tensor entries, ``objects``
+    its delta objects (sizes and sha256 checked by the caller), ``algorithm`` the
+    manifest's content hash, ``early`` the early results that hold for it (see
+    :func:`early_results`). Unless ``verify`` is "none", each tensor's hash after its
+    patch is proven before any write; "all" also rehashes the written tensors after
+    the write (a mismatch takes it back). A delta whose patches would take more than
+    ``patch_memory_bytes`` keeps none for the tensors the compiled walk reads: they
+    are proven, then decoded again straight into the weights (without a proof,
+    nothing is walked). Any failure leaves the weights as they were."""
+    keep = verify == "none" or patches_bytes(entries) <= patch_memory_bytes
+    proven: ProvenPatches
+    if any(e.pieces for e in entries):
+        # A sharded run: each piece decoded against its flat slice into a whole-tensor
+        # patch, proven whole (held hash plus every piece's change); no early proofs.
+        early = {}
+        held_hash = None if verify == "none" else weights.held_hash
+        proven = prove_pieced(
+            entries,
+            objects,
+            weights.tensor,
+            weights.specs(),
+            held_hash,
+            algorithm,
+            keep_patches=keep,
         )
-    check_objects(manifest, objects)
-    return prove_entries(manifest.tensors, objects, base, specs, early, keep_patches=keep_patches)
+    elif verify == "none":
+        early = {}
+        patches = decode_entries(entries, objects, weights.tensor, weights.specs())
+        proven = ProvenPatches(patches, {}, saved_old_values(patches, weights.tensor))
+    elif algorithm.incremental:
+        # O(changed): held hashes plus the changes; old contents read at the changed
+        # positions only.
+        proven = prove_incremental(
+            entries,
+            objects,
+            weights.tensor,
+            weights.specs(),
+            weights.held_hash,
+            algorithm,
+            early,
+            keep_patches=keep,
+        )
+    else:
+        # Each tensor decoded and hashed in one pass against its held copy.
+        proven = prove_entries(
+            entries, objects, weights.tensor, weights.specs(), early, keep_patches=keep
+        )
+    # A tied weight carried under both names decodes twice: written once.
+    patches_by: dict[str, TensorPatch] = {}
+    walks_by: dict[str, list[Walk]] = {}  # a sharded run's tensor: one walk per piece
+    for patch in proven.patches:
+        patches_by.setdefault(weights.canonical(patch.name), patch)
+    for walk in proven.walks:
+        canonical = weights.canonical(walk.name)
+        if canonical in patches_by:
+            continue
+        mine = walks_by.setdefault(canonical, [])
+        if not mine or mine[0].name == walk.name:
+            mine.append(walk)
+    patches = list(patches_by.values())
+    walks = {each[0].name: each for each in walks_by.values()}
+    recheck = {e.name: e.hash for e in entries} if verify == "all" else None
+    # The written positions are read back where the hash is not recomputed in full.
+    confirm = algorithm.incremental and verify != "none"
+    with weights.writing([*(p.name for p in patches), *walks]):
+        applied = apply_verified(
+            patches,
+            weights.tensor,
+            recheck,
+            proven.old_values,
+            full=algorithm.full,
+            read_back=confirm,
+        )
+        try:
+            walked = apply_walks(
+                [w for each in walks.values() for w in each],
+                weights.tensor,
+                recheck,
+                full=algorithm.full,
+                confirm=confirm,
+            )
+        except BaseException:
+            applied.rollback()
+            raise
+    return Written(applied, walked, walks, proven.hashes, len(early))
 
 
 def prove_entries(
@@ -123,12 +200,14 @@ def prove_entries(
     *,
     keep_patches: bool = True,
 ) -> ProvenPatches:
-    """:func:`decode_and_prove` for callers that checked the objects themselves:
-    ``entries`` are all of a delta manifest's tensor entries. Tensors are proven
+    """Decode every changed tensor of a delta and prove its hash after the patch (the
+    checks and errors of ``decode_entries`` and ``hash_patched``), with the held
+    contents at its positions; nothing is written. ``entries`` are all of a delta
+    manifest's tensor entries (the caller checked its objects). Tensors are proven
     on ``PROVE_THREADS`` threads (the compiled walk, copies and hashes release the
     GIL); the first tensor at fault, in manifest order, is the one reported.
     ``early`` holds results already computed for some tensors (see
-    :func:`early_patches`); they are checked like the others, not recomputed.
+    :func:`early_results`); they are checked like the others, not recomputed.
 
     Without ``keep_patches``, tensors proven in one pass (CPU, the common encodings)
     keep only their hash and come back as ``walks``: memory then stays at one
@@ -263,7 +342,7 @@ def prove_incremental(
     tensor was last hashed in full) plus the changes, with the old contents read at
     the changed positions only. Nothing else of the weights is read; nothing is
     written. The patches live on their tensors' devices, as do the hash updates.
-    ``early`` results (from :func:`prove_object_incremental`) are checked, not redone.
+    ``early`` results (from :func:`prove_object`) are checked, not redone.
 
     Without ``keep_patches``, CPU tensors whose delta the compiled walk reads keep
     only their hash and come back as ``walks`` (written by walking the delta again),
@@ -430,50 +509,6 @@ def _incremental_one(
     return HashedPatch(moved, old, digest)
 
 
-def prove_object_incremental(
-    key: str,
-    data: bytes,
-    base: Callable[[str], torch.Tensor],
-    held_hash: Callable[[str], str],
-    algorithm: HashAlgorithm,
-    keep_patches: Callable[[int], bool] = lambda _: True,
-) -> dict[str, EarlyResult]:
-    """:func:`prove_object` for an incremental content hash (see
-    :func:`prove_incremental`): every changed tensor of one object, O(changed). Where
-    ``keep_patches(bytes the object's patches would take)`` says no, CPU tensors the
-    compiled walk reads keep only their hash (:class:`ProvenDigest`: walked in the
-    write); the others are left to the proof with the manifest."""
-    delta = parse_objects({key: data}, [key])[key]
-    keep = keep_patches(sum(patch_bytes(i.changed, i.dtype) for i in delta.tensors))
-    changes: list[Held] = []
-    for info in delta.tensors:
-        held = base(info.name)
-        if info.changed == 0 or _a_piece(info.shape, held):
-            continue
-        if not keep and not delta.walks(info.name, held):
-            continue  # left to the proof with the manifest
-        named = TensorEntry(
-            name=info.name,
-            dtype=dtype_name(info.dtype),
-            shape=tuple(info.shape),
-            hash="",  # not known before the manifest: checked against it later
-            object=key,
-            changed=info.changed,
-        )
-        changes.append((named, delta, held))
-    out: dict[str, EarlyResult] = {}
-    for work in _units(changes, {}):
-        proven = _incremental_batch(work, held_hash, algorithm) if len(work) > 1 else {}
-        for named, _, held in work:
-            hashed = proven.get(named.name)
-            if isinstance(hashed, CorruptObjectError):
-                raise hashed
-            if hashed is None:
-                hashed = _incremental_one(named, delta, held, held_hash, algorithm)
-            out[named.name] = hashed if keep else ProvenDigest(hashed.digest, named.changed)
-    return out
-
-
 def _a_piece(shape: tuple[int, ...], held: torch.Tensor) -> bool:
     """Whether a record is a piece of the held tensor (a sharded run's): it decodes
     against a flat slice the manifest names, so it is proven with the manifest."""
@@ -497,24 +532,36 @@ def _check_digest(entry: TensorEntry, digest: str) -> None:
 def prove_object(
     key: str,
     data: bytes,
+    sha256: str,
+    generation: str,
     base: Callable[[str], torch.Tensor],
+    algorithm: HashAlgorithm,
+    held_hash: Callable[[str], str] | None = None,
     keep_patches: Callable[[int], bool] = lambda _: True,
-) -> dict[str, EarlyResult]:
-    """The one-pass proof (patch, old contents, hash after it) of every changed
-    tensor of one delta object, against ``base(name)``; nothing is written. Tensors
-    the compiled walk does not handle are left to the full proof. Where
-    ``keep_patches(bytes the object's patches would take)`` says no, only the hashes
-    of CPU tensors are kept (:class:`ProvenDigest`: they are walked in the write);
-    other devices' tensors are then left to the full proof too."""
+) -> EarlyProof:
+    """The early proof of object ``key`` (of sha256 ``sha256``, held weights at
+    ``generation``): every changed tensor's patch, old contents and hash after it,
+    against ``base(name)``; nothing is written. With an incremental ``algorithm`` and
+    ``held_hash`` it is the held hash plus the changes (O(changed), see
+    :func:`prove_incremental`), else the one-pass xxh3 proof, which leaves tensors the
+    compiled walk does not handle to the proof with the manifest. Where
+    ``keep_patches(bytes the object's patches would take)`` says no, only hashes are
+    kept (:class:`ProvenDigest`: those tensors are walked in the write) for CPU
+    tensors the walk reads; the others are left to the proof with the manifest."""
+    incremental = algorithm.incremental and held_hash is not None
+    if not incremental:
+        algorithm = XXH3_ALGORITHM
     delta = parse_objects({key: data}, [key])[key]
     keep = keep_patches(sum(patch_bytes(i.changed, i.dtype) for i in delta.tensors))
-    out: dict[str, EarlyResult] = {}
+    changes: list[Held] = []
     for info in delta.tensors:
         if info.changed == 0:
             continue
         held = base(info.name)
-        if (not keep and held.device.type != "cpu") or _a_piece(info.shape, held):
+        if _a_piece(info.shape, held):
             continue
+        if not keep and not (delta.walks(info.name, held) if incremental else held.is_cpu):
+            continue  # left to the proof with the manifest
         named = TensorEntry(
             name=info.name,
             dtype=dtype_name(info.dtype),
@@ -523,20 +570,29 @@ def prove_object(
             object=key,
             changed=info.changed,
         )
-        hashed = guarded(delta.decode_hashed, named, held)
-        if hashed is not None:
-            out[info.name] = hashed if keep else ProvenDigest(hashed.digest, info.changed)
-    return out
-
-
-def early_patches(
-    manifest: Manifest, proofs: Sequence[EarlyProof], generation: str
-) -> dict[str, EarlyResult]:
-    """The early results that hold for ``manifest``: made at ``generation`` (no write
-    since) with the manifest's content hash, from an object the manifest lists with
-    the same sha256, for a tensor the manifest places in that object."""
-    objects = {o.key: o.sha256 for o in manifest.objects}
-    return early_results(manifest.tensors, objects, proofs, generation, manifest.content_hash)
+        changes.append((named, delta, held))
+    counts = {named.name: named.changed for named, _, _ in changes}
+    hashed: dict[str, HashedPatch | None] = {}
+    if incremental:
+        assert held_hash is not None
+        for work in _units(changes, {}):
+            batch = _incremental_batch(work, held_hash, algorithm) if len(work) > 1 else {}
+            for named, _, held in work:
+                found = batch.get(named.name)
+                if isinstance(found, CorruptObjectError):
+                    raise found
+                if found is None:
+                    found = _incremental_one(named, delta, held, held_hash, algorithm)
+                hashed[named.name] = found
+    else:
+        for named, _, held in changes:
+            hashed[named.name] = guarded(delta.decode_hashed, named, held)
+    out: dict[str, EarlyResult] = {
+        name: done if keep else ProvenDigest(done.digest, counts[name])
+        for name, done in hashed.items()
+        if done is not None
+    }
+    return EarlyProof(key, sha256, generation, out, algorithm.name)
 
 
 def early_results(
@@ -546,8 +602,10 @@ def early_results(
     generation: str,
     content_hash: str = XXH3,
 ) -> dict[str, EarlyResult]:
-    """:func:`early_patches` from a manifest's tensor ``entries`` and the sha256 of
-    the objects whose proofs may be used (``objects``: key -> sha256)."""
+    """The early results that hold for a delta manifest's tensor ``entries``: made at
+    ``generation`` (no write since) with its content hash, from an object whose
+    proofs may be used (``objects``: key -> sha256) with the same sha256, for a
+    tensor the manifest places in that object."""
     valid = {
         p.key: p
         for p in proofs

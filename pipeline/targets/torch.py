@@ -16,13 +16,13 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import structlog
 import torch
 from torch import nn
 
 from pipeline import collector
-from pipeline.codec import TensorPatch
 from pipeline.errors import MismatchError, TargetError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
@@ -31,28 +31,17 @@ from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.format.matching import check_tensors
 from pipeline.format.regions import Region, tiling_error
-from pipeline.targets.base import ApplyReport, EarlyProof, EarlyResult, TensorSpec, VerifyMode
-from pipeline.targets.patching import (
-    apply_verified,
-    check_objects,
-    decode_manifest,
-    int_view,
-    saved_old_values,
-)
-from pipeline.targets.pieced import AnchorPiece, prove_pieced
+from pipeline.targets.base import ApplyReport, EarlyProof, TensorSpec, VerifyMode
+from pipeline.targets.patching import check_objects, int_view
+from pipeline.targets.pieced import AnchorPiece
 from pipeline.targets.proving import (
     DEFAULT_PATCH_MEMORY_BYTES,
     PatchAllowance,
-    ProvenPatches,
-    decode_and_prove,
-    early_patches,
-    patches_bytes,
-    prove_incremental,
+    early_results,
+    prove_and_write,
     prove_object,
-    prove_object_incremental,
 )
 from pipeline.targets.setup import TargetSetup, anchor_specs
-from pipeline.targets.walking import Walk, apply_walks
 from pipeline.testing import faults
 
 log = structlog.get_logger(__name__)
@@ -128,6 +117,7 @@ class TorchTarget:
         self._writes = 0
         self.patch_memory_bytes = patch_memory_bytes
         self._early_kept = PatchAllowance(lambda: self.patch_memory_bytes)
+        self._pause_s = 0.0  # the last write's
 
     @classmethod
     def for_node(cls, setup: TargetSetup) -> TorchTarget | None:
@@ -224,7 +214,7 @@ class TorchTarget:
             self._hash_cache.clear()
             self._wrote()  # early proofs hashed with the other one are stale
 
-    def _held_hash(self, name: str) -> str:
+    def held_hash(self, name: str) -> str:
         return self._cached_hash(self._canonical[name])
 
     def _cached_hash(self, canonical: str) -> str:
@@ -378,19 +368,16 @@ class TorchTarget:
         manifest is known (a part hint); ``apply_delta(early=...)`` reuses the result
         if the manifest confirms the object and nothing was written meanwhile."""
         with self._write_lock, collector.held_off():
-            generation = self._generation
-            if self._algorithm.incremental:
-                hashed = prove_object_incremental(
-                    key,
-                    data,
-                    self.tensor,
-                    lambda name: self._cached_hash(self._canonical[name]),
-                    self._algorithm,
-                    self._early_kept.admit,
-                )
-            else:
-                hashed = prove_object(key, data, self.tensor, self._early_kept.admit)
-        return EarlyProof(key, sha256, generation, hashed, self._algorithm.name)
+            return prove_object(
+                key,
+                data,
+                sha256,
+                self._generation,
+                self.tensor,
+                self._algorithm,
+                self.held_hash,
+                self._early_kept.admit,
+            )
 
     def apply_delta(
         self,
@@ -411,142 +398,75 @@ class TorchTarget:
             raise TargetError(f"unknown verify mode {verify!r}")
         where = f"{manifest.run} v{manifest.version}"
         # Only writers take _write_lock, so the held weights stay as checked until the
-        # write below, while readers holding ``lock`` keep running meanwhile.
+        # write, while readers holding ``lock`` keep running meanwhile.
         with self._write_lock, collector.held_off():
             self._use(content_hashes.of(manifest))
-            algorithm = self._algorithm
             if verify == "all":
                 self._hash_cache.clear()  # every held hash is recomputed in full
             entries = self._check_manifest(manifest, where)
             self._check_base(manifest, where)
-            specs = self.specs()
-            proven: ProvenPatches | None = None
-            early_used: dict[str, EarlyResult] = {}
-            if manifest.is_pieced:
-                # A sharded run: every piece decoded against its flat slice, proven as a
-                # whole tensor (held hash plus every piece's change); no early proofs.
-                check_objects(manifest, objects)
-                proven = prove_pieced(
-                    manifest.tensors,
-                    objects,
-                    self.tensor,
-                    specs,
-                    None if verify == "none" else self._held_hash,
-                    algorithm,
-                    keep_patches=patches_bytes(manifest.tensors) <= self.patch_memory_bytes,
-                )
-                patches = proven.patches
-            elif verify == "none":
-                patches = decode_manifest(manifest, objects, self.tensor, specs)
-            elif algorithm.incremental:
-                # O(changed): held hashes plus the changes; old contents read at the
-                # changed positions only.
-                check_objects(manifest, objects)
-                early_used = early_patches(manifest, early, self._generation)
-                proven = prove_incremental(
-                    manifest.tensors,
-                    objects,
-                    self.tensor,
-                    specs,
-                    lambda name: self._cached_hash(self._canonical[name]),
-                    algorithm,
-                    early_used,
-                    keep_patches=patches_bytes(manifest.tensors) <= self.patch_memory_bytes,
-                )
-                patches = proven.patches
-            else:
-                # Decoded and proven against the manifest's hashes, nothing written yet.
-                early_used = early_patches(manifest, early, self._generation)
-                proven = decode_and_prove(
-                    manifest,
-                    objects,
-                    self.tensor,
-                    specs,
-                    early_used,
-                    keep_patches=patches_bytes(manifest.tensors) <= self.patch_memory_bytes,
-                )
-                patches = proven.patches
-            # A tied weight carried under both names decodes twice: write it once.
-            touched: dict[str, TensorPatch] = {}
-            walks: dict[str, list[Walk]] = {}  # a sharded run's tensor: one per piece
-            for patch in patches:
-                touched.setdefault(self._canonical[patch.name], patch)
-            for walk in proven.walks if proven is not None else ():
-                canonical = self._canonical[walk.name]
-                if canonical in touched:
-                    continue
-                mine = walks.setdefault(canonical, [])
-                if not mine or mine[0].name == walk.name:
-                    mine.append(walk)
-            # canonical -> the name its patch or walk was decoded under
-            written = {c: p.name for c, p in touched.items()}
-            written.update({c: w[0].name for c, w in walks.items()})
+            if manifest.kind != "delta":
+                raise MismatchError(f"{where} is an {manifest.kind}, not a delta")
+            check_objects(manifest, objects)
             # Untouched tensors do not change: check them now, before any write
             # (fresh hashes for "all", the hashes known since their last change else).
+            touched = {self._canonical[e.name] for e in manifest.tensors if e.changed > 0}
             for canonical, entry in entries.items():
-                if canonical in written:
-                    continue
-                held = self._cached_hash(canonical)  # fresh for "all": cleared above
-                if held != entry.hash:
+                if canonical not in touched and self._cached_hash(canonical) != entry.hash:
                     raise MismatchError(
                         f"{where}: tensor {entry.name!r} is unchanged by the delta but its held "
                         "content does not match the manifest (wrong base)"
                     )
-            expected = {name: entries[c].hash for c, name in written.items()}
-            if proven is None:
-                new_hashes: dict[str, str] = {}
-                old_values = saved_old_values(list(touched.values()), self.tensor)
-            else:
-                new_hashes, old_values = proven.hashes, proven.old_values
-            recheck = expected if verify == "all" else None
-            with self.lock:
-                self._wrote()
-                for canonical in written:
-                    self._hash_cache.pop(canonical, None)
-                start = time.perf_counter()
-                try:
-                    applied = apply_verified(
-                        list(touched.values()),
-                        self.tensor,
-                        recheck,
-                        old_values,
-                        full=algorithm.full,
-                        read_back=algorithm.incremental and verify != "none",
-                    )
-                    try:
-                        apply_walks(
-                            [w for each in walks.values() for w in each],
-                            self.tensor,
-                            recheck,
-                            full=algorithm.full,
-                            confirm=algorithm.incremental and verify != "none",
-                        )
-                    except BaseException:
-                        applied.rollback()
-                        raise
-                finally:
-                    _sync(self._devices)
-                pause_s = time.perf_counter() - start
-                for canonical, name in written.items():
-                    self._hash_cache[canonical] = new_hashes.get(name, entries[canonical].hash)
-                self._checkpoint_names = [e.name for e in manifest.tensors]
-        changed = sum(int(p.positions.numel()) for p in touched.values())
-        changed += sum(w.changed for each in walks.values() for w in each)
+            vouched = {o.key: o.sha256 for o in manifest.objects}
+            early_used = early_results(
+                manifest.tensors, vouched, early, self._generation, self._algorithm.name
+            )
+            written = prove_and_write(
+                self,
+                manifest.tensors,
+                objects,
+                verify,
+                self._algorithm,
+                early_used,
+                self.patch_memory_bytes,
+            )
+            for name in written.touched:
+                canonical = self._canonical[name]
+                self._hash_cache[canonical] = written.hashes.get(name, entries[canonical].hash)
+            self._checkpoint_names = [e.name for e in manifest.tensors]
         log.debug(
             "delta applied",
             run=manifest.run,
             version=manifest.version,
-            changed=changed,
-            walked=len(walks),
+            changed=written.changed,
+            walked=len(written.walks),
         )
         return ApplyReport(
             version=manifest.version,
-            tensors=len(touched) + len(walks),
-            changed=changed,
-            pause_s=pause_s,
-            walked=len(walks),
-            early_tensors=len(early_used),
+            tensors=len(written.touched),
+            changed=written.changed,
+            pause_s=self._pause_s,
+            walked=len(written.walks),
+            early_tensors=written.early_tensors,
         )
+
+    def canonical(self, name: str) -> str:
+        return self._canonical[name]
+
+    @contextmanager
+    def writing(self, names: Sequence[str]) -> Iterator[None]:
+        """Around the write of a proven delta (see ``HeldWeights``): readers of ``lock``
+        wait, and the pause they see is kept for the apply's report."""
+        with self.lock:
+            self._wrote()
+            for name in names:
+                self._hash_cache.pop(self._canonical[name], None)
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                _sync(self._devices)
+                self._pause_s = time.perf_counter() - start
 
     def _check_manifest(self, manifest: Manifest, where: str) -> dict[str, TensorEntry]:
         """Every manifest tensor is held with its dtype and shape and every held tensor is

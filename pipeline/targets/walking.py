@@ -19,7 +19,12 @@ import torch
 from pipeline.codec import DeltaObject, TensorPatch
 from pipeline.errors import TargetError
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.targets.patching import int_view, rehash_written, write_on_two_threads
+from pipeline.targets.patching import (
+    AppliedPatches,
+    int_view,
+    rehash_written,
+    write_on_two_threads,
+)
 from pipeline.testing import faults
 
 
@@ -61,6 +66,18 @@ def written_patch(name: str, walks: Sequence[Walk], held: torch.Tensor) -> Tenso
         positions = positions.sort().values
     values = int_view(held.detach()).reshape(-1).index_select(0, positions)
     return TensorPatch(name, held.dtype, tuple(held.shape), positions, values)
+
+
+@dataclass(frozen=True)
+class ProvenPatches:
+    """Patches whose results were checked against the manifest's hashes before any
+    write, with the held contents at their positions (for undo); and, without
+    ``keep_patches``, the proven tensors that keep no patch (``walks``)."""
+
+    patches: list[TensorPatch]
+    hashes: dict[str, str]  # new content hash per touched tensor
+    old_values: dict[str, torch.Tensor]
+    walks: list[Walk] = field(default_factory=list)
 
 
 @dataclass
@@ -163,3 +180,36 @@ def _batches(walks: Sequence[Walk], tensor: Callable[[str], torch.Tensor]) -> li
     if run:
         out.append(run)
     return out
+
+
+@dataclass
+class Written:
+    """A proven delta written into held tensors: its patches and its walks (by tensor
+    name, one per piece of a sharded run's tensor), the content hashes it proved, and
+    how to take it all back."""
+
+    applied: AppliedPatches
+    walked: WalkedDeltas
+    walks: dict[str, list[Walk]]
+    hashes: dict[str, str]  # new content hash per proven tensor (none unverified)
+    early_tensors: int = 0  # tensors whose early proofs stood in for decode and hash
+
+    @property
+    def patches(self) -> list[TensorPatch]:
+        return self.applied.patches
+
+    @property
+    def touched(self) -> list[str]:
+        """The names the delta was written under, patched then walked."""
+        return [*(patch.name for patch in self.patches), *self.walks]
+
+    @property
+    def changed(self) -> int:
+        """Elements written."""
+        patched = sum(int(patch.positions.numel()) for patch in self.patches)
+        return patched + sum(w.changed for each in self.walks.values() for w in each)
+
+    def rollback(self) -> None:
+        """Put the held tensors back as they were before the write (idempotent)."""
+        self.walked.rollback()
+        self.applied.rollback()

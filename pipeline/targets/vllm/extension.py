@@ -32,15 +32,8 @@ from safetensors.torch import load, save
 from pipeline import collector
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.format.hashes.hashing import sha256_bytes
-from pipeline.targets.patching import apply_verified, decode_entries, int_view
-from pipeline.targets.pieced import prove_pieced
-from pipeline.targets.proving import (
-    DEFAULT_PATCH_MEMORY_BYTES,
-    early_results,
-    patches_bytes,
-    prove_entries,
-    prove_incremental,
-)
+from pipeline.targets.patching import int_view
+from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES, early_results, prove_and_write
 from pipeline.targets.vllm.cpu import computes_from_weight
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.mapping import (
@@ -66,14 +59,13 @@ from pipeline.targets.vllm.protocol import (
 )
 from pipeline.targets.vllm.worker_state import (
     Envelope,
-    Pending,
     WorkerState,
     check_base,
     enveloped,
     failed,
     ok,
 )
-from pipeline.targets.walking import Walk, apply_walks, written_patch
+from pipeline.targets.walking import Written, written_patch
 
 log = structlog.get_logger(__name__)
 
@@ -194,14 +186,14 @@ class DeltasyncWorkerExtension:
         modules = {state.routes[n].module for n in names} - {None}
         return sorted(n for n, r in state.routes.items() if r.module in modules)
 
-    def _ds_push(self, state: WorkerState, pending: Pending) -> None:
+    def _ds_push(self, state: WorkerState, pending: Written) -> None:
         """Bring the model in line with the shadow for the tensors ``pending`` wrote:
         in place where the parameter holds the checkpoint's bits (a walked tensor's
         delta walked again into the parameter where it holds the whole tensor as one
         block, else its changes read back from the shadow, one tensor at a time),
         else through vLLM's loading path."""
         model = self._ds_model()
-        patches = {p.name: p for p in pending.applied.patches}
+        patches = {p.name: p for p in pending.patches}
         reload: list[str] = []
         with torch.no_grad():
             for name in pending.touched:
@@ -355,92 +347,27 @@ class DeltasyncWorkerExtension:
             for key, digest in parsed.sha256.items():
                 if key not in objects or sha256_bytes(objects[key]) != digest:
                     raise CorruptObjectError(f"delta object {key}: missing or sha256 mismatch")
-            specs = state.specs()
             # Early proofs are checked like fresh ones; the generation says the
             # shadow was not written since they were made.
-            vouched = dict(parsed.early)
             taken = state.early.take()  # none still hashes with the old algorithm
             algorithm = state.use(parsed.content_hash)
-            ready = early_results(entries, vouched, taken, state.early.generation, algorithm.name)
-            incremental = algorithm.incremental and verify != "none"
+            ready = early_results(
+                entries, dict(parsed.early), taken, state.early.generation, algorithm.name
+            )
             if verify == "all":
                 state.hashes = {}  # every held hash is recomputed in full
             if verify != "none":
                 check_base(state, entries, parsed.parent_state_hash, verify)
-            shadow = state.shadow.__getitem__
-            # Without a proof nothing is walked: a walk is written only once proven.
-            keep = verify == "none" or patches_bytes(entries) <= parsed.patch_memory_bytes
-            walks: list[Walk] = []
-            if any(e.pieces for e in entries):
-                # A sharded run: each piece decoded against the shadow's flat slice into
-                # a whole-tensor patch, proven whole; early proofs leave pieces alone.
-                ready = {}
-                proven = prove_pieced(
-                    entries,
-                    objects,
-                    shadow,
-                    specs,
-                    None if verify == "none" else state.hash_of,
-                    algorithm,
-                    keep_patches=keep,
-                )
-                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
-                walks = proven.walks
-                incremental = verify != "none"
-            elif verify == "none":
-                patches, hashes = decode_entries(entries, objects, shadow, specs), {}
-                old_values = None
-            elif incremental:
-                # O(changed): held hashes plus the changes, old contents read at the
-                # changed positions only; the written positions are read back.
-                proven = prove_incremental(
-                    entries,
-                    objects,
-                    shadow,
-                    specs,
-                    state.hash_of,
-                    algorithm,
-                    ready,
-                    keep_patches=keep,
-                )
-                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
-                walks = proven.walks
-            else:
-                # Each patched tensor's hash is proven against its entry before any
-                # write to the shadow (one pass per tensor on CPU).
-                proven = prove_entries(entries, objects, shadow, specs, ready, keep_patches=keep)
-                patches, hashes, old_values = proven.patches, proven.hashes, proven.old_values
-                walks = proven.walks
-            by_name: dict[str, list[Walk]] = {}
-            for walk in walks:
-                by_name.setdefault(walk.name, []).append(walk)
-            for name in [*(patch.name for patch in patches), *by_name]:
-                if state.routes.get(name) is None:
-                    raise TargetError(f"tensor {name}: no place for it in the vLLM model")
-            # "all" also rehashes the written tensors, as the torch target does.
-            recheck = {e.name: e.hash for e in entries} if verify == "all" else None
-            state.early.wrote()
-            applied = apply_verified(
-                patches, shadow, recheck, old_values, full=algorithm.full, read_back=incremental
+            written = prove_and_write(
+                state, entries, objects, verify, algorithm, ready, parsed.patch_memory_bytes
             )
-            try:
-                walked = apply_walks(
-                    walks, shadow, recheck, full=algorithm.full, confirm=incremental
-                )
-            except BaseException:
-                applied.rollback()
-                raise
-            touched = [*(patch.name for patch in patches), *by_name]
-            for name in touched:
-                state.hashes.pop(name, None)
-            state.hashes.update(hashes)
-            state.pending = Pending(parsed.version, applied, touched, walked, by_name)
-            changed = sum(int(p.positions.numel()) for p in patches)
+            state.hashes.update(written.hashes)
+            state.pending = written
             return PrepareSummary(
-                tensors=len(touched),
-                changed=changed + sum(w.changed for w in walks),
-                early_tensors=len(ready) if verify != "none" else 0,
-                walked=len(by_name),
+                tensors=len(written.touched),
+                changed=written.changed,
+                early_tensors=written.early_tensors,
+                walked=len(written.walks),
             ).wire()
 
         with collector.held_off():  # (see pipeline/collector.py)
@@ -570,7 +497,7 @@ class DeltasyncWorkerExtension:
             missing = [n for n in wanted if n not in state.shadow]
             if missing:
                 raise MismatchError(f"tensor {missing[0]} is not held by the vLLM target")
-            return {n: state.hash_of(n) for n in wanted}
+            return {n: state.held_hash(n) for n in wanted}
 
         return enveloped(run)
 

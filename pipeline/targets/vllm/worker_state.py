@@ -5,13 +5,15 @@ Every RPC answers with an envelope, ``{"ok": True, "value": ...}`` or ``{"ok": F
 "error": class name, "message": ...}``, so errors survive the trip whatever the
 executor. ``WorkerState`` is what each worker keeps: the shadow (checkpoint-named
 weights on CPU), its cached hashes, where each tensor lives in the model, early
-proofs of the next delta's parts, and a delta prepared but not yet committed.
+proofs of the next delta's parts, and a delta prepared but not yet committed. It is
+the ``HeldWeights`` the one prove-and-write path reads and writes.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +28,8 @@ from pipeline.format.manifest import TensorEntry
 from pipeline.format.matching import difference, spec_of
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.early_proofs import BackgroundProofs
-from pipeline.targets.patching import AppliedPatches
 from pipeline.targets.vllm.mapping import Placement, Route
-from pipeline.targets.walking import Walk, WalkedDeltas
+from pipeline.targets.walking import Written
 
 log = structlog.get_logger(__name__)
 
@@ -56,24 +57,6 @@ def enveloped(call: Callable[[], object]) -> Envelope:
 
 
 @dataclass
-class Pending:
-    """A verified delta written to the shadow but not yet pushed into the model:
-    patches kept, and tensors walked into the shadow over the patch budget (``walks``
-    by tensor name; their push walks them again or reads them back: ``_ds_push``)."""
-
-    version: int
-    applied: AppliedPatches
-    touched: list[str]
-    walked: WalkedDeltas
-    walks: dict[str, list[Walk]]
-
-    def rollback(self) -> None:
-        """Put the shadow back as it was before the prepare (idempotent)."""
-        self.walked.rollback()
-        self.applied.rollback()
-
-
-@dataclass
 class WorkerState:
     """What one vLLM worker holds for deltasync (kept on the worker object)."""
 
@@ -84,7 +67,7 @@ class WorkerState:
     routes: dict[str, Route] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
     staging: dict[str, torch.Tensor] | None = None
-    pending: Pending | None = None
+    pending: Written | None = None  # written to the shadow, not yet pushed into the model
     loaded: bool = False
     # A prepare running on a thread of its own while the engine keeps serving.
     preparing: threading.Thread | None = None
@@ -93,9 +76,25 @@ class WorkerState:
     early: BackgroundProofs = field(init=False)
 
     def __post_init__(self) -> None:
-        self.early = BackgroundProofs(
-            lambda name: self.shadow[name], lambda: self.algorithm, self.hash_of
-        )
+        self.early = BackgroundProofs(self.tensor, lambda: self.algorithm, self.held_hash)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.shadow[name]
+
+    def canonical(self, name: str) -> str:
+        return name
+
+    @contextmanager
+    def writing(self, names: Sequence[str]) -> Iterator[None]:
+        """Around a proven delta's write into the shadow (see ``HeldWeights``): every
+        tensor must have its place in the model; early proofs go stale."""
+        for name in names:
+            if self.routes.get(name) is None:
+                raise TargetError(f"tensor {name}: no place for it in the vLLM model")
+        self.early.wrote()
+        for name in names:
+            self.hashes.pop(name, None)
+        yield
 
     def busy(self) -> bool:
         """A background prepare is running, or a prepared delta awaits its commit."""
@@ -119,7 +118,7 @@ class WorkerState:
             self.hashes = {}
         return self.algorithm
 
-    def hash_of(self, name: str) -> str:
+    def held_hash(self, name: str) -> str:
         digest = self.hashes.get(name)
         if digest is None:
             digest = self.algorithm.full(self.shadow[name])
@@ -142,13 +141,13 @@ def check_base(
             continue  # decode_entries reports it
         if verify == "all":
             state.hashes.pop(entry.name, None)
-        if state.hash_of(entry.name) != entry.hash:
+        if state.held_hash(entry.name) != entry.hash:
             raise MismatchError(
                 f"tensor {entry.name}: held content hash differs from the manifest's "
                 "unchanged tensor (delta for another base version?)"
             )
     if parent_state_hash:
-        held = state_hash((n, state.hash_of(n)) for n in state.shadow)
+        held = state_hash((n, state.held_hash(n)) for n in state.shadow)
         if held != parent_state_hash:
             raise MismatchError(
                 f"vLLM target state hash {held} is not the delta's parent state hash "
