@@ -36,7 +36,7 @@ from pipeline.codec import DeltaObject, TensorPatch, apply_patch, read_delta
 from pipeline.codec.compiled import kernels
 from pipeline.errors import CorruptObjectError, DeltasyncError, MismatchError, TargetError
 from pipeline.format.hashes.hashing import content_hash, patched_tensor_hash, sha256_bytes
-from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
+from pipeline.format.manifest import Manifest, Piece, TensorEntry, dtype_name
 from pipeline.format.matching import check_entry
 from pipeline.targets import confirmed
 from pipeline.targets.base import TensorSpec
@@ -130,54 +130,77 @@ def guarded(
         raise CorruptObjectError(f"tensor {entry.name} in object {entry.object}: {exc}") from exc
 
 
+def changed_records(
+    entries: Sequence[TensorEntry],
+    objects: Mapping[str, bytes],
+    specs: Mapping[str, TensorSpec],
+) -> tuple[dict[str, DeltaObject], list[tuple[TensorEntry, list[Piece]]]]:
+    """The parsed objects of a delta and every changed tensor with its changed pieces
+    (one of it all for a tensor stored whole), after checking every entry against
+    ``specs`` and every record against its piece: each object changes only what the
+    manifest lists, each changed piece's record is there with its dtype, shape and
+    count. A MismatchError / CorruptObjectError names the tensor at fault."""
+    names = [entry.name for entry in entries]
+    if len(set(names)) != len(names):
+        raise MismatchError("manifest lists a tensor twice")
+    for entry in entries:
+        check_entry(entry, specs, of="the delta", holder="the target")
+    changed = [(e, [p for p in e.stored if p.changed]) for e in entries if e.changed > 0]
+    parsed = parse_objects(objects, (p.object for _, ps in changed for p in ps))
+    listed = {(p.object, e.name) for e, ps in changed for p in ps}
+    for key, delta in parsed.items():
+        for stored in delta.tensors:
+            if stored.changed > 0 and (key, stored.name) not in listed:
+                raise MismatchError(
+                    f"tensor {stored.name} is changed in object {key} but not in the manifest"
+                )
+    for entry, pieces in changed:
+        spec = specs[entry.name]
+        want = spec.shape
+        for piece in pieces:
+            where = record_place(entry, piece)
+            try:
+                info = parsed[piece.object].info(entry.name)  # by name: a scan was O(n^2)
+            except MismatchError:
+                raise MismatchError(f"{where}: not in the object") from None
+            if entry.pieces:
+                want = (piece.numel,)
+            if info.dtype != spec.dtype or tuple(info.shape) != want:
+                raise MismatchError(
+                    f"{where}: the object holds {dtype_name(info.dtype)}{list(info.shape)}, "
+                    f"expected {dtype_name(spec.dtype)}{list(want)}"
+                    + (" (a piece at the wrong place?)" if entry.pieces else "")
+                )
+            if info.changed != piece.changed:
+                raise MismatchError(
+                    f"{where}: the object changes {info.changed} elements, "
+                    f"manifest says {piece.changed}"
+                )
+    return parsed, changed
+
+
+def record_place(entry: TensorEntry, piece: Piece) -> str:
+    """Where a record lies, for messages: its tensor, piece (if stored in pieces) and object."""
+    if entry.pieces:
+        return f"tensor {entry.name}: {piece.describe()} in object {piece.object}"
+    return f"tensor {entry.name} in object {piece.object}"
+
+
 def changed_entries(
     entries: Sequence[TensorEntry],
     objects: Mapping[str, bytes],
     base: Callable[[str], torch.Tensor],
     specs: Mapping[str, TensorSpec],
 ) -> Iterator[tuple[TensorEntry, DeltaObject, torch.Tensor, TensorSpec]]:
-    """(entry, its parsed object, held tensor, spec) of every changed tensor, after
-    checking names, dtypes, shapes and counts of all entries against the objects and
-    ``specs`` (see :func:`decode_entries`)."""
-    names = [entry.name for entry in entries]
-    if len(set(names)) != len(names):
-        raise MismatchError("manifest lists a tensor twice")
-    for entry in entries:
-        check_entry(entry, specs, of="the delta", holder="the target")
-    changed = [entry for entry in entries if entry.changed > 0]
-    parsed = parse_objects(objects, (entry.object for entry in changed))
-    listed = {entry.name for entry in changed}
-    for key, delta in parsed.items():
-        for stored in delta.tensors:
-            if stored.changed > 0 and stored.name not in listed:
-                raise MismatchError(
-                    f"tensor {stored.name} is changed in object {key} but not in the manifest"
-                )
-
-    for entry in changed:
-        delta = parsed[entry.object]
-        try:
-            info = delta.info(entry.name)  # by name: a scan per tensor was O(tensors^2)
-        except MismatchError:
-            raise MismatchError(
-                f"tensor {entry.name} is missing from object {entry.object}"
-            ) from None
+    """(entry, its parsed object, held tensor, spec) of every changed tensor of a delta
+    stored whole, after the checks of :func:`changed_records`."""
+    parsed, changed = changed_records(entries, objects, specs)
+    for entry, _ in changed:
         spec = specs[entry.name]
-        if info.dtype != spec.dtype or tuple(info.shape) != spec.shape:
-            raise MismatchError(
-                f"tensor {entry.name}: object {entry.object} holds "
-                f"{dtype_name(info.dtype)}{list(info.shape)}, "
-                f"target holds {dtype_name(spec.dtype)}{list(spec.shape)}"
-            )
-        if info.changed != entry.changed:
-            raise MismatchError(
-                f"tensor {entry.name}: object {entry.object} changes {info.changed} "
-                f"elements, manifest says {entry.changed}"
-            )
         held = base(entry.name)
         if held.dtype != spec.dtype or tuple(held.shape) != spec.shape:
             raise MismatchError(f"tensor {entry.name}: held copy has the wrong dtype or shape")
-        yield entry, delta, held, spec
+        yield entry, parsed[entry.object], held, spec
 
 
 def _ends(positions: torch.Tensor) -> tuple[int, int]:

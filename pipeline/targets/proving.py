@@ -24,9 +24,10 @@ import torch
 
 from pipeline import cpus
 from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
-from pipeline.errors import CorruptObjectError, MismatchError
+from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.hashes.content_hashes import XXH3, XXH3_ALGORITHM, HashAlgorithm
-from pipeline.format.manifest import TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.manifest import Piece, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.regions import Region
 from pipeline.targets.base import (
     EarlyProof,
     EarlyResult,
@@ -38,6 +39,7 @@ from pipeline.targets.base import (
 from pipeline.targets.patching import (
     apply_verified,
     changed_entries,
+    changed_records,
     check_patch,
     decode_entries,
     decode_entry,
@@ -46,9 +48,9 @@ from pipeline.targets.patching import (
     hash_patched,
     int_view,
     parse_objects,
+    record_place,
     saved_old_values,
 )
-from pipeline.targets.pieced import prove_pieced
 from pipeline.targets.walking import ProvenPatches, Walk, Written, apply_walks
 
 _R = TypeVar("_R")
@@ -478,35 +480,157 @@ def _incremental_one(
 ) -> HashedPatch:
     """One tensor's patch (on its device), old contents at its positions and hash
     after it: the held hash plus the changes."""
-    walked = guarded(delta.gathered, entry, held)
+    at, old, new, digest = _changes(
+        entry, delta, held, held, None, held_hash(entry.name), algorithm, f"tensor {entry.name}"
+    )
+    patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), at, new)
+    return HashedPatch(patch, old, digest or "")
+
+
+def _changes(
+    entry: TensorEntry,
+    delta: DeltaObject,
+    held: torch.Tensor,
+    part: torch.Tensor,
+    region: Region | None,
+    digest: str | None,
+    algorithm: HashAlgorithm,
+    where: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str | None]:
+    """One record's changes to ``held``, decoded against ``part`` (``held`` itself, or
+    the elements of a piece at ``region``): flat positions in ``held``, old and new
+    contents there (on its device), and the hash ``digest`` updated by them (None:
+    decoded without proving). ``where`` names the record in errors."""
+    flat = int_view(held.detach()).view(-1)
+    walked = found = None
+    if digest is not None:
+        walked = guarded(delta.gathered, entry, part)
+        if walked is None:
+            found = guarded(delta.differences, entry, part)
     if walked is not None:
-        # One walk of the streams over the held tensor, read at the changed positions
-        # only: positions, new and old contents; then the hash update from them.
+        # One walk of the streams over the part, read at its changed elements only:
+        # positions, new and old contents; then the hash update from them.
         at, new, old = walked
-        digest = algorithm.updated(held_hash(entry.name), at, old, new, held.element_size())
-        patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), at, new)
-        return HashedPatch(patch, old, digest)
-    flat = int_view(held.detach()).reshape(-1)
-    found = guarded(delta.differences, entry, held)
-    if found is not None:
+        at = at if region is None else region.positions(at)
+    elif found is not None:
         # Positions and differences from the streams alone, then one pass over the
-        # changed positions: old contents gathered, new ones formed, hash updated.
+        # changed elements: old contents gathered, new ones formed, hash updated.
         try:
-            digest, where, old, new = algorithm.gathered(held_hash(entry.name), flat, *found)
+            digest, at, old, new = algorithm.gathered(
+                digest or "", int_view(part).view(-1), *found, region
+            )
         except CorruptObjectError as exc:
-            raise CorruptObjectError(f"tensor {entry.name}: {exc}") from None
-        patch = TensorPatch(entry.name, held.dtype, tuple(held.shape), where, new)
-        return HashedPatch(patch, old, digest)
-    # Level 3's chunked positions depend on the base: decoded against it.
-    patch = decode_entry(delta, entry, held)
-    positions = patch.positions.to(flat.device)
-    if positions.numel() and (int(positions[0]) < 0 or int(positions[-1]) >= flat.numel()):
-        raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
-    old = flat.index_select(0, positions)
-    new = patch.values.to(flat.device)
-    digest = algorithm.updated(held_hash(entry.name), positions, old, new, held.element_size())
-    moved = replace(patch, positions=positions, values=new)
-    return HashedPatch(moved, old, digest)
+            raise CorruptObjectError(f"{where}: {exc}") from None
+        at = at.to(flat.device) if region is None else region.positions(at.to(flat.device))
+        return at, old.to(flat.device), new.to(flat.device), digest
+    else:
+        # Level 3's chunked positions depend on the base: decoded against it.
+        patch = guarded(delta.decode, entry, part)
+        at = patch.positions.to(flat.device)
+        if at.numel() and (int(at[0]) < 0 or int(at[-1]) >= part.numel()):
+            raise CorruptObjectError(f"{where}: decoded position out of range")
+        at = at if region is None else region.positions(at)
+        old = flat.index_select(0, at)
+        new = patch.values.to(flat.device)
+    if digest is not None:
+        digest = algorithm.updated(digest, at, old, new, held.element_size())
+    return at, old, new, digest
+
+
+def prove_pieced(
+    entries: Sequence[TensorEntry],
+    objects: Mapping[str, bytes],
+    base: Callable[[str], torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+    held_hash: Callable[[str], str] | None,
+    algorithm: HashAlgorithm,
+    *,
+    keep_patches: bool = True,
+) -> ProvenPatches:
+    """Whole-tensor patches of a sharded run's delta (see :mod:`pipeline.targets.pieced`),
+    proven against the manifest (with ``held_hash``: the hash each held tensor is
+    known by; None decodes without proving), with the old contents at their
+    positions; nothing is written. The caller checked the objects' sizes and sha256.
+    ``base(name)`` is the held tensor (contiguous). A record of the wrong size or
+    count, a patch out of range or a hash that does not come out is a one-line
+    MismatchError / CorruptObjectError.
+
+    Each piece's record decodes against the held tensor's elements of its region (a
+    flat slice, or a box); its positions, placed by the region, are a patch of the
+    whole tensor, and the tensor's patch is the union of its pieces' (boxes' sorted
+    into flat order). The held hash plus every piece's change (mixsum is additive
+    over flat positions) must be the entry's hash. Without ``keep_patches``, a
+    proven CPU tensor whose pieces are all flat runs the compiled walk reads keeps
+    only its hash: it comes back as one walk per piece (``ProvenPatches.walks``)."""
+    if held_hash is not None and not algorithm.incremental:
+        raise ConfigError(f"content hash {algorithm.name} cannot prove a tensor stored in pieces")
+    parsed, changed = changed_records(entries, objects, specs)
+    proven = ProvenPatches([], {}, {})
+    for entry, pieces in changed:
+        held = base(entry.name)
+        if not held.is_contiguous():
+            raise MismatchError(f"tensor {entry.name}: held copy is not contiguous")
+        bits = int_view(held.detach()).dtype
+        digest = held_hash(entry.name) if held_hash is not None else None
+        where: list[torch.Tensor] = []
+        olds: list[torch.Tensor] = []
+        news: list[torch.Tensor] = []
+        for piece in pieces:
+            region = entry.region(piece)
+            part = region.take(held.detach()) if entry.pieces else held
+            at, old, new, digest = _changes(
+                entry,
+                parsed[piece.object],
+                held,
+                part,
+                region,
+                digest,
+                algorithm,
+                record_place(entry, piece),
+            )
+            where.append(at)
+            olds.append(old)
+            news.append(new.view(bits))
+        at, new_all, old_all = torch.cat(where), torch.cat(news), torch.cat(olds)
+        if any(p.is_box for p in pieces):
+            # Boxes interleave in flat order: their disjoint positions sorted into one patch.
+            order = torch.argsort(at)
+            at, new_all, old_all = at[order], new_all[order], old_all[order]
+        whole = TensorPatch(entry.name, held.dtype, tuple(held.shape), at, new_all)
+        check_patch(whole, entry, specs[entry.name])
+        if digest is not None:
+            _check_digest(entry, digest)
+            proven.hashes[entry.name] = digest
+            walks = None if keep_patches else _piece_walks(entry, pieces, parsed, held)
+            if walks is not None:  # proven; its patch is not kept
+                proven.walks.extend(walks)
+                continue
+        proven.patches.append(whole)
+        proven.old_values[entry.name] = old_all
+    return proven
+
+
+def _piece_walks(
+    entry: TensorEntry,
+    pieces: Sequence[Piece],
+    parsed: Mapping[str, DeltaObject],
+    held: torch.Tensor,
+) -> list[Walk] | None:
+    """One walk per piece of ``entry`` if every piece can be written by walking its
+    record into a view of the held tensor (CPU, flat runs, the walk's encodings), else
+    None (its patch is kept)."""
+    walks = []
+    for piece in pieces:
+        region = entry.region(piece)
+        if not region.is_contiguous:
+            return None
+        delta = parsed[piece.object]
+        span = (region.start, region.stop) if entry.pieces else None
+        walk = Walk(entry.name, delta, delta.info(entry.name).changed, span)
+        if not delta.walks(entry.name, walk.target(held)):
+            return None
+        walks.append(walk)
+    return walks
 
 
 def _a_piece(shape: tuple[int, ...], held: torch.Tensor) -> bool:
