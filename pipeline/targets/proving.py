@@ -27,6 +27,7 @@ from pipeline.codec import DeltaObject, HashedPatch, TensorPatch
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.hashes.content_hashes import XXH3, XXH3_ALGORITHM, HashAlgorithm
 from pipeline.format.manifest import Piece, TensorEntry, dtype_from_name, dtype_name
+from pipeline.format.matching import spec_of
 from pipeline.format.regions import Region
 from pipeline.targets.base import (
     EarlyProof,
@@ -94,6 +95,36 @@ class PatchAllowance:
         """A write began: what earlier proofs kept is dropped with them."""
         with self._lock:
             self._kept = 0
+
+
+def check_base(
+    weights: HeldWeights,
+    entries: Sequence[TensorEntry],
+    parent_state_hash: str | None,
+    held_state: Callable[[], str],
+    where: str,
+) -> None:
+    """Catch a delta for another base before decoding it: the held weights' state hash
+    (``held_state()``) must be the delta's parent state hash where it names one, and
+    every tensor the delta leaves unchanged must hold its manifest hash (a tensor not
+    held as its entry says is left to the decode, which names it)."""
+    if parent_state_hash:
+        held = held_state()
+        if held != parent_state_hash:
+            raise MismatchError(
+                f"{where}: the held weights (state hash {held}) are not the delta's base "
+                f"(state hash {parent_state_hash})"
+            )
+    specs = weights.specs()
+    touched = {weights.canonical(e.name) for e in entries if e.changed > 0}
+    for entry in entries:
+        if specs.get(entry.name) != spec_of(entry) or weights.canonical(entry.name) in touched:
+            continue
+        if weights.held_hash(entry.name) != entry.hash:
+            raise MismatchError(
+                f"{where}: tensor {entry.name!r} is unchanged by the delta but its held "
+                "content does not match the manifest (wrong base)"
+            )
 
 
 def prove_and_write(

@@ -37,6 +37,7 @@ from pipeline.targets.pieced import AnchorPiece
 from pipeline.targets.proving import (
     DEFAULT_PATCH_MEMORY_BYTES,
     PatchAllowance,
+    check_base,
     early_results,
     prove_and_write,
     prove_object,
@@ -404,19 +405,18 @@ class TorchTarget:
             if verify == "all":
                 self._hash_cache.clear()  # every held hash is recomputed in full
             entries = self._check_manifest(manifest, where)
-            self._check_base(manifest, where)
+            # Fresh hashes for "all", the hashes known since their last change else.
+            names = [e.name for e in manifest.tensors]
+            check_base(
+                self,
+                manifest.tensors,
+                manifest.parent_state_hash,
+                lambda: self.state_hash(names),
+                where,
+            )
             if manifest.kind != "delta":
                 raise MismatchError(f"{where} is an {manifest.kind}, not a delta")
             check_objects(manifest, objects)
-            # Untouched tensors do not change: check them now, before any write
-            # (fresh hashes for "all", the hashes known since their last change else).
-            touched = {self._canonical[e.name] for e in manifest.tensors if e.changed > 0}
-            for canonical, entry in entries.items():
-                if canonical not in touched and self._cached_hash(canonical) != entry.hash:
-                    raise MismatchError(
-                        f"{where}: tensor {entry.name!r} is unchanged by the delta but its held "
-                        "content does not match the manifest (wrong base)"
-                    )
             vouched = {o.key: o.sha256 for o in manifest.objects}
             early_used = early_results(
                 manifest.tensors, vouched, early, self._generation, self._algorithm.name
@@ -489,17 +489,6 @@ class TorchTarget:
                 f"({len(missing)} missing in all)"
             )
         return entries
-
-    def _check_base(self, manifest: Manifest, where: str) -> None:
-        expected = getattr(manifest, "parent_state_hash", None)
-        if expected is None:
-            return
-        held = self.state_hash(e.name for e in manifest.tensors)
-        if held != expected:
-            raise MismatchError(
-                f"{where}: the held weights (state {held}) are not the delta's base "
-                f"v{manifest.parent} (state {expected})"
-            )
 
     # -- export --------------------------------------------------------------------
 

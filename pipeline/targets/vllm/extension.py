@@ -33,7 +33,12 @@ from pipeline import collector
 from pipeline.errors import CorruptObjectError, MismatchError, TargetError
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.targets.patching import int_view
-from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES, early_results, prove_and_write
+from pipeline.targets.proving import (
+    DEFAULT_PATCH_MEMORY_BYTES,
+    check_base,
+    early_results,
+    prove_and_write,
+)
 from pipeline.targets.vllm.cpu import computes_from_weight
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.mapping import (
@@ -60,7 +65,6 @@ from pipeline.targets.vllm.protocol import (
 from pipeline.targets.vllm.worker_state import (
     Envelope,
     WorkerState,
-    check_base,
     enveloped,
     failed,
     ok,
@@ -357,7 +361,9 @@ class DeltasyncWorkerExtension:
             if verify == "all":
                 state.hashes = {}  # every held hash is recomputed in full
             if verify != "none":
-                check_base(state, entries, parsed.parent_state_hash, verify)
+                check_base(
+                    state, entries, parsed.parent_state_hash, state.state_hash, f"v{parsed.version}"
+                )
             written = prove_and_write(
                 state, entries, objects, verify, algorithm, ready, parsed.patch_memory_bytes
             )

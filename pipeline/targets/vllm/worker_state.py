@@ -20,12 +20,10 @@ from typing import Any
 import structlog
 import torch
 
-from pipeline.errors import DeltasyncError, MismatchError, TargetError
+from pipeline.errors import DeltasyncError, TargetError
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import state_hash
-from pipeline.format.manifest import TensorEntry
-from pipeline.format.matching import difference, spec_of
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.vllm.mapping import Placement, Route
@@ -118,38 +116,12 @@ class WorkerState:
             self.hashes = {}
         return self.algorithm
 
+    def state_hash(self) -> str:
+        return state_hash((n, self.held_hash(n)) for n in self.shadow)
+
     def held_hash(self, name: str) -> str:
         digest = self.hashes.get(name)
         if digest is None:
             digest = self.algorithm.full(self.shadow[name])
             self.hashes[name] = digest
         return digest
-
-
-def check_base(
-    state: WorkerState, entries: list[TensorEntry], parent_state_hash: str | None, verify: str
-) -> None:
-    """Catch a delta for another base before decoding: the unchanged tensors must
-    already hold their manifest hashes ("all": recomputed; "touched": cached)."""
-    for entry in entries:
-        if entry.changed:
-            continue
-        if entry.name not in state.shadow:
-            continue  # decode_entries reports it
-        tensor = state.shadow[entry.name]
-        if difference(spec_of(entry), TensorSpec(tensor.dtype, tuple(tensor.shape))) is not None:
-            continue  # decode_entries reports it
-        if verify == "all":
-            state.hashes.pop(entry.name, None)
-        if state.held_hash(entry.name) != entry.hash:
-            raise MismatchError(
-                f"tensor {entry.name}: held content hash differs from the manifest's "
-                "unchanged tensor (delta for another base version?)"
-            )
-    if parent_state_hash:
-        held = state_hash((n, state.held_hash(n)) for n in state.shadow)
-        if held != parent_state_hash:
-            raise MismatchError(
-                f"vLLM target state hash {held} is not the delta's parent state hash "
-                f"{parent_state_hash}"
-            )
