@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import structlog
@@ -243,16 +244,7 @@ class VllmTarget:
         }
         summary = PrepareSummary.parse(prepared[0]["value"])
         self.version = manifest.version
-        log.info(
-            "vllm target applied delta",
-            run=manifest.run,
-            version=manifest.version,
-            tensors=summary.tensors,
-            changed=summary.changed,
-            walked=summary.walked,
-            pause_s=round(pause, 6),
-        )
-        return ApplyReport(
+        report = ApplyReport(
             manifest.version,
             summary.tensors,
             summary.changed,
@@ -260,6 +252,8 @@ class VllmTarget:
             walked=summary.walked,
             early_tensors=summary.early_tensors,
         )
+        log.info("vllm target applied delta", run=manifest.run, **asdict(report))
+        return report
 
     def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
         """Have every worker prove delta object ``key`` (bytes checked against
