@@ -147,6 +147,7 @@ def prove_and_write(
     are proven, then decoded again straight into the weights (without a proof,
     nothing is walked). Any failure leaves the weights as they were."""
     keep = verify == "none" or patches_bytes(entries) <= patch_memory_bytes
+    specs = weights.specs()
     proven: ProvenPatches
     if any(e.pieces for e in entries):
         # A sharded run: each piece decoded against its flat slice into a whole-tensor
@@ -157,14 +158,14 @@ def prove_and_write(
             entries,
             objects,
             weights.tensor,
-            weights.specs(),
+            specs,
             held_hash,
             algorithm,
             keep_patches=keep,
         )
     elif verify == "none":
         early = {}
-        patches = decode_entries(entries, objects, weights.tensor, weights.specs())
+        patches = decode_entries(entries, objects, weights.tensor, specs)
         proven = ProvenPatches(patches, {}, saved_old_values(patches, weights.tensor))
     elif algorithm.incremental:
         # O(changed): held hashes plus the changes; old contents read at the changed
@@ -173,7 +174,7 @@ def prove_and_write(
             entries,
             objects,
             weights.tensor,
-            weights.specs(),
+            specs,
             weights.held_hash,
             algorithm,
             early,
@@ -181,9 +182,7 @@ def prove_and_write(
         )
     else:
         # Each tensor decoded and hashed in one pass against its held copy.
-        proven = prove_entries(
-            entries, objects, weights.tensor, weights.specs(), early, keep_patches=keep
-        )
+        proven = prove_entries(entries, objects, weights.tensor, specs, early, keep_patches=keep)
     # A tied weight carried under both names decodes twice: written once.
     patches_by: dict[str, TensorPatch] = {}
     walks_by: dict[str, list[Walk]] = {}  # a sharded run's tensor: one walk per piece
