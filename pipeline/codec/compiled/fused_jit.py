@@ -179,43 +179,49 @@ def scan_diffs(base: Any, new: Any, out_pos: Any, out_diff: Any, out_old: Any, s
     where to resume). The base contents are taken while they are in cache, so that
     a content hash of the change needs no second, scattered read of the base.
 
-    Each 64-lane mask is compacted into four output slots without branches
+    Each 64-lane mask is compacted into two output slots without branches
     (a branch per lane or per mask mispredicts at a few percent changed);
-    the rare mask with more than four bits set finishes in a loop."""
+    the mask with more than two bits set finishes in a loop. The main loop indexes
+    with unsigned integers: no negative-index wrapping to compute, and the arrays'
+    addresses stay in registers."""
     n = base.size
-    main = n - n % LANES
-    cap = out_pos.size
-    k = 0
-    i = start
+    main = np.uint64(n - n % LANES)
+    cap = np.uint64(out_pos.size)
+    lanes = np.uint64(LANES)
+    k = np.uint64(0)
+    i = np.uint64(start)
     one = np.uint64(1)
     last = np.uint64(LANES - 1)
     while i < main:
-        if k + LANES > cap:
-            return k, i
+        if k + lanes > cap:
+            return np.int64(k), np.int64(i)
         mask = neq_mask(base, new, i)
-        for _ in range(3):
+        for _ in range(2):
             p = i + min(trailing_zeros(mask), last)
+            old = base[p]
             out_pos[k] = p
-            out_diff[k] = new[p] - base[p]
-            out_old[k] = base[p]
-            k += mask != 0
+            out_diff[k] = new[p] - old
+            out_old[k] = old
+            k += np.uint64(mask != 0)
             mask &= mask - one
         while mask:
             p = i + trailing_zeros(mask)
+            old = base[p]
             out_pos[k] = p
-            out_diff[k] = new[p] - base[p]
-            out_old[k] = base[p]
-            k += 1
+            out_diff[k] = new[p] - old
+            out_old[k] = old
+            k += one
             mask &= mask - one
-        i += LANES
-    if k + LANES > cap:
-        return k, i
-    for p in range(i, n):
-        out_pos[k] = p
-        out_diff[k] = new[p] - base[p]
-        out_old[k] = base[p]
-        k += base[p] != new[p]
-    return k, n
+        i += lanes
+    written = np.int64(k)
+    if written + LANES > out_pos.size:
+        return written, np.int64(i)
+    for q in range(np.int64(i), n):
+        out_pos[written] = q
+        out_diff[written] = new[q] - base[q]
+        out_old[written] = base[q]
+        written += base[q] != new[q]
+    return written, n
 
 
 @jit  # type: ignore[untyped-decorator,misc]
