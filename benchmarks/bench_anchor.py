@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import make_state, qwen_like_shapes
 from pipeline.publish.version import publish_anchor
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import save_state
@@ -76,7 +76,7 @@ def measure(
     )  # fmt: skip
     write = time.perf_counter() - start
     target = TorchTarget({n: torch.empty_like(t) for n, t in state.items()})
-    node = RolloutNode(store, "a", target, node_id="boot", progress=False)
+    node = RolloutNode(store, "a", target, NodeOptions(node_id="boot", progress=False))
     start = time.perf_counter()
     assert node.step_once() == 0, node.last_error
     boot = time.perf_counter() - start

@@ -33,7 +33,7 @@ import torch
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
@@ -105,7 +105,10 @@ def main() -> None:
         publish(step, state)
         held = {n: torch.empty_like(t, device=args.device) for n, t in state.items()}
         node = RolloutNode(
-            store, RUN, TorchTarget(held), node_id="bench", prefetch=False, verify=args.verify
+            store,
+            RUN,
+            TorchTarget(held),
+            NodeOptions(node_id="bench", prefetch=False, verify=args.verify),
         )
         node.step_once()  # bootstrap
         spare = {n: torch.empty_like(t) for n, t in held.items()}

@@ -141,7 +141,7 @@ def mapped_node(store_url: str, template: Path, out: Path, until: int) -> None:
     """A rollout node whose torch target is ``out``, a safetensors file laid out like
     ``template`` and mapped shared: the weights live in the page cache, not in the
     process's anonymous memory."""
-    from pipeline.rollout.node import RolloutNode
+    from pipeline.rollout.node import NodeOptions, RolloutNode
     from pipeline.store import open_store
     from pipeline.targets.torch import TorchTarget
 
@@ -168,7 +168,9 @@ def mapped_node(store_url: str, template: Path, out: Path, until: int) -> None:
     for name, spec in entries:
         b, e = header[name]["data_offsets"]
         weights[name] = mapped[start + b : start + e].view(spec.dtype).view(spec.shape)
-    node = RolloutNode(open_store(store_url), RUN, TorchTarget(weights), poll_interval_s=0.5)
+    node = RolloutNode(
+        open_store(store_url), RUN, TorchTarget(weights), NodeOptions(poll_interval_s=0.5)
+    )
     try:
         node.run(until_version=until)
     finally:

@@ -39,7 +39,7 @@ from pipeline.coord.stream import EventStream
 from pipeline.format.manifest import manifest_key
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import save_state
@@ -129,9 +129,9 @@ def main() -> None:
             RolloutNode(
                 store, RUN,
                 TorchTarget({n: torch.empty_like(t) for n, t in state.items()}),
+                NodeOptions(node_id=f"node-{i}", poll_interval_s=30.0, heartbeat_interval_s=5.0),
                 events=EventStream(redis.Redis.from_url(server.url), RUN),
                 redis=redis.Redis.from_url(server.url),
-                node_id=f"node-{i}", poll_interval_s=30.0, heartbeat_interval_s=5.0,
             )
             for i, store in enumerate(stores)
         ]  # fmt: skip

@@ -11,6 +11,7 @@ Trainer side
     ``Emitted``            what an emit sent
 Rollout side
     ``RolloutNode``        keeps a target at the head of a run (bootstrap, follow, verify)
+    ``NodeOptions``        how a node follows its run (verify key, polling, state file...)
     ``TorchTarget``        a torch state dict or ``nn.Module`` as a target
     ``VllmTarget``         a vLLM engine as a target; ``start_engine`` starts one for it
     ``VersionClient``      what a ``deltasync serve`` holds; waits for a version
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from pipeline.config import Settings as Settings
     from pipeline.errors import DeltasyncError as DeltasyncError
     from pipeline.errors import VersionTimeoutError as VersionTimeoutError
+    from pipeline.rollout.node import NodeOptions as NodeOptions
     from pipeline.rollout.node import RolloutNode as RolloutNode
     from pipeline.rollout.served import ServedVersion as ServedVersion
     from pipeline.rollout.served import VersionClient as VersionClient
@@ -55,6 +57,7 @@ _HOMES: dict[str, str] = {
     "Emitted": "workers.trainer",
     "ShardedEmitter": "workers.sharded_trainer",
     "RolloutNode": "pipeline.rollout.node",
+    "NodeOptions": "pipeline.rollout.node",
     "TorchTarget": "pipeline.targets.torch",
     "VllmTarget": "pipeline.targets.vllm.target",
     "start_engine": "pipeline.targets.vllm.startup",
@@ -74,6 +77,7 @@ __all__ = [
     "DeltasyncRollout",
     "Emitted",
     "Emitter",
+    "NodeOptions",
     "RolloutNode",
     "ServedVersion",
     "Settings",

@@ -34,7 +34,7 @@ from pipeline.format.tensors import DTYPES
 from pipeline.publish.compaction import compact
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.version import publish_anchor
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
@@ -314,7 +314,7 @@ def test_rollout_node_bootstraps_from_a_compressed_anchor(tmp_path: Path) -> Non
     compact(store, run.run, 1, anchor_compression="zstd")
     run.publish(2)
     held = {n: torch.zeros_like(t) for n, t in run.states[2].items()}
-    node = RolloutNode(store, run.run, TorchTarget(held), node_id="n", progress=False)
+    node = RolloutNode(store, run.run, TorchTarget(held), NodeOptions(node_id="n", progress=False))
     try:
         assert node.step_once() == 2
         assert node.last_error is None

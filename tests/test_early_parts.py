@@ -29,7 +29,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.base import ApplyReport, EarlyProof, EarlyProofStarter, TensorSpec, VerifyMode
 from pipeline.targets.early_proofs import BackgroundProofs
@@ -305,9 +305,8 @@ def early_node(
     seen = {"proofs": target, "downloads-only": FetchOnlyTarget(target),
             "handed-off": HandOffTarget(target)}[mode]  # fmt: skip
     node = RolloutNode(
-        store, RUN, seen,
+        store, RUN, seen, NodeOptions(node_id=node_id, poll_interval_s=3600, early_start=True),
         events=EventStream(node_client, RUN), redis=node_client,
-        node_id=node_id, poll_interval_s=3600, early_start=True,
     )  # fmt: skip
     stop = threading.Event()
     thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True, name="node-run")
@@ -432,7 +431,9 @@ def test_a_process_driving_its_engine_hands_parts_over_in_step_once(
     publisher = redis_client(private_redis.url)
     target = TorchTarget({n: torch.zeros_like(t) for n, t in trainer.states[0].items()})
     seen = HandOffTarget(target)
-    node = RolloutNode(mirror, RUN, seen, redis=client, node_id="embedded", early_start=True)
+    node = RolloutNode(
+        mirror, RUN, seen, NodeOptions(node_id="embedded", early_start=True), redis=client
+    )
     try:
         assert node.step_once() == 0
         wait_for(lambda: publisher.pubsub_numsub(channel(RUN))[0][1] == 1, "node listening")

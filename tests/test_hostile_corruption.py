@@ -19,7 +19,7 @@ from pipeline.coord.stream import EventStream
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import manifest_key, object_key
 from pipeline.publish.compaction import compact
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from pipeline.versions import chain
@@ -89,7 +89,9 @@ def _node(run: PublishedRun, redis_url: str) -> tuple[RolloutNode, TorchTarget, 
     states = run.states[0]
     target = TorchTarget({n: torch.empty_like(t) for n, t in states.items()})
     stream = EventStream(redis_client(redis_url), RUN)
-    node = RolloutNode(run.store, RUN, target, events=stream, node_id="victim", prefetch=False)
+    node = RolloutNode(
+        run.store, RUN, target, NodeOptions(node_id="victim", prefetch=False), events=stream
+    )
     return node, target, stream
 
 

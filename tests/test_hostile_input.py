@@ -31,7 +31,7 @@ from pipeline.format.manifest import manifest_key
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
@@ -224,7 +224,7 @@ def test_node_refuses_a_manifest_pointing_outside_the_run(
     own.put(manifest_key(RUN, "delta", 2), json.dumps(doc).encode())
     target = TorchTarget({n: torch.empty_like(t) for n, t in _state(0).items()})
     events = EventStream(redis_client(redis_url), RUN)
-    node = RolloutNode(own, RUN, target, events=events, node_id="n", prefetch=False)
+    node = RolloutNode(own, RUN, target, NodeOptions(node_id="n", prefetch=False), events=events)
     before = _files(tmp_path)
     assert node.step_once() != 2  # never applied
     assert isinstance(node.last_error, CorruptObjectError)

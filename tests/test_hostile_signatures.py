@@ -32,7 +32,7 @@ from pipeline.errors import SignatureError
 from pipeline.format.manifest import manifest_key, object_key, to_json
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
 from pipeline.publish.version import publish_anchor
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from pipeline.versions import chain
@@ -70,11 +70,13 @@ def node_of(store: FileStore, public: Ed25519PublicKey, state_path: Path) -> Rol
         store,
         RUN,
         TorchTarget(held),
-        public_key=public,
-        state_path=state_path,
-        prefetch=False,
-        poll_interval_s=0.01,
-        max_backoff_s=0.01,
+        NodeOptions(
+            public_key=public,
+            state_path=state_path,
+            prefetch=False,
+            poll_interval_s=0.01,
+            max_backoff_s=0.01,
+        ),
     )
     HELD[id(node)] = held
     return node

@@ -24,7 +24,7 @@ from pipeline.format.manifest import manifest_key, to_json
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.publish.diff import scan_hasher, updated_hashes
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets import confirmed, patching, proving
 from pipeline.targets.torch import TorchTarget
@@ -114,7 +114,7 @@ def test_replica_applies_in_o_changed_and_full_proofs_where_they_belong(
     trainer.publish()
     target_state = {n: torch.zeros_like(t, device=device) for n, t in trainer.states[0].items()}
     target = TorchTarget(target_state)
-    node = RolloutNode(store, RUN, target, node_id="n")
+    node = RolloutNode(store, RUN, target, NodeOptions(node_id="n"))
     full = count_full_hashes(monkeypatch)
     assert node.step_once() == 0
     assert len(full) == len(target_state)  # each anchor tensor checked as it came
@@ -149,7 +149,7 @@ def test_a_replica_proves_level_3_records_from_their_decode(
     trainer.level = 3
     trainer.publish()
     target, held = empty_target(trainer.states[0])
-    node = RolloutNode(store, RUN, target, node_id="n")
+    node = RolloutNode(store, RUN, target, NodeOptions(node_id="n"))
     assert node.step_once() == 0
     seen: list[tuple[str, bool]] = []
     real = DeltaObject.gathered
@@ -186,7 +186,7 @@ def test_a_patch_written_to_a_wrong_position_is_caught_and_rolled_back(
     from the store (an element written outside the patch is not in the undo log)."""
     trainer.publish()
     target, held = empty_target(trainer.states[0])
-    node = RolloutNode(store, RUN, target, node_id="n")
+    node = RolloutNode(store, RUN, target, NodeOptions(node_id="n"))
     assert node.step_once() == 0
     v = trainer.publish()
     real = apply_patch
@@ -234,7 +234,9 @@ def test_a_replica_over_its_patch_budget_walks_its_writes_in_o_changed(
     full; bit for bit."""
     trainer.publish()
     held = {n: torch.zeros_like(t) for n, t in trainer.states[0].items()}
-    node = RolloutNode(store, RUN, TorchTarget(held, patch_memory_bytes=0), node_id="n")
+    node = RolloutNode(
+        store, RUN, TorchTarget(held, patch_memory_bytes=0), NodeOptions(node_id="n")
+    )
     assert node.step_once() == 0
     trainer.publish()
     assert node.step_once() == 1  # (the first apply proves the bootstrap in full)
@@ -260,7 +262,7 @@ def test_a_replica_over_its_patch_budget_verifying_all_rehashes_with_the_runs_ha
     trainer.publish()
     held = {n: torch.zeros_like(t) for n, t in trainer.states[0].items()}
     target = TorchTarget(held, patch_memory_bytes=0)
-    node = RolloutNode(store, RUN, target, node_id="n", verify="all")
+    node = RolloutNode(store, RUN, target, NodeOptions(node_id="n", verify="all"))
     assert node.step_once() == 0
     walked = counted_walks(monkeypatch)
     for _ in range(2):
@@ -285,7 +287,9 @@ def test_scrubber_catches_a_corrupted_untouched_element_and_the_node_repairs_it(
     v = trainer.publish()
     target, held = empty_target(trainer.states[0])
     pace = ScrubPace(period_s=0.0, cpu_fraction=1.0)
-    node = RolloutNode(store, RUN, target, events=events, node_id="scrubbed", scrub=pace)
+    node = RolloutNode(
+        store, RUN, target, NodeOptions(node_id="scrubbed", scrub=pace), events=events
+    )
     assert node.scrubber is not None
     node.scrubber.stop()  # passes are run here, one at a time
     assert node.step_once() == v
@@ -313,7 +317,9 @@ def test_an_apply_reads_only_changed_elements_and_the_scrubber_repairs_the_rest(
     trainer.publish()
     target, held = empty_target(trainer.states[0])
     pace = ScrubPace(period_s=0.0, cpu_fraction=1.0)
-    node = RolloutNode(store, RUN, target, events=events, node_id="scrubbed", scrub=pace)
+    node = RolloutNode(
+        store, RUN, target, NodeOptions(node_id="scrubbed", scrub=pace), events=events
+    )
     assert node.scrubber is not None
     node.scrubber.stop()  # passes are run here, one at a time
     assert node.step_once() == 1  # bootstrap, and every held hash proven in full

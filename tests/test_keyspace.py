@@ -15,7 +15,7 @@ from pipeline.coord.keys import TEMPLATES, template_of
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError
 from pipeline.publish import dead_letters
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing import synthetic
@@ -108,7 +108,12 @@ def test_a_short_run_writes_only_declared_keys(redis_url: str, tmp_path: Path) -
     specs = chain.load_manifest(store, run, "anchor", 3).tensors
     tensors = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in specs}
     node = RolloutNode(
-        store, run, TorchTarget(tensors), events=EventStream(r, run), redis=r, node_id="n-1"
+        store,
+        run,
+        TorchTarget(tensors),
+        NodeOptions(node_id="n-1"),
+        events=EventStream(r, run),
+        redis=r,
     )
     assert node.run(until_version=3) == 3
     problems.report_failure(r, run, "n-2", None, "ChainError: test")

@@ -14,7 +14,7 @@ from pipeline.errors import SignatureError
 from pipeline.format.signing import generate_keypair
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import save_state
@@ -53,7 +53,7 @@ def test_a_hand_built_node_checks_the_configured_verify_key(
     _, public = generate_keypair(tmp_path / "keys")
     monkeypatch.setenv("DELTASYNC_VERIFY_KEY", str(public))
 
-    node = RolloutNode(store, RUN, _empty_like(last), progress=False)
+    node = RolloutNode(store, RUN, _empty_like(last), NodeOptions(progress=False))
     try:
         assert node.step_once() is None, "an unsigned run was served with a verify key set"
         assert isinstance(node.last_error, SignatureError), node.last_error
@@ -62,7 +62,7 @@ def test_a_hand_built_node_checks_the_configured_verify_key(
 
     # Opting out is explicit.
     target = _empty_like(last)
-    node = RolloutNode(store, RUN, target, public_key=None, progress=False)
+    node = RolloutNode(store, RUN, target, NodeOptions(public_key=None, progress=False))
     try:
         assert node.step_once() == 1
     finally:

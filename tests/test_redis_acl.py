@@ -24,7 +24,7 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.stream import EventStream
 from pipeline.format.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import manifest_key
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
 from pipeline.targets.torch import TorchTarget
 from pipeline.versions import chain
@@ -114,10 +114,9 @@ def test_each_role_works_with_its_documented_acl(redis7: RedisServer, tmp_path: 
             store,
             RUN,
             TorchTarget(tensors),
+            NodeOptions(node_id=f"{role}-1", early_start=True),
             events=EventStream(r, RUN),
             redis=r,
-            node_id=f"{role}-1",
-            early_start=True,
         )
         assert node.run(until_version=2) == 2
         problems.report_failure(r, RUN, f"{role}-2", 2, "ChainError: a test")

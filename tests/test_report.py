@@ -15,7 +15,7 @@ import torch
 from pipeline.config import Settings
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing import synthetic
 from pipeline.versions.history import build, collect
@@ -55,8 +55,8 @@ def real_run(redis_url: str, tmp_path: Path) -> dict[str, str]:
 
     def node(name: str) -> RolloutNode:
         target = TorchTarget({n: torch.empty_like(t) for n, t in state.items()})
-        return RolloutNode(runtime.store, RUN, target, events=EventStream(runtime.redis, RUN),
-                           redis=runtime.redis, node_id=name, prefetch=False)  # fmt: skip
+        return RolloutNode(runtime.store, RUN, target, NodeOptions(node_id=name, prefetch=False),
+                           events=EventStream(runtime.redis, RUN), redis=runtime.redis)  # fmt: skip
 
     a, b = node("node-a"), node("node-b")
     for step in range(STEPS):

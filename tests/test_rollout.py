@@ -35,7 +35,7 @@ from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import publish_anchor
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.patching import int_view
 from pipeline.targets.torch import TorchTarget
@@ -148,7 +148,7 @@ def test_node_follows_a_run_bit_exact_through_compaction_and_gc(
 ) -> None:
     trainer.publish()  # v0: the first anchor
     target, held = empty_target(trainer.current)
-    node = RolloutNode(store, RUN, target, prefetch=prefetch, node_id="early")
+    node = RolloutNode(store, RUN, target, NodeOptions(prefetch=prefetch, node_id="early"))
     assert node.step_once() == 0
     assert_holds(held, trainer.states[0])
 
@@ -175,7 +175,7 @@ def test_node_follows_a_run_bit_exact_through_compaction_and_gc(
 
     # A node that starts late bootstraps from the newest anchor and replays the chain.
     late_target, late_held = empty_target(trainer.current)
-    late = RolloutNode(store, RUN, late_target, prefetch=prefetch, node_id="late")
+    late = RolloutNode(store, RUN, late_target, NodeOptions(prefetch=prefetch, node_id="late"))
     assert late.step_once() == v
     assert_holds(late_held, trainer.states[v])
     assert late.applied_state_hash == node.applied_state_hash
@@ -348,7 +348,7 @@ def test_bad_version_is_reported_weights_untouched_and_node_recovers(
     good = trainer.publish()
     held = {n: torch.zeros_like(t) for n, t in trainer.current.items()}
     target = CountingTarget(held)
-    node = RolloutNode(store, RUN, target, events=stream, node_id="n1")
+    node = RolloutNode(store, RUN, target, NodeOptions(node_id="n1"), events=stream)
     assert node.step_once() == good
 
     bad = trainer.publish()
@@ -389,12 +389,12 @@ def test_signed_run_needs_the_right_key(store: FileStore, tmp_path: Path) -> Non
         trainer.states[step] = state
 
     target, held = empty_target(trainer.states[0])
-    wrong = RolloutNode(store, RUN, target, public_key=load_public_key(other_public))
+    wrong = RolloutNode(store, RUN, target, NodeOptions(public_key=load_public_key(other_public)))
     assert wrong.step_once() is None
     assert isinstance(wrong.last_error, SignatureError)
     assert all(not t.any() for t in held.values())  # nothing was loaded
 
-    right = RolloutNode(store, RUN, target, public_key=load_public_key(public))
+    right = RolloutNode(store, RUN, target, NodeOptions(public_key=load_public_key(public)))
     assert right.step_once() == 1
     assert_holds(held, trainer.states[1])
 
@@ -409,12 +409,12 @@ def test_restarted_node_resumes_when_its_weights_prove_out(
     trainer.publish()
     v = trainer.publish()
     held = {n: torch.zeros_like(t) for n, t in trainer.current.items()}
-    first = RolloutNode(store, RUN, CountingTarget(held), state_path=state_path)
+    first = RolloutNode(store, RUN, CountingTarget(held), NodeOptions(state_path=state_path))
     assert first.step_once() == v
 
     # Same weights (the server kept its model), new node object: no bootstrap.
     target = CountingTarget(held)
-    again = RolloutNode(store, RUN, target, state_path=state_path)
+    again = RolloutNode(store, RUN, target, NodeOptions(state_path=state_path))
     assert again.start() == v
     v2 = trainer.publish()
     assert again.step_once() == v2
@@ -424,7 +424,7 @@ def test_restarted_node_resumes_when_its_weights_prove_out(
     # Weights that do not match the recorded version: bootstrap.
     int_view(held["lm_head.weight"]).view(-1)[0] += 1
     target = CountingTarget(held)
-    third = RolloutNode(store, RUN, target, state_path=state_path)
+    third = RolloutNode(store, RUN, target, NodeOptions(state_path=state_path))
     assert third.start() is None
     assert third.step_once() == v2
     assert target.loads == 1
@@ -438,7 +438,7 @@ def test_heartbeats_report_the_applied_version(
     trainer.publish()
     v = trainer.publish()
     target, _ = empty_target(trainer.current)
-    node = RolloutNode(store, RUN, target, redis=client, node_id="hb-node")
+    node = RolloutNode(store, RUN, target, NodeOptions(node_id="hb-node"), redis=client)
     node.step_once()
     (info,) = list_replicas(client, RUN)
     assert (info.node, info.version) == ("hb-node", v)
@@ -503,8 +503,8 @@ def test_node_follows_events_through_gaps_duplicates_restart_and_trim(
     target = GatedTarget(held)
     # Polling is off in practice (an hour): only events, and the gap check, wake the node.
     node = RolloutNode(
-        store, RUN, target, events=EventStream(node_client, RUN), redis=node_client,
-        node_id="follower", poll_interval_s=3600,
+        store, RUN, target, NodeOptions(node_id="follower", poll_interval_s=3600),
+        events=EventStream(node_client, RUN), redis=node_client,
     )  # fmt: skip
     stop = threading.Event()
     thread = threading.Thread(target=node.run, kwargs={"stop": stop}, daemon=True)
@@ -574,6 +574,6 @@ def test_run_until_version_returns_once_applied(trainer: Trainer, store: FileSto
     trainer.publish()
     v = trainer.publish()
     target, held = empty_target(trainer.current)
-    node = RolloutNode(store, RUN, target, poll_interval_s=0.05)
+    node = RolloutNode(store, RUN, target, NodeOptions(poll_interval_s=0.05))
     assert node.run(until_version=v) == v
     assert_holds(held, trainer.states[v])

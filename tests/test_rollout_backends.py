@@ -9,7 +9,7 @@ import torch
 from pipeline.publish.compaction import compact
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import ObjectStore
 from pipeline.targets.patching import int_view
 from pipeline.targets.torch import TorchTarget
@@ -23,7 +23,7 @@ def test_node_follows_a_run_on_every_backend(store: ObjectStore, tmp_path: Path)
     cache = StateCache(tmp_path / "cache", RUN)
     state = generator.state()
     held = {n: torch.zeros_like(t) for n, t in state.items()}
-    node = RolloutNode(store, RUN, TorchTarget(held), node_id="backend-node")
+    node = RolloutNode(store, RUN, TorchTarget(held), NodeOptions(node_id="backend-node"))
     for step in range(4):
         if step:
             state = generator.step()
@@ -36,6 +36,6 @@ def test_node_follows_a_run_on_every_backend(store: ObjectStore, tmp_path: Path)
         for name, tensor in state.items():
             assert torch.equal(int_view(held[name]).view(-1), int_view(tensor).view(-1)), name
     late_held = {n: torch.zeros_like(t) for n, t in state.items()}
-    late = RolloutNode(store, RUN, TorchTarget(late_held), node_id="late-node")
+    late = RolloutNode(store, RUN, TorchTarget(late_held), NodeOptions(node_id="late-node"))
     assert late.step_once() == 3, late.last_error
     assert late.applied_state_hash == node.applied_state_hash

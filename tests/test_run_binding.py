@@ -23,7 +23,7 @@ from pipeline.format.manifest import manifest_key
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
@@ -112,7 +112,7 @@ def test_an_old_runs_signed_versions_are_not_replayed(tmp_path: Path) -> None:
     _publish(new, tmp_path / "t-new", range(2), private)
     for key in old.list(f"{RUN}/deltas/0000000002/"):  # replayed as the new run's v2
         new.put(key, old.get(key))
-    node = RolloutNode(new, RUN, _empty_target(), public_key=load_public_key(public))
+    node = RolloutNode(new, RUN, _empty_target(), NodeOptions(public_key=load_public_key(public)))
     assert node.step_once() != 2
     assert isinstance(node.last_error, SignatureError)
     assert "another instance of the run" in str(node.last_error)
@@ -122,7 +122,7 @@ def test_a_node_refuses_to_go_back(tmp_path: Path) -> None:
     private, public = generate_keypair(tmp_path / "keys")
     store = FileStore(tmp_path / "store")
     _publish(store, tmp_path, range(3), private)
-    node = RolloutNode(store, RUN, _empty_target(), public_key=load_public_key(public))
+    node = RolloutNode(store, RUN, _empty_target(), NodeOptions(public_key=load_public_key(public)))
     assert node.step_once() == 2
     # Someone with store access deletes the newest versions.
     shutil.rmtree(store.root / RUN / "deltas" / "0000000002")

@@ -24,7 +24,7 @@ from pipeline.publish.compaction import compact
 from pipeline.publish.offline import apply_delta as offline_apply
 from pipeline.publish.version import publish_anchor
 from pipeline.rollout.fetch import stream_anchor_pieces
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.targets.base import ApplyReport, VerifyMode
@@ -157,7 +157,7 @@ def test_torch_replica_bootstraps_and_follows_bit_exact(
     # A node bootstraps from the anchor and replays the chain to the head.
     target = node_target(store)
     tensors_before = {n: t.data_ptr() for n, t in held_state(target).items()}
-    node = RolloutNode(store, RUN, target, verify=verify_mode)
+    node = RolloutNode(store, RUN, target, NodeOptions(verify=verify_mode))
     assert node.step_once() == 3
     assert node.last_error is None
     assert_state(held_state(target), built.states[3])
@@ -600,6 +600,6 @@ def test_a_signed_pieced_run_compacts_signed_and_replicas_check_it(
     assert anchor.signature is not None and anchor.is_pieced
     node_store = FileStore(store.root)
     target = node_target(node_store)
-    node = RolloutNode(node_store, RUN, target, public_key=load_public_key(public))
+    node = RolloutNode(node_store, RUN, target, NodeOptions(public_key=load_public_key(public)))
     assert node.step_once() == 2, node.last_error
     assert_state(held_state(target), built.states[2])

@@ -30,7 +30,7 @@ from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import dtype_name
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.base import TensorSpec
 from pipeline.targets.vllm.mapping import Route, probe_placement, scatter_positions
@@ -106,7 +106,7 @@ def test_node_follows_adamw_versions_bit_exact_like_fresh_engines(
     store = FileStore(tmp_path / "store")
     cache = StateCache(tmp_path / "cache", RUN)
     target = _target(engine, trained.weights[0])
-    node = RolloutNode(store, RUN, target, poll_interval_s=0.01, prefetch=False)
+    node = RolloutNode(store, RUN, target, NodeOptions(poll_interval_s=0.01, prefetch=False))
     outputs = []
     for step, folder in enumerate(trained.folders):
         publish_step(store, RUN, step, folder / moe.WEIGHTS_FILE, cache, level=1)

@@ -173,7 +173,7 @@ def test_stock_vllm_server_with_the_plugin_follows_a_run_driven_over_http(
     assert info["weight_version"] == f"{RUN}@{VERSIONS - 1}"
     # The plugin's log lines (structlog's default renderer, maybe coloured).
     lines = re.sub(r"\x1b\[[0-9;]*m", "", server_log.read_text(errors="replace"))
-    walked = re.findall(r"deltasync version applied.*walked=(\d+)", lines)
+    walked = re.findall(r"vllm target applied delta.*walked=(\d+)", lines)
     # Tensors a step changes densely (bitmap records) keep their patches.
     assert len(walked) >= VERSIONS - 1 and any(int(n) > 0 for n in walked), walked
     # The workers' weights are the trainer's last version, bit for bit (content

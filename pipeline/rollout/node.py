@@ -8,9 +8,11 @@ delays it. Whatever fails, the target keeps the last version that applied and
 verified; the node reports the error and recovers from the store.
 
 An inference server embeds a :class:`RolloutNode` (``run`` in a thread);
-``workers/nodes/rollout.py`` is the process entry that wraps it. Downloads live in
-``rollout_fetch.py``, event-stream following in ``rollout_stream.py``, events and
-heartbeats in ``rollout_report.py`` and the state file in ``rollout_state.py``.
+``workers/nodes/rollout.py`` is the process entry that wraps it. Its target holds
+the weights here, or is a :class:`RemoteTarget` (a stock ``vllm serve``, each of
+whose workers a node of its own brings to the versions handed over: ``bring_to``).
+Downloads live in ``fetch.py``, event-stream following in ``stream.py``, events and
+heartbeats in ``report.py`` and the state file in ``state.py``.
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pipeline import collector, metrics
-from pipeline.config import REPLICA_TTL_S, Settings
+from pipeline.config import REPLICA_TTL_S, VERIFY_MODES, Settings
 from pipeline.coord.stream import EventStream
 from pipeline.errors import (
     ChainError,
+    ConfigError,
     CorruptObjectError,
     DeltasyncError,
     MismatchError,
@@ -87,7 +91,7 @@ HANDOFF_WAIT_S = 0.02
 HANDOFF_IDLE_WAIT_S = 0.1
 
 
-# ``public_key``'s default: the verify key the settings (DELTASYNC_VERIFY_KEY) name, so
+# ``NodeOptions.public_key``'s default: the verify key DELTASYNC_VERIFY_KEY names, so
 # that a node built by hand checks signatures wherever one is configured.
 CONFIGURED: Literal["configured"] = "configured"
 
@@ -103,57 +107,101 @@ def state_path_for(data_dir: Path, run: str, node_id: str) -> Path:
     return data_dir / "rollout" / run / f"{node_id}.json"
 
 
+def parse_verify(value: str) -> VerifyMode:
+    """``value`` as a verify mode; ConfigError for anything else."""
+    if value not in VERIFY_MODES:
+        raise ConfigError(f"verify mode {value!r} is not one of {', '.join(VERIFY_MODES)}")
+    return cast(VerifyMode, value)
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """How a node follows its run; checked when built.
+
+    ``public_key``: the key manifests must be signed by; by default the one the
+    settings name (None opts out). ``state_path``: where the node records what it
+    holds and its floor. ``progress``: download bars (None: when stderr is a
+    terminal). ``early_start``: part hints start downloads (and proofs, where the
+    target can) before a manifest exists (needs ``prefetch`` and Redis). ``scrub``:
+    re-hash held tensors in the background (a target that can be scrubbed).
+    ``held_from``: the checkpoint the target was loaded from; when it is a dump of a
+    node of this run, the node resumes from the version it records and keeps its
+    floor."""
+
+    node_id: str = "node"
+    verify: VerifyMode = "touched"
+    poll_interval_s: float = 2.0
+    prefetch: bool = True
+    prefetch_depth: int = 2
+    public_key: Ed25519PublicKey | Literal["configured"] | None = CONFIGURED
+    state_path: Path | None = None
+    heartbeat_interval_s: float = 5.0
+    replica_ttl_s: float = REPLICA_TTL_S
+    max_backoff_s: float = 30.0
+    progress: bool | None = None
+    early_start: bool = False
+    scrub: ScrubPace | None = None
+    held_from: Path | None = None
+
+    def __post_init__(self) -> None:
+        parse_verify(self.verify)
+        if self.prefetch_depth < 1:
+            raise ConfigError(f"prefetch_depth {self.prefetch_depth} is below 1")
+        for name in ("poll_interval_s", "heartbeat_interval_s", "replica_ttl_s", "max_backoff_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} {getattr(self, name)} is negative")
+
+
+@runtime_checkable
+class RemoteTarget(Protocol):
+    """Weights held elsewhere, whose own workers fetch, prove and apply versions (a
+    vLLM server with the deltasync weight-transfer backend): the node fetches nothing,
+    it hands manifests over in chain order (to bootstrap, the head's)."""
+
+    def holds(self, manifest: Manifest) -> bool:
+        """Whether it says it holds ``manifest``'s version already."""
+
+    def bring_to(self, manifest: Manifest, verify: VerifyMode) -> None:
+        """Hold ``manifest``'s version; raises when refused (it keeps what it held)."""
+
+
 class RolloutNode:
     """Brings ``target`` to the head of ``run`` in ``store`` and keeps it there.
 
     :meth:`from_settings` wires everything the settings configure (store, Redis,
     signatures, state file, early start, scrubbing). Built directly, a node still checks
-    signatures against the configured verify key unless ``public_key=None`` is passed."""
+    signatures against the configured verify key unless ``NodeOptions(public_key=None)``
+    says otherwise. ``target``: a :class:`Target`, or a :class:`RemoteTarget`."""
 
     def __init__(
         self,
         store: ObjectStore,
         run: str,
-        target: Target,
+        target: Target | RemoteTarget,
+        options: NodeOptions | None = None,
         *,
         events: EventStream | None = None,
         redis: Any = None,
-        node_id: str = "node",
-        verify: VerifyMode = "touched",
-        poll_interval_s: float = 2.0,
-        prefetch: bool = True,
-        prefetch_depth: int = 2,
-        public_key: Ed25519PublicKey | Literal["configured"] | None = CONFIGURED,
-        state_path: Path | None = None,
-        heartbeat_interval_s: float = 5.0,
-        replica_ttl_s: float = REPLICA_TTL_S,
-        max_backoff_s: float = 30.0,
-        progress: bool | None = None,
-        early_start: bool = False,
         on_applied: Callable[[Manifest], None] | None = None,
-        scrub: ScrubPace | None = None,
-        held_from: Path | None = None,
     ) -> None:
-        """``on_applied(manifest)`` runs on the node's thread each time the target is
-        known to hold a version (applied, loaded or resumed). ``held_from``: the
-        checkpoint the target was loaded from; when it is a dump of a node of this run,
-        the node resumes from the version it records and keeps its floor."""
+        """``events``: the run's event stream (hints, announcements); ``redis``: a
+        client for heartbeats and part hints. ``on_applied(manifest)`` runs on the
+        node's thread each time the target is known to hold a version (applied, loaded
+        or resumed)."""
+        options = options or NodeOptions()
+        self.options = options
         self.store = store
         self.run_name = run
         self.target = target
         self.events = events
         self.redis = redis
-        self.node_id = node_id
-        self.verify: VerifyMode = verify
-        self.poll_interval_s = poll_interval_s
-        self.prefetch = prefetch
-        self.prefetch_depth = max(1, prefetch_depth)
-        self.public_key = configured_public_key() if public_key == CONFIGURED else public_key
-        self.state_path = state_path
-        self.max_backoff_s = max_backoff_s
-        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.node_id = options.node_id
+        self.verify: VerifyMode = options.verify  # may be changed between syncs
+        key = options.public_key
+        self.public_key = configured_public_key() if key == CONFIGURED else key
+        self.state_path = options.state_path
+        self.progress = sys.stderr.isatty() if options.progress is None else options.progress
         self.on_applied = on_applied
-        self.held_from = held_from
 
         self._applied: int | None = None
         self._held: Manifest | None = None  # the manifest of the applied version
@@ -181,22 +229,23 @@ class RolloutNode:
         # (anchor, head, head's creation time) of a bootstrap whose replay failed: the
         # same store state is not bootstrapped again.
         self._stuck_on: tuple[int, int | None, str] | None = None
+        self._cap: int | None = None  # the newest version a sync may bring (bring_to)
         self.last_error: DeltasyncError | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stream = StreamFollower(events, run)
         # Part hints start downloads, and proofs where the target can, before a
         # manifest exists (asked for, prefetch on, and Redis to hear the hints on).
         self.early: EarlyParts | None = None
-        if early_start and prefetch and redis is not None:
+        if options.early_start and options.prefetch and redis is not None:
             prover = target if isinstance(target, EarlyProver | EarlyProofStarter) else None
             self.early = EarlyParts(store, run, prover, lambda: self._applied)
         self.report = Reporter(
             run,
-            node_id,
+            options.node_id,
             events=events,
             redis=redis,
-            heartbeat_interval_s=heartbeat_interval_s,
-            replica_ttl_s=replica_ttl_s,
+            heartbeat_interval_s=options.heartbeat_interval_s,
+            replica_ttl_s=options.replica_ttl_s,
             first_seen=self._stream.first_seen,
             early_start=self.early is not None,
         )
@@ -205,8 +254,8 @@ class RolloutNode:
         # a mismatch is reported and the node recovers from the store.
         self._scrub_failed: str | None = None
         self.scrubber: Scrubber | None = None
-        if scrub is not None and isinstance(target, Scrubbable):
-            self.scrubber = Scrubber(target, scrub, self._on_scrub_mismatch)
+        if options.scrub is not None and isinstance(target, Scrubbable):
+            self.scrubber = Scrubber(target, options.scrub, self._on_scrub_mismatch)
 
     # -- public ----------------------------------------------------------------------
 
@@ -214,38 +263,37 @@ class RolloutNode:
     def from_settings(
         cls,
         run: str,
-        target: Target,
+        target: Target | RemoteTarget,
         settings: Settings | None = None,
         *,
         store: ObjectStore | None = None,
         redis: Any = None,
         node_id: str = "node",
+        on_applied: Callable[[Manifest], None] | None = None,
         **options: Any,
     ) -> RolloutNode:
         """A node of ``run`` wired as ``settings`` (default: the environment's) say: the
         store, the verify key, the state file, the replica TTL, early start and scrubbing;
-        ``redis`` (a client) adds events, hints and heartbeats. ``options`` are the
-        constructor's other keywords (``verify``, ``poll_interval_s``, ...)."""
+        ``redis`` (a client) adds events, hints and heartbeats. ``options``: other
+        :class:`NodeOptions` fields (``verify``, ``poll_interval_s``, ...), over these."""
         settings = settings or Settings.from_env()
-        wired: dict[str, Any] = {
-            "public_key": configured_public_key(settings),
-            "state_path": state_path_for(settings.data_dir, run, node_id),
-            "replica_ttl_s": settings.replica_ttl_s,
-            "early_start": settings.early_start,
-            "scrub": (
-                ScrubPace(settings.scrub_minutes * 60, settings.scrub_cpu)
-                if settings.scrub_minutes > 0
-                else None
-            ),
-        }
-        if redis is not None:
-            wired.update(events=EventStream(redis, run), redis=redis)
+        scrub = settings.scrub_minutes * 60, settings.scrub_cpu
+        wired = NodeOptions(
+            node_id=node_id,
+            public_key=configured_public_key(settings),
+            state_path=state_path_for(settings.data_dir, run, node_id),
+            replica_ttl_s=settings.replica_ttl_s,
+            early_start=settings.early_start,
+            scrub=ScrubPace(*scrub) if settings.scrub_minutes > 0 else None,
+        )
         return cls(
             store if store is not None else open_store(settings.store_url),
             run,
             target,
-            node_id=node_id,
-            **{**wired, **options},
+            replace(wired, **options),
+            events=None if redis is None else EventStream(redis, run),
+            redis=redis,
+            on_applied=on_applied,
         )
 
     @property
@@ -279,6 +327,23 @@ class RolloutNode:
             self.early.listen(self.redis)
             self.early.hand_off()
         return self._step()
+
+    def bring_to(self, version: int) -> None:
+        """One sync that brings the target to ``version``, not past it (the store may
+        hold newer ones): for a caller that picks the versions, such as a server's
+        workers told by a remote node. Raises what failed (kept in ``last_error``)."""
+        self._cap = version
+        try:
+            self._step()
+        finally:
+            self._cap = None
+        if self.last_error is not None:
+            raise self.last_error
+        if self._applied != version:
+            raise ChainError(
+                f"run {self.run_name}: v{version} is not in the store "
+                f"(head {_shown(self._head_seen)})"
+            )
 
     def _on_scrub_mismatch(self, name: str) -> None:
         self._scrub_failed = name
@@ -331,7 +396,7 @@ class RolloutNode:
                 now = time.monotonic()
                 if now >= next_poll and now >= self._next_retry:
                     self._step()  # handing parts over just before an apply gains nothing
-                    next_poll = time.monotonic() + self.poll_interval_s
+                    next_poll = time.monotonic() + self.options.poll_interval_s
                 if self._reached(until_version):
                     break
                 self.report.heartbeat_if_due(self._applied, self._state_hash)
@@ -359,6 +424,8 @@ class RolloutNode:
         """Write the target's weights (checkpoint names) as a safetensors file; its
         metadata names the version held and the node's floor (for a restart from it)."""
         out = Path(path)
+        if isinstance(self.target, RemoteTarget):
+            raise TargetError(f"{type(self.target).__name__} holds its weights elsewhere")
         meta = dump_metadata(self.run_name, self._held, self.floor, self._floor_instance)
         write_checkpoint(out, self.target.export(), metadata=meta)
         return out
@@ -379,7 +446,7 @@ class RolloutNode:
         from a version they say the target holds, once its weights prove it."""
         for source, recorded in (
             ("state file", read_state(self.state_path, self.run_name)),
-            ("dump", read_dump(self.held_from, self.run_name)),
+            ("dump", read_dump(self.options.held_from, self.run_name)),
         ):
             if recorded is None:
                 continue
@@ -428,24 +495,32 @@ class RolloutNode:
                 log.info("cannot resume yet", version=version, error=str(exc))
                 continue
             self._candidates.remove(recorded)
-            try:
-                held = self.target.hashes([t.name for t in manifest.tensors], manifest.content_hash)
-            except DeltasyncError as exc:
-                log.info("cannot resume, will bootstrap", version=version, error=str(exc))
-                continue
-            bad = [t.name for t in manifest.tensors if held.get(t.name) != t.hash]
-            if bad:
-                log.info(
-                    "held weights are not the recorded version, will bootstrap",
-                    version=version,
-                    first_mismatch=bad[0],
-                    mismatches=len(bad),
-                )
+            if not self._proves(manifest):
                 continue
             self._candidates.clear()
             self._set_applied(manifest)
             log.info("resumed", run=self.run_name, version=version)
             return
+
+    def _proves(self, manifest: Manifest) -> bool:
+        """Whether the target's weights are ``manifest``'s (a remote target's word)."""
+        version = manifest.version
+        if isinstance(self.target, RemoteTarget):
+            return self.target.holds(manifest)
+        try:
+            held = self.target.hashes([t.name for t in manifest.tensors], manifest.content_hash)
+        except DeltasyncError as exc:
+            log.info("cannot resume, will bootstrap", version=version, error=str(exc))
+            return False
+        bad = [t.name for t in manifest.tensors if held.get(t.name) != t.hash]
+        if bad:
+            log.info(
+                "held weights are not the recorded version, will bootstrap",
+                version=version,
+                first_mismatch=bad[0],
+                mismatches=len(bad),
+            )
+        return not bad
 
     def _forget_state(self, instance: str | None) -> None:
         """Mid-load: the target holds no provable version; the floor stays recorded."""
@@ -476,12 +551,12 @@ class RolloutNode:
 
     def _sync_listed(self) -> None:
         # Read before the listing: a version announced by then has its manifest stored.
-        announced = self._announced()
-        index = listed = chain.list_versions(self.store, self.run_name)
+        announced = self._announced() if self._cap is None else None
+        index = listed = self._listing()
         try:
             self._sync_from(index)
         except (ObjectNotFoundError, CorruptObjectError):  # a manifest or an object gone
-            fresh = chain.list_versions(self.store, self.run_name)
+            fresh = self._listing()
             if not _collected(index, fresh):
                 raise
             # A compaction's garbage collection took versions after the listing: not a
@@ -507,6 +582,18 @@ class RolloutNode:
         if above:
             # Synced to the newest usable version; what sits above it is still reported.
             raise max(above, key=lambda item: item[0])[1]
+
+    def _listing(self) -> chain.VersionIndex:
+        """The store's versions of the run, up to the cap of a ``bring_to``."""
+        index = chain.list_versions(self.store, self.run_name)
+        cap = self._cap
+        if cap is None:
+            return index
+        return replace(
+            index,
+            deltas=tuple(v for v in index.deltas if v <= cap),
+            anchors=tuple(v for v in index.anchors if v <= cap),
+        )
 
     def _announced(self) -> int | None:
         """The newest version Redis says was announced (None: none, or no Redis)."""
@@ -629,18 +716,25 @@ class RolloutNode:
             raise self.last_error or ChainError(
                 f"run {self.run_name}: chain from anchor v{anchor} to v{head} does not apply"
             )
+        target = self.target
+        if isinstance(target, RemoteTarget):
+            self._hand_over([top])  # its workers build the head from its anchor and chain
+            self._need_bootstrap = False
+            return
         manifest = self._manifest("anchor", anchor)
-        self._check_specs(manifest)
+        # Every tensor of the anchor is held with its dtype and shape (checked before
+        # anything is written; the target checks that nothing it holds is left out).
+        check_tensors(manifest, target.specs(), holder="the target")
         log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
         started = time.perf_counter()
-        ahead = self.prefetch_depth if self.prefetch else 1
+        ahead = self.options.prefetch_depth if self.options.prefetch else 1
         pieces: Iterator[AnchorPiece] | None = None
         tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
         if manifest.is_pieced:
-            if not isinstance(self.target, PieceLoader):
+            if not isinstance(target, PieceLoader):
                 raise TargetError(
                     f"run {self.run_name} is sharded (tensors in pieces): target "
-                    f"{type(self.target).__name__} cannot apply its versions"
+                    f"{type(target).__name__} cannot apply its versions"
                 )
             pieces = stream_anchor_pieces(self.store, manifest, self._submit, ahead, self.progress)
         else:
@@ -653,14 +747,14 @@ class RolloutNode:
             pieces = None if pieces is None else iter(list(pieces))
         self._stuck_on = store_state
         self._forget_state(manifest.instance)  # mid-load the target holds no provable version
-        if isinstance(self.target, HashSelector):
-            self.target.use_content_hash(manifest.content_hash)
+        if isinstance(target, HashSelector):
+            target.use_content_hash(manifest.content_hash)
         if pieces is not None:
-            assert isinstance(self.target, PieceLoader)  # checked above
-            self.target.load_pieces(pieces)
+            assert isinstance(target, PieceLoader)  # checked above
+            target.load_pieces(pieces)
         else:
             # stream_anchor checked each tensor against these as it came.
-            self.target.load_state(tensors, {t.name: t.hash for t in manifest.tensors})
+            target.load_state(tensors, {t.name: t.hash for t in manifest.tensors})
         load_s = time.perf_counter() - started
         self._need_bootstrap = False
         self._set_applied(manifest)
@@ -674,16 +768,14 @@ class RolloutNode:
             self._apply_chain(path)
         self._stuck_on = None
 
-    def _check_specs(self, manifest: Manifest) -> None:
-        """Every tensor of the anchor is held with its dtype and shape (checked before
-        anything is written; the target checks that nothing it holds is left out)."""
-        check_tensors(manifest, self.target.specs(), holder="the target")
-
     def _apply_chain(self, path: list[Manifest]) -> None:
         """Apply deltas in order; downloads run ahead of the applies."""
+        if isinstance(self.target, RemoteTarget):
+            self._hand_over(path)
+            return
         pending: deque[Future[Fetched]] = deque()
         todo = deque(path)
-        depth = self.prefetch_depth if self.prefetch else 1
+        depth = self.options.prefetch_depth if self.options.prefetch else 1
         have = None if self.early is None else self.early.data  # early downloads, if any
         try:
             while todo or pending:
@@ -696,7 +788,27 @@ class RolloutNode:
             for future in pending:
                 future.cancel()
 
+    def _hand_over(self, path: list[Manifest]) -> None:
+        """A remote target brings itself to each version of ``path`` in turn."""
+        target = self.target
+        assert isinstance(target, RemoteTarget)
+        for manifest in path:
+            if self._applied is None and target.holds(manifest):
+                log.info("target holds the version already", version=manifest.version)
+                self._set_applied(manifest)
+                continue
+            started = time.perf_counter()
+            target.bring_to(manifest, self.verify)
+            spent = time.perf_counter() - started
+            self._set_applied(manifest)
+            log.info(
+                "applied", run=self.run_name, version=manifest.version, pause_s=round(spent, 4)
+            )
+            self.report.applied(manifest, fetch_s=0.0, apply_s=spent, pause_s=spent)
+
     def _apply_one(self, fetched: Fetched) -> None:
+        target = self.target
+        assert not isinstance(target, RemoteTarget)  # handed over instead
         manifest = fetched.manifest
         if manifest.parent != self._applied:
             raise ChainError(
@@ -707,10 +819,10 @@ class RolloutNode:
         early = [] if self.early is None else self.early.proofs(manifest)
         early_fetched = 0 if self.early is None else self.early.taken(manifest.version)
         try:
-            if early and isinstance(self.target, EarlyProver):
-                report = self.target.apply_delta(manifest, fetched.objects, self.verify, early)
+            if early and isinstance(target, EarlyProver):
+                report = target.apply_delta(manifest, fetched.objects, self.verify, early)
             else:
-                report = self.target.apply_delta(manifest, fetched.objects, self.verify)
+                report = target.apply_delta(manifest, fetched.objects, self.verify)
         except MismatchError:
             self._need_bootstrap = True  # the held weights may be what is wrong
             raise
@@ -736,7 +848,7 @@ class RolloutNode:
         self.report.applied(manifest, fetched.fetch_s, apply_s, report.pause_s, early_fetched)
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        if not self.prefetch:
+        if not self.options.prefetch:
             future: Future[Any] = Future()
             try:
                 future.set_result(fn(*args))
@@ -822,7 +934,9 @@ class RolloutNode:
     def _on_error(self, exc: DeltasyncError) -> None:
         self.last_error = exc
         self._failures += 1
-        backoff = min(self.max_backoff_s, self.poll_interval_s * 2 ** (self._failures - 1))
+        backoff = min(
+            self.options.max_backoff_s, self.options.poll_interval_s * 2 ** (self._failures - 1)
+        )
         self._next_retry = time.monotonic() + backoff
         self._manifests.clear()  # a repaired store may answer differently
         if isinstance(exc, ChainError | ObjectNotFoundError) and not isinstance(exc, RollbackError):

@@ -15,9 +15,8 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -30,15 +29,13 @@ from pipeline.coord.events import ReplicaError
 from pipeline.coord.replicas import forget_replica
 from pipeline.coord.stream import EventStream
 from pipeline.errors import DeltasyncError
-from pipeline.format.manifest import Manifest
-from pipeline.format.signing import load_public_key
 from pipeline.logs import bind_context, configure_logging
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import RemoteTarget, RolloutNode, configured_public_key, parse_verify
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import trusted
 from pipeline.targets import build_target, target_class
-from pipeline.targets.base import Target, VerifyMode
+from pipeline.targets.base import Target
 from pipeline.targets.setup import Refused, TargetSetup
 from pipeline.versions import binding as run_binding
 from pipeline.versions.runs import require_run
@@ -143,8 +140,7 @@ def open_node_store(
     when one is set, and refused at once if the run is bound to another store. Unless
     ``wait``, a run with no version and no event is an error naming the runs there are
     (a misspelled name would otherwise be waited for for ever)."""
-    verify_key = load_public_key(settings.verify_key_path) if settings.verify_key_path else None
-    store = trusted(open_store(store_url or settings.store_url), verify_key)
+    store = trusted(open_store(store_url or settings.store_url), configured_public_key(settings))
     run_binding.check_store(client, run, store)
     if not wait:
         require_run(store, client, run, hint="; --wait waits for its first version")
@@ -163,45 +159,22 @@ def deregister_node(client: redis.Redis, run: str, node_id: str) -> None:
 def make_node(
     store: ObjectStore,
     run: str,
-    target: Target,
+    target: Target | RemoteTarget,
     client: Any,
     settings: Settings,
     *,
-    node_id: str,
     verify: str,
-    poll_interval_s: float,
-    prefetch: bool = True,
     early_start: bool | None = None,
-    on_applied: Callable[[Manifest], None] | None = None,
-    held_from: Path | None = None,
+    **options: Any,
 ) -> RolloutNode:
-    """A rollout node of ``run`` with the process's settings (signatures, state file,
-    replica TTL, early start unless ``early_start`` says). ``held_from``: the checkpoint
-    the target was loaded from (a dump of the node's resumes from it, and keeps its
-    floor)."""
-    options: dict[str, Any] = {} if early_start is None else {"early_start": early_start}
+    """A rollout node of ``run`` with the process's settings (``RolloutNode.from_settings``:
+    signatures, state file, replica TTL, early start unless ``early_start`` says);
+    ``options``: its other keywords (``node_id``, ``on_applied``, ``NodeOptions`` fields)."""
+    if early_start is not None:
+        options["early_start"] = early_start
     return RolloutNode.from_settings(
-        run,
-        target,
-        settings,
-        store=store,
-        redis=client,
-        node_id=node_id,
-        verify=_verify_mode(verify),
-        poll_interval_s=poll_interval_s,
-        prefetch=prefetch,
-        on_applied=on_applied,
-        held_from=held_from,
-        **options,
+        run, target, settings, store=store, redis=client, verify=parse_verify(verify), **options
     )
-
-
-def _verify_mode(value: str) -> VerifyMode:
-    if value == "all":
-        return "all"
-    if value == "none":
-        return "none"
-    return "touched"
 
 
 def _refusal_reporter(events: EventStream, node_id: str) -> Refused:

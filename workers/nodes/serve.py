@@ -51,6 +51,7 @@ from pipeline.rollout.served import (
 )
 from pipeline.store.base import ObjectStore
 from pipeline.targets import build_target
+from pipeline.targets.base import Target
 from pipeline.targets.setup import TargetSetup
 from pipeline.targets.vllm.engine import ServedEngine, VersionGate
 from pipeline.targets.vllm.startup import (
@@ -330,6 +331,7 @@ class _Serving:
         self.stop = threading.Event()
         self.driver: ServedEngine | None = None
         self.node: RolloutNode | None = None
+        self.target: Target | None = None  # the node's, over this process's engine
         self.heads = HeadCache(store, run)
 
     async def main(self) -> None:
@@ -373,6 +375,7 @@ class _Serving:
         target = await asyncio.to_thread(build_target, "vllm", setup)
         if target is None:
             return None
+        self.target = target
 
         def applied(manifest: Manifest) -> None:
             driver.publish(manifest.version)
@@ -512,12 +515,12 @@ class _Serving:
         """Content hashes of the held weights, read from the workers (checks)."""
         from fastapi.responses import JSONResponse
 
-        node = self.node
-        if node is None:
+        node, target = self.node, self.target
+        if node is None or target is None:
             return JSONResponse({"error": "no weights loaded"}, status_code=503)
         try:
             version = node.applied_version
-            hashes = await asyncio.to_thread(node.target.hashes)
+            hashes = await asyncio.to_thread(target.hashes)
         except DeltasyncError as exc:  # e.g. a delta being prepared right now
             return JSONResponse({"error": str(exc)}, status_code=409)
         digest = state_hash(sorted(hashes.items()))

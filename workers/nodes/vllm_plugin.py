@@ -9,9 +9,10 @@ entry point (pyproject). Then
 accepts ``POST /update_weights`` with ``{"update_info": {"run": R, "version": V}}``:
 each worker fetches version V of run R from the store (its anchor and chain the
 first time, the deltas after what it holds afterwards), proves it and applies its
-own placement, through the same worker-extension code as ``deltasync serve`` and
-the in-process target (``DeltasyncWorkerExtension`` methods on a host object that
-holds the worker's model). ``deltasync rollout --target vllm-http --url URL``
+own placement: a ``RolloutNode`` per worker, told which version to hold, over a
+``VllmTarget`` whose engine is this worker (``DeltasyncWorkerExtension`` methods on
+a host object that holds the worker's model), as in ``deltasync serve`` and the
+in-process target. ``deltasync rollout --target vllm-http --url URL``
 drives those routes. vLLM's dev mode opens ``/collective_rpc`` and the other RL
 routes to anyone who reaches the port: keep such a server on a private network.
 """
@@ -20,8 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,18 +34,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from pipeline.config import Settings
-from pipeline.errors import ConfigError, DeltasyncError
-from pipeline.format.manifest import Manifest
-from pipeline.format.signing import load_public_key
-from pipeline.rollout.fetch import fetch_delta, stream_anchor
+from pipeline.errors import DeltasyncError
+from pipeline.format.matching import spec_of
+from pipeline.rollout.node import NodeOptions, RolloutNode, configured_public_key, parse_verify
 from pipeline.store import open_store
-from pipeline.store.trust import trusted
-from pipeline.targets.base import VerifyMode
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.extension import DeltasyncWorkerExtension
-from pipeline.targets.vllm.protocol import PrepareRequest, PrepareSummary
-from pipeline.targets.vllm.target import _raise
-from pipeline.targets.vllm.worker_state import Envelope
+from pipeline.targets.vllm.target import VllmTarget
 from pipeline.versions import chain
 
 log = structlog.get_logger(__name__)
@@ -87,7 +82,9 @@ class _Runner:
 
 class ExtensionHost(DeltasyncWorkerExtension):
     """The worker extension's methods over one worker's model, for a weight-transfer
-    engine (which vLLM hands the model and config, not the worker)."""
+    engine (which vLLM hands the model and config, not the worker); and this worker
+    as the engine a ``VllmTarget`` drives, whose RPCs are calls here. The server is
+    paused around an update (vLLM clears its prefix cache then)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
         self.model_runner = _Runner(model)
@@ -109,20 +106,14 @@ class ExtensionHost(DeltasyncWorkerExtension):
                 is_checkpoint_format=is_checkpoint_format,
             )
 
+    def collective_rpc(self, method: str, args: tuple[object, ...] = ()) -> list[Any]:
+        return [getattr(self, method)(*args)]
 
-def _unwrap(envelope: Envelope) -> Any:
-    if not envelope["ok"]:
-        _raise(envelope)
-    return envelope["value"]
+    def reset_prefix_cache(self) -> bool:
+        return True
 
-
-def _run_now(fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    future: Future[Any] = Future()
-    try:
-        future.set_result(fn(*args))
-    except BaseException as exc:
-        future.set_exception(exc)
-    return future
+    def weights_change(self, version: int | None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncUpdateInfo]):
@@ -135,8 +126,8 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.host = ExtensionHost(model, vllm_config)
-        self.run: str | None = None
-        self.version: int | None = None  # what the model holds, proven
+        self.node: RolloutNode | None = None  # of the run and store last asked for
+        self._store_url: str | None = None
         self._lock = threading.Lock()
 
     def init_transfer_engine(self, init_info: DeltasyncInitInfo) -> None:
@@ -149,7 +140,8 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
         return None
 
     def shutdown(self) -> None:
-        return None
+        if self.node is not None:
+            self.node.close()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         info = self.parse_update_info(update_info)
@@ -159,64 +151,41 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
 
     def receive_weights(self, update_info: DeltasyncUpdateInfo) -> None:
         info = update_info
-        if info.verify not in ("touched", "all", "none"):
-            raise ConfigError(f"verify mode {info.verify!r} is not one of touched, all, none")
+        verify = parse_verify(info.verify)
         with self._lock:
             try:
-                self._bring_to(info)
+                node = self._node_for(info)
+                node.verify = verify
+                node.bring_to(int(info.version))
             except DeltasyncError as exc:
+                held = None if self.node is None else self.node.applied_version
                 log.warning("deltasync update refused", run=info.run, version=info.version,
-                            held=self.version, error=str(exc))  # fmt: skip
+                            held=held, error=str(exc))  # fmt: skip
                 raise
 
-    def _bring_to(self, info: DeltasyncUpdateInfo) -> None:
+    def _node_for(self, info: DeltasyncUpdateInfo) -> RolloutNode:
+        """The node that keeps this worker at versions of ``info``'s run and store (a
+        new one, which bootstraps, for another run or store)."""
         settings = Settings.from_env()
-        key = load_public_key(settings.verify_key_path) if settings.verify_key_path else None
-        store = trusted(open_store(info.store or settings.store_url), key)
-        version = int(info.version)
-        if self.run == info.run and self.version == version:
-            return
-        path: list[Manifest] | None = None
-        if self.run == info.run and self.version is not None and version > self.version:
-            path = _deltas_between(store, info.run, self.version, version)
-        if path is None:
-            plan = chain.resolve(store, info.run, version)
-            self._load_anchor(store, plan.anchor)
-            path = list(plan.deltas)
-        verify: VerifyMode = "touched"
-        if info.verify in ("all", "none"):
-            verify = "all" if info.verify == "all" else "none"
-        for manifest in path:
-            fetched = fetch_delta(store, manifest, False)
-            request = PrepareRequest.for_delta(
-                manifest, fetched.objects, verify, patch_memory_bytes=settings.patch_memory_mb << 20
-            ).wire()
-            summary = PrepareSummary.parse(_unwrap(self.host.deltasync_prepare(request)))
-            _unwrap(self.host.deltasync_commit())
-            self.version = manifest.version
-            log.info(
-                "deltasync version applied",
-                run=info.run,
-                version=manifest.version,
-                tensors=summary.tensors,
-                walked=summary.walked,
-            )
-
-    def _load_anchor(self, store: Any, anchor: Manifest) -> None:
-        self.run, self.version = anchor.run, None  # mid-load: no provable version
-        tensors = dict(stream_anchor(store, anchor, _run_now, 1, False))
-        self.host._ds_adopt(tensors, push=True)
-        self.version = anchor.version
-        log.info("deltasync anchor loaded", run=anchor.run, version=anchor.version)
-
-
-def _deltas_between(store: Any, run: str, held: int, version: int) -> list[Manifest] | None:
-    """Delta manifests from ``held`` (exclusive) to ``version`` by parent links; None
-    when the chain does not lead back to ``held``."""
-    deltas = chain.list_versions(store, run).deltas
-    return chain.deltas_after(
-        held, version, deltas, lambda v: chain.load_manifest(store, run, "delta", v)
-    )
+        url = info.store or settings.store_url
+        if self.node is not None and (self.node.run_name, self._store_url) == (info.run, url):
+            return self.node
+        if self.node is not None:
+            self.node.close()
+            self.node = None
+        store = open_store(url)
+        key = configured_public_key(settings)
+        # Until the bootstrap loads it, the model takes the anchor's tensors.
+        anchor = chain.resolve(store, info.run, int(info.version), public_key=key).anchor
+        target = VllmTarget(
+            self.host,
+            expected_specs={t.name: spec_of(t) for t in anchor.tensors},
+            background_prepare=False,
+            patch_memory_bytes=settings.patch_memory_mb << 20,
+        )
+        options = NodeOptions(node_id="vllm-worker", prefetch=False, progress=False, public_key=key)
+        self.node, self._store_url = RolloutNode(store, info.run, target, options), url
+        return self.node
 
 
 __all__ = ["BACKEND", "DeltasyncTransferEngine", "register"]
