@@ -339,11 +339,6 @@ class RolloutNode:
             self._cap = None
         if self.last_error is not None:
             raise self.last_error
-        if self._applied != version:
-            raise ChainError(
-                f"run {self.run_name}: v{version} is not in the store "
-                f"(head {_shown(self._head_seen)})"
-            )
 
     def _on_scrub_mismatch(self, name: str) -> None:
         self._scrub_failed = name
@@ -607,6 +602,14 @@ class RolloutNode:
     def _sync_from(self, index: chain.VersionIndex) -> None:
         top = self._usable_head(index)
         head = None if top is None else top.version
+        cap = self._cap
+        if cap is not None and head != cap:  # bring_to: that version or nothing
+            refused = [exc for (_, v), exc in self._unusable.items() if v == cap]
+            if refused:
+                raise refused[0]
+            raise StoreError(  # not listed (yet): nothing the node holds is wrong
+                f"run {self.run_name}: v{cap} is not in the store (head {_shown(head)})"
+            )
         floor = self.floor
         if floor is not None and (head is None or head < floor):
             raise RollbackError(
