@@ -116,17 +116,11 @@ def parse_verify(value: str) -> VerifyMode:
 
 @dataclass(frozen=True)
 class NodeOptions:
-    """How a node follows its run; checked when built.
-
-    ``public_key``: the key manifests must be signed by; by default the one the
-    settings name (None opts out). ``state_path``: where the node records what it
-    holds and its floor. ``progress``: download bars (None: when stderr is a
-    terminal). ``early_start``: part hints start downloads (and proofs, where the
-    target can) before a manifest exists (needs ``prefetch`` and Redis). ``scrub``:
-    re-hash held tensors in the background (a target that can be scrubbed).
-    ``held_from``: the checkpoint the target was loaded from; when it is a dump of a
-    node of this run, the node resumes from the version it records and keeps its
-    floor."""
+    """How a node follows its run; checked when built. ``public_key``: the manifests'
+    signer (default: the configured key; None opts out). ``progress`` None: when
+    stderr is a terminal. ``early_start`` needs ``prefetch`` and Redis. ``held_from``:
+    the checkpoint the target was loaded from (a dump of this run's node: the node
+    resumes from the version it records and keeps its floor)."""
 
     node_id: str = "node"
     verify: VerifyMode = "touched"

@@ -18,6 +18,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from contextlib import closing
 from typing import Any
 
 import structlog
@@ -99,10 +100,8 @@ def run_http_rollout(
     """Follow ``run`` until ``stop`` or until ``until_version`` is applied; returns the
     version the server holds. ``wait``: as for ``open_node_store``."""
     server = VllmHttp(url)
-    client = redis_client(
-        settings.redis_url or ensure_redis(settings.data_dir), name=f"deltasync-node:{node_id}"
-    )
-    try:
+    redis_url = settings.redis_url or ensure_redis(settings.data_dir)
+    with closing(redis_client(redis_url, name=f"deltasync-node:{node_id}")) as client:
         store = open_node_store(settings, client, run, wait=wait)
         node = make_node(store, run, server, client, settings, node_id=node_id, verify=verify,
                          poll_interval_s=poll_interval_s, early_start=False)  # fmt: skip
@@ -112,8 +111,6 @@ def run_http_rollout(
         finally:
             node.close()
             deregister_node(client, run, node_id)
-    finally:
-        client.close()
 
 
 __all__ = ["VllmHttp", "run_http_rollout"]
