@@ -190,7 +190,7 @@ HUGE_NODE = textwrap.dedent(
     import json, sys, torch
     from pipeline.errors import SignatureError
     from pipeline.format.signing import load_public_key
-    from pipeline.rollout.node import RolloutNode
+    from pipeline.rollout.node import NodeOptions, RolloutNode
     from pipeline.store.file import FileStore
     from pipeline.targets.torch import TorchTarget
 
@@ -201,8 +201,9 @@ HUGE_NODE = textwrap.dedent(
 
     store, key = FileStore(sys.argv[1]), load_public_key(sys.argv[2])
     def node(run):
-        return RolloutNode(store, run, TorchTarget({"w": torch.zeros(4, 4)}), public_key=key,
-                           prefetch=False, poll_interval_s=0.001, max_backoff_s=0.001)
+        options = NodeOptions(public_key=key, prefetch=False, poll_interval_s=0.001,
+                              max_backoff_s=0.001)
+        return RolloutNode(store, run, TorchTarget({"w": torch.zeros(4, 4)}), options)
     errors = []
     warm = node("small")  # every code path once, so that only the huge read can grow
     for _ in range(2):
