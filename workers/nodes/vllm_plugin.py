@@ -38,6 +38,7 @@ from pipeline.errors import DeltasyncError
 from pipeline.format.matching import spec_of
 from pipeline.rollout.node import NodeOptions, RolloutNode, configured_public_key, parse_verify
 from pipeline.store import open_store
+from pipeline.store.trust import trusted
 from pipeline.targets.vllm.cpu import install as install_cpu_linear_hook
 from pipeline.targets.vllm.extension import DeltasyncWorkerExtension
 from pipeline.targets.vllm.target import VllmTarget
@@ -176,7 +177,7 @@ class DeltasyncTransferEngine(WeightTransferEngine[DeltasyncInitInfo, DeltasyncU
         store = open_store(url)
         key = configured_public_key(settings)
         # Until the bootstrap loads it, the model takes the anchor's tensors.
-        anchor = chain.resolve(store, info.run, int(info.version), public_key=key).anchor
+        anchor = chain.resolve(trusted(store, key), info.run, int(info.version)).anchor
         target = VllmTarget(
             self.host,
             expected_specs={t.name: spec_of(t) for t in anchor.tensors},
