@@ -30,7 +30,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import make_state, qwen_like_shapes
-from pipeline.publish.version import publish_anchor
+from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
@@ -71,9 +71,14 @@ def measure(
     store = FileStore(work / f"store-{method}-{rep}")
     start = time.perf_counter()
     manifest = publish_anchor(
-        store, "a", 0, state.items(), parent=None, reason="bench", part_bytes=part_bytes,
-        anchor_compression=method,
-    )  # fmt: skip
+        store,
+        "a",
+        0,
+        state.items(),
+        PublishOptions(part_bytes=part_bytes, anchor_compression=method),
+        parent=None,
+        reason="bench",
+    )
     write = time.perf_counter() - start
     target = TorchTarget({n: torch.empty_like(t) for n, t in state.items()})
     node = RolloutNode(store, "a", target, NodeOptions(node_id="boot", progress=False))

@@ -97,7 +97,7 @@ def main() -> None:
         def publish(step: int, state: dict[str, torch.Tensor]) -> Path:
             path = work / f"step-{step}.safetensors"
             save_state(state, path)
-            publish_step(store, RUN, step, path, cache, level=1)
+            publish_step(store, RUN, step, path, cache)
             return path
 
         step = args.warmup

@@ -65,9 +65,7 @@ def main() -> None:
             state = UpdateGenerator(ModelConfig.preset("tiny"), seed=1).state()
             save_state(state, Path(folder) / "0.safetensors")
             cache = StateCache(Path(folder) / "cache", RUN)
-            publish_step(
-                open_store(store_url), RUN, 0, Path(folder) / "0.safetensors", cache, level=1
-            )
+            publish_step(open_store(store_url), RUN, 0, Path(folder) / "0.safetensors", cache)
             EventStream(redis_client(url), RUN).publish(
                 StepCompleted.now(run=RUN, version=0, checkpoint="/c/0", owned=False)
             )

@@ -111,7 +111,7 @@ def main() -> None:
         def publish(step: int) -> None:
             path = work / f"step-{step}.safetensors"
             save_state(state, path)
-            result = publish_step(base_store, RUN, step, path, cache, level=1)
+            result = publish_step(base_store, RUN, step, path, cache)
             m = result.manifest
             assert m is not None
             stream.publish(

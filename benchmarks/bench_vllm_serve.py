@@ -100,7 +100,7 @@ def publish_every(
         version += 1
         weights = nudge(weights, args.changed, seed=version)
         folder = save_version(tmp / f"v{version}", trainer, weights)
-        publish_step(store, RUN, version, folder / "model.safetensors", cache, level=1)
+        publish_step(store, RUN, version, folder / "model.safetensors", cache)
         published.append((version, weights))
 
 
@@ -194,7 +194,7 @@ def main() -> None:
                 (serve_model / item.name).write_bytes(item.read_bytes())
         store = FileStore(tmp / "store")
         cache = StateCache(tmp / "cache", RUN)
-        publish_step(store, RUN, 0, trainer / "model.safetensors", cache, level=1)
+        publish_step(store, RUN, 0, trainer / "model.safetensors", cache)
         params = sum(t.numel() for t in weights.values())
 
         env = dict(os.environ, DELTASYNC_HOME=str(tmp / "home"), DELTASYNC_STORE=store.url,

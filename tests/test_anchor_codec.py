@@ -33,7 +33,7 @@ from pipeline.format.manifest import Manifest
 from pipeline.format.tensors import DTYPES
 from pipeline.publish.compaction import compact
 from pipeline.publish.state_cache import StateCache
-from pipeline.publish.version import publish_anchor
+from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
@@ -117,9 +117,14 @@ def test_unknown_compression_is_refused(tmp_path: Path) -> None:
     store = FileStore(tmp_path / "store")
     with pytest.raises(ConfigError, match="lz4"):
         publish_anchor(
-            store, "r", 0, special_tensors().items(), parent=None, reason="t",
-            anchor_compression="lz4",
-        )  # fmt: skip
+            store,
+            "r",
+            0,
+            special_tensors().items(),
+            PublishOptions(anchor_compression="lz4"),
+            parent=None,
+            reason="t",
+        )
     assert list(store.list("r/")) == []
 
 
@@ -273,9 +278,9 @@ def anchor_object(store: FileStore, manifest: Manifest) -> bytes:
 def test_chain_with_compressed_anchors_rebuilds_bit_exactly(tmp_path: Path) -> None:
     store = FileStore(tmp_path / "store")
     run = SyntheticRun(tmp_path, store)
-    assert run.publish(0, anchor_compression="zstd").status == "published"
+    assert run.publish(0, PublishOptions(anchor_compression="zstd")).status == "published"
     for step in (1, 2):
-        run.publish(step, anchor_compression="zstd")
+        run.publish(step, PublishOptions(anchor_compression="zstd"))
     first = chain.load_manifest(store, run.run, "anchor", 0)
     assert first.codec.name == "safetensors-planes-zstd" and len(first.objects) > 1
     data = anchor_object(store, first)

@@ -21,6 +21,7 @@ from pipeline.publish import diff as publish
 from pipeline.publish.diff import publish_delta
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 from pipeline.versions import chain
 from tests.test_chain import SyntheticRun
@@ -45,7 +46,7 @@ def trainer(tmp_path: Path) -> SyntheticRun:
 def publish_linked(trainer: SyntheticRun, step: int, *, sharded: bool = False, **kw: Any) -> Path:
     path = trainer.checkpoint(step, sharded=sharded)
     got = publish_step(
-        trainer.store, trainer.run, step, path, trainer.cache, level=1, part_bytes=4096, **kw
+        trainer.store, trainer.run, step, path, trainer.cache, PublishOptions(part_bytes=4096), **kw
     )
     assert got.status == "published"
     return path
@@ -148,6 +149,6 @@ def test_publish_delta_refuses_a_base_that_changed(trainer: SyntheticRun) -> Non
         pytest.raises(MismatchError, match="was modified while delta 1 was encoded"),
     ):
         publish_delta(
-            trainer.store, trainer.run, 1, base, new, parent, level=1, base_unchanged=lambda: False
+            trainer.store, trainer.run, 1, base, new, parent, base_unchanged=lambda: False
         )
     assert not trainer.store.exists(manifest_key(trainer.run, "delta", 1))

@@ -29,6 +29,7 @@ from pipeline.publish import dead_letters
 from pipeline.publish.cache_scrub import CacheMovedError, CacheScrub, CacheScrubber
 from pipeline.publish.state_cache import CacheBusyError, StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.testing import synthetic
@@ -57,8 +58,7 @@ def publish(trainer: SyntheticRun, step: int, **kw: object) -> Manifest:
         step,
         path,
         trainer.cache,
-        level=1,
-        part_bytes=PART_BYTES,
+        PublishOptions(part_bytes=PART_BYTES),
         **kw,  # type: ignore[arg-type]
     )
     assert got.status == "published" and got.manifest is not None

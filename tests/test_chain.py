@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from pipeline.format.manifest import TensorEntry, compute_state_hash, manifest_k
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import PublishResult, publish_step
+from pipeline.publish.version import DEFAULT_OPTIONS, PublishOptions
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
@@ -55,7 +57,10 @@ class SyntheticRun:
         self.paths[step] = path
         return path
 
-    def publish(self, step: int, **kwargs: object) -> PublishResult:
+    def publish(
+        self, step: int, options: PublishOptions = DEFAULT_OPTIONS, **kwargs: object
+    ) -> PublishResult:
+        """Publish the next checkpoint as ``step`` with ``options`` in parts of PART_BYTES."""
         path = self.checkpoint(step)
         return publish_step(
             self.store,
@@ -63,8 +68,7 @@ class SyntheticRun:
             step,
             path,
             self.cache,
-            level=1,
-            part_bytes=PART_BYTES,
+            replace(options, part_bytes=PART_BYTES),
             **kwargs,  # type: ignore[arg-type]
         )
 
@@ -289,7 +293,7 @@ def test_every_dtype_and_bit_pattern_survives_the_chain(
             state["bf16.specials"].view(torch.int16)[0] ^= 1
         states[step] = state
         path = write_checkpoint(tmp_path / f"odd-{step}.safetensors", state.items())
-        publish_step(file_store, "odd", step, path, cache, level=3, part_bytes=512)
+        publish_step(file_store, "odd", step, path, cache, PublishOptions(level=3, part_bytes=512))
     assert chain.load_manifest(file_store, "odd", "delta", 6).extra["changed"] == 1
     for step, state in states.items():
         got = dict(chain.reconstruct_tensors(file_store, "odd", step))

@@ -72,9 +72,7 @@ def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
     store = open_store(env["DELTASYNC_STORE"])
     state = UpdateGenerator(ModelConfig.preset("tiny"), seed=1).state()
     save_state(state, tmp_path / "0.safetensors")
-    publish_step(
-        store, RUN, 0, tmp_path / "0.safetensors", StateCache(tmp_path / "c", RUN), level=1
-    )
+    publish_step(store, RUN, 0, tmp_path / "0.safetensors", StateCache(tmp_path / "c", RUN))
     EventStream(redis_client(redis_url), RUN).publish(
         StepCompleted.now(run=RUN, version=0, checkpoint="/c/0", owned=False)
     )

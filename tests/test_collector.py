@@ -95,5 +95,5 @@ def test_the_diff_job_holds_it_off_until_the_version_is_announced(tmp_path: Path
     path = tmp_path / "short.safetensors"
     write_checkpoint(path, list(state.items())[1:])
     with pytest.raises(MismatchError):
-        publish_step(trainer.store, trainer.run, 2, path, trainer.cache, level=1)
+        publish_step(trainer.store, trainer.run, 2, path, trainer.cache)
     assert gc.isenabled()

@@ -29,6 +29,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.base import ApplyReport, EarlyProof, EarlyProofStarter, TensorSpec, VerifyMode
@@ -387,10 +388,14 @@ def run_hinted_steps(
         trainer.step += 1
         step = trainer.step
         result = publish_step(
-            store, RUN, step, trainer.checkpoint(step, trainer.current), trainer.cache,
-            level=1, part_bytes=PART_BYTES,
+            store,
+            RUN,
+            step,
+            trainer.checkpoint(step, trainer.current),
+            trainer.cache,
+            PublishOptions(part_bytes=PART_BYTES),
             on_part=lambda hint: (sent.append(hint), publish_part(client, hint)),
-        )  # fmt: skip
+        )
         assert result.status == "published"
         trainer.states[step] = {k: v.clone() for k, v in trainer.current.items()}
         parts = len(chain.load_manifest(store, RUN, "delta", step).objects)
@@ -441,9 +446,14 @@ def test_a_process_driving_its_engine_hands_parts_over_in_step_once(
         trainer.current = trainer.generator.step()
         trainer.step = step = 1
         publish_step(
-            store, RUN, step, trainer.checkpoint(step, trainer.current), trainer.cache,
-            level=1, part_bytes=PART_BYTES, on_part=hints.append,
-        )  # fmt: skip
+            store,
+            RUN,
+            step,
+            trainer.checkpoint(step, trainer.current),
+            trainer.cache,
+            PublishOptions(part_bytes=PART_BYTES),
+            on_part=hints.append,
+        )
         trainer.states[step] = {k: v.clone() for k, v in trainer.current.items()}
         copy(False)  # the parts, not yet the manifest
         for hint in hints:

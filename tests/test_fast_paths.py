@@ -19,6 +19,7 @@ from pipeline.format.manifest import Manifest, TensorEntry, object_key
 from pipeline.publish import state_cache
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 from pipeline.targets import patching, proving
 from pipeline.targets.base import TensorSpec
@@ -70,7 +71,9 @@ def _publish(
             state = generator.step()
         path = tmp / f"s{step}.safetensors"
         save_state(state, path)
-        result = publish_step(store, "r", step, path, cache, level=1, content_hash=content_hash)
+        result = publish_step(
+            store, "r", step, path, cache, PublishOptions(content_hash=content_hash)
+        )
         assert result.status == "published"
     return store, cache, state
 
@@ -138,7 +141,7 @@ def test_state_cache_with_wrong_bytes_is_caught_and_rebuilt(tmp_path: Path) -> N
     bits(nxt[first])[1] ^= 1
     path = tmp_path / "s2.safetensors"
     save_state(nxt, path)
-    assert publish_step(store, "r", 2, path, cache, level=1).status == "published"
+    assert publish_step(store, "r", 2, path, cache).status == "published"
     for name, tensor in chain.reconstruct_tensors(store, "r", 2):
         assert torch.equal(bits(tensor), bits(nxt[name])), name
     with cache.reader() as reader:
@@ -168,9 +171,7 @@ def test_owned_checkpoints_move_into_the_cache_after_the_announcement(tmp_path: 
         else:
             write_checkpoint(path, state.items())
         adopt = step != 3
-        result = publish_step(
-            store, "r", step, path, cache, level=1, on_published=published, adopt=adopt
-        )
+        result = publish_step(store, "r", step, path, cache, on_published=published, adopt=adopt)
         assert result.status == "published"
         assert path.exists() is not adopt
         assert cache.version == step

@@ -23,6 +23,7 @@ from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
 from tests.pipeline_helpers import REPO
@@ -67,9 +68,13 @@ def publish_run(
         path.parent.mkdir(parents=True, exist_ok=True)
         save_state(state, path)
         publish_step(
-            store, RUN, step, path, cache, level=1, part_bytes=PART_BYTES,
-            content_hash=content_hash,
-        )  # fmt: skip
+            store,
+            RUN,
+            step,
+            path,
+            cache,
+            PublishOptions(part_bytes=PART_BYTES, content_hash=content_hash),
+        )
         states[step] = {n: t.clone() for n, t in state.items()}
     return PublishedRun(store, states)
 

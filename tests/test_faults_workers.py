@@ -37,6 +37,7 @@ from pipeline.coord.stream import EventStream
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
@@ -217,7 +218,7 @@ class Cluster:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_state(state, path)
         cache = StateCache(self.tmp / "direct-cache", self.run)
-        publish_step(self.store, self.run, step, path, cache, level=1, part_bytes=PART_BYTES)
+        publish_step(self.store, self.run, step, path, cache, PublishOptions(part_bytes=PART_BYTES))
         self.direct.add(step)
         return step
 

@@ -35,7 +35,7 @@ from pipeline.format.manifest import Manifest
 from pipeline.format.regions import Region
 from pipeline.format.tensors import BY_TORCH, DTYPE_TABLE
 from pipeline.publish.diff import publish_delta
-from pipeline.publish.version import publish_anchor
+from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.store.file import FileStore
 from tests import format_reader as spec
 from tests.sharded_store import build_pieced_run
@@ -408,11 +408,9 @@ def test_a_signed_run_rebuilds_from_the_store_alone(tmp_path: Path) -> None:
             run,
             0,
             reader(0),
+            PublishOptions(signing_key=key, part_bytes=4096, anchor_compression="zstd"),
             parent=None,
             reason="first version",
-            signing_key=key,
-            part_bytes=4096,
-            anchor_compression="zstd",
         )
     ]
     for version, parent, level in ((1, 0, 1), (3, 1, 3), (4, 3, 1)):
@@ -424,8 +422,7 @@ def test_a_signed_run_rebuilds_from_the_store_alone(tmp_path: Path) -> None:
                 reader(parent),
                 reader(version),
                 manifests[-1],
-                level=level,
-                signing_key=key,
+                PublishOptions(level=level, signing_key=key),
             )
         )
     manifests.append(
@@ -434,15 +431,17 @@ def test_a_signed_run_rebuilds_from_the_store_alone(tmp_path: Path) -> None:
             run,
             4,
             reader(4),
+            PublishOptions(signing_key=key),
             parent=3,
             reason="compaction",
-            signing_key=key,
             expected=manifests[-1],
             parent_state_hash=manifests[-1].parent_state_hash,
         )
     )
     manifests.append(
-        publish_delta(store, run, 7, reader(4), reader(7), manifests[-1], level=1, signing_key=key)
+        publish_delta(
+            store, run, 7, reader(4), reader(7), manifests[-1], PublishOptions(signing_key=key)
+        )
     )
     assert [m.codec.level for m in manifests] == [1, 1, 3, 1, 0, 1]
     assert len(manifests[1].objects) > 1

@@ -70,7 +70,7 @@ def _publish(tmp: Path, steps: int = 2) -> FileStore:
         state["a.weight"][0, :step] += 1
         path = tmp / f"{step}.safetensors"
         write_checkpoint(path, state.items())
-        publish_step(store, RUN, step, path, cache, level=1)
+        publish_step(store, RUN, step, path, cache)
     return store
 
 

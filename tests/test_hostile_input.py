@@ -183,7 +183,7 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> tuple[FileStore, byte
         state = _state(0)
         if step:
             state["a.weight"][0, :5] += 1
-        publish_step(store, RUN, step, _write(tmp / f"{step}.safetensors", state), cache, level=1)
+        publish_step(store, RUN, step, _write(tmp / f"{step}.safetensors", state), cache)
     manifest = store.get(manifest_key(RUN, "delta", 1))
     delta = store.get(f"{RUN}/deltas/{1:010d}/part-00000.safetensors")
     return store, manifest, delta

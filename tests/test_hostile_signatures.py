@@ -31,7 +31,7 @@ from pipeline.coord.stream import EventStream
 from pipeline.errors import SignatureError
 from pipeline.format.manifest import manifest_key, object_key, to_json
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
-from pipeline.publish.version import publish_anchor
+from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
@@ -58,9 +58,14 @@ def publish(
 ) -> None:
     head = chain.list_versions(store, RUN).head
     publish_anchor(
-        store, RUN, version, list(state.items()), parent=head, reason="test",
-        signing_key=key,
-    )  # fmt: skip
+        store,
+        RUN,
+        version,
+        list(state.items()),
+        PublishOptions(signing_key=key),
+        parent=head,
+        reason="test",
+    )
 
 
 def node_of(store: FileStore, public: Ed25519PublicKey, state_path: Path) -> RolloutNode:

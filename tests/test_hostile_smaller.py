@@ -19,6 +19,7 @@ from pipeline.format.signing import generate_keypair, load_private_key, load_pub
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 from pipeline.store.trust import trusted
 from pipeline.versions import chain
@@ -41,7 +42,7 @@ def _publish(store: FileStore, tmp: Path, steps: range) -> None:
     for step in steps:
         path = tmp / f"ckpt-{step}.safetensors"
         write_checkpoint(path, _state(step).items())
-        publish_step(store, RUN, step, path, cache, level=1)
+        publish_step(store, RUN, step, path, cache)
 
 
 def test_a_non_safetensors_file_is_refused_without_showing_its_bytes(tmp_path: Path) -> None:
@@ -50,7 +51,7 @@ def test_a_non_safetensors_file_is_refused_without_showing_its_bytes(tmp_path: P
     path.write_bytes(secret)
     store = FileStore(tmp_path / "store")
     with pytest.raises(CorruptObjectError) as caught:
-        publish_step(store, RUN, 0, path, StateCache(tmp_path / "cache", RUN), level=1)
+        publish_step(store, RUN, 0, path, StateCache(tmp_path / "cache", RUN))
     message = str(caught.value)
     (as_number,) = struct.unpack("<Q", secret[:8])
     assert str(as_number) not in message and "hunter2" not in message
@@ -68,7 +69,7 @@ def test_a_dtype_the_delta_codec_cannot_carry_is_refused_before_version_0(
     )
     store = FileStore(tmp_path / "store")
     with pytest.raises(CodecError, match="unsupported dtype"):
-        publish_step(store, RUN, 0, path, StateCache(tmp_path / "cache", RUN), level=1)
+        publish_step(store, RUN, 0, path, StateCache(tmp_path / "cache", RUN))
     assert list(store.list(f"{RUN}/anchors")) == []
 
 
@@ -98,7 +99,7 @@ def test_a_symlinked_version_folder_is_never_written_through(tmp_path: Path) -> 
     path = tmp_path / "ckpt-1.safetensors"
     write_checkpoint(path, _state(1).items())
     with pytest.raises(StoreError, match="symlink"):
-        publish_step(store, RUN, 1, path, StateCache(tmp_path / "cache", RUN), level=1)
+        publish_step(store, RUN, 1, path, StateCache(tmp_path / "cache", RUN))
     assert list(elsewhere.iterdir()) == []
     with pytest.raises(StoreError, match="symlink"):
         store.get(f"{RUN}/deltas/0000000001/manifest.json")
@@ -111,7 +112,9 @@ def _signed_run(tmp: Path) -> tuple[FileStore, Path, Path]:
     for step in range(3):
         path = tmp / f"ckpt-{step}.safetensors"
         write_checkpoint(path, _state(step).items())
-        publish_step(store, RUN, step, path, cache, level=1, signing_key=load_private_key(private))
+        publish_step(
+            store, RUN, step, path, cache, PublishOptions(signing_key=load_private_key(private))
+        )
     return store, private, public
 
 
@@ -119,12 +122,14 @@ def test_a_signing_worker_never_builds_on_an_unsigned_head(tmp_path: Path) -> No
     store, private, _ = _signed_run(tmp_path)
     forged = tmp_path / "forged.safetensors"
     write_checkpoint(forged, _state(7).items())
-    publish_step(store, RUN, 3, forged, StateCache(tmp_path / "attacker", RUN), level=1)
+    publish_step(store, RUN, 3, forged, StateCache(tmp_path / "attacker", RUN))
     path = tmp_path / "ckpt-4.safetensors"
     write_checkpoint(path, _state(4).items())
     cache = StateCache(tmp_path / "cache", RUN)
     with pytest.raises(SignatureError, match="delta 3 of run small is not signed"):
-        publish_step(store, RUN, 4, path, cache, level=1, signing_key=load_private_key(private))
+        publish_step(
+            store, RUN, 4, path, cache, PublishOptions(signing_key=load_private_key(private))
+        )
     assert chain.list_versions(store, RUN).head == 3
 
 
@@ -209,7 +214,7 @@ def test_a_fifo_named_as_a_checkpoint_is_refused_without_blocking(tmp_path: Path
 
     def publish() -> None:
         try:
-            publish_step(store, RUN, 0, fifo, StateCache(tmp_path / "cache", RUN), level=1)
+            publish_step(store, RUN, 0, fifo, StateCache(tmp_path / "cache", RUN))
         except BaseException as exc:
             outcome.append(exc)
 

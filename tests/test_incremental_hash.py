@@ -91,7 +91,7 @@ def test_an_adopted_proven_cache_is_not_hashed_again(
         path = tmp_path / f"staged-{step}.safetensors"
         save_state(states[step], path)
         full = count_full_hashes(monkeypatch)
-        result = publish_step(store, RUN, step, path, trainer.cache, level=1, adopt=True)
+        result = publish_step(store, RUN, step, path, trainer.cache, adopt=True)
         assert result.status == "published" and not path.exists()
         if step == 0:
             assert len(full) == len(states[0])  # the anchor is hashed in full, once

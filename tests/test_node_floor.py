@@ -27,6 +27,7 @@ from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.signing import generate_keypair, load_private_key
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.rollout.node import state_path_for
 from pipeline.store.file import FileStore
 from pipeline.versions import chain
@@ -52,7 +53,9 @@ def _publish(store: FileStore, tmp: Path, steps: range, key: Path) -> None:
     for step in steps:
         path = tmp / f"ckpt-{step}.safetensors"
         write_checkpoint(path, _state(step).items())
-        publish_step(store, RUN, step, path, cache, level=1, signing_key=load_private_key(key))
+        publish_step(
+            store, RUN, step, path, cache, PublishOptions(signing_key=load_private_key(key))
+        )
 
 
 def _hide(store: FileStore, *versions: int) -> None:

@@ -38,7 +38,7 @@ def _publish_unsigned(tmp: Path) -> tuple[FileStore, dict[str, torch.Tensor]]:
     for version, state in enumerate(states):
         path = tmp / f"{version}.safetensors"
         save_state(state, path)
-        assert publish_step(store, RUN, version, path, cache, level=1).status == "published"
+        assert publish_step(store, RUN, version, path, cache).status == "published"
     return store, states[-1]
 
 

@@ -30,6 +30,7 @@ from pipeline.format.signing import generate_keypair
 from pipeline.publish.repair import repair
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
 from pipeline.store.trust import trusted
@@ -210,9 +211,13 @@ def test_a_signed_run_is_repaired_only_with_its_signing_key(tmp_path: Path) -> N
     for version, state in enumerate(states):
         save_state(state, tmp_path / f"{version}.safetensors")
         publish_step(
-            store, "signed", version, tmp_path / f"{version}.safetensors", cache, level=1,
-            signing_key=key,
-        )  # fmt: skip
+            store,
+            "signed",
+            version,
+            tmp_path / f"{version}.safetensors",
+            cache,
+            PublishOptions(signing_key=key),
+        )
     entry = chain.load_manifest(store, "signed", "delta", 1).objects[0]
     path = tmp_path / "store" / object_key("signed", "delta", 1, entry.key)
     data = bytearray(path.read_bytes())
@@ -276,7 +281,7 @@ def test_typos_fail_at_once_naming_what_exists(redis_url: str, tmp_path: Path) -
     state = UpdateGenerator(ModelConfig.preset("tiny"), seed=1).state()
     save_state(state, tmp_path / "0.safetensors")
     cache = StateCache(tmp_path / "cache", "grpo-7")
-    publish_step(store, "grpo-7", 0, tmp_path / "0.safetensors", cache, level=1)
+    publish_step(store, "grpo-7", 0, tmp_path / "0.safetensors", cache)
     EventStream(redis_client(redis_url), "other-run").publish(
         StepCompleted.now(run="other-run", version=0, checkpoint="/c/0", owned=False)
     )

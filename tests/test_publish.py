@@ -26,7 +26,7 @@ from pipeline.publish.diff import publish_delta, shares_by_bytes
 from pipeline.publish.parts import plan_parts
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.publish.version import publish_anchor
+from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
 from pipeline.store.trust import trusted
@@ -72,20 +72,28 @@ def test_publish_step_sequence_and_idempotency(store: ObjectStore, tmp_path: Pat
 
     before = snapshot(store, trainer.run)
     again = publish_step(
-        store, trainer.run, 2, trainer.paths[2], trainer.cache, level=1, part_bytes=PART_BYTES
+        store,
+        trainer.run,
+        2,
+        trainer.paths[2],
+        trainer.cache,
+        PublishOptions(part_bytes=PART_BYTES),
     )
     assert again.status == "skipped" and again.manifest == second.manifest
     stale = publish_step(
-        store, trainer.run, 1, trainer.paths[0], trainer.cache, level=1, part_bytes=PART_BYTES
+        store,
+        trainer.run,
+        1,
+        trainer.paths[0],
+        trainer.cache,
+        PublishOptions(part_bytes=PART_BYTES),
     )
     assert stale.status == "skipped" and stale.manifest is None and "head is 2" in stale.reason
     # publish_delta itself is idempotent too, and refuses an old version.
     with CheckpointReader(trainer.paths[0]) as base, CheckpointReader(trainer.paths[2]) as new:
-        assert publish_delta(store, trainer.run, 2, base, new, first.manifest, level=1) == (
-            second.manifest
-        )
+        assert publish_delta(store, trainer.run, 2, base, new, first.manifest) == (second.manifest)
         with pytest.raises(ChainError, match="step 1 is not newer than head 2"):
-            publish_delta(store, trainer.run, 1, base, new, first.manifest, level=1)
+            publish_delta(store, trainer.run, 1, base, new, first.manifest)
     assert snapshot(store, trainer.run) == before  # nothing was written
     trainer.assert_rebuilds(2)
 
@@ -96,7 +104,7 @@ def test_partition_is_fixed_by_the_first_anchor(file_store: FileStore, tmp_path:
     anchor = chain.load_manifest(file_store, trainer.run, "anchor", 0)
     path = trainer.checkpoint(1, sharded=True)  # a different file layout, too
     result = publish_step(
-        file_store, trainer.run, 1, path, trainer.cache, level=3, part_bytes=1 << 30
+        file_store, trainer.run, 1, path, trainer.cache, PublishOptions(level=3, part_bytes=1 << 30)
     )
     assert result.manifest is not None
     assert result.manifest.parts() == anchor.parts()
@@ -137,7 +145,7 @@ def test_mismatched_checkpoint_is_refused(
     path = write_checkpoint(tmp_path / "bad.safetensors", state.items())
     before = snapshot(file_store, trainer.run)
     with pytest.raises(MismatchError, match=victim):
-        publish_step(file_store, trainer.run, 1, path, trainer.cache, level=1)
+        publish_step(file_store, trainer.run, 1, path, trainer.cache)
     assert snapshot(file_store, trainer.run) == before
 
 
@@ -166,10 +174,10 @@ def test_wrong_base_is_refused_and_hashes_match_on_any_threads(
         CheckpointReader(one) as new,
         pytest.raises(MismatchError, match="does not match version 0"),
     ):
-        publish_delta(file_store, trainer.run, 1, base, new, anchor, level=1)
+        publish_delta(file_store, trainer.run, 1, base, new, anchor)
     assert not file_store.exists(manifest_key(trainer.run, "delta", 1))
     with CheckpointReader(trainer.paths[0]) as base, CheckpointReader(one) as new:
-        delta = publish_delta(file_store, trainer.run, 1, base, new, anchor, level=1)
+        delta = publish_delta(file_store, trainer.run, 1, base, new, anchor)
         full = content_hashes.of(anchor).full  # the run's (updated from the changes)
         expected = {n: full(new.view(n)) for n in new.names()}
     assert {t.name: t.hash for t in delta.tensors} == expected
@@ -211,8 +219,8 @@ def test_cache_is_rebuilt_from_the_store(
 def test_signed_versions(file_store: FileStore, tmp_path: Path) -> None:
     key = Ed25519PrivateKey.generate()
     trainer = SyntheticRun(tmp_path, file_store)
-    trainer.publish(0, signing_key=key)
-    trainer.publish(1, signing_key=key)
+    trainer.publish(0, PublishOptions(signing_key=key))
+    trainer.publish(1, PublishOptions(signing_key=key))
     plan = chain.resolve(trusted(file_store, key.public_key()), trainer.run, 1)
     assert all(m.signature is not None for m in plan.manifests)
     anchor = compact(file_store, trainer.run, 1, signing_key=key)
@@ -286,12 +294,13 @@ import sys
 from pathlib import Path
 from pipeline.publish.step import publish_step
 from pipeline.publish.state_cache import StateCache
+from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 
 root, run, step, ckpt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 store = FileStore(Path(root) / "store")
 cache = StateCache(Path(root) / "cache", run)
-publish_step(store, run, step, ckpt, cache, level=1, part_bytes=int(sys.argv[5]))
+publish_step(store, run, step, ckpt, cache, PublishOptions(part_bytes=int(sys.argv[5])))
 print("finished")
 """
 
@@ -342,8 +351,7 @@ def test_a_crash_leaves_a_whole_version_or_none(
         step,
         trainer.paths[step],
         trainer.cache,
-        level=1,
-        part_bytes=PART_BYTES,
+        PublishOptions(part_bytes=PART_BYTES),
     )
     assert rerun.status == ("skipped" if exists else "published")
     trainer.publish(step + 1)  # the cache recovers whatever state the crash left
@@ -363,7 +371,7 @@ def test_a_delta_is_not_published_when_the_head_moved_while_it_was_encoded(
         paths.append(tmp_path / f"s{step}.safetensors")
         save_state(state, paths[-1])
     plain = FileStore(tmp_path / "store")
-    publish_step(plain, "r", 0, paths[0], StateCache(tmp_path / "a", "r"), level=1)
+    publish_step(plain, "r", 0, paths[0], StateCache(tmp_path / "a", "r"))
     other = StateCache(tmp_path / "b", "r")
     other.rebuild(plain, "r", 0)
 
@@ -376,11 +384,11 @@ def test_a_delta_is_not_published_when_the_head_moved_while_it_was_encoded(
             super().put(key, data)
             if "/deltas/0000000001/" in key and not self.overtaken:
                 self.overtaken = True
-                publish_step(plain, "r", 2, paths[2], other, level=1)
+                publish_step(plain, "r", 2, paths[2], other)
 
     slow = Overtaken(tmp_path / "store")
     with pytest.raises(ChainError, match="head moved to 2"):
-        publish_step(slow, "r", 1, paths[1], StateCache(tmp_path / "a", "r"), level=1)
+        publish_step(slow, "r", 1, paths[1], StateCache(tmp_path / "a", "r"))
     assert slow.overtaken
     index = chain.list_versions(plain, "r")
     assert index.versions == (0, 2) and 1 not in index.deltas

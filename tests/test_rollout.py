@@ -34,7 +34,7 @@ from pipeline.format.signing import generate_keypair, load_private_key, load_pub
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
-from pipeline.publish.version import publish_anchor
+from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
 from pipeline.targets.patching import int_view
@@ -81,9 +81,7 @@ class Trainer:
             self.step,
             self.checkpoint(self.step, self.current),
             self.cache,
-            level=self.level,
-            part_bytes=PART_BYTES,
-            content_hash=self.content_hash,
+            PublishOptions(level=self.level, part_bytes=PART_BYTES, content_hash=self.content_hash),
         )
         assert result.status == "published"
         self.states[self.step] = {k: v.clone() for k, v in self.current.items()}
@@ -97,9 +95,14 @@ class Trainer:
         self.step += steps
         with CheckpointReader(self.checkpoint(self.step, self.current)) as reader:
             publish_anchor(
-                self.store, RUN, self.step, reader, parent=head, reason="test",
-                part_bytes=PART_BYTES,
-            )  # fmt: skip
+                self.store,
+                RUN,
+                self.step,
+                reader,
+                PublishOptions(part_bytes=PART_BYTES),
+                parent=head,
+                reason="test",
+            )
         self.states[self.step] = {k: v.clone() for k, v in self.current.items()}
         return self.step
 
@@ -385,7 +388,7 @@ def test_signed_run_needs_the_right_key(store: FileStore, tmp_path: Path) -> Non
     for step in range(2):
         state = trainer.current if step == 0 else trainer.generator.step()
         path = trainer.checkpoint(step, state)
-        publish_step(store, RUN, step, path, trainer.cache, level=1, signing_key=key)
+        publish_step(store, RUN, step, path, trainer.cache, PublishOptions(signing_key=key))
         trainer.states[step] = state
 
     target, held = empty_target(trainer.states[0])

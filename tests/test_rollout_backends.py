@@ -29,7 +29,7 @@ def test_node_follows_a_run_on_every_backend(store: ObjectStore, tmp_path: Path)
             state = generator.step()
         path = tmp_path / f"{step}.safetensors"
         save_state(state, path)
-        publish_step(store, RUN, step, path, cache, level=1)
+        publish_step(store, RUN, step, path, cache)
         if step == 2:
             compact(store, RUN)
         assert node.step_once() == step, node.last_error

@@ -20,6 +20,7 @@ from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 from pipeline.targets.patching import int_view
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
@@ -42,7 +43,7 @@ def publish_versions(
             state = generator.step()
         path = workdir / f"{step}.safetensors"
         save_state(state, path)
-        publish_step(store, RUN, step, path, cache, level=1, content_hash=content_hash)
+        publish_step(store, RUN, step, path, cache, PublishOptions(content_hash=content_hash))
         states[step] = state
     return states
 
@@ -113,7 +114,7 @@ def publish_versions_after(
     version = len(states)
     path = workdir / f"{version}.safetensors"
     save_state(state, path)
-    publish_step(store, RUN, version, path, StateCache(workdir / "cache", RUN), level=1)
+    publish_step(store, RUN, version, path, StateCache(workdir / "cache", RUN))
     states[version] = state
     return version
 

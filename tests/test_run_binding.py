@@ -23,6 +23,7 @@ from pipeline.format.manifest import manifest_key
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
@@ -48,7 +49,7 @@ def _publish(store: FileStore, tmp: Path, steps: range, key: Path | None = None)
     for step in steps:
         path = tmp / f"ckpt-{step}.safetensors"
         write_checkpoint(path, _state(step).items())
-        publish_step(store, RUN, step, path, cache, level=1, signing_key=signing)
+        publish_step(store, RUN, step, path, cache, PublishOptions(signing_key=signing))
 
 
 def _empty_target() -> TorchTarget:

@@ -65,6 +65,7 @@ from pipeline.publish.sharded import (
     read_pieces,
     work_host,
 )
+from pipeline.publish.version import PublishOptions
 from pipeline.rollout.node import RolloutNode
 from pipeline.store import ObjectStore, open_store
 from pipeline.targets.setup import TargetSetup
@@ -258,13 +259,15 @@ class Hosts:
             RUN,
             step,
             str(checkpoint),
+            PublishOptions(
+                level=level,
+                content_hash=content_hash,
+                anchor_compression=anchor_compression,
+                part_bytes=part_bytes,
+            ),
             call_in=self.call_in,
             work_here=None if here is None else functools.partial(work_host, self.sides[here]),
-            level=level,
-            content_hash=content_hash,
-            anchor_compression=anchor_compression,
             wait_s=30,
-            part_bytes=part_bytes,
             launch=LAUNCH,
         )
         assert result.manifest is not None
@@ -541,10 +544,9 @@ def test_a_host_that_never_records_fails_the_step_in_process(
             RUN,
             1,
             str(stage(client, hosts.staging, 1, states[1])),
+            PublishOptions(part_bytes=PART_BYTES),
             call_in=only_ha,
-            level=1,
             wait_s=1.5,
-            part_bytes=PART_BYTES,
         )
     assert "\n" not in str(info.value)
     assert chain.list_versions(store, RUN).head == 0
@@ -559,7 +561,14 @@ def test_a_host_that_never_records_fails_the_step_in_process(
     assert hosts.publish(3, stage(client, hosts.staging, 3, states[3])).parent == 2
     check_version(store, 3, states[3])
     late = publish_sharded(
-        client, store, RUN, 1, "-", call_in=hosts.call_in, level=1, wait_s=30, part_bytes=PART_BYTES
+        client,
+        store,
+        RUN,
+        1,
+        "-",
+        PublishOptions(part_bytes=PART_BYTES),
+        call_in=hosts.call_in,
+        wait_s=30,
     )  # a retry of the failed step, now behind the head
     assert late.status == "skipped" and late.reason == "stale: head is 3"
     # The failed step's folders go once their host's caches move past it.

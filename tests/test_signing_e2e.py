@@ -170,7 +170,7 @@ def _forge_unsigned_delta(store_url: str, run: str, step: int, cache_dir: Path, 
     first = sorted(forged)[0]
     forged[first].view(-1)[:8] = 0  # the attacker's weights
     write_checkpoint(ckpt, forged.items())
-    result = publish_step(store, run, step, ckpt, StateCache(cache_dir, run), level=1)
+    result = publish_step(store, run, step, ckpt, StateCache(cache_dir, run))
     assert result.status == "published" and result.manifest is not None
     assert result.manifest.signature is None
 

@@ -75,7 +75,7 @@ def test_a_resumed_trainer_publishes_only_what_the_run_lacks(
     checkpoint = tmp_path / "v3.safetensors"
     save_file({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, str(checkpoint))
     cache = StateCache(tmp_path / "cache", RUN)
-    publish_step(emitter.runtime.store, RUN, 3, checkpoint, cache, level=1)
+    publish_step(emitter.runtime.store, RUN, 3, checkpoint, cache)
     assert emitter.head() == 3
     control = transformers.TrainerControl()
     resumed = DeltasyncCallback(emitter)

@@ -109,7 +109,7 @@ def test_node_follows_adamw_versions_bit_exact_like_fresh_engines(
     node = RolloutNode(store, RUN, target, NodeOptions(poll_interval_s=0.01, prefetch=False))
     outputs = []
     for step, folder in enumerate(trained.folders):
-        publish_step(store, RUN, step, folder / moe.WEIGHTS_FILE, cache, level=1)
+        publish_step(store, RUN, step, folder / moe.WEIGHTS_FILE, cache)
         assert node.step_once() == step, node.last_error
         # publish_step gives the run the default tensor hash; compared in that hash.
         held = target.hashes(algorithm=content_hashes.DEFAULT)

@@ -320,12 +320,12 @@ def publish_damaged(
     objects into ``store`` with one byte flipped, the manifest last."""
     staging = FileStore(tmp_path / "staging-store")
     cache = StateCache(tmp_path / "staging-cache", RUN)
-    publish_step(staging, RUN, version - 1, base_folder / "model.safetensors", cache, level=1)
+    publish_step(staging, RUN, version - 1, base_folder / "model.safetensors", cache)
     changed = {name: t.clone() for name, t in base.items()}
     first = sorted(changed)[0]
     changed[first].view(-1)[:16] += 1
     folder = save_version(tmp_path / "damaged", base_folder, changed)
-    publish_step(staging, RUN, version, folder / "model.safetensors", cache, level=1)
+    publish_step(staging, RUN, version, folder / "model.safetensors", cache)
     keys = [k for k in staging.list(f"{RUN}/") if f"/{version:010d}/" in k]
     manifest = [k for k in keys if k.endswith("manifest.json")]
     assert len(manifest) == 1 and len(keys) > 1, keys

@@ -35,6 +35,7 @@ from pipeline.config import Settings
 from pipeline.format.hashes import content_hashes
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.rollout.fetch import fetch_delta, stream_anchor
 from pipeline.store.file import FileStore
 from pipeline.targets.proving import SMALL_CHANGES
@@ -100,7 +101,9 @@ def run_once(
     for version, (state, level) in enumerate(zip(states, [levels[0], *levels], strict=True)):
         path = folder / f"{version}.safetensors"
         save_state(state, path)
-        publish_step(store, RUN, version, path, cache, level=level, content_hash=content_hash)
+        publish_step(
+            store, RUN, version, path, cache, PublishOptions(level=level, content_hash=content_hash)
+        )
     anchor = chain.load_manifest(store, RUN, "anchor", 0)
     last = states[-1]
     for patch_memory in (1 << 30, 0):

@@ -6,7 +6,12 @@ import structlog
 
 from pipeline.errors import ChainError
 from pipeline.format.manifest import Manifest
-from pipeline.publish.version import PrivateKey, publish_anchor, publish_pieced_anchor
+from pipeline.publish.version import (
+    PrivateKey,
+    PublishOptions,
+    publish_anchor,
+    publish_pieced_anchor,
+)
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store, store_key
 from pipeline.versions import chain, retention
@@ -53,13 +58,12 @@ def compact(
         run,
         target,
         chain.reconstruct_tensors(store, run, target, plan=plan),
+        PublishOptions(signing_key=signing_key, anchor_compression=anchor_compression),
         parent=delta.parent,
         reason="compaction",
-        signing_key=signing_key,
         layout=delta.parts(),
         expected=delta,
         parent_state_hash=delta.parent_state_hash,
-        anchor_compression=anchor_compression,
     )
 
 

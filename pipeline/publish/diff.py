@@ -57,7 +57,13 @@ from pipeline.format.matching import check_tensors
 from pipeline.format.pieces import StoredPiece, join_pieces
 from pipeline.format.regions import Region
 from pipeline.publish.uploads import Clock, PublishTimings, Uploader
-from pipeline.publish.version import PrivateKey, tensor_entry, write_manifest
+from pipeline.publish.version import (
+    DEFAULT_OPTIONS,
+    PrivateKey,
+    PublishOptions,
+    tensor_entry,
+    write_manifest,
+)
 from pipeline.store.base import ObjectStore
 from pipeline.testing import faults
 from pipeline.versions import chain
@@ -573,9 +579,8 @@ def publish_delta(
     base: CheckpointReader,
     new: CheckpointReader,
     parent: Manifest,
+    options: PublishOptions = DEFAULT_OPTIONS,
     *,
-    level: int,
-    signing_key: PrivateKey | None = None,
     timings: PublishTimings | None = None,
     index: chain.VersionIndex | None = None,
     base_unchanged: Callable[[], bool] | None = None,
@@ -583,9 +588,10 @@ def publish_delta(
     base_proven: bool = False,
 ) -> Manifest:
     """Encode ``new`` against ``base`` (which must hold ``parent``'s state) and publish it
-    as delta ``version``, part by part in the run's partition, manifest last. ``index``
-    saves a listing when the caller has just made one. See :func:`encode_parts` and
-    :func:`assemble_delta` for ``on_part``, ``base_proven`` and ``base_unchanged``."""
+    as delta ``version`` at ``options.level``, part by part in the run's partition,
+    manifest last (signed with ``options.signing_key``). ``index`` saves a listing when
+    the caller has just made one. See :func:`encode_parts` and :func:`assemble_delta`
+    for ``on_part``, ``base_proven`` and ``base_unchanged``."""
     key = manifest_key(run, "delta", version)
     if store.exists(key):
         log.info("delta exists, nothing to do", run=run, version=version)
@@ -600,7 +606,7 @@ def publish_delta(
     check_tensors(parent, new.specs(), holder=f"checkpoint {new.path}", complete=True)
     check_tensors(parent, base.specs(), holder=f"base {base.path}", complete=True)
     parent_kind: Kind = parent.kind
-    task = DeltaTask(run, version, str(new.path), parent.version, parent_kind, level)
+    task = DeltaTask(run, version, str(new.path), parent.version, parent_kind, options.level)
     ledger = LocalLedger()
     encode_parts(
         store,
@@ -618,7 +624,7 @@ def publish_delta(
         task,
         parent,
         ledger.records(),
-        signing_key=signing_key,
+        signing_key=options.signing_key,
         base_unchanged=base_unchanged,
         tensor_form=published_form(new),
         base_path=base.path,

@@ -45,7 +45,7 @@ from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.digests import state_hash
 from pipeline.format.manifest import Kind, Manifest, manifest_key
 from pipeline.publish.state_cache import StateCache, flock
-from pipeline.publish.version import PrivateKey, publish_anchor
+from pipeline.publish.version import PrivateKey, PublishOptions, publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store
 from pipeline.versions import retention
@@ -317,13 +317,12 @@ def _publish(
             check.run,
             expected.version,
             tensors,
+            PublishOptions(signing_key=signing_key, anchor_compression=anchor_compression),
             parent=expected.parent,
             reason="repair",
-            signing_key=signing_key,
             layout=expected.parts(),
             expected=expected,  # every tensor's hash, then the state hash, before the manifest
             parent_state_hash=expected.parent_state_hash,
-            anchor_compression=anchor_compression,
         )
     log.warning(
         "run repaired with a new anchor", run=check.run, version=anchor.version, source=source.name

@@ -85,7 +85,13 @@ from pipeline.publish.parts import plan_parts
 from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.step import PublishResult, already_done
 from pipeline.publish.uploads import holds
-from pipeline.publish.version import PrivateKey, anchor_manifest, write_anchor
+from pipeline.publish.version import (
+    DEFAULT_OPTIONS,
+    PrivateKey,
+    PublishOptions,
+    anchor_manifest,
+    write_anchor,
+)
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store
 from pipeline.testing import faults
@@ -411,16 +417,12 @@ def publish_sharded(
     run: str,
     step: int,
     checkpoint: str,
+    options: PublishOptions = DEFAULT_OPTIONS,
     *,
     call_in: CallIn,
     call_again: CallIn | None = None,
     work_here: Callable[[DeltaTask], object] | None = None,
-    level: int,
-    signing_key: PrivateKey | None = None,
-    anchor_compression: str = "none",
-    content_hash: str | None = None,
     wait_s: float,
-    part_bytes: int,
     on_published: Callable[[Manifest], None] | None = None,
     launch: str | None = None,
 ) -> PublishResult:
@@ -431,9 +433,10 @@ def publish_sharded(
     ``call_in``) queues one more for a part nobody holds while the coordinator waits.
     ``work_here`` works the coordinator's own host's parts. ``checkpoint`` (the
     completing rank's step folder) only names the step; nothing is read from it.
-    ``part_bytes``: the size by which every host splits its ranks' pieces into the
-    first anchor's parts (later versions keep that partition). ``launch``: the trainer
-    start that completed the step; only its ranks count."""
+    ``options.part_bytes``: the size by which every host splits its ranks' pieces into
+    the first anchor's parts (later versions keep that partition). ``launch``: the
+    trainer start that completed the step; only its ranks count."""
+    signing_key, level, part_bytes = options.signing_key, options.level, options.part_bytes
     store = signer_store(store, signing_key)
     index = chain.list_versions(store, run)
     done = already_done(store, run, step, index)
@@ -445,13 +448,13 @@ def publish_sharded(
     head = index.head
     again = call_again or call_in
     if head is None:
-        name = content_hash or content_hashes.DEFAULT
+        name = options.content_hash or content_hashes.DEFAULT
         if name != content_hashes.MIXSUM:
             raise ConfigError(
                 f"run {run}: a sharded run hashes its pieces with {content_hashes.MIXSUM}, "
                 f"not {name}"
             )
-        check_compression(anchor_compression)
+        check_compression(options.anchor_compression)
         prior = current_fanout(client, run)
         if prior is not None and (prior.step, prior.publishes) == (step, "anchor"):
             # A dead coordinator's anchor: its hosts planned (and maybe stored) parts by
@@ -466,7 +469,7 @@ def publish_sharded(
             level,
             True,
             "anchor",
-            anchor_compression,
+            options.anchor_compression,
             launch,
             part_bytes,
         )
@@ -475,9 +478,7 @@ def publish_sharded(
         call_in(fanout, [(f"rank-{r:05d}", f.host) for r, f in sorted(ranks.items())])
         try:
             records = _await_parts(client, fanout, ledger, ranks, None, again, work_here, wait_s)
-            manifest = _assemble_anchor(
-                store, fanout, ranks, records, signing_key, anchor_compression
-            )
+            manifest = _assemble_anchor(store, fanout, ranks, records, signing_key)
         finally:
             ledger.close()
     else:
@@ -572,7 +573,6 @@ def _assemble_anchor(
     ranks: dict[int, RankFolder],
     records: dict[str, PartRecord],
     signing_key: PrivateKey | None,
-    compression: str,
 ) -> Manifest:
     """The first anchor's manifest from its parts' pieces (written last)."""
     run, step = fanout.run, fanout.step
@@ -589,7 +589,7 @@ def _assemble_anchor(
         step,
         [records[k].object for k in keys],
         entries,
-        compression,
+        fanout.anchor_compression,
         algorithm,
         reason="first version",
         extra={"ranks": {str(r): f.layout for r, f in sorted(ranks.items())}},

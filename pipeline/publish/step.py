@@ -28,10 +28,9 @@ from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.manifest_parse import check_tensor_name
 from pipeline.format.matching import check_tensors
 from pipeline.publish.diff import StaleBaseError, publish_delta
-from pipeline.publish.parts import DEFAULT_PART_BYTES
 from pipeline.publish.state_cache import StateCache
 from pipeline.publish.uploads import PublishTimings
-from pipeline.publish.version import PrivateKey, publish_anchor
+from pipeline.publish.version import DEFAULT_OPTIONS, PublishOptions, publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store
 from pipeline.versions import chain
@@ -109,18 +108,15 @@ def publish_step(
     step: int,
     checkpoint_path: str | os.PathLike[str],
     cache: StateCache,
+    options: PublishOptions = DEFAULT_OPTIONS,
     *,
-    level: int,
-    signing_key: PrivateKey | None = None,
-    part_bytes: int = DEFAULT_PART_BYTES,
     on_published: Callable[[Manifest], None] | None = None,
     adopt: bool = False,
     link: bool = False,
-    anchor_compression: str = "none",
     on_part: Callable[[DeltaPart], None] | None = None,
-    content_hash: str | None = None,
 ) -> PublishResult:
-    """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``.
+    """The whole diff job: publish ``checkpoint_path`` as version ``step`` of ``run``
+    as ``options`` say (a new run's anchor fixes its partition, compression and hash).
 
     ``on_published`` runs once the version's manifest is in the store and before the
     state cache catches up with it (still under the caller's lock): announcing there
@@ -130,12 +126,10 @@ def publish_step(
     With ``link`` the trainer's own checkpoint files are hard-linked into the cache
     instead of copied; the trainer must then not rewrite them in place (a rewrite is
     detected, the cache rebuilt from the store, and linking turned off for the run).
-    ``anchor_compression`` applies to the run's first version (an anchor). ``on_part``
-    gets a hint for each delta object once it is stored, before the manifest. With
-    ``signing_key`` the head is verified with its public half before anything builds
-    on it. ``content_hash`` names the tensor hash of a new run (its first anchor fixes
-    it; default ``content_hashes.DEFAULT``); later versions keep the run's."""
-    store = signer_store(store, signing_key)
+    ``on_part`` gets a hint for each delta object once it is stored, before the
+    manifest. With ``options.signing_key`` the head is verified with its public half
+    before anything builds on it."""
+    store = signer_store(store, options.signing_key)
     index = chain.list_versions(store, run)
     head = index.head
     done = already_done(store, run, step, index)
@@ -154,17 +148,7 @@ def publish_step(
                 info_for(spec.dtype, name)
         if head is None:
             manifest = publish_anchor(
-                store,
-                run,
-                step,
-                new,
-                parent=None,
-                reason="first version",
-                signing_key=signing_key,
-                part_bytes=part_bytes,
-                timings=timings,
-                anchor_compression=anchor_compression,
-                content_hash=content_hash,
+                store, run, step, new, options, parent=None, reason="first version", timings=timings
             )
         else:
             parent_kind: Kind = "anchor" if head in index.anchors else "delta"
@@ -186,8 +170,7 @@ def publish_step(
                         base,
                         new,
                         parent,
-                        level=level,
-                        signing_key=signing_key,
+                        options,
                         timings=timings,
                         index=index,
                         base_unchanged=cache.still_holds_state,

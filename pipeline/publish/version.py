@@ -14,13 +14,15 @@ fault-injection tests (see :mod:`pipeline.testing.faults`): ``anchor.after_read`
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
+from pipeline.codec.names import DEFAULT_LEVEL
+from pipeline.config import Settings
 from pipeline.errors import ConfigError, MismatchError
 from pipeline.format.checkpoint import CheckpointReader
 from pipeline.format.checkpoint_names import published_form
@@ -62,6 +64,36 @@ ANCHOR_CODECS = {
     "none": ANCHOR_CODEC,
     "zstd": CodecInfo(name="safetensors-planes-zstd", version=1, level=ZSTD_LEVEL),
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishOptions:
+    """How a publisher writes every version, whatever the run: the delta codec's
+    ``level``, the ``signing_key`` its manifests are signed with, and what a new run's
+    first anchor fixes for good: its ``part_bytes`` (the partition), its
+    ``anchor_compression`` (``"none"`` or ``"zstd"``, see :mod:`pipeline.codec.anchor`;
+    also that of its compactions) and its tensor hash ``content_hash`` (None:
+    ``content_hashes.DEFAULT``). Later versions keep the run's partition and hash."""
+
+    level: int = DEFAULT_LEVEL
+    signing_key: PrivateKey | None = None
+    part_bytes: int = DEFAULT_PART_BYTES
+    anchor_compression: str = "none"
+    content_hash: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PublishOptions:
+        """The options ``settings`` configure (the signing key file is read here)."""
+        return cls(
+            level=settings.level,
+            signing_key=settings.signing_key(),
+            part_bytes=settings.part_bytes,
+            anchor_compression=settings.anchor_compression,
+            content_hash=settings.content_hash,
+        )
+
+
+DEFAULT_OPTIONS = PublishOptions()
 
 
 def _existing(store: ObjectStore, run: str, kind: Kind, version: int) -> Manifest | None:
@@ -214,31 +246,31 @@ def publish_anchor(
     run: str,
     version: int,
     tensors: CheckpointReader | Iterable[tuple[str, torch.Tensor]],
+    options: PublishOptions = DEFAULT_OPTIONS,
     *,
     parent: int | None,
     reason: str,
-    signing_key: PrivateKey | None = None,
-    part_bytes: int = DEFAULT_PART_BYTES,
     layout: Layout | None = None,
     expected: Manifest | None = None,
     parent_state_hash: str | None = None,
     timings: PublishTimings | None = None,
-    anchor_compression: str = "none",
-    content_hash: str | None = None,
 ) -> Manifest:
-    """Publish a full version as safetensors parts: plain (any safetensors reader loads
-    them) or, with ``anchor_compression="zstd"``, as lossless zstd byte planes (see
-    :mod:`pipeline.codec.anchor`). ``layout`` keeps an existing partition; ``expected``
-    is a manifest of the same version whose tensor hashes the anchor must match before
-    its manifest is written. ``content_hash`` names the tensor hash algorithm: by
-    default ``expected``'s (the run's), or for a run's first anchor
-    ``content_hashes.DEFAULT``; it is then the run's for good."""
-    check_compression(anchor_compression)
+    """Publish a full version as safetensors parts (``options.part_bytes`` each unless
+    ``layout`` keeps an existing partition): plain (any safetensors reader loads them)
+    or, with ``options.anchor_compression`` ``"zstd"``, as lossless zstd byte planes
+    (see :mod:`pipeline.codec.anchor`). ``expected`` is a manifest of the same version
+    whose tensor hashes the anchor must match before its manifest is written. The
+    tensor hash is ``options.content_hash`` if given, else ``expected``'s (the run's),
+    or for a run's first anchor ``content_hashes.DEFAULT``; it is then the run's for
+    good."""
+    compression = options.anchor_compression
+    check_compression(compression)
     if expected is not None and expected.is_pieced:
         raise ConfigError(
             f"{expected.kind} {version} of run {run} is stored in pieces: its anchor keeps "
             "them (publish_pieced_anchor)"
         )
+    content_hash = options.content_hash
     if content_hash is None:
         content_hash = expected.content_hash if expected is not None else content_hashes.DEFAULT
     algorithm = content_hashes.get(content_hash)
@@ -251,7 +283,7 @@ def publish_anchor(
     objects: list[ObjectEntry] = []
     entries: list[TensorEntry] = []
     with Uploader(store, "anchor", timings) as uploader:
-        for key, part in read_parts(tensors, layout, part_bytes, timings):
+        for key, part in read_parts(tensors, layout, options.part_bytes, timings):
             _anchor_part(
                 run,
                 version,
@@ -262,7 +294,7 @@ def publish_anchor(
                 objects,
                 uploader,
                 timings,
-                anchor_compression,
+                compression,
                 algorithm,
             )
             del part  # else held while the next part is read: two parts resident, not one
@@ -272,7 +304,7 @@ def publish_anchor(
         version,
         objects,
         entries,
-        anchor_compression,
+        compression,
         algorithm,
         reason=reason,
         expected=expected,
@@ -280,7 +312,7 @@ def publish_anchor(
         parent_state_hash=parent_state_hash,
         tensor_form=published_form(tensors) if isinstance(tensors, CheckpointReader) else None,
     )
-    return write_anchor(store, manifest, signing_key)
+    return write_anchor(store, manifest, options.signing_key)
 
 
 def publish_pieced_anchor(

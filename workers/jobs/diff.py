@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,8 @@ from pipeline.format.manifest import Kind, Manifest, manifest_key
 from pipeline.logs import bind_context, get_logger
 from pipeline.publish import dead_letters
 from pipeline.publish.state_cache import StateCache
-from pipeline.publish.step import PublishResult, publish_step
+from pipeline.publish.step import publish_step
+from pipeline.publish.version import PublishOptions
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
@@ -216,15 +216,27 @@ def _diff_one(runtime: Runtime, args: queues.DiffArgs) -> dict[str, Any]:
         announced.append(manifest.version)
         faults.point("diff.after_announce")
 
+    options = PublishOptions.from_settings(settings)
     # One store per run; a signing publisher signs the run's record too.
-    run_binding.bind_store(runtime.redis, run, runtime.store, runtime.settings.signing_key())
+    run_binding.bind_store(runtime.redis, run, runtime.store, options.signing_key)
     with sharded_diff.diff_lease(runtime, run, step):
         if sharded:
             result = sharded_diff.publish_sharded_step(
-                runtime, run, step, args.checkpoint, settings.level, published, args.launch
+                runtime, run, step, args.checkpoint, options, published, args.launch
             )
         else:
-            result = _publish_here(runtime, run, step, path, staged, published)
+            result = publish_step(
+                runtime.store,
+                run,
+                step,
+                path,
+                StateCache(settings.cache_dir, run),
+                options,
+                on_published=published,
+                adopt=staged,
+                link=settings.cache_link,
+                on_part=lambda hint: publish_part(runtime.redis, hint),
+            )
     if result.manifest is not None and result.manifest.version == step and not announced:
         # Also after a crash between the manifest and the event: announce once.
         published(result.manifest)
@@ -248,34 +260,6 @@ def _diff_one(runtime: Runtime, args: queues.DiffArgs) -> dict[str, Any]:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     log.info("diff job done", status=result.status)
     return result.summary()
-
-
-def _publish_here(
-    runtime: Runtime,
-    run: str,
-    step: int,
-    path: Path,
-    staged: bool,
-    published: Callable[[Manifest], None],
-) -> PublishResult:
-    """An unsharded step: published by this worker."""
-    settings = runtime.settings
-    return publish_step(
-        runtime.store,
-        run,
-        step,
-        path,
-        StateCache(settings.cache_dir, run),
-        level=settings.level,
-        signing_key=settings.signing_key(),
-        part_bytes=settings.part_bytes,
-        on_published=published,
-        adopt=staged,
-        link=settings.cache_link,
-        anchor_compression=settings.anchor_compression,
-        on_part=lambda hint: publish_part(runtime.redis, hint),
-        content_hash=settings.content_hash,
-    )
 
 
 def check_checkpoint_root(settings: Settings, run: str, path: Path) -> None:

@@ -26,6 +26,7 @@ from pipeline.publish.diff import DeltaTask
 from pipeline.publish.fanout import CallIn, current_fanout
 from pipeline.publish.sharded import HostSide, help_host, publish_sharded
 from pipeline.publish.step import PublishResult
+from pipeline.publish.version import PublishOptions
 from workers import queues
 from workers.runtime import Runtime
 
@@ -107,14 +108,13 @@ def publish_sharded_step(
     run: str,
     step: int,
     checkpoint: str,
-    level: int,
+    options: PublishOptions,
     on_published: Callable[[Manifest], None],
     launch: str | None = None,
 ) -> PublishResult:
     """The coordinator of a sharded step (see :mod:`pipeline.publish.sharded`); it works
     its own host's parts when it serves one. ``launch``: the trainer start whose ranks
     count."""
-    settings = runtime.settings
     side = host_side(runtime)
     return publish_sharded(
         runtime.redis,
@@ -122,15 +122,11 @@ def publish_sharded_step(
         run,
         step,
         checkpoint,
+        options,
         call_in=_call_in(runtime, again=False),
         call_again=_call_in(runtime, again=True),
         work_here=None if side is None else functools.partial(help_host, side),
-        level=level,
-        signing_key=settings.signing_key(),
-        anchor_compression=settings.anchor_compression,
-        content_hash=settings.content_hash,
-        wait_s=settings.sharded_part_wait_s,
-        part_bytes=settings.part_bytes,
+        wait_s=runtime.settings.sharded_part_wait_s,
         on_published=on_published,
         launch=launch,
     )
