@@ -285,7 +285,7 @@ def test_chain_with_compressed_anchors_rebuilds_bit_exactly(tmp_path: Path) -> N
     assert first.codec.name == "safetensors-planes-zstd" and len(first.objects) > 1
     data = anchor_object(store, first)
     assert parse_header(data, len(data), "o").metadata[FORMAT_KEY] == FORMAT
-    compacted = compact(store, run.run, 2, anchor_compression="zstd")
+    compacted = compact(store, run.run, 2, PublishOptions(anchor_compression="zstd"))
     assert compacted.codec.name == "safetensors-planes-zstd"
     run.publish(3)
     for version in (0, 1, 2, 3):
@@ -303,7 +303,7 @@ def test_plain_and_compressed_anchors_in_one_run(tmp_path: Path) -> None:
     run.publish(0)  # plain, as every run before compression existed
     run.publish(1)
     assert chain.load_manifest(store, run.run, "anchor", 0).codec.name == "safetensors"
-    zstd = compact(store, run.run, 1, anchor_compression="zstd")
+    zstd = compact(store, run.run, 1, PublishOptions(anchor_compression="zstd"))
     run.publish(2)
     plain = chain.load_manifest(store, run.run, "anchor", 0)
     assert zstd.total_bytes < 0.8 * plain.total_bytes
@@ -316,7 +316,7 @@ def test_rollout_node_bootstraps_from_a_compressed_anchor(tmp_path: Path) -> Non
     run = SyntheticRun(tmp_path, store)
     run.publish(0)
     run.publish(1)
-    compact(store, run.run, 1, anchor_compression="zstd")
+    compact(store, run.run, 1, PublishOptions(anchor_compression="zstd"))
     run.publish(2)
     held = {n: torch.zeros_like(t) for n, t in run.states[2].items()}
     node = RolloutNode(store, run.run, TorchTarget(held), NodeOptions(node_id="n", progress=False))

@@ -136,7 +136,7 @@ def test_a_signing_worker_never_builds_on_an_unsigned_head(tmp_path: Path) -> No
 def test_garbage_collection_verifies_what_it_keeps(tmp_path: Path) -> None:
     """An unsigned anchor at the head would let GC delete the signed chains below it."""
     store, private, public = _signed_run(tmp_path)
-    compact(store, RUN, 1, signing_key=load_private_key(private))
+    compact(store, RUN, 1, PublishOptions(signing_key=load_private_key(private)))
     compact(store, RUN, 2)  # someone without the key: an unsigned anchor
     before = sorted(store.list(RUN))
     with pytest.raises(SignatureError, match="anchor 2 of run small is not signed"):

@@ -228,7 +228,7 @@ def test_a_signed_run_is_repaired_only_with_its_signing_key(tmp_path: Path) -> N
         repair(store, "signed", cache=cache)
     assert 1 in chain.list_versions(store, "signed").deltas  # nothing changed
 
-    result = repair(store, "signed", cache=cache, signing_key=key)
+    result = repair(store, "signed", cache=cache, options=PublishOptions(signing_key=key))
     assert result.anchor is not None and result.anchor.version == 2
     assert result.removed == ("delta 1",)
     verified = trusted(store, public.read_bytes())

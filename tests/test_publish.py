@@ -223,7 +223,7 @@ def test_signed_versions(file_store: FileStore, tmp_path: Path) -> None:
     trainer.publish(1, PublishOptions(signing_key=key))
     plan = chain.resolve(trusted(file_store, key.public_key()), trainer.run, 1)
     assert all(m.signature is not None for m in plan.manifests)
-    anchor = compact(file_store, trainer.run, 1, signing_key=key)
+    anchor = compact(file_store, trainer.run, 1, PublishOptions(signing_key=key))
     assert anchor.signature is not None
     chain.load_manifest(trusted(file_store, key.public_key()), trainer.run, "anchor", 1)
     with pytest.raises(SignatureError):

@@ -22,7 +22,7 @@ from pipeline.format.manifest import Manifest, ObjectEntry, Piece, TensorEntry, 
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
 from pipeline.publish.compaction import compact
 from pipeline.publish.offline import apply_delta as offline_apply
-from pipeline.publish.version import publish_anchor
+from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.fetch import stream_anchor_pieces
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
@@ -596,7 +596,7 @@ def test_a_signed_pieced_run_compacts_signed_and_replicas_check_it(
     private, public = generate_keypair(tmp_path / "keys")
     key = load_private_key(private)
     built = build_pieced_run(store, RUN, deltas=2, signing_key=key)
-    anchor = compact(store, RUN, signing_key=key)
+    anchor = compact(store, RUN, options=PublishOptions(signing_key=key))
     assert anchor.signature is not None and anchor.is_pieced
     node_store = FileStore(store.root)
     target = node_target(node_store)

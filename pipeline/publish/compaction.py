@@ -7,7 +7,7 @@ import structlog
 from pipeline.errors import ChainError
 from pipeline.format.manifest import Manifest
 from pipeline.publish.version import (
-    PrivateKey,
+    DEFAULT_OPTIONS,
     PublishOptions,
     publish_anchor,
     publish_pieced_anchor,
@@ -23,16 +23,13 @@ def compact(
     store: ObjectStore,
     run: str,
     version: int | None = None,
-    *,
-    signing_key: PrivateKey | None = None,
-    anchor_compression: str = "none",
+    options: PublishOptions = DEFAULT_OPTIONS,
 ) -> Manifest:
     """Publish version ``version`` (default: the head) as an anchor, rebuilt from its
-    chain and checked against its delta manifest. Idempotent. ``anchor_compression``:
-    ``"none"`` (plain safetensors) or ``"zstd"`` (see :mod:`pipeline.codec.anchor`).
-    With ``signing_key`` every manifest of the chain must carry its signature: nothing
-    unsigned is rebuilt into a signed anchor."""
-    store = signer_store(store, signing_key)
+    chain and checked against its delta manifest, in ``options.anchor_compression``.
+    Idempotent. With ``options.signing_key`` every manifest of the chain must carry its
+    signature: nothing unsigned is rebuilt into a signed anchor."""
+    store = signer_store(store, options.signing_key)
     index = chain.list_versions(store, run)
     target = index.head if version is None else version
     if target is None:
@@ -49,16 +46,15 @@ def compact(
             target,
             chain.reconstruct_parts(store, run, target, plan=plan),
             delta,
+            options,
             reason="compaction",
-            signing_key=signing_key,
-            anchor_compression=anchor_compression,
         )
     return publish_anchor(
         store,
         run,
         target,
         chain.reconstruct_tensors(store, run, target, plan=plan),
-        PublishOptions(signing_key=signing_key, anchor_compression=anchor_compression),
+        options,
         parent=delta.parent,
         reason="compaction",
         layout=delta.parts(),

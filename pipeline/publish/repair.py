@@ -45,7 +45,7 @@ from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.digests import state_hash
 from pipeline.format.manifest import Kind, Manifest, manifest_key
 from pipeline.publish.state_cache import StateCache, flock
-from pipeline.publish.version import PrivateKey, PublishOptions, publish_anchor
+from pipeline.publish.version import DEFAULT_OPTIONS, PublishOptions, publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store
 from pipeline.versions import retention
@@ -257,16 +257,16 @@ def repair(
     *,
     checkpoint: str | os.PathLike[str] | None = None,
     cache: StateCache | None = None,
-    signing_key: PrivateKey | None = None,
-    anchor_compression: str = "none",
+    options: PublishOptions = DEFAULT_OPTIONS,
     check: RunCheck | None = None,
     on_anchor: Callable[[Manifest], None] | None = None,
 ) -> RepairResult:
     """Make ``run`` reachable again (see the module's text): an anchor from
     ``checkpoint`` (else from ``cache``) when the head's chain is broken, then the
     damaged versions removed. ChainError, naming the damage, when no source proves a
-    version at or above it. ``on_anchor`` runs once the anchor is published."""
-    store = signer_store(store, signing_key)
+    version at or above it. The anchor is written as ``options`` say (signed with its
+    key, which a signed run needs). ``on_anchor`` runs once the anchor is published."""
+    store = signer_store(store, options.signing_key)
     check = check or check_run(store, run)
     if check.healthy:
         return RepairResult(check, None, "", ())
@@ -274,7 +274,7 @@ def repair(
     source: Source | None = None
     if check.broken_at is not None:
         signed = [m for m in check.manifests.values() if m.signature is not None]
-        if signed and signing_key is None:
+        if signed and options.signing_key is None:
             raise ConfigError(
                 f"run {run} is signed: repair needs its signing key (DELTASYNC_SIGNING_KEY) to "
                 f"sign the new anchor; nothing changed ({check.describe()})"
@@ -289,7 +289,7 @@ def repair(
                 f"version from {check.broken_at} to {check.index.head} (checked against "
                 "its manifest), or repair where the run's diff worker keeps its state cache"
             )
-        anchor = _publish(store, check, source, signing_key, anchor_compression)
+        anchor = _publish(store, check, source, options)
         if on_anchor is not None:
             on_anchor(anchor)
     removed = _remove(store, check, check.damaged)
@@ -300,8 +300,7 @@ def _publish(
     store: ObjectStore,
     check: RunCheck,
     source: Source,
-    signing_key: PrivateKey | None,
-    anchor_compression: str,
+    options: PublishOptions,
 ) -> Manifest:
     expected = source.manifest
     if expected.is_pieced:
@@ -317,7 +316,7 @@ def _publish(
             check.run,
             expected.version,
             tensors,
-            PublishOptions(signing_key=signing_key, anchor_compression=anchor_compression),
+            options,
             parent=expected.parent,
             reason="repair",
             layout=expected.parts(),
@@ -343,22 +342,19 @@ def skip_to_proven(
     store: ObjectStore,
     run: str,
     cache: StateCache,
-    *,
-    signing_key: PrivateKey | None = None,
-    anchor_compression: str = "none",
+    options: PublishOptions = DEFAULT_OPTIONS,
 ) -> RepairResult | None:
     """Compaction's way past damage: when the head's chain is broken and the diff
     worker's cache proves a version at or above the damage, anchor that version (and
     take the damaged ones out); None when the chain is not broken or no such cache is
     here (the caller's error stands)."""
-    check = check_run(signer_store(store, signing_key), run)
+    check = check_run(signer_store(store, options.signing_key), run)
     if check.broken_at is None or from_cache(check, cache) is None:
         return None
     return repair(
         store,
         run,
         cache=cache,
-        signing_key=signing_key,
-        anchor_compression=anchor_compression,
+        options=options,
         check=check,
     )

@@ -259,10 +259,9 @@ def publish_anchor(
     ``layout`` keeps an existing partition): plain (any safetensors reader loads them)
     or, with ``options.anchor_compression`` ``"zstd"``, as lossless zstd byte planes
     (see :mod:`pipeline.codec.anchor`). ``expected`` is a manifest of the same version
-    whose tensor hashes the anchor must match before its manifest is written. The
-    tensor hash is ``options.content_hash`` if given, else ``expected``'s (the run's),
-    or for a run's first anchor ``content_hashes.DEFAULT``; it is then the run's for
-    good."""
+    whose tensor hashes (in the run's hash) the anchor must match before its manifest
+    is written; without it, the anchor is a new run's, hashed with
+    ``options.content_hash``."""
     compression = options.anchor_compression
     check_compression(compression)
     if expected is not None and expected.is_pieced:
@@ -270,10 +269,10 @@ def publish_anchor(
             f"{expected.kind} {version} of run {run} is stored in pieces: its anchor keeps "
             "them (publish_pieced_anchor)"
         )
-    content_hash = options.content_hash
-    if content_hash is None:
-        content_hash = expected.content_hash if expected is not None else content_hashes.DEFAULT
-    algorithm = content_hashes.get(content_hash)
+    if expected is not None:
+        algorithm = content_hashes.of(expected)
+    else:
+        algorithm = content_hashes.get(options.content_hash or content_hashes.DEFAULT)
     found = _existing(store, run, "anchor", version)
     if found is not None:
         log.info("anchor exists, nothing to do", run=run, version=version)
@@ -321,19 +320,20 @@ def publish_pieced_anchor(
     version: int,
     parts: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]],
     expected: Manifest,
+    options: PublishOptions = DEFAULT_OPTIONS,
     *,
     reason: str,
-    signing_key: PrivateKey | None = None,
     timings: PublishTimings | None = None,
-    anchor_compression: str = "none",
 ) -> Manifest:
     """An anchor of a sharded run's version ``version`` that keeps its pieces: the same
     objects holding the same flat ranges as ``expected`` (the pieced manifest of that
     version), each object written from one of ``parts`` ((object key, [(name, 1-D
     piece)]), as ``chain.reconstruct_parts`` yields them), one part in memory at a time.
     Every piece must hash to ``expected``'s piece hash (MismatchError) before the
-    manifest (schema 3) is written last. Idempotent."""
-    check_compression(anchor_compression)
+    manifest (schema 3) is written last, signed with ``options.signing_key``; its objects
+    are in ``options.anchor_compression``. Idempotent."""
+    compression = options.anchor_compression
+    check_compression(compression)
     found = _existing(store, run, "anchor", version)
     if found is not None:
         log.info("anchor exists, nothing to do", run=run, version=version)
@@ -367,7 +367,7 @@ def publish_pieced_anchor(
                         f"of tensor {name!r} does not match the version it replaces"
                     )
                 pieces.append(StoredPiece.at(name, entry.dtype, region, entry.shape, key, digest))
-            data = encode_anchor(part, anchor_compression, metadata={"deltasync.run": run})
+            data = encode_anchor(part, compression, metadata={"deltasync.run": run})
             objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
             timings.encode_s += clock.lap()
             faults.point("anchor.after_encode")
@@ -382,7 +382,7 @@ def publish_pieced_anchor(
         version,
         objects,
         entries,
-        anchor_compression,
+        compression,
         algorithm,
         reason=reason,
         expected=expected,
@@ -392,4 +392,4 @@ def publish_pieced_anchor(
         # The ranks' layouts the run's partition was fixed by: the next step checks its own.
         extra={k: v for k, v in expected.extra.items() if k == "ranks"},
     )
-    return write_anchor(store, manifest, signing_key, pieced=True)
+    return write_anchor(store, manifest, options.signing_key, pieced=True)

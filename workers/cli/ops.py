@@ -299,6 +299,7 @@ def repair(ctx: click.Context, run: str, checkpoint: Path | None, check_only: bo
     """
     from pipeline.publish.repair import check_run, repair
     from pipeline.publish.state_cache import StateCache
+    from pipeline.publish.version import PublishOptions
     from pipeline.versions.runs import require_run
     from workers.jobs.compaction import announce_anchor
     from workers.runtime import from_context
@@ -318,8 +319,7 @@ def repair(ctx: click.Context, run: str, checkpoint: Path | None, check_only: bo
             run,
             checkpoint=checkpoint,
             cache=StateCache(settings.cache_dir, run),
-            signing_key=settings.signing_key(),
-            anchor_compression=settings.anchor_compression,
+            options=PublishOptions.from_settings(settings),
             on_anchor=lambda anchor: announce_anchor(runtime, anchor, "repair"),
         )
     _show_check(result.check)

@@ -18,6 +18,7 @@ from pipeline.publish import dead_letters
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.repair import skip_to_proven
 from pipeline.publish.state_cache import StateCache
+from pipeline.publish.version import PublishOptions
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
@@ -72,13 +73,7 @@ def _compact(runtime: Runtime, run: str, version: int | None, reason: str) -> di
         renew_every_s=config.LOCK_RENEW_S,
     ):
         try:
-            manifest = compact(
-                runtime.store,
-                run,
-                version,
-                signing_key=settings.signing_key(),
-                anchor_compression=settings.anchor_compression,
-            )
+            manifest = compact(runtime.store, run, version, PublishOptions.from_settings(settings))
         except CorruptObjectError as exc:
             manifest = _past_damage(runtime, run, exc)
             reason = f"{reason}, past damage"
@@ -184,8 +179,7 @@ def _past_damage(runtime: Runtime, run: str, exc: CorruptObjectError) -> Manifes
         runtime.store,
         run,
         StateCache(settings.cache_dir, run),
-        signing_key=settings.signing_key(),
-        anchor_compression=settings.anchor_compression,
+        PublishOptions.from_settings(settings),
     )
     if repaired is None or repaired.anchor is None:
         raise CorruptObjectError(
