@@ -40,9 +40,7 @@ class Publisher:
                 t.view(-1)[version::7] += 0.01
         path = self.tmp / f"{version}.safetensors"
         save_state(self.state, path)
-        assert publish_step(self.store, RUN, version, path, self.cache, level=1).status == (
-            "published"
-        )
+        assert publish_step(self.store, RUN, version, path, self.cache).status == ("published")
         self.states.append(self.state)
         return version
 
