@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.publish.state_cache import StateCache
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore

@@ -59,8 +59,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import UpdateEmulator, calibrated_profile
-from pipeline.format.checkpoint import CheckpointReader, read_file_header
-from pipeline.format.checkpoint_write import write_sharded
+from pipeline.format.checkpoints.checkpoint import CheckpointReader, read_file_header
+from pipeline.format.checkpoints.checkpoint_write import write_sharded
 from tests.pipeline_helpers import REPO, deltasync_env
 from tests.servers import RedisServer
 

@@ -159,7 +159,7 @@ def one_case(case: str, args: argparse.Namespace, work: Path, venv: Path | None)
     with RedisServer(folder / "redis") as server:
         env["DELTASYNC_REDIS_URL"] = server.url
         from pipeline.config import Settings
-        from workers.trainer import Emitter
+        from workers.trainers.trainer import Emitter
 
         settings = Settings.from_env({k: v for k, v in env.items() if k.startswith("DELTASYNC_")})
         r = redis.Redis.from_url(server.url)

@@ -67,7 +67,7 @@ from benchmarks.emulator import (
     qwen_like_shapes,
 )
 from pipeline.coord.stream import ENTRY_FIELD, stream_key
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.testing.synthetic import save_state
 from tests.pipeline_helpers import REPO, bits, deltasync_env, processes, wait_for
 from tests.servers import RedisServer, SeaweedS3Server
@@ -253,7 +253,7 @@ def main() -> None:
             # is measured right after it, under the same load as the sync.
             rig = servers.enter_context(Rig(args.params, args.density, args.replicas))
         os.environ.update({k: v for k, v in env.items() if k.startswith(("DELTASYNC_", "AWS_"))})
-        from workers.trainer import Emitter
+        from workers.trainers.trainer import Emitter
 
         r = redis.Redis.from_url(server.url)
         emitter = Emitter(RUN)

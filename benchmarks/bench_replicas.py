@@ -37,7 +37,7 @@ from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, 
 from pipeline.coord.events import DeltaAvailable
 from pipeline.coord.stream import EventStream
 from pipeline.format.manifest import manifest_key
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.emulator import UpdateEmulator, calibrated_profile, make_state, qwen_like_shapes
 from pipeline.coord.stream import ENTRY_FIELD, stream_key
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.store import open_store
 from pipeline.testing.synthetic import save_state
 from pipeline.versions import chain
@@ -80,8 +80,8 @@ def rows_of(tensor: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, 
 def trainer(args: argparse.Namespace) -> None:
     """One rank (or, with ``--world 0``, the unsharded baseline) emitting each version
     of the checkpoints in ``--ckpts`` when ``go-<v>`` appears."""
-    from workers.sharded_trainer import ShardedEmitter, ShardPiece
-    from workers.trainer import Emitter
+    from workers.trainers.sharded_trainer import ShardedEmitter, ShardPiece
+    from workers.trainers.trainer import Emitter
 
     work = Path(args.work)
     ckpts = sorted(Path(args.ckpts).iterdir())

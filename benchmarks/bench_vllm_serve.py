@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
 from tests.vllm_model import VOCAB, build_tokenizer, save_version

@@ -47,15 +47,15 @@ if TYPE_CHECKING:
     from pipeline.targets.vllm.target import VllmTarget as VllmTarget
     from workers.integrations.trl import DeltasyncCallback as DeltasyncCallback
     from workers.integrations.trl import DeltasyncRollout as DeltasyncRollout
-    from workers.sharded_trainer import ShardedEmitter as ShardedEmitter
-    from workers.trainer import Emitted as Emitted
-    from workers.trainer import Emitter as Emitter
+    from workers.trainers.sharded_trainer import ShardedEmitter as ShardedEmitter
+    from workers.trainers.trainer import Emitted as Emitted
+    from workers.trainers.trainer import Emitter as Emitter
 
 # name -> the module it lives in
 _HOMES: dict[str, str] = {
-    "Emitter": "workers.trainer",
-    "Emitted": "workers.trainer",
-    "ShardedEmitter": "workers.sharded_trainer",
+    "Emitter": "workers.trainers.trainer",
+    "Emitted": "workers.trainers.trainer",
+    "ShardedEmitter": "workers.trainers.sharded_trainer",
     "RolloutNode": "pipeline.rollout.node",
     "NodeOptions": "pipeline.rollout.node",
     "TorchTarget": "pipeline.targets.torch",

@@ -16,7 +16,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 
 def main() -> None:

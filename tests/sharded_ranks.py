@@ -119,7 +119,7 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from pipeline.errors import DeltasyncError
-    from workers.sharded_trainer import ShardedEmitter, ShardPiece
+    from workers.trainers.sharded_trainer import ShardedEmitter, ShardPiece
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)
@@ -190,7 +190,7 @@ def tp_fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str
     _host_env(rank, port, env, out)
     import torch.distributed as dist
 
-    from workers.sharded_trainer import ShardedEmitter
+    from workers.trainers.sharded_trainer import ShardedEmitter
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)
@@ -246,8 +246,8 @@ def transformers_rank(rank: int, world: int, port: int, env: dict[str, str], out
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from pipeline.format.checkpoint_names import checkpoint_state
-    from workers.sharded_trainer import ShardedEmitter
+    from pipeline.format.checkpoints.checkpoint_names import checkpoint_state
+    from workers.trainers.sharded_trainer import ShardedEmitter
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -272,7 +272,7 @@ def plain_rank(rank: int, world: int, steps: list[int], out: Path, port: int) ->
     (a gloo barrier of this harness, as training steps would), never inside an emit."""
     import torch.distributed as dist
 
-    from workers.sharded_trainer import ShardedEmitter, ShardPiece
+    from workers.trainers.sharded_trainer import ShardedEmitter, ShardPiece
 
     host = host_of(rank)
     # Settings from env: the parent sets this host's staging folder.
@@ -319,7 +319,7 @@ def e2e_rank(
     import torch.distributed as dist
 
     from pipeline.errors import DeltasyncError
-    from workers.sharded_trainer import ShardedEmitter, ShardPiece
+    from workers.trainers.sharded_trainer import ShardedEmitter, ShardPiece
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)
@@ -417,7 +417,7 @@ def tp_rank(
 
     import torch.distributed as dist
 
-    from workers.sharded_trainer import ShardedEmitter
+    from workers.trainers.sharded_trainer import ShardedEmitter
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     folder = Path(out)

@@ -27,12 +27,12 @@ from pipeline.codec.anchor import (
 from pipeline.codec.dtypes import BY_DTYPE
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, CorruptObjectError
-from pipeline.format.checkpoint import parse_header
-from pipeline.format.checkpoint_write import safetensors_bytes
+from pipeline.format.checkpoints.checkpoint import parse_header
+from pipeline.format.checkpoints.checkpoint_write import safetensors_bytes
 from pipeline.format.manifest import Manifest
 from pipeline.format.tensors import DTYPES
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import compact
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore

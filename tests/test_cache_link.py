@@ -15,11 +15,11 @@ import pytest
 import safetensors.torch
 
 from pipeline.errors import MismatchError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.manifest import manifest_key
 from pipeline.publish import diff as publish
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.diff import publish_delta
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore

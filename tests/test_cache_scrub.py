@@ -26,8 +26,8 @@ from pipeline.errors import LockError
 from pipeline.format.hashes.scrub import Scrubber, ScrubPace
 from pipeline.format.manifest import Manifest
 from pipeline.publish import dead_letters
-from pipeline.publish.cache_scrub import CacheMovedError, CacheScrub, CacheScrubber
-from pipeline.publish.state_cache import CacheBusyError, StateCache
+from pipeline.publish.caches.cache_scrub import CacheMovedError, CacheScrub, CacheScrubber
+from pipeline.publish.caches.state_cache import CacheBusyError, StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store import open_store
@@ -39,7 +39,7 @@ from tests.test_chain import PART_BYTES, SyntheticRun
 from tests.test_checkpoint import same_bits
 from tests.test_metrics import _free_port
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 FAST = ScrubPace(period_s=0.0, cpu_fraction=1.0)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from pipeline.errors import ChainError, CorruptObjectError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import TensorEntry, compute_state_hash, manifest_key
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import collect_garbage, compact
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import PublishResult, publish_step
 from pipeline.publish.version import DEFAULT_OPTIONS, PublishOptions
 from pipeline.store.base import ObjectStore

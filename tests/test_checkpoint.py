@@ -14,14 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.format.checkpoint import (
+from pipeline.format.checkpoints.checkpoint import (
     INDEX_NAME,
     CheckpointReader,
     is_complete,
     parse_header,
     tensors_from_bytes,
 )
-from pipeline.format.checkpoint_write import safetensors_bytes, write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import safetensors_bytes, write_checkpoint
 from pipeline.format.hashes.hashing import content_hash
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

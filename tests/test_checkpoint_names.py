@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from pipeline.config import Settings
-from pipeline.format.checkpoint_names import checkpoint_state
+from pipeline.format.checkpoints.checkpoint_names import checkpoint_state
 from pipeline.store import open_store
 from pipeline.versions import chain
 from tests import vllm_model as dense
 from tests import vllm_moe_model as moe
 from tests.pipeline_helpers import assert_same_state, deltasync_env, processes, wait_for
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 
 def _saved(model: torch.nn.Module, folder: Path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import pytest
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import StepCompleted
 from pipeline.coord.stream import EventStream
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store import open_store
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator, save_state

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.publish.offline import apply_delta, create_delta
 from tests.test_checkpoint import same_bits
 from tests.test_offline import _training_pair

@@ -12,7 +12,7 @@ import torch
 
 from pipeline import collector
 from pipeline.errors import MismatchError
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import Manifest
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore

@@ -25,7 +25,7 @@ from pipeline.coord.events import DeltaApplied, DeltaPart, StepCompleted
 from pipeline.coord.hints import channel, publish_part
 from pipeline.coord.stream import EventStream
 from pipeline.errors import MismatchError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.publish.step import publish_step
@@ -48,7 +48,7 @@ from tests.test_rollout import (
     wait_for_version,
 )
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 
 @pytest.fixture

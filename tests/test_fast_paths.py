@@ -10,14 +10,14 @@ import torch
 
 from pipeline.codec import TensorPatch, apply_patch, encode_delta, read_delta
 from pipeline.errors import CorruptObjectError, MismatchError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import hashing
 from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import Manifest, TensorEntry, object_key
-from pipeline.publish import state_cache
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches import state_cache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore

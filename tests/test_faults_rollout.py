@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
@@ -182,7 +182,7 @@ def resume_crash_scenario(tmp: Path, redis_url: str) -> Outcome:
     assert "resumed" in events and "bootstrapping" not in events, events
     # A dump that is not what the state file names is never resumed from.
     stale = tmp / "v0.safetensors"
-    from pipeline.format.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 
     write_checkpoint(stale, run.states[0].items())
     events = converge(home, run, redis_url, tmp / "final2.safetensors", "--model", str(stale))

@@ -35,7 +35,7 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.events import AnchorAvailable, DeltaAvailable
 from pipeline.coord.stream import EventStream
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store import open_store
@@ -47,7 +47,7 @@ from tests.servers import RedisServer
 from workers import queues
 from workers.jobs.diff import request_compaction
 from workers.runtime import Runtime
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]  # each test starts its own redis-server
 

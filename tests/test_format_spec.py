@@ -28,8 +28,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from pipeline.codec import encode_anchor, encode_delta
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import Manifest
 from pipeline.format.regions import Region

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, manifest_key, version_prefix
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.diff import DeltaTask, LocalLedger, PartRecord, assemble_delta, encode_parts

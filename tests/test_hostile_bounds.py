@@ -33,7 +33,7 @@ from pipeline.format.bounded import MAX_JSON_DEPTH, json_depth, load_json
 from pipeline.format.manifest import MAX_MANIFEST_BYTES, manifest_key
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.signing import generate_keypair, load_public_key
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store import ObjectStore, open_store
 from pipeline.store.base import read_bounded
@@ -41,7 +41,7 @@ from pipeline.store.file import FileStore
 from pipeline.store.trust import trusted
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
@@ -61,7 +61,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _publish(tmp: Path, steps: int = 2) -> FileStore:
-    from pipeline.format.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 
     store = FileStore(tmp / "store")
     cache = StateCache(tmp / "cache", RUN)

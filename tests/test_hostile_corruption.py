@@ -178,7 +178,7 @@ def test_verify_names_the_damaged_key(
     run = _copy_run(published, tmp_path)
     env = deltasync_env(redis_url, tmp_path)  # its store is tmp_path/store: the copy
     checkpoint = tmp_path / "v4.safetensors"
-    from pipeline.format.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 
     write_checkpoint(checkpoint, run.states[4].items())
     fine = cli(env, "verify", "--run", RUN, "--version", "4", "--against", str(checkpoint))

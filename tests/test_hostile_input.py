@@ -26,10 +26,10 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.events import parse_event
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError, EventError
-from pipeline.format.checkpoint import CheckpointReader, tensors_from_bytes
+from pipeline.format.checkpoints.checkpoint import CheckpointReader, tensors_from_bytes
 from pipeline.format.manifest import manifest_key
 from pipeline.format.manifest_parse import parse_manifest
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
@@ -37,7 +37,7 @@ from pipeline.store.file import FileStore
 from pipeline.targets.torch import TorchTarget
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers import queues
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
@@ -64,7 +64,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    from pipeline.format.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_checkpoint(path, tensors.items())

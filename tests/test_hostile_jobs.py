@@ -26,7 +26,7 @@ from pipeline.format.manifest import manifest_key
 from pipeline.store import open_store
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers import queues
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.redis
 RUN = "hostile-jobs"
@@ -39,7 +39,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _write(path: Path, seed: int) -> Path:
-    from pipeline.format.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 
     write_checkpoint(path, _state(seed).items())
     return path

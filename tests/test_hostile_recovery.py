@@ -23,7 +23,7 @@ from rq.scheduler import RQScheduler
 
 from pipeline.coord import keys
 from pipeline.coord.events import StepFailed
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.store import open_store
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain

@@ -19,7 +19,7 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from tests.servers import S3_SECRET_KEY, RedisServer, SeaweedS3Server
 from workers import queues
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ import torch
 from structlog.testing import capture_logs
 
 from pipeline.errors import CodecError, CorruptObjectError, SignatureError, StoreError
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import collect_garbage, compact
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore

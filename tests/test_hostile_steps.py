@@ -18,13 +18,13 @@ import torch
 from pipeline.config import Settings
 from pipeline.coord import keys
 from pipeline.coord.connection import redis_client
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.publish.dead_letters import list_dead
 from pipeline.store import open_store
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
 from workers import queues
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.slow
 

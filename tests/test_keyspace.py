@@ -23,7 +23,7 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import deltasync_env
 from workers.jobs import compaction, diff
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 # Deployed strings: a template that builds anything else breaks running runs.
 PINNED = {

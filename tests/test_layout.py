@@ -17,6 +17,7 @@ import grimp
 from tests.pipeline_helpers import REPO
 
 PACKAGES = ("pipeline", "workers", "deltasync")
+MAX_MODULES = 12  # a package a reader takes in at one look; a larger one is split by stage
 
 
 def _loaded_by_name(module: str, known: set[str]) -> set[str]:
@@ -108,3 +109,13 @@ def test_modules_loaded_by_name_count_as_imports() -> None:
     graph = import_graph()
     assert "pipeline.format.hashes.mixsum_jit" in graph["pipeline.format.hashes.mixsum"]
     assert "pipeline.codec.compiled.fused_jit" in graph["pipeline.codec.compiled.fused"]
+
+
+def test_every_package_holds_at_most_twelve_modules() -> None:
+    crowded = {}
+    for top in PACKAGES:
+        for init in sorted((REPO / top).rglob("__init__.py")):
+            modules = sorted(p.name for p in init.parent.glob("*.py"))
+            if len(modules) > MAX_MODULES:
+                crowded[str(init.parent.relative_to(REPO))] = modules
+    assert crowded == {}, f"packages over {MAX_MODULES} modules: {crowded}"

@@ -24,7 +24,7 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import deltasync_env, processes, wait_for
 from workers import queues
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = "metrics"

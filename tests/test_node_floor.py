@@ -21,18 +21,18 @@ from pipeline.coord.events import DeltaApplied
 from pipeline.coord.problems import list_failing
 from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.signing import generate_keypair, load_private_key
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.rollout.node import state_path_for
 from pipeline.store.file import FileStore
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.slow
 

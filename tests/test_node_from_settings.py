@@ -12,7 +12,7 @@ import torch
 from pipeline.config import Settings
 from pipeline.errors import SignatureError
 from pipeline.format.signing import generate_keypair
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.errors import ConfigError, StoreError
 from pipeline.format.manifest import Manifest
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore

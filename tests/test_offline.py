@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import INDEX_NAME, CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import MANIFEST_NAME
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.publish.offline import apply_delta, create_delta, inspect_delta

@@ -23,12 +23,12 @@ from pipeline.coord.events import StepCompleted
 from pipeline.coord.replicas import list_replicas, report
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError, StepNotSentError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import object_key
 from pipeline.format.signing import generate_keypair
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.repair import repair
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store import open_store
@@ -41,7 +41,7 @@ from tests.servers import RedisServer
 from tests.test_faults_workers import Cluster, Procs, assert_rebuilds, cluster
 from workers import queues
 from workers.redis_launcher import ensure_redis, stop_redis
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 
 def _status(env: dict[str, str], run: str) -> dict[str, Any]:
@@ -377,7 +377,7 @@ import sys
 import torch
 from pipeline.config import Settings
 from pipeline.errors import DeltasyncError
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 emitter = Emitter("down", settings=Settings.from_env())
 state = {"w": torch.ones(64, 64, dtype=torch.bfloat16)}

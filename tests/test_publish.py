@@ -16,15 +16,15 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError, SignatureError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import manifest_key
 from pipeline.publish import diff as publish
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import compact
 from pipeline.publish.diff import publish_delta, shares_by_bytes
 from pipeline.publish.parts import plan_parts
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.store.base import ObjectStore
@@ -293,7 +293,7 @@ _CRASH_SCRIPT = """
 import sys
 from pathlib import Path
 from pipeline.publish.step import publish_step
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 

@@ -15,10 +15,10 @@ import torch
 from pipeline.coord.connection import redis_client
 from pipeline.coord.problems import list_cache_damage
 from pipeline.format.hashes.scrub import Scrubber, ScrubPace
-from pipeline.publish.cache_scrub import CacheMovedError, CacheScrub, CacheScrubber
-from pipeline.publish.rank_cache import RankCache
-from pipeline.publish.sharded import HostSide, _ready
-from pipeline.publish.state_cache import CacheBusyError
+from pipeline.publish.caches.cache_scrub import CacheMovedError, CacheScrub, CacheScrubber
+from pipeline.publish.caches.rank_cache import RankCache
+from pipeline.publish.caches.state_cache import CacheBusyError
+from pipeline.publish.ranks.sharded import HostSide, _ready
 from pipeline.store.file import FileStore
 from pipeline.testing.sharded import piece_of
 from tests.pipeline_helpers import bits, wait_for

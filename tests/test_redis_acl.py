@@ -22,7 +22,7 @@ from pipeline.config import Settings
 from pipeline.coord import keys, problems
 from pipeline.coord.connection import redis_client
 from pipeline.coord.stream import EventStream
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import manifest_key
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
@@ -31,7 +31,7 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env
 from tests.servers import RedisServer, redis_executable, redis_version
 from workers import queues
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.redis
 DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"

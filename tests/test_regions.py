@@ -12,10 +12,10 @@ import torch
 
 from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.format import manifest as m
+from pipeline.format.checkpoints.shards import RankLayout, RankPiece, read_layout, write_layout
 from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.regions import Region, tiling_error
-from pipeline.format.shards import RankLayout, RankPiece, read_layout, write_layout
 from tests.test_manifest_pieces import pieced_anchor
 
 ALG = content_hashes.get(content_hashes.MIXSUM)

@@ -23,7 +23,7 @@ from tests.pipeline_helpers import cli, deltasync_env
 from workers.jobs import diff
 from workers.report import COLOURS, DPI, HEIGHT_IN, NODE_COLOURS, WIDTH_IN, render_png
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 mpimg = pytest.importorskip("matplotlib.image", reason="the report extra is not installed")
 

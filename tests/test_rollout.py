@@ -21,7 +21,7 @@ from pipeline.coord.events import CompactionRequested, DeltaApplied, DeltaAvaila
 from pipeline.coord.replicas import list_replicas
 from pipeline.coord.stream import EventStream
 from pipeline.errors import CorruptObjectError, MismatchError, SignatureError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import content_hash, sha256_bytes
 from pipeline.format.manifest import (
     ObjectEntry,
@@ -31,8 +31,8 @@ from pipeline.format.manifest import (
     to_json,
 )
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import collect_garbage, compact
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.node import NodeOptions, RolloutNode

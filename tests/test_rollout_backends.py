@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import compact
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import ObjectStore

@@ -16,9 +16,9 @@ from pipeline.config import RolloutOptions
 from pipeline.coord.connection import redis_client
 from pipeline.coord.replicas import list_replicas
 from pipeline.errors import ConfigError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore

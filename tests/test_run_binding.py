@@ -18,10 +18,10 @@ from pipeline.config import Settings
 from pipeline.coord import keys
 from pipeline.coord.connection import redis_client
 from pipeline.errors import ChainError, SignatureError
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import manifest_key
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.rollout.node import NodeOptions, RolloutNode
@@ -31,7 +31,7 @@ from pipeline.targets.torch import TorchTarget
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 RUN = "bound"
 

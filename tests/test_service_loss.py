@@ -13,7 +13,7 @@ from rq.serializers import JSONSerializer
 
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.stream import EventStream
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.testing.synthetic import save_state
 from tests.pipeline_helpers import wait_for

@@ -37,8 +37,9 @@ from pipeline.coord.events import DeltaAvailable
 from pipeline.coord.shards import RankFolder, register_rank
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ConfigError, DeltasyncError, MismatchError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.shards import RankLayout, RankPiece, layout_digest, write_layout
 from pipeline.format.hashes import mixsum
 from pipeline.format.manifest import (
     PIECES_SCHEMA,
@@ -48,14 +49,13 @@ from pipeline.format.manifest import (
     version_prefix,
 )
 from pipeline.format.regions import Region
-from pipeline.format.shards import RankLayout, RankPiece, layout_digest, write_layout
 from pipeline.format.tensors import DTYPES
 from pipeline.publish import offline
+from pipeline.publish.caches.rank_cache import RankCache
 from pipeline.publish.compaction import compact
 from pipeline.publish.diff import DeltaTask
-from pipeline.publish.fanout import fanout_from_json, fanout_to_json, start_fanout
-from pipeline.publish.rank_cache import RankCache
-from pipeline.publish.sharded import (
+from pipeline.publish.ranks.fanout import fanout_from_json, fanout_to_json, start_fanout
+from pipeline.publish.ranks.sharded import (
     HostSide,
     MissingPartsError,
     help_host,

@@ -22,9 +22,9 @@ from pipeline.coord import keys
 from pipeline.coord.connection import redis_client
 from pipeline.coord.shards import RankFolder, rank_folders, register_rank
 from pipeline.errors import ConfigError, CorruptObjectError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_names import FORM_METADATA_KEY
-from pipeline.format.shards import (
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_names import FORM_METADATA_KEY
+from pipeline.format.checkpoints.shards import (
     LAYOUT_NAME,
     RankLayout,
     RankPiece,
@@ -107,7 +107,7 @@ def test_missing_or_huge_sidecar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(CorruptObjectError, match="cannot be read"):
         read_layout(tmp_path)
     write_layout(tmp_path, _layout())
-    from pipeline.format import shards
+    from pipeline.format.checkpoints import shards
 
     monkeypatch.setattr(shards, "MAX_LAYOUT_BYTES", 50)
     with pytest.raises(CorruptObjectError, match="exceeds the limit"):
@@ -221,7 +221,7 @@ def test_ranks_that_disagree_about_the_world_are_refused(redis_url: str) -> None
 
 
 def test_checkpoint_renaming_is_what_checkpoint_state_writes() -> None:
-    from pipeline.format.checkpoint_names import checkpoint_renaming, checkpoint_state
+    from pipeline.format.checkpoints.checkpoint_names import checkpoint_renaming, checkpoint_state
 
     torch.manual_seed(0)
     llama = sharded_ranks._tiny_transformers(moe=False)

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.codec import encode_delta
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, MismatchError, TargetError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import Manifest, ObjectEntry, Piece, TensorEntry, to_json
 from pipeline.format.signing import generate_keypair, load_private_key, load_public_key

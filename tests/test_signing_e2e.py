@@ -15,13 +15,13 @@ from pipeline.config import Settings
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import DeltaApplied, ReplicaError
 from pipeline.coord.stream import EventStream
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.store import open_store
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 from pipeline.versions import chain
 from tests.pipeline_helpers import cli, deltasync_env, processes, wait_for
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.slow
 
@@ -157,8 +157,8 @@ def test_a_tampered_signed_manifest_is_refused(tmp_path: Path, redis_url: str) -
 def _forge_unsigned_delta(store_url: str, run: str, step: int, cache_dir: Path, ckpt: Path) -> None:
     """What someone with store write access but no signing key can do: publish an
     unsigned delta of their own weights on top of the signed head."""
-    from pipeline.format.checkpoint_write import write_checkpoint
-    from pipeline.publish.state_cache import StateCache
+    from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
+    from pipeline.publish.caches.state_cache import StateCache
     from pipeline.publish.step import publish_step
 
     store = open_store(store_url)

@@ -27,7 +27,7 @@ import torch
 
 from pipeline.config import Settings
 from pipeline.errors import VersionTimeoutError
-from pipeline.format.checkpoint_names import checkpoint_state
+from pipeline.format.checkpoints.checkpoint_names import checkpoint_state
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.hashing import state_hash
 from pipeline.store.file import FileStore
@@ -35,7 +35,7 @@ from pipeline.versions import chain
 from tests.pipeline_helpers import REPO, deltasync_env, processes, wait_for
 from tests.servers import free_port
 from tests.vllm_model import VLLM_MARKS
-from workers.trainer import Emitter, named_tensors
+from workers.trainers.trainer import Emitter, named_tensors
 
 HAVE_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "openai", "datasets"))
 pytestmark = [

@@ -15,11 +15,11 @@ from pipeline.config import Settings
 from pipeline.coord.events import StepCompleted
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError, ConfigError
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from tests.pipeline_helpers import deltasync_env
 from workers.integrations.trl import DeltasyncCallback, DeltasyncRollout, _runs, policy_version
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 transformers = pytest.importorskip("transformers")
 

@@ -28,7 +28,7 @@ from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.hashes.hashing import content_hash
 from pipeline.format.manifest import dtype_name
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore

@@ -21,7 +21,7 @@ from tests.pipeline_helpers import assert_same_state, cli, deltasync_env, proces
 from tests.test_rollout_process import dumped
 from tests.vllm_model import VLLM_MARKS
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = VLLM_MARKS
 RUN = "moe-run"

@@ -48,7 +48,7 @@ from tests.test_vllm_serve import (
 )
 from tests.vllm_model import VLLM_MARKS
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = [
     *VLLM_MARKS,

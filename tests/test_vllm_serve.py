@@ -29,7 +29,7 @@ from pipeline.coord.events import DeltaApplied, ReplicaError
 from pipeline.coord.stream import EventStream
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.hashing import state_hash
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
 from pipeline.versions import chain
@@ -236,7 +236,7 @@ def test_serve_follows_a_run_under_load_with_every_response_tagged(
     events = EventStream(client, RUN)
     from pipeline.config import Settings
     from workers.runtime import Runtime, set_current
-    from workers.trainer import Emitter
+    from workers.trainers.trainer import Emitter
 
     settings = Settings.from_env(env)
     set_current(Runtime(settings))

@@ -21,7 +21,7 @@ from rq.serializers import JSONSerializer
 from pipeline.coord.connection import redis_client
 from pipeline.coord.replicas import process_token
 from pipeline.logs import bind_context
-from pipeline.publish.state_cache import StateCache, flock
+from pipeline.publish.caches.state_cache import StateCache, flock
 from workers.worker_process import COMMAND_POLL_S, JobWorker
 
 

@@ -16,7 +16,7 @@ from pipeline.coord.connection import redis_client
 from pipeline.coord.events import StepCompleted
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ChainError
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.store import open_store
 from pipeline.testing import synthetic
 from pipeline.versions import chain
@@ -30,7 +30,7 @@ from tests.pipeline_helpers import (
 from workers.jobs import diff
 from workers.queues import diff_job_id
 from workers.runtime import Runtime, set_current
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 pytestmark = pytest.mark.slow
 
@@ -239,7 +239,7 @@ def test_user_checkpoint_is_never_removed(redis_url: str, tmp_path: Path, link: 
     run = "byhand"
     env = deltasync_env(redis_url, tmp_path, DELTASYNC_CACHE_LINK=link)
     generator = synthetic.UpdateGenerator(synthetic.ModelConfig.preset("tiny"), seed=1)
-    from pipeline.format.checkpoint_write import write_checkpoint
+    from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 
     paths = []
     state = generator.state()

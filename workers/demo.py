@@ -27,14 +27,14 @@ from pipeline.coord.events import (
 )
 from pipeline.coord.stream import EventStream
 from pipeline.errors import ServiceUnavailableError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.hashing import state_hash
 from pipeline.logs import configure_logging, get_logger
 from pipeline.testing import synthetic
 from pipeline.versions import history, verify
 from workers.runtime import Runtime
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 from workers.warm import warm
 
 log = get_logger(__name__)

@@ -33,7 +33,7 @@ from pipeline import kernel_cache, logs
 from pipeline.codec import DEFAULT_LEVEL, LEVELS, encode_delta, read_delta
 from pipeline.config import Settings
 from pipeline.format.hashes import content_hashes
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.rollout.fetch import fetch_delta, stream_anchor

@@ -21,7 +21,7 @@ from pipeline.coord.replicas import process_token, release_dead_holder
 from pipeline.errors import DeltasyncError
 from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.logs import clear_context, get_logger
-from pipeline.publish.cache_scrub import CacheScrubber
+from pipeline.publish.caches.cache_scrub import CacheScrubber
 from workers import queues, warm
 from workers.metrics_http import serve_metrics
 from workers.runtime import Runtime

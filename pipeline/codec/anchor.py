@@ -39,13 +39,13 @@ import zstandard
 from pipeline.codec.names import ANCHOR_COMPRESSIONS
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.bounded import load_json
-from pipeline.format.checkpoint import (
+from pipeline.format.checkpoints.checkpoint import (
     HeaderEntry,
     header_bytes,
     parse_header,
     tensors_from_bytes,
 )
-from pipeline.format.checkpoint_write import safetensors_bytes
+from pipeline.format.checkpoints.checkpoint_write import safetensors_bytes
 from pipeline.format.manifest import MAX_ELEMENTS, MAX_NDIM, dtype_name
 from pipeline.format.tensors import DTYPES
 

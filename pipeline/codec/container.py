@@ -16,7 +16,7 @@ import numpy.typing as npt
 import torch
 
 from pipeline.errors import CorruptObjectError
-from pipeline.format.checkpoint import header_bytes, parse_header
+from pipeline.format.checkpoints.checkpoint import header_bytes, parse_header
 
 
 @dataclass(frozen=True)

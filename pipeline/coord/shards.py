@@ -24,7 +24,7 @@ from pipeline import config
 from pipeline.coord import keys, scripts
 from pipeline.errors import ConfigError, CorruptObjectError
 from pipeline.format.bounded import load_json
-from pipeline.format.shards import MAX_WORLD
+from pipeline.format.checkpoints.shards import MAX_WORLD
 
 MAX_ENTRY_BYTES = 8192  # host, an absolute path and a digest
 _DIGEST = re.compile(r"[0-9a-f]{64}")

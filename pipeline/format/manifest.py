@@ -186,7 +186,7 @@ class Manifest:
     extra: dict[str, object] = field(default_factory=dict)  # stats; never needed to decode
     parent_state_hash: str | None = None  # state hash of the parent version
     instance: str | None = None  # the run instance (pipeline/versions/binding.py); optional
-    # How the trainer's tensors were named (pipeline.format.checkpoint_names); None: not recorded.
+    # How the trainer's tensors were named (format.checkpoints.checkpoint_names); None: unknown.
     tensor_form: str | None = None
     content_hash: str = SCHEMA1_CONTENT_HASH  # algorithm of the tensor hashes (schema 2)
 

@@ -1,3 +1,3 @@
-"""Writing versions: the diff step, parts and uploads, the diff worker's state cache,
-compaction, offline deltas, dead letters.
+"""Writing versions: the diff step, parts and uploads, compaction, repair, offline deltas,
+dead letters; the diff worker's caches (caches/) and sharded steps (ranks/).
 """

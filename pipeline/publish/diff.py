@@ -4,7 +4,7 @@ A version's delta is the run's partition of parts (:mod:`pipeline.publish.parts`
 each encoded against the parent's state and uploaded as one object. Which worker
 encodes which part is the ledger's business: a single worker keeps the records in
 memory (:class:`LocalLedger`) and claims every part; the hosts of a sharded step
-keep them in Redis (:mod:`pipeline.publish.fanout`) and claim parts with leases.
+keep them in Redis (:mod:`pipeline.publish.ranks.fanout`) and claim parts with leases.
 Both run :func:`encode_parts`, and :func:`assemble_delta` writes the manifest from
 the records once every part is recorded.
 
@@ -33,8 +33,8 @@ from pipeline import cpus
 from pipeline.codec import CODEC_NAME, CODEC_VERSION, DeltaObject, encode_delta, read_delta
 from pipeline.coord.events import DeltaPart
 from pipeline.errors import ChainError, MismatchError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_names import published_form
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_names import published_form
 from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import sha256_bytes
@@ -80,7 +80,7 @@ class DeltaTask:
     """Delta ``step`` of ``run``: ``checkpoint`` encoded against version ``parent``.
 
     ``sharded``: the step's tensors are pieces staged by trainer ranks on several hosts
-    (:mod:`pipeline.publish.sharded`). ``publishes`` is "anchor" only for the first
+    (:mod:`pipeline.publish.ranks.sharded`). ``publishes`` is "anchor" only for the first
     version of a sharded run, written part by part too; its fan-out names the version
     itself as ``parent`` (nothing precedes it), and ``anchor_compression`` the format
     of its objects, the same on every host. ``launch``: the trainer start whose ranks

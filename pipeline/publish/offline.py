@@ -30,8 +30,8 @@ from pipeline.codec import (
     read_delta,
 )
 from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
-from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint, write_sharded
+from pipeline.format.checkpoints.checkpoint import INDEX_NAME, CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.format.hashes.hashing import content_hash, sha256_bytes, state_hash
 from pipeline.format.manifest import (
     MANIFEST_NAME,

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from pipeline.errors import ConfigError, MismatchError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.publish.uploads import Clock, PublishTimings
 
 DEFAULT_PART_BYTES = 512 << 20

@@ -40,11 +40,11 @@ from pipeline.errors import (
     ObjectNotFoundError,
     StoreError,
 )
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.digests import state_hash
 from pipeline.format.manifest import Kind, Manifest, manifest_key
-from pipeline.publish.state_cache import StateCache, flock
+from pipeline.publish.caches.state_cache import StateCache, flock
 from pipeline.publish.version import DEFAULT_OPTIONS, PublishOptions, publish_anchor
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import signer_store

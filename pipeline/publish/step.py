@@ -23,12 +23,12 @@ import structlog
 from pipeline import collector
 from pipeline.codec.dtypes import info_for
 from pipeline.coord.events import DeltaPart
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.manifest_parse import check_tensor_name
 from pipeline.format.matching import check_tensors
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.diff import StaleBaseError, publish_delta
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.uploads import PublishTimings
 from pipeline.publish.version import DEFAULT_OPTIONS, PublishOptions, publish_anchor
 from pipeline.store.base import ObjectStore

@@ -24,8 +24,8 @@ from pipeline.codec.anchor import ZSTD_LEVEL, check_compression, encode_anchor
 from pipeline.codec.names import DEFAULT_LEVEL
 from pipeline.config import Settings
 from pipeline.errors import ConfigError, MismatchError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_names import published_form
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_names import published_form
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import sha256_bytes

@@ -47,7 +47,7 @@ from pipeline.errors import (
     StoreError,
     TargetError,
 )
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.hashes.scrub import Scrubbable, Scrubber, ScrubPace
 from pipeline.format.manifest import Kind, Manifest
 from pipeline.format.matching import check_tensors

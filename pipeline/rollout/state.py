@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 
 from pipeline.errors import DeltasyncError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, Manifest
 
 # The node's logger, so these lines keep the logger name they always had.

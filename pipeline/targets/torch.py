@@ -24,7 +24,7 @@ from torch import nn
 
 from pipeline import collector
 from pipeline.errors import MismatchError, TargetError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import state_hash

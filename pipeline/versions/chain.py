@@ -20,7 +20,7 @@ import torch
 from pipeline.codec import apply_patch, read_delta
 from pipeline.codec.anchor import anchor_tensors
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError
-from pipeline.format.checkpoint_write import write_checkpoint, write_sharded
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint, write_sharded
 from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.manifest import Manifest, Piece, TensorEntry, dtype_from_name, dtype_name
 from pipeline.format.regions import Region

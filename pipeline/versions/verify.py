@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import CorruptObjectError, StoreError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.matching import difference
 from pipeline.format.tensors import TensorSpec

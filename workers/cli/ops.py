@@ -263,7 +263,7 @@ def retry(ctx: click.Context, run: str, step: int) -> None:
       deltasync retry --run grpo-7 --step 120
     """
     from workers.runtime import from_context
-    from workers.trainer import retry_step
+    from workers.trainers.trainer import retry_step
 
     emitted = retry_step(from_context(ctx), run, step)
     click.echo(
@@ -297,8 +297,8 @@ def repair(ctx: click.Context, run: str, checkpoint: Path | None, check_only: bo
       deltasync repair --run grpo-7
       deltasync repair --run grpo-7 --from /ckpt/step-120
     """
+    from pipeline.publish.caches.state_cache import StateCache
     from pipeline.publish.repair import check_run, repair
-    from pipeline.publish.state_cache import StateCache
     from pipeline.publish.version import PublishOptions
     from pipeline.versions.runs import require_run
     from workers.jobs.compaction import announce_anchor
@@ -342,7 +342,7 @@ def _after_repair(runtime: Runtime, run: str) -> None:
     from pipeline.coord.problems import clear_compaction_failure
     from pipeline.publish.dead_letters import list_dead
     from pipeline.versions import chain
-    from workers.trainer import retry_step
+    from workers.trainers.trainer import retry_step
 
     clear_compaction_failure(runtime.redis, run)
     runtime.redis.delete(keys.compaction_pending_key(run))

@@ -239,7 +239,7 @@ def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
       deltasync emit --run grpo-7 --step 120 --checkpoint /ckpt/step-120
     """
     from workers.runtime import from_context
-    from workers.trainer import Emitter
+    from workers.trainers.trainer import Emitter
 
     emitted = Emitter(run, settings=from_context(ctx).settings).emit_checkpoint(step, checkpoint)
     if emitted.event_id is None:
@@ -272,7 +272,7 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
       deltasync watch /ckpt --run grpo-7
     """
     from workers.runtime import from_context
-    from workers.watch import watch_directory
+    from workers.trainers.watch import watch_directory
 
     watch_directory(from_context(ctx), directory, run, settle_s=settle_s)
 

@@ -44,7 +44,7 @@ from pipeline.rollout.served import (
     gate_headers,
     parse_label,
 )
-from workers.trainer import Emitted, Emitter
+from workers.trainers.trainer import Emitted, Emitter
 
 log = get_logger(__name__)
 

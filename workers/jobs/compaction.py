@@ -15,9 +15,9 @@ from pipeline.errors import CorruptObjectError
 from pipeline.format.manifest import Manifest, manifest_key
 from pipeline.logs import bind_context, get_logger
 from pipeline.publish import dead_letters
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.repair import skip_to_proven
-from pipeline.publish.state_cache import StateCache
 from pipeline.publish.version import PublishOptions
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding

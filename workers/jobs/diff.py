@@ -21,7 +21,7 @@ from pipeline.format.bounded import MAX_REDIS_RECORD_BYTES, load_json
 from pipeline.format.manifest import Kind, Manifest, manifest_key
 from pipeline.logs import bind_context, get_logger
 from pipeline.publish import dead_letters
-from pipeline.publish.state_cache import StateCache
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.testing import faults
@@ -79,7 +79,7 @@ def announce_parent(runtime: Runtime, manifest: Manifest) -> None:
     parent = manifest.parent
     if parent is None:
         return
-    emitted = keys.emitted_key(manifest.run, parent)  # set by workers.trainer
+    emitted = keys.emitted_key(manifest.run, parent)  # set by workers.trainers.trainer
     if not runtime.redis.exists(emitted) or runtime.redis.exists(
         keys.announced_key(manifest.run, parent)
     ):

@@ -23,8 +23,8 @@ from pipeline.errors import LockError
 from pipeline.format.manifest import Manifest
 from pipeline.logs import get_logger
 from pipeline.publish.diff import DeltaTask
-from pipeline.publish.fanout import CallIn, current_fanout
-from pipeline.publish.sharded import HostSide, help_host, publish_sharded
+from pipeline.publish.ranks.fanout import CallIn, current_fanout
+from pipeline.publish.ranks.sharded import HostSide, help_host, publish_sharded
 from pipeline.publish.step import PublishResult
 from pipeline.publish.version import PublishOptions
 from workers import queues
@@ -112,7 +112,7 @@ def publish_sharded_step(
     on_published: Callable[[Manifest], None],
     launch: str | None = None,
 ) -> PublishResult:
-    """The coordinator of a sharded step (see :mod:`pipeline.publish.sharded`); it works
+    """The coordinator of a sharded step (see :mod:`pipeline.publish.ranks.sharded`); it works
     its own host's parts when it serves one. ``launch``: the trainer start whose ranks
     count."""
     side = host_side(runtime)

@@ -8,7 +8,7 @@ tensor against the hash it is known by; it runs on a thread of its own, one tens
 at a time, sleeping between tensors so that it uses at most ``cpu_fraction`` of the
 cores it hashes on and takes about ``period_s`` for a full pass. Writers wait for
 the tensor being hashed; readers never do. Used by rollout nodes
-(:mod:`pipeline.rollout.node`) and diff workers (:mod:`pipeline.publish.cache_scrub`).
+(:mod:`pipeline.rollout.node`) and diff workers (:mod:`pipeline.publish.caches.cache_scrub`).
 """
 
 from __future__ import annotations

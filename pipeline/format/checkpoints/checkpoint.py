@@ -3,7 +3,7 @@
 Reading is lazy and memory-mapped (``safe_open``); every header is parsed and
 checked against the file size by hand first, so a truncated or half-written
 checkpoint fails on open with one line naming the file instead of deep inside
-a load. Writing is in ``pipeline.format.checkpoint_write``.
+a load. Writing is in ``pipeline.format.checkpoints.checkpoint_write``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The trainer side of a sharded run: every rank emits only what it holds.
 
-    from workers.sharded_trainer import ShardedEmitter
+    from workers.trainers.sharded_trainer import ShardedEmitter
     emitter = ShardedEmitter(run="grpo-7")     # rank, world: torch.distributed or env
     ...
     optimizer.step()
     emitter.emit_shards(step, model)           # on every rank, no collective
 
 Each rank stages its pieces in ``<staging>/<run>/step-<N>/rank-<R>/`` (a checkpoint of
-1-D tensors plus ``pieces.json``, see ``pipeline.format.shards``) and registers the
+1-D tensors plus ``pieces.json``, see ``pipeline.format.checkpoints.shards``) and registers the
 folder in Redis (``pipeline.coord.shards``); the rank whose registration completes the
 step sends it, exactly as ``Emitter`` sends a step, with the diff job's ``sharded``
 argument set. Nothing is gathered: no collective is called at all.
@@ -36,20 +36,26 @@ from pipeline.config import Settings
 from pipeline.coord import keys
 from pipeline.coord.shards import RankFolder, register_rank
 from pipeline.errors import ConfigError, MismatchError
-from pipeline.format.checkpoint_names import (
+from pipeline.format.checkpoints.checkpoint_names import (
     FORM_METADATA_KEY,
     TensorForm,
     checkpoint_renaming,
     is_transformers_model,
 )
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.shards import (
+    MAX_WORLD,
+    RankLayout,
+    RankPiece,
+    layout_digest,
+    write_layout,
+)
 from pipeline.format.regions import Region
-from pipeline.format.shards import MAX_WORLD, RankLayout, RankPiece, layout_digest, write_layout
 from pipeline.format.tensors import BY_TORCH
 from pipeline.logs import get_logger
 from pipeline.testing import faults
 from workers.queues import DiffArgs
-from workers.trainer import Emitted, RunEmitter, named_specs, named_tensors, send_step
+from workers.trainers.trainer import Emitted, RunEmitter, named_specs, named_tensors, send_step
 
 log = get_logger(__name__)
 

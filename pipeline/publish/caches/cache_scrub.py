@@ -20,7 +20,7 @@ as fast as the CPU share allows (no period); proven states are scrubbed at the
 configured period, split between the runs. Caches of runs whose content hash is not
 incremental are skipped: each diff hashes their whole base anyway.
 
-A sharded run's rank caches (:class:`~pipeline.publish.rank_cache.RankCache`,
+A sharded run's rank caches (:class:`~pipeline.publish.caches.rank_cache.RankCache`,
 ``<run>/rank-<R>/``) are scrubbed the same way, each cached 1-D piece re-hashed as a
 piece (``piece(tensor, start)``) against its ``Piece.hash`` in the manifest; a
 mismatch forgets the rank cache, and the next step rebuilds it from the store.
@@ -49,13 +49,13 @@ import structlog
 from pipeline import metrics
 from pipeline.coord.problems import report_cache_damage
 from pipeline.errors import ChainError, ConfigError, DeltasyncError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.scrub import Scrubber, ScrubPace
 from pipeline.format.manifest import Kind, Manifest, check_run
 from pipeline.format.regions import Region
-from pipeline.publish.rank_cache import RankCache
-from pipeline.publish.state_cache import CacheBusyError, StateCache
+from pipeline.publish.caches.rank_cache import RankCache
+from pipeline.publish.caches.state_cache import CacheBusyError, StateCache
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 

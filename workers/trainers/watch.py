@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 from pipeline.errors import ChainError, DeltasyncError
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.logs import get_logger
 from workers.runtime import Runtime
-from workers.trainer import Emitter
+from workers.trainers.trainer import Emitter
 
 log = get_logger(__name__)
 

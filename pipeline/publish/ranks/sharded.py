@@ -2,11 +2,11 @@
 on several hosts, each part encoded on the host that holds it, manifest last.
 
 The same diff path as every delta (:func:`pipeline.publish.diff.encode_parts`, part
-records in a :class:`~pipeline.publish.fanout.RedisLedger`, parts routed to hosts
-with :func:`~pipeline.publish.fanout.route_parts`); what differs is where a part's
+records in a :class:`~pipeline.publish.ranks.fanout.RedisLedger`, parts routed to hosts
+with :func:`~pipeline.publish.ranks.fanout.route_parts`); what differs is where a part's
 tensors come from. A part holds pieces of one rank (``part-r<rank>-<i>``): its new
 pieces are in the rank's staging folder on that rank's host, its base in that host's
-cache of the rank (:mod:`pipeline.publish.rank_cache`). So:
+cache of the rank (:mod:`pipeline.publish.caches.rank_cache`). So:
 
 - the coordinator (the diff job holding the run's diff lease, on any host) reads the
   rank registrations from Redis, routes each part to its rank's host, starts the
@@ -52,7 +52,8 @@ from pipeline.errors import (
     DeltasyncError,
     MismatchError,
 )
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.shards import RankPiece, read_layout
 from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
@@ -63,7 +64,7 @@ from pipeline.format.manifest import (
     version_prefix,
 )
 from pipeline.format.pieces import StoredPiece, join_pieces
-from pipeline.format.shards import RankPiece, read_layout
+from pipeline.publish.caches.rank_cache import RankCache
 from pipeline.publish.diff import (
     DeltaTask,
     PartRecord,
@@ -72,7 +73,8 @@ from pipeline.publish.diff import (
     encode_parts,
     part_index,
 )
-from pipeline.publish.fanout import (
+from pipeline.publish.parts import plan_parts
+from pipeline.publish.ranks.fanout import (
     CallIn,
     RedisLedger,
     current_fanout,
@@ -81,8 +83,6 @@ from pipeline.publish.fanout import (
     route_parts,
     start_fanout,
 )
-from pipeline.publish.parts import plan_parts
-from pipeline.publish.rank_cache import RankCache
 from pipeline.publish.step import PublishResult, already_done
 from pipeline.publish.uploads import holds
 from pipeline.publish.version import (

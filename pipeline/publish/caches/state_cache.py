@@ -7,7 +7,7 @@ their (inode, size, mtime) is recorded and checked before every use, and files
 shared with anyone else are never written in place.
 
 Every write (rebuild, advance, adopt, link) holds ``<run>/.lock`` exclusively; the
-diff worker's background scrub (:mod:`pipeline.publish.cache_scrub`) hashes one
+diff worker's background scrub (:mod:`pipeline.publish.caches.cache_scrub`) hashes one
 tensor at a time under the shared lock and judges only a state that did not switch
 meanwhile (``switched`` in the state file names each switch), so a version being
 written is never reported as damaged.
@@ -34,8 +34,8 @@ import torch
 
 from pipeline import config
 from pipeline.errors import ChainError, ConfigError, CorruptObjectError, LockError, MismatchError
-from pipeline.format.checkpoint import INDEX_NAME, CheckpointReader
-from pipeline.format.checkpoint_write import write_sharded
+from pipeline.format.checkpoints.checkpoint import INDEX_NAME, CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_sharded
 from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import Manifest, check_run
 from pipeline.format.matching import check_tensors
@@ -476,7 +476,7 @@ class StateCache:
         )
         self._switch(folder, manifest, proven=True)  # every tensor hashed
 
-    # -- scrubbing (pipeline/publish/cache_scrub.py) ---------------------------------
+    # -- scrubbing (pipeline/publish/caches/cache_scrub.py) ---------------------------------
 
     def current(self) -> dict[str, Any] | None:
         """The state file's record (version, state hash, folder, proven, switched), or

@@ -7,7 +7,7 @@ with ``state.json`` naming the version and its state hash. It advances by adopti
 the rank's staging folder of the published step (a rename) when the manifest lists,
 for every part of the rank, the object this host uploaded (recorded in ``uploaded/``
 as it uploads); otherwise it is rebuilt from the store, each piece proven by its hash.
-The diff worker's scrub (:mod:`pipeline.publish.cache_scrub`) re-hashes its pieces in
+The diff worker's scrub (:mod:`pipeline.publish.caches.cache_scrub`) re-hashes its pieces in
 the background under the same locks as a state cache's.
 """
 
@@ -25,10 +25,10 @@ from typing import Any
 import structlog
 
 from pipeline.errors import ChainError, CorruptObjectError, MismatchError
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import Manifest, check_run, dtype_name
-from pipeline.publish.state_cache import flock, read_state_file
+from pipeline.publish.caches.state_cache import flock, read_state_file
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 
@@ -185,7 +185,7 @@ class RankCache:
                 if old.name.isdigit() and int(old.name) <= manifest.version:
                     shutil.rmtree(old, ignore_errors=True)
 
-    # -- scrubbing (pipeline/publish/cache_scrub.py) ---------------------------------
+    # -- scrubbing (pipeline/publish/caches/cache_scrub.py) ---------------------------------
 
     def keys_of(self, manifest: Manifest) -> list[str]:
         """This rank's parts of ``manifest``."""

@@ -21,7 +21,7 @@ from typing import IO
 import torch
 
 from pipeline.errors import ConfigError, MismatchError
-from pipeline.format.checkpoint import (
+from pipeline.format.checkpoints.checkpoint import (
     INDEX_NAME,
     SAFETENSORS_CODES,
     HeaderEntry,

@@ -1,6 +1,6 @@
 """The trainer side: call after an optimizer step.
 
-    from workers.trainer import Emitter
+    from workers.trainers.trainer import Emitter
     emitter = Emitter(run="grpo-7")            # settings from DELTASYNC_* env
     ...
     optimizer.step()
@@ -40,9 +40,13 @@ from pipeline.errors import (
     ServiceUnavailableError,
     StepNotSentError,
 )
-from pipeline.format.checkpoint import CheckpointReader
-from pipeline.format.checkpoint_names import FORM_METADATA_KEY, TensorForm, checkpoint_state
-from pipeline.format.checkpoint_write import write_checkpoint
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint_names import (
+    FORM_METADATA_KEY,
+    TensorForm,
+    checkpoint_state,
+)
+from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.logs import get_logger
 from pipeline.publish.dead_letters import list_dead
 from pipeline.publish.staged import lost_staged_steps, staged_path
@@ -136,7 +140,8 @@ class Emitter(RunEmitter):
         A transformers model is published in its checkpoint format, the names and
         layout ``save_pretrained`` writes (experts one tensor each, even where the
         model keeps them fused in memory); a mapping is published as given. The
-        manifest records which (``tensor_form``, see ``pipeline.format.checkpoint_names``)."""
+        manifest records which (``tensor_form``, see
+        ``pipeline.format.checkpoints.checkpoint_names``)."""
         self._check_newer(step)
         reachable(self.runtime, f"emitting step {step} of run {self.run}")  # before staging
         form: TensorForm = "given"

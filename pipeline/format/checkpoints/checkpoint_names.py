@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from pipeline.format.checkpoint import CheckpointReader
+from pipeline.format.checkpoints.checkpoint import CheckpointReader
 
 TensorForm = Literal["checkpoint", "state_dict", "given"]
 TENSOR_FORMS: tuple[TensorForm, ...] = ("checkpoint", "state_dict", "given")

@@ -3,7 +3,7 @@ the parts routed to trainer hosts, and the part records its hosts' workers write
 
 The coordinator (the diff job holding the run's diff lease) publishes the fan-out
 record for (run, step) and calls the hosts' diff workers in
-(:mod:`pipeline.publish.sharded`). Each part is claimed with a renewed lease (a run
+(:mod:`pipeline.publish.ranks.sharded`). Each part is claimed with a renewed lease (a run
 lock), encoded, uploaded, and its record written to a Redis hash; once every part is
 recorded the coordinator writes the manifest (last) and ends the fan-out. A dead
 claimant's lease expires and its part is claimed again.

@@ -1,0 +1,3 @@
+"""Safetensors checkpoints: reading, writing, tensor naming forms and a sharded
+trainer's rank layouts.
+"""

@@ -1,0 +1,3 @@
+"""A sharded trainer's step: each host diffs its ranks' parts (fanout), one coordinator
+writes the manifest.
+"""
