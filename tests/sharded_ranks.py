@@ -1,4 +1,4 @@
-"""Trainer ranks of a sharded run, for tests/test_sharded_emit.py: real processes.
+"""Trainer ranks of a sharded run, for tests/publish/test_sharded_emit.py: real processes.
 
 - ``fsdp_rank``: one rank of a gloo process group (``torch.multiprocessing.spawn``)
   training a small model wrapped with FSDP2 ``fully_shard``, emitting after each
@@ -186,7 +186,7 @@ def fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -
 
 def tp_fsdp_rank(rank: int, world: int, port: int, env: dict[str, str], out: str) -> None:
     """One rank of ``tp_sharded_model`` (FSDP2 over tensor parallelism) for
-    tests/test_sharded_emit.py: real AdamW steps, emitted after each."""
+    tests/publish/test_sharded_emit.py: real AdamW steps, emitted after each."""
     _host_env(rank, port, env, out)
     import torch.distributed as dist
 
@@ -305,7 +305,7 @@ if __name__ == "__main__":
 def e2e_rank(
     rank: int, world: int, port: int, envs: dict[str, dict[str, str]], out: str, steps: int
 ) -> None:
-    """One rank of tests/test_sharded_e2e.py: FSDP2 ``fully_shard`` over gloo, real AdamW
+    """One rank of tests/rollout/test_sharded_e2e.py: FSDP2 ``fully_shard`` over gloo, real AdamW
     steps, ``emit_shards`` after each, with this rank's host's settings (``envs``). Rank 0
     saves the gathered state of each step (test only) and waits, with every rank behind
     a barrier, for the test to write ``go-<step>`` before the next step; at step 2 rank 3
@@ -405,7 +405,7 @@ def tp_sharded_model() -> tuple[TinyTP, torch.optim.Optimizer]:
 def tp_rank(
     rank: int, world: int, port: int, envs: dict[str, dict[str, str]], out: str, steps: int
 ) -> None:
-    """One rank of a (dp=2, tp=2) mesh for tests/test_sharded_e2e.py: the blocks made
+    """One rank of a (dp=2, tp=2) mesh for tests/rollout/test_sharded_e2e.py: the blocks made
     tensor-parallel over ``tp``, then FSDP2 ``fully_shard`` over ``dp``, real AdamW
     steps, ``emit_shards`` after each; rank 0 saves the gathered state (test only) and
     all wait for ``go-<step>``, as in ``e2e_rank``."""
