@@ -40,8 +40,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "scripts" / "docker-local.sh"
-TRAINER = Path(__file__).resolve().parents[2] / "compose_trainer.py"
-FAULTS = Path(__file__).resolve().parents[2] / "compose.faults.yaml"
+TRAINER = Path(__file__).resolve().parents[1] / "compose_trainer.py"
+FAULTS = Path(__file__).resolve().parents[1] / "compose.faults.yaml"
 FAULT_FILE = "/data/staging/.fault"
 RUN = "compose-check"
 PROJECT = "deltasync-check"
