@@ -9,13 +9,12 @@ import click
 
 from pipeline.rollout.served import GATE_WAIT_S
 from pipeline.targets import known_targets
+from workers.nodes import HTTP_TARGET
 
 if TYPE_CHECKING:
     from workers.runtime import Runtime
 
 RUN = click.option("--run", required=True, help="Run name: [A-Za-z0-9][A-Za-z0-9._-]{0,127}.")
-# Not a registered target: a node of its own that drives a remote vLLM server.
-HTTP_TARGET = "vllm-http"
 
 
 # Options every rollout node takes (rollout, serve), declared once.
@@ -177,6 +176,7 @@ def rollout(
     Examples:
       deltasync rollout --run grpo-7 --target torch --device cuda:0
       deltasync rollout --run grpo-7 --until 120 --dump weights.safetensors
+      deltasync rollout --run grpo-7 --target vllm-http --url http://HOST:8000
     """
     from pipeline.config import RolloutOptions
     from workers.runtime import from_context
@@ -184,25 +184,8 @@ def rollout(
     runtime = from_context(ctx)
     if not wait:
         known_run(runtime, run)
-    from workers.nodes.rollout import default_node_id, run_rollout
+    from workers.nodes.rollout import run_rollout
 
-    if target == HTTP_TARGET:
-        from pipeline.errors import ConfigError
-        from workers.nodes.rollout_http import run_http_rollout
-
-        if url is None:
-            raise ConfigError("--target vllm-http needs --url http://HOST:PORT")
-        run_http_rollout(
-            run=run,
-            url=url,
-            node_id=node_id or default_node_id(),
-            settings=runtime.settings,
-            verify=verify,
-            poll_interval_s=poll_interval_s,
-            until_version=until_version,
-            wait=wait,
-        )
-        return
     options = RolloutOptions(
         run=run,
         target=target,
@@ -218,7 +201,7 @@ def rollout(
         early_start=early_start,
         wait=wait,
     )
-    run_rollout(options, settings=runtime.settings)
+    run_rollout(options, settings=runtime.settings, url=url)
 
 
 @click.command("emit")

@@ -5,16 +5,22 @@ through the registry (``pipeline.targets.build_target``) from a ``TargetSetup``:
 the torch target from the checkpoint at ``model_path`` or the newest anchor's
 shapes, the vLLM target over an in-process engine started from the model folder
 ``model_path`` (``pipeline.targets.vllm.startup``; options from
-``DELTASYNC_VLLM_OPTIONS``, then ``vllm_options``).
+``DELTASYNC_VLLM_OPTIONS``, then ``vllm_options``). ``vllm-http`` is no registered
+target but a remote one: a stock ``vllm serve`` at ``url`` that runs the
+``deltasync`` weight-transfer backend (``workers/nodes/vllm_plugin.py``, dev mode
+on), driven over HTTP by :class:`VllmHttp`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,23 +34,26 @@ from pipeline.coord.connection import redact_url, redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.replicas import forget_replica
 from pipeline.coord.stream import EventStream
-from pipeline.errors import DeltasyncError
+from pipeline.errors import ConfigError, DeltasyncError, TargetError
+from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
 from pipeline.rollout.node import RemoteTarget, RolloutNode, configured_public_key, parse_verify
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import trusted
 from pipeline.targets import build_target, target_class
-from pipeline.targets.base import Target
+from pipeline.targets.base import Target, VerifyMode
 from pipeline.targets.setup import Refused, TargetSetup
 from pipeline.versions import binding as run_binding
 from pipeline.versions.runs import require_run
 from workers import warm
 from workers.metrics_http import serve_metrics
+from workers.nodes import HTTP_TARGET
 from workers.redis_launcher import ensure_redis
 from workers.runtime import current as current_runtime
 
 log = structlog.get_logger(__name__)
+_HTTP_TIMEOUT_S = 600.0
 
 
 def default_node_id() -> str:
@@ -57,25 +66,27 @@ def run_rollout(
     settings: Settings | None = None,
     stop: threading.Event | None = None,
     configure_logs: bool = False,
+    url: str | None = None,
 ) -> int | None:
     """Run a rollout node until ``stop`` (or SIGINT/SIGTERM), or until
     ``options.until_version`` is applied. Returns the applied version. ``settings``
-    default to the CLI's (its --home and other root options)."""
-    target_class(options.target)  # an unknown name fails here, listing the known ones
+    default to the CLI's (its --home and other root options). ``url``: the server of
+    ``--target vllm-http``, which holds its weights itself (no dump, no early start)."""
+    remote = _remote_target(options, url)
     settings = settings or current_runtime().settings
     if configure_logs:
         configure_logging(settings.log_level, json=settings.log_json)
     node_id = options.node_id or default_node_id()
     bind_context(run=options.run, node=node_id)
-    url = options.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
-    client = redis_client(url, name=f"deltasync-node:{node_id}")
+    redis_url = options.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
+    client = redis_client(redis_url, name=f"deltasync-node:{node_id}")
     store = open_node_store(settings, client, options.run, options.store_url, wait=options.wait)
     log.info(
         "rollout node starting",
         target=options.target,
         store=store.url,
-        redis=redact_url(url),
-        device=options.device,
+        redis=redact_url(redis_url),
+        **({"url": remote.url} if remote else {"device": options.device}),
         verify=options.verify,
         signatures="required" if settings.verify_key_path else "not checked",
     )
@@ -84,21 +95,23 @@ def run_rollout(
             "signatures are not checked: set DELTASYNC_VERIFY_KEY to refuse unsigned versions"
         )
     serve_metrics(settings.metrics_port)
-    if settings.warm:
+    if settings.warm and remote is None:  # a remote target's own workers decode
         warm.in_background(settings)
     stop = stop or threading.Event()
     with _signals_stop(stop):
-        setup = TargetSetup(
-            store=store,
-            run=options.run,
-            stop=stop,
-            device=options.device,
-            model_path=options.model_path,
-            patch_memory_bytes=settings.patch_memory_mb << 20,
-            engine_options={**env_vllm_options(), **options.vllm_options},
-            refused=_refusal_reporter(EventStream(client, options.run), node_id),
+        built = remote or build_target(
+            options.target,
+            TargetSetup(
+                store=store,
+                run=options.run,
+                stop=stop,
+                device=options.device,
+                model_path=options.model_path,
+                patch_memory_bytes=settings.patch_memory_mb << 20,
+                engine_options={**env_vllm_options(), **options.vllm_options},
+                refused=_refusal_reporter(EventStream(client, options.run), node_id),
+            ),
         )
-        built = build_target(options.target, setup)
         if built is None:
             return None  # stopped while waiting for the run's first anchor
         node = make_node(
@@ -111,8 +124,8 @@ def run_rollout(
             verify=options.verify,
             poll_interval_s=options.poll_interval_s,
             prefetch=options.prefetch,
-            early_start=options.early_start,
-            held_from=options.model_path,
+            early_start=False if remote else options.early_start,
+            held_from=None if remote else options.model_path,
         )
         try:
             applied = node.run(until_version=options.until_version, stop=stop)
@@ -126,6 +139,75 @@ def run_rollout(
             client.close()
     log.info("rollout node stopped", version=applied)
     return applied
+
+
+def _remote_target(options: RolloutOptions, url: str | None) -> VllmHttp | None:
+    """The server ``--target vllm-http`` drives, or None for a registered target (an
+    unknown name fails here, listing the known ones)."""
+    if options.target != HTTP_TARGET:
+        target_class(options.target)
+        return None
+    if url is None:
+        raise ConfigError("--target vllm-http needs --url http://HOST:PORT")
+    if options.dump_path is not None:
+        raise ConfigError("--target vllm-http holds its weights in the server: no --dump")
+    return VllmHttp(url)
+
+
+class VllmHttp:
+    """The RL routes of a ``vllm serve`` at ``url``: a node's remote target.
+
+    For each new version, in order: ``POST /pause?mode=wait`` (in-flight requests
+    finish, new ones wait; vLLM clears its prefix cache), ``/start_weight_update``,
+    ``/update_weights`` with ``{"run", "version"}`` (every worker fetches, proves and
+    applies its placement), ``/finish_weight_update`` with ``weight_version``
+    ``RUN@VERSION``, and ``/resume`` whatever happened. ``GET /weight_info`` then
+    reports the version."""
+
+    def __init__(self, url: str) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--url {url!r} is not an http(s) URL")
+        self.url = url.rstrip("/")
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"{self.url}{path}",
+            data=data,
+            method=method,
+            headers={"content-type": "application/json"} if data is not None else {},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            raise TargetError(f"vLLM {path} answered HTTP {exc.code}: {detail}") from None
+        except OSError as exc:
+            raise TargetError(f"vLLM at {self.url} unreachable ({path}): {exc}") from None
+        return json.loads(text) if text else None
+
+    def holds(self, manifest: Manifest) -> bool:
+        """Whether the server's weight version names ``manifest``'s version."""
+        try:
+            answer = self.call("GET", "/weight_info")
+        except DeltasyncError as exc:
+            log.warning("cannot read the server's weight version", error=str(exc))
+            return False
+        label = answer.get("weight_version") if isinstance(answer, dict) else None
+        return label == f"{manifest.run}@{manifest.version}"
+
+    def bring_to(self, manifest: Manifest, verify: VerifyMode) -> None:
+        """One version, at a clean boundary; the server resumes whatever happens."""
+        run, version = manifest.run, manifest.version
+        self.call("POST", "/pause?mode=wait")
+        try:
+            self.call("POST", "/start_weight_update")
+            info = {"run": run, "version": version, "verify": verify}
+            self.call("POST", "/update_weights", {"update_info": info})
+            self.call("POST", "/finish_weight_update", {"weight_version": f"{run}@{version}"})
+        finally:
+            self.call("POST", "/resume")
 
 
 def open_node_store(
@@ -215,4 +297,4 @@ def _signals_stop(stop: threading.Event) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-__all__ = ["default_node_id", "run_rollout"]
+__all__ = ["VllmHttp", "default_node_id", "run_rollout"]
