@@ -324,9 +324,9 @@ def render_status(report: dict[str, Any]) -> None:
             "nodes cannot reach them)",
             soft_wrap=True,
         )
-    queues_table = Table(title="queues")
-    for col in ("queue", "queued", "running", "failed", "recent failed jobs"):
-        queues_table.add_column(col)
+    queues_table = Table(
+        "queue", "queued", "running", "failed", "recent failed jobs", title="queues"
+    )
     for name, q in report["queues"].items():
         running = ", ".join(q["running"]) or "-"
         failed = ", ".join(q["failed_jobs"])
@@ -359,9 +359,9 @@ def render_status(report: dict[str, Any]) -> None:
             "again, or the trainer's next step does",
             soft_wrap=True,
         )
-    replicas_table = Table(title="replicas")
-    for col in ("node", "version", "lag (versions)", "last seen", "state"):
-        replicas_table.add_column(col)
+    replicas_table = Table(
+        *("node", "version", "lag (versions)", "last seen", "state"), title="replicas"
+    )
     for rep in report["replicas"]:
         dead = rep.get("state") == "dead"
         replicas_table.add_row(
@@ -416,9 +416,9 @@ def render_failing(console: Any, failing: list[dict[str, Any]]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="[red]failing replicas[/]")
-    for col in ("node", "holds", "failing since", "failures", "last error"):
-        table.add_column(col)
+    table = Table(
+        "node", "holds", "failing since", "failures", "last error", title="[red]failing replicas[/]"
+    )
     for f in failing:
         held = "nothing" if f["held"] is None else f"v{f['held']}"
         since = f"{f['since']} ({f['failing_for_s']}s)"

@@ -31,7 +31,6 @@ def delta() -> None:
     "--level",
     type=click.Choice([str(level) for level in LEVELS]),
     default=str(DEFAULT_LEVEL),
-    show_default=True,
     help="Codec level: 1 codes positions on their own; 3 also conditions them on the "
     "base's magnitudes, in chunks that decode independently (smaller).",
 )

@@ -49,7 +49,10 @@ class _Group(click.Group):
             sys.exit(130)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+# Every command's help shows each option's default (None and off flags show none).
+@click.group(
+    cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True}
+)
 @click.option(
     "--redis-url",
     envvar="DELTASYNC_REDIS_URL",

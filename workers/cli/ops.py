@@ -35,7 +35,6 @@ RUN_TO_READ = click.option(
     "timeout_s",
     type=float,
     default=3600.0,
-    show_default=True,
     help="With --wait: give up after this many seconds.",
 )
 @click.pass_context
@@ -147,7 +146,7 @@ def _last_line(job: object) -> str:
     type=click.Choice(STREAM_TYPES),
     help="Only events of this type (repeatable).",
 )
-@click.option("--since", default="0-0", show_default=True, help="Stream id to start after.")
+@click.option("--since", default="0-0", help="Stream id to start after.")
 @click.option(
     "--hints",
     is_flag=True,

