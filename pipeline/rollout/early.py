@@ -3,10 +3,10 @@
 When the diff job announces a part of the version after the held one (see
 pipeline/coord/hints.py), the node downloads that object while later parts are
 still being encoded, and the target decodes and hashes it against its held
-weights too: an ``EarlyProver`` (the torch target) on the download's thread, an
-``EarlyProofStarter`` (the vLLM target, whose proofs run in the engine's workers
-through calls that stay on the thread that drives the engine) once the node's
-thread hands the download over (``hand_off``). Once the manifest is read,
+weights too (``Target.capabilities.early_proofs``): on the download's thread
+(``"here"``, the torch target), or once the node's thread hands the download over
+(``"handed"``, ``hand_off``: the vLLM target, whose proofs run in the engine's workers
+through calls that stay on the thread that drives the engine). Once the manifest is read,
 objects whose sha256 it confirms are not downloaded again and their proofs are
 reused; everything else goes the usual way. A hint can only save time: a wrong,
 late or missing one changes nothing applied.
@@ -33,7 +33,7 @@ from pipeline.errors import CorruptObjectError, DeltasyncError
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import Manifest, object_key
 from pipeline.store.base import ObjectStore, read_bounded
-from pipeline.targets.base import EarlyProof, EarlyProofStarter, EarlyProver
+from pipeline.targets.base import EarlyProof, Target
 
 log = structlog.get_logger("pipeline.rollout.node")
 
@@ -53,12 +53,14 @@ class EarlyParts:
         self,
         store: ObjectStore,
         run: str,
-        target: EarlyProver | EarlyProofStarter | None,
+        target: Target | None,
         held: Callable[[], int | None],
     ) -> None:
         """``target``: proves each early download (on the download's thread, or when
-        handed over), or None to download only."""
-        self.store, self.run, self.target, self._held = store, run, target, held
+        handed over) if its capabilities say it can; None to download only."""
+        self.store, self.run, self._held = store, run, held
+        self._proofs = "none" if target is None else target.capabilities.early_proofs
+        self.target = None if self._proofs == "none" else target  # None: downloads only
         self._pool: ThreadPoolExecutor | None = None
         self._parts: dict[tuple[int, str], tuple[str, Future[EarlyPart]]] = {}
         self._taken: set[tuple[int, str]] = set()  # early downloads handed to a fetch
@@ -116,17 +118,17 @@ class EarlyParts:
         data = read_bounded(self.store, key, hint.size, what="hinted object")
         if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
             raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
-        if not isinstance(self.target, EarlyProver):
+        if self.target is None or self._proofs != "here":
             return EarlyPart(data, None)
         return EarlyPart(data, self.target.prove_object(hint.key, data, hint.sha256))
 
     @property
     def hands_off(self) -> bool:
         """Whether the node's thread must hand early downloads to the target."""
-        return isinstance(self.target, EarlyProofStarter)
+        return self._proofs == "handed"
 
     def handoff_due(self) -> bool:
-        """Whether early downloads are on their way to an ``EarlyProofStarter``: the
+        """Whether early downloads are on their way to a target they are handed to: the
         node's thread should call ``hand_off`` soon."""
         if not self.hands_off:
             return False
@@ -135,10 +137,10 @@ class EarlyParts:
 
     def hand_off(self) -> int:
         """Start the target's proof of each finished early download not handed to it
-        yet (an ``EarlyProofStarter`` only). Call it from the thread that drives the
-        target. Returns how many proofs were started."""
+        yet (a target whose ``early_proofs`` are ``"handed"`` only). Call it from the
+        thread that drives the target. Returns how many proofs were started."""
         target = self.target
-        if not isinstance(target, EarlyProofStarter):
+        if target is None or not self.hands_off:
             return 0
         with self._lock:
             done = [

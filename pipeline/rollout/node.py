@@ -69,14 +69,7 @@ from pipeline.rollout.stream import StreamFollower
 from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import store_key, trusted
-from pipeline.targets.base import (
-    EarlyProofStarter,
-    EarlyProver,
-    HashSelector,
-    PieceLoader,
-    Target,
-    VerifyMode,
-)
+from pipeline.targets.base import Target, VerifyMode
 from pipeline.targets.pieced import AnchorPiece
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
@@ -231,8 +224,8 @@ class RolloutNode:
         # manifest exists (asked for, prefetch on, and Redis to hear the hints on).
         self.early: EarlyParts | None = None
         if options.early_start and options.prefetch and redis is not None:
-            prover = target if isinstance(target, EarlyProver | EarlyProofStarter) else None
-            self.early = EarlyParts(store, run, prover, lambda: self._applied)
+            local = None if isinstance(target, RemoteTarget) else target
+            self.early = EarlyParts(store, run, local, lambda: self._applied)
         self.report = Reporter(
             run,
             options.node_id,
@@ -728,7 +721,7 @@ class RolloutNode:
         pieces: Iterator[AnchorPiece] | None = None
         tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
         if manifest.is_pieced:
-            if not isinstance(target, PieceLoader):
+            if not target.capabilities.pieces:
                 raise TargetError(
                     f"run {self.run_name} is sharded (tensors in pieces): target "
                     f"{type(target).__name__} cannot apply its versions"
@@ -744,10 +737,8 @@ class RolloutNode:
             pieces = None if pieces is None else iter(list(pieces))
         self._stuck_on = store_state
         self._forget_state(manifest.instance)  # mid-load the target holds no provable version
-        if isinstance(target, HashSelector):
-            target.use_content_hash(manifest.content_hash)
+        target.use_content_hash(manifest.content_hash)
         if pieces is not None:
-            assert isinstance(target, PieceLoader)  # checked above
             target.load_pieces(pieces)
         else:
             # stream_anchor checked each tensor against these as it came.
@@ -816,10 +807,7 @@ class RolloutNode:
         early = [] if self.early is None else self.early.proofs(manifest)
         early_fetched = 0 if self.early is None else self.early.taken(manifest.version)
         try:
-            if early and isinstance(target, EarlyProver):
-                report = target.apply_delta(manifest, fetched.objects, self.verify, early)
-            else:
-                report = target.apply_delta(manifest, fetched.objects, self.verify)
+            report = target.apply_delta(manifest, fetched.objects, self.verify, early)
         except MismatchError:
             self._need_bootstrap = True  # the held weights may be what is wrong
             raise

@@ -6,14 +6,16 @@ parameters.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import ClassVar, Literal, Protocol
 
 import torch
 
 from pipeline.codec.api import HashedPatch
+from pipeline.errors import TargetError
 from pipeline.format.hashes.content_hashes import XXH3
 from pipeline.format.manifest import Manifest, Piece
 from pipeline.format.tensors import TensorSpec
@@ -21,13 +23,11 @@ from pipeline.format.tensors import TensorSpec
 __all__ = [
     "ApplyReport",
     "EarlyProof",
-    "EarlyProofStarter",
-    "EarlyProver",
     "EarlyResult",
     "HeldWeights",
-    "PieceLoader",
     "ProvenDigest",
     "Target",
+    "TargetCapabilities",
     "TensorSpec",
     "VerifyMode",
 ]
@@ -69,12 +69,32 @@ class ApplyReport:
     early_tensors: int = 0  # tensors whose early proofs stood in for decode and hash
 
 
-class Target(Protocol):
-    """Something that holds weights and can be patched in place."""
+@dataclass(frozen=True)
+class TargetCapabilities:
+    """What a target can do beyond the methods every target has; a rollout node reads
+    it. ``early_proofs``: whether the target proves a delta object before its manifest
+    exists, and how: ``"here"`` (``prove_object``, on the thread that downloaded the
+    object, the proof handed back to ``apply_delta``), ``"handed"`` (``start_early_proof``,
+    from the thread that drives the target, which proves where its weights are and
+    keeps the proofs for its next ``apply_delta``) or ``"none"``. ``pieces``: it reads a
+    sharded run's versions (tensors stored in pieces, ``load_pieces``)."""
 
+    early_proofs: Literal["none", "here", "handed"] = "none"
+    pieces: bool = False
+
+
+class Target(ABC):
+    """Something that holds weights and can be patched in place. The optional
+    capabilities have safe defaults; a target that has one overrides its method and
+    says so in ``capabilities``."""
+
+    capabilities: ClassVar[TargetCapabilities] = TargetCapabilities()
+
+    @abstractmethod
     def specs(self) -> dict[str, TensorSpec]:
         """Checkpoint name -> dtype and shape of every tensor the target holds."""
 
+    @abstractmethod
     def load_state(
         self, tensors: Iterable[tuple[str, torch.Tensor]], hashes: Mapping[str, str] | None = None
     ) -> None:
@@ -82,22 +102,55 @@ class Target(Protocol):
         ``hashes``: content hashes the caller proved the given tensors to have (a
         target may keep them as its held tensors' instead of hashing them again)."""
 
+    @abstractmethod
     def apply_delta(
-        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+        self,
+        manifest: Manifest,
+        objects: dict[str, bytes],
+        verify: VerifyMode,
+        early: Sequence[EarlyProof] = (),
     ) -> ApplyReport:
         """Decode the delta against the held weights, check names, shapes, dtypes and
         the manifest's base, then apply all tensors or none; verify content hashes
         of the touched (or all) tensors afterwards. Raises a DeltasyncError and
-        leaves the weights untouched when any check fails."""
+        leaves the weights untouched when any check fails. ``early``: proofs from
+        ``prove_object``, reused where the manifest names their object with the same
+        sha256 and they were made against the held weights (others are ignored)."""
 
+    @abstractmethod
     def hashes(
         self, names: Sequence[str] | None = None, algorithm: str | None = None
     ) -> dict[str, str]:
         """Content hashes of held tensors, by ``algorithm`` (a manifest's
         ``content_hash``, see pipeline.format.hashes.content_hashes; default: the one in use)."""
 
+    @abstractmethod
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """CPU copies of every tensor in checkpoint names (for dumps and checks)."""
+
+    def use_content_hash(self, name: str) -> None:  # noqa: B027 (a default: nothing)
+        """Hash held tensors with algorithm ``name`` from now on: a node says so at
+        bootstrap, before any delta names the run's hash. By default nothing: the
+        target takes the algorithm from each manifest it applies."""
+
+    def load_pieces(self, pieces: Iterable[tuple[str, Piece, torch.Tensor]]) -> None:
+        """Replace every tensor from (name, piece, its 1-D elements): each piece copied
+        into its flat range of the held tensor; every element must be given once
+        (``capabilities.pieces``)."""
+        raise TargetError(f"target {type(self).__name__} cannot apply a sharded run's versions")
+
+    def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
+        """Decode and hash object ``key`` (of sha256 ``sha256``) against the held
+        weights; nothing is written. Valid until the next write
+        (``capabilities.early_proofs == "here"``)."""
+        raise TargetError(f"target {type(self).__name__} cannot prove objects early")
+
+    def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
+        """Start proving object ``key`` (bytes checked against ``sha256``) against the
+        held weights, from the thread that drives the target; nothing is written, and
+        the next ``apply_delta`` uses the proofs that hold. False when the target cannot
+        take it now, and always by default (``capabilities.early_proofs == "handed"``)."""
+        return False
 
 
 class HeldWeights(Protocol):
@@ -123,52 +176,3 @@ class HeldWeights(Protocol):
         """Entered after the proof, around the write of tensors ``names``: refuse what
         cannot be written, make early proofs stale, lock out readers, wait for the
         device."""
-
-
-@runtime_checkable
-class EarlyProver(Protocol):
-    """A target that can decode and hash a delta object against its held weights
-    before the version's manifest exists (see pipeline/coord/hints.py)."""
-
-    def prove_object(self, key: str, data: bytes, sha256: str) -> EarlyProof:
-        """Decode and hash object ``key`` (of sha256 ``sha256``) against the held
-        weights; nothing is written. Valid until the next write."""
-
-    def apply_delta(
-        self,
-        manifest: Manifest,
-        objects: dict[str, bytes],
-        verify: VerifyMode,
-        early: Sequence[EarlyProof] = (),
-    ) -> ApplyReport:
-        """``Target.apply_delta``, reusing ``early`` proofs whose object the manifest
-        names with the same sha256 and that were made against the held weights."""
-
-
-@runtime_checkable
-class HashSelector(Protocol):
-    """A target told the run's content hash at bootstrap (before any delta names it)."""
-
-    def use_content_hash(self, name: str) -> None:
-        """Hash held tensors with algorithm ``name`` from now on."""
-
-
-@runtime_checkable
-class EarlyProofStarter(Protocol):
-    """A target whose early proofs run where its weights are (a vLLM engine's
-    workers), started from the thread that drives the target; its next
-    ``apply_delta`` uses those that hold."""
-
-    def start_early_proof(self, key: str, data: bytes, sha256: str) -> bool:
-        """Start proving object ``key`` (bytes checked against ``sha256``) against the
-        held weights; nothing is written. False when the target cannot take it now."""
-
-
-@runtime_checkable
-class PieceLoader(Protocol):
-    """A target that reads a sharded run's versions (tensors stored in pieces): it
-    bootstraps from an anchor's pieces and applies pieced deltas."""
-
-    def load_pieces(self, pieces: Iterable[tuple[str, Piece, torch.Tensor]]) -> None:
-        """Replace every tensor from (name, piece, its 1-D elements): each piece copied
-        into its flat range of the held tensor; every element must be given once."""

@@ -2,7 +2,7 @@
 
 In a pieced version (manifest schema 3) each object holds, per piece, a 1-D record of
 the piece's elements named by the tensor. An anchor's pieces are checked against
-their piece hashes here and handed to a target (``PieceLoader``) or assembled into
+their piece hashes here and handed to a target (``Target.load_pieces``) or assembled into
 whole tensors. A delta's records are proven against the held tensors with the rest
 of the delta (``pipeline.targets.proving.prove_pieced``): the held hash plus every
 piece's change must be the entry's hash, which the parser checked is the sum of the

@@ -31,7 +31,14 @@ from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest, TensorEntry, dtype_name
 from pipeline.format.matching import check_tensors
 from pipeline.format.regions import Region, tiling_error
-from pipeline.targets.base import ApplyReport, EarlyProof, TensorSpec, VerifyMode
+from pipeline.targets.base import (
+    ApplyReport,
+    EarlyProof,
+    Target,
+    TargetCapabilities,
+    TensorSpec,
+    VerifyMode,
+)
 from pipeline.targets.patching import check_objects, int_view
 from pipeline.targets.pieced import AnchorPiece
 from pipeline.targets.proving import (
@@ -67,8 +74,10 @@ def _sync(devices: Iterable[torch.device]) -> None:
             torch.cuda.synchronize(device)
 
 
-class TorchTarget:
+class TorchTarget(Target):
     """Weights held as torch tensors, by checkpoint name."""
+
+    capabilities = TargetCapabilities(early_proofs="here", pieces=True)
 
     def __init__(
         self,

@@ -32,7 +32,14 @@ from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
-from pipeline.targets.base import ApplyReport, EarlyProof, EarlyProofStarter, TensorSpec, VerifyMode
+from pipeline.targets.base import (
+    ApplyReport,
+    EarlyProof,
+    Target,
+    TargetCapabilities,
+    TensorSpec,
+    VerifyMode,
+)
 from pipeline.targets.early_proofs import BackgroundProofs
 from pipeline.targets.torch import TorchTarget
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
@@ -220,9 +227,10 @@ def test_background_proofs_match_the_targets_own_and_end_at_a_write(
     proofs.close()
 
 
-class FetchOnlyTarget:
-    """A torch target seen only through the Target protocol: not an EarlyProver, as a
-    vLLM target is not, so a node can only download its parts early."""
+class FetchOnlyTarget(Target):
+    """A torch target seen only through the Target interface: it declares no early
+    proofs (and, as the vLLM target, uses no proofs made elsewhere), so a node can
+    only download its parts early."""
 
     def __init__(self, inner: TorchTarget) -> None:
         self.inner = inner
@@ -236,7 +244,11 @@ class FetchOnlyTarget:
         self.inner.load_state(tensors, hashes)
 
     def apply_delta(
-        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+        self,
+        manifest: Manifest,
+        objects: dict[str, bytes],
+        verify: VerifyMode,
+        early: Sequence[EarlyProof] = (),
     ) -> ApplyReport:
         return self.inner.apply_delta(manifest, objects, verify)
 
@@ -254,8 +266,10 @@ class FetchOnlyTarget:
 
 class HandOffTarget(FetchOnlyTarget):
     """A torch target whose early proofs, as a vLLM engine's, run on a thread of the
-    target's own and are started from the thread that drives it (an
-    ``EarlyProofStarter``); records which threads started them."""
+    target's own and are started from the thread that drives it (its early proofs
+    are ``"handed"``); records which threads started them."""
+
+    capabilities = TargetCapabilities(early_proofs="handed")
 
     def __init__(self, inner: TorchTarget) -> None:
         super().__init__(inner)
@@ -278,14 +292,18 @@ class HandOffTarget(FetchOnlyTarget):
         return self.proofs.start(key, data, sha256)
 
     def apply_delta(
-        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+        self,
+        manifest: Manifest,
+        objects: dict[str, bytes],
+        verify: VerifyMode,
+        early: Sequence[EarlyProof] = (),
     ) -> ApplyReport:
         valid = self.proofs.take()  # those made against the weights as they are
         self.proofs.wrote()
         # Proofs that held here are made against the inner target's current weights.
         now = self.inner._generation
-        early = [EarlyProof(p.key, p.sha256, now, p.hashed, p.content_hash) for p in valid]
-        report = self.inner.apply_delta(manifest, objects, verify, early)
+        held = [EarlyProof(p.key, p.sha256, now, p.hashed, p.content_hash) for p in valid]
+        report = self.inner.apply_delta(manifest, objects, verify, held)
         self.reports.append(report)
         return report
 
@@ -404,7 +422,7 @@ def run_hinted_steps(
             lambda early=early, step=step, parts=parts: early.started(step) == parts,
             "the hints, before the announcement",
         )
-        if isinstance(node.target, EarlyProofStarter):
+        if early.hands_off:
             wait_for(lambda early=early: not early.handoff_due(), "the parts handed over")
         announce(stream, store, step)
         wait_for(lambda step=step: node.applied_version == step, f"v{step} applied")

@@ -461,10 +461,10 @@ class GatedTarget(TorchTarget):
         self.gate = threading.Event()
         self.gate.set()
 
-    def apply_delta(self, manifest, objects, verify="touched"):  # type: ignore[no-untyped-def]
+    def apply_delta(self, manifest, objects, verify="touched", early=()):  # type: ignore[no-untyped-def]
         self.entered.set()
         assert self.gate.wait(60), "the test never opened the gate"
-        return super().apply_delta(manifest, objects, verify)
+        return super().apply_delta(manifest, objects, verify, early)
 
 
 def wait_for_version(node: RolloutNode, version: int, thread: threading.Thread) -> None:

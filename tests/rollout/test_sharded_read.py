@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from pipeline.rollout.fetch import stream_anchor_pieces
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store import open_store
 from pipeline.store.file import FileStore
-from pipeline.targets.base import ApplyReport, VerifyMode
+from pipeline.targets.base import ApplyReport, EarlyProof, Target, TensorSpec, VerifyMode
 from pipeline.targets.patching import int_view
 from pipeline.targets.setup import TargetSetup
 from pipeline.targets.torch import TorchTarget
@@ -375,14 +375,14 @@ def test_a_manifest_whose_pieces_do_not_sum_is_refused(short: PiecedRun, store: 
 def test_a_target_that_cannot_read_pieces_is_refused_at_bootstrap(
     built: PiecedRun, store: FileStore
 ) -> None:
-    class WholeTensorsOnly:
-        """A target with whole-tensor loads only (as the vLLM target today)."""
+    class WholeTensorsOnly(Target):
+        """A target with whole-tensor loads only (``capabilities.pieces`` left False)."""
 
         def __init__(self, inner: TorchTarget) -> None:
             self.inner = inner
 
-        def specs(self) -> dict[str, object]:
-            return dict(self.inner.specs())
+        def specs(self) -> dict[str, TensorSpec]:
+            return self.inner.specs()
 
         def load_state(
             self,
@@ -392,17 +392,23 @@ def test_a_target_that_cannot_read_pieces_is_refused_at_bootstrap(
             self.inner.load_state(tensors, hashes)
 
         def apply_delta(
-            self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+            self,
+            manifest: Manifest,
+            objects: dict[str, bytes],
+            verify: VerifyMode,
+            early: Sequence[EarlyProof] = (),
         ) -> ApplyReport:
-            return self.inner.apply_delta(manifest, objects, verify)
+            return self.inner.apply_delta(manifest, objects, verify, early)
 
-        def hashes(self, names: object = None, algorithm: str | None = None) -> dict[str, str]:
+        def hashes(
+            self, names: Sequence[str] | None = None, algorithm: str | None = None
+        ) -> dict[str, str]:
             return self.inner.hashes(None, algorithm)
 
-        def export(self) -> Iterable[tuple[str, torch.Tensor]]:
+        def export(self) -> Iterator[tuple[str, torch.Tensor]]:
             return self.inner.export()
 
-    node = RolloutNode(store, RUN, WholeTensorsOnly(node_target(store)))  # type: ignore[arg-type]
+    node = RolloutNode(store, RUN, WholeTensorsOnly(node_target(store)))
     assert node.step_once() is None
     assert isinstance(node.last_error, TargetError)
     assert "sharded" in str(node.last_error) and "\n" not in str(node.last_error)

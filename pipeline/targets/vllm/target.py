@@ -29,7 +29,14 @@ from safetensors.torch import load, save
 from pipeline import errors
 from pipeline.errors import ConfigError, DeltasyncError, MismatchError, TargetError
 from pipeline.format.manifest import Manifest
-from pipeline.targets.base import ApplyReport, TensorSpec, VerifyMode
+from pipeline.targets.base import (
+    ApplyReport,
+    EarlyProof,
+    Target,
+    TargetCapabilities,
+    TensorSpec,
+    VerifyMode,
+)
 from pipeline.targets.pieced import AnchorPiece, whole_tensors
 from pipeline.targets.proving import DEFAULT_PATCH_MEMORY_BYTES
 from pipeline.targets.setup import TargetSetup, anchor_specs
@@ -55,8 +62,10 @@ def _raise(envelope: dict[str, Any]) -> None:
     raise cls(str(envelope.get("message", "vLLM worker failed")))
 
 
-class VllmTarget:
+class VllmTarget(Target):
     """Checkpoint-named weights of a live vLLM engine (see module doc)."""
+
+    capabilities = TargetCapabilities(early_proofs="handed", pieces=True)
 
     def __init__(
         self,
@@ -140,7 +149,7 @@ class VllmTarget:
         if not self.engine.reset_prefix_cache():
             raise TargetError("vLLM engine refused to reset its prefix cache (requests running?)")
 
-    # --- Target protocol -------------------------------------------------------------
+    # --- Target ----------------------------------------------------------------------
 
     def specs(self) -> dict[str, TensorSpec]:
         if self._specs is None:
@@ -206,8 +215,13 @@ class VllmTarget:
         self.version = version
 
     def apply_delta(
-        self, manifest: Manifest, objects: dict[str, bytes], verify: VerifyMode
+        self,
+        manifest: Manifest,
+        objects: dict[str, bytes],
+        verify: VerifyMode,
+        early: Sequence[EarlyProof] = (),
     ) -> ApplyReport:
+        """``early`` is not used: the workers use their own proofs (``start_early_proof``)."""
         if manifest.kind != "delta":
             raise MismatchError(
                 f"{manifest.run} v{manifest.version} is an {manifest.kind}, not a delta"
