@@ -17,6 +17,7 @@ aborts the others, so no worker is left ahead.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -182,10 +183,7 @@ class VllmTarget(Target):
                 batch, size = {}, 0
         if batch:
             self._call("deltasync_load_chunk", save(batch))
-        with self.engine.weights_change(None):  # the node names the version after
-            self._set_specs(self._call("deltasync_load_commit", True))
-            self._reset_prefix_cache()
-        self.version = None
+        self._replace(None, "deltasync_load_commit", True)  # the node names the version after
         log.info("vllm target loaded", tensors=len(self._specs or {}))
 
     def load_pieces(self, pieces: Iterable[AnchorPiece]) -> None:
@@ -208,9 +206,13 @@ class VllmTarget(Target):
     def load_files(self, paths: Sequence[str], version: int | None = None) -> None:
         """Replace the engine's weights with safetensors files (or folders of them)
         that the workers can read; cheaper than ``load_state`` on the same host."""
+        self._replace(version, "deltasync_load_files", [str(p) for p in paths], True)
+
+    def _replace(self, version: int | None, method: str, *args: object) -> None:
+        """The workers' ``method`` replaces the engine's weights with ``version``'s."""
         self._early = {}
         with self.engine.weights_change(version):
-            self._set_specs(self._call("deltasync_load_files", [str(p) for p in paths], True))
+            self._set_specs(self._call(method, *args))
             self._reset_prefix_cache()
         self.version = version
 
@@ -325,7 +327,7 @@ class VllmTarget(Target):
         size = 0
         for name, spec in specs.items():
             chunk.append(name)
-            size += spec.dtype.itemsize * _numel(spec.shape)
+            size += spec.dtype.itemsize * math.prod(spec.shape)
             if size >= self.chunk_bytes:
                 yield from load(self._call("deltasync_export", chunk)).items()
                 chunk, size = [], 0
@@ -337,13 +339,6 @@ class VllmTarget(Target):
         slice), else None. For checks: proves in-place writes reached the model."""
         blob = self._call("deltasync_read_param", name)
         return None if blob is None else load(blob)[name]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 # start_engine and EXTENSION_CLS live in startup; they are named here too, where the
