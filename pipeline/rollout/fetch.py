@@ -92,13 +92,11 @@ def fetch_delta(
     with progress_bar(progress, f"delta v{manifest.version}", total) as advance:
         for entry in manifest.objects:
             held = None if have is None else have(manifest.version, entry.key, entry.sha256)
-            if held is not None and len(held) == entry.size:
-                objects[entry.key] = held
-                advance(entry.size)
-                continue
-            objects[entry.key] = chain.fetch_object(store, manifest, entry)
+            if held is None or len(held) != entry.size:
+                held = chain.fetch_object(store, manifest, entry)
+                faults.point("rollout.mid_fetch")
+            objects[entry.key] = held
             advance(entry.size)
-            faults.point("rollout.mid_fetch")
     return Fetched(manifest, objects, time.perf_counter() - started)
 
 

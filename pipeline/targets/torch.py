@@ -206,9 +206,8 @@ class TorchTarget(Target):
                 self._use(content_hashes.get(algorithm))
             for name in wanted:
                 canonical = self._resolve(name, "hashes()")
-                digest = self._algorithm.full(self._tensors[canonical])
-                self._hash_cache[canonical] = digest
-                out[name] = digest
+                self._hash_cache.pop(canonical, None)  # computed now
+                out[name] = self._cached_hash(canonical)
         return out
 
     def use_content_hash(self, name: str) -> None:
