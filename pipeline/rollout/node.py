@@ -175,6 +175,8 @@ class RolloutNode:
         client for heartbeats and part hints. ``on_applied(manifest)`` runs on the
         node's thread each time the target is known to hold a version (applied, loaded
         or resumed)."""
+        if not isinstance(target, Target | RemoteTarget):
+            raise ConfigError(f"{type(target).__name__} is not a Target subclass or a RemoteTarget")
         options = options or NodeOptions()
         self.options = options
         self.store = store

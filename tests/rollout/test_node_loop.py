@@ -69,6 +69,20 @@ def test_options_are_checked_when_built() -> None:
         NodeOptions(poll_interval_s=-1)
 
 
+def test_a_target_must_be_a_target_subclass_or_remote(tmp_path: Path) -> None:
+    """A weights holder that only looks like a target declares no capabilities: refused
+    when the node is built, not at its first sync."""
+
+    class LooksLike:
+        def specs(self) -> dict[str, object]:
+            return {}
+
+    store = FileStore(tmp_path)
+    with pytest.raises(ConfigError, match="LooksLike is not a Target subclass"):
+        RolloutNode(store, "r", LooksLike(), UNSIGNED)  # type: ignore[arg-type]
+    RolloutNode(store, "r", Remote(), UNSIGNED)  # a remote target needs no base class
+
+
 def test_a_remote_target_is_handed_the_head_then_each_version_in_order(tmp_path: Path) -> None:
     run = Publisher(tmp_path)
     for _ in range(3):
