@@ -58,19 +58,13 @@ def check_objects(manifest: Manifest, objects: Mapping[str, bytes]) -> None:
     """Every object the manifest names is present with the right size and sha256."""
     for entry in manifest.objects:
         data = objects.get(entry.key)
+        where = f"object {entry.key} of {manifest.run} v{manifest.version}"
         if data is None:
-            raise CorruptObjectError(
-                f"object {entry.key} of {manifest.run} v{manifest.version} was not supplied"
-            )
+            raise CorruptObjectError(f"{where} was not supplied")
         if len(data) != entry.size:
-            raise CorruptObjectError(
-                f"object {entry.key} of {manifest.run} v{manifest.version}: "
-                f"{len(data)} bytes, manifest says {entry.size}"
-            )
+            raise CorruptObjectError(f"{where}: {len(data)} bytes, manifest says {entry.size}")
         if sha256_bytes(data) != entry.sha256:
-            raise CorruptObjectError(
-                f"object {entry.key} of {manifest.run} v{manifest.version}: sha256 mismatch"
-            )
+            raise CorruptObjectError(f"{where}: sha256 mismatch")
 
 
 def parse_objects(objects: Mapping[str, bytes], keys: Iterable[str]) -> dict[str, DeltaObject]:
