@@ -71,8 +71,116 @@ JOB_HEARTBEAT_TTL_S = 90
 COMPACT_JOB_TIMEOUT_S = 6 * 3600
 
 
-def _var(env: str, default: str, doc: str) -> dict[str, str]:
-    return {"env": env, "default": default, "doc": doc}
+def _text(env: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{env}: expected text, got {type(value).__name__}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"{env}: contains control characters")
+    return value
+
+
+def _paths(env: str, value: object) -> tuple[Path, ...]:
+    if isinstance(value, tuple | list):
+        return tuple(_path(env, v) for v in value)
+    return tuple(_path(env, part) for part in _text(env, value).split(os.pathsep) if part)
+
+
+def _path(env: str, value: object) -> Path:
+    path = value if isinstance(value, Path) else Path(_text(env, value))
+    return path.expanduser().absolute()
+
+
+# A plain path that begins like a store URL with its "://" mistyped (file//x, s3:/b, hf:x):
+# taken as a folder it would silently become ./file/x. Refused instead.
+STORE_SCHEMES = ("file", "s3", "hf")
+_MISTYPED_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)(:/{0,1}(?!/)|//)")
+
+
+def check_plain_store_path(env: str, text: str) -> None:
+    """ConfigError for a store path (no ``://``) that looks like a mistyped URL."""
+    match = _MISTYPED_URL.match(text)
+    if match is None:
+        return
+    scheme, sep = match.group(1), match.group(2)
+    if sep.startswith(":") or scheme.lower() in STORE_SCHEMES:
+        raise ConfigError(
+            f"{env}: {text[:200]!r} is ambiguous: a URL needs {scheme}://, and a folder of "
+            f"that name needs ./{text[:200]}"
+        )
+
+
+def _store_url(env: str, value: object) -> str:
+    if isinstance(value, Path):
+        return value.expanduser().absolute().as_uri()
+    text = _text(env, value)
+    if "://" not in text:  # a plain path means a local folder
+        check_plain_store_path(env, text)
+        return Path(text).expanduser().absolute().as_uri()
+    return text
+
+
+def _int(env: str, value: object) -> int:
+    return int(_number(env, value, int, "an integer"))
+
+
+def _float(env: str, value: object) -> float:
+    return _number(env, value, float, "a number")
+
+
+def _number(env: str, value: object, kind: type[float], what: str) -> float:
+    """``value`` as ``kind`` (int or float; an int stands for a float, never a bool)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{env}: expected {what}, got {value!r}")
+    if isinstance(value, int) or (kind is float and isinstance(value, float)):
+        return kind(value)
+    try:
+        return kind(_text(env, value).strip())
+    except ValueError:
+        raise ConfigError(f"{env}: expected {what}, got {value!r}") from None
+
+
+def _bool(env: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = _text(env, value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{env}: expected true/false (1/0, yes/no, on/off), got {value!r}")
+
+
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _host(env: str, value: object) -> str:
+    text = _text(env, value).strip()
+    if not _HOST.fullmatch(text):
+        raise ConfigError(f"{env}: expected a host name (letters, digits, '.', '_', '-')")
+    return text
+
+
+def _choice(env: str, value: object) -> str:
+    return _text(env, value).strip().lower()
+
+
+# How a field of each type is read (a field of a narrower kind names its own parser).
+_BY_TYPE: dict[str, Callable[[str, object], Any]] = {
+    "Path": _path,
+    "str": _text,
+    "int": _int,
+    "float": _float,
+    "bool": _bool,
+    "tuple[Path, ...]": _paths,
+}
+
+
+def _var(
+    env: str, default: str, doc: str, parse: Callable[[str, object], Any] | None = None
+) -> dict[str, Any]:
+    """A field's variable, its default as documented, its meaning, and its parser (if
+    not the one of its type)."""
+    return {"env": env, "default": default, "doc": doc, "parse": parse}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +214,7 @@ class Settings:
             "file://<data_dir>/store",
             "Object store URL: file://PATH (or a plain path), s3://bucket/prefix, "
             "hf://buckets/<namespace>/<bucket>/<prefix>.",
+            parse=_store_url,
         ),
     )
     staging_dir: Path = field(
@@ -222,7 +331,9 @@ class Settings:
     )
     log_level: str = field(
         default="info",
-        metadata=_var("DELTASYNC_LOG_LEVEL", "info", "debug, info, warning, error or critical."),
+        metadata=_var(
+            "DELTASYNC_LOG_LEVEL", "info", "debug, info, warning, error or critical.", parse=_choice
+        ),
     )
     log_json: bool | None = field(
         default=None,
@@ -259,6 +370,7 @@ class Settings:
             "(none)",
             "The trainer host a diff worker serves: it also takes the part jobs routed "
             "to that host's queue, first. Unset: the shared diff queue only.",
+            parse=_host,
         ),
     )
     launch: str | None = field(
@@ -270,6 +382,7 @@ class Settings:
             "emitted again after a restart never completes with an earlier start's "
             "folders. Unset: rank 0 draws one and broadcasts it when torch.distributed "
             "is initialised.",
+            parse=_host,
         ),
     )
     part_bytes: int = field(
@@ -327,6 +440,7 @@ class Settings:
             "mixsum-128",
             "Tensor content hash of a new run, fixed by its first anchor: mixsum-128 "
             "(updated from the changed elements alone) or xxh3-128 (rehashed in full).",
+            parse=_choice,
         ),
     )
     scrub_minutes: float = field(
@@ -368,6 +482,7 @@ class Settings:
             "zstd (lossless zstd byte planes: about 30% fewer store bytes and bootstrap "
             "bandwidth for bf16 weights, at some CPU on write and bootstrap). Readers take "
             "both.",
+            parse=_choice,
         ),
     )
     metrics_port: int = field(
@@ -399,65 +514,36 @@ class Settings:
             raise ConfigError(f"DELTASYNC_LEVEL: {RETIRED_LEVELS[self.level]}")
         if self.level not in LEVELS:
             raise ConfigError(f"DELTASYNC_LEVEL: {self.level} is not one of {list(LEVELS)}")
-        if self.part_bytes < 1:
-            raise ConfigError(f"DELTASYNC_PART_BYTES: {self.part_bytes} is not positive")
-        if not (math.isfinite(self.sharded_part_wait_s) and self.sharded_part_wait_s > 0):
-            raise ConfigError(
-                f"DELTASYNC_SHARDED_PART_WAIT_S: must be a positive number, "
-                f"got {self.sharded_part_wait_s}"
-            )
-        if self.anchor_compression not in ANCHOR_COMPRESSIONS:
-            raise ConfigError(
-                f"DELTASYNC_ANCHOR_COMPRESSION: {self.anchor_compression!r} is not one of "
-                f"{', '.join(ANCHOR_COMPRESSIONS)}"
-            )
-        if self.max_chain < 1:
-            raise ConfigError(f"DELTASYNC_COMPACT_MAX_CHAIN: must be >= 1, got {self.max_chain}")
-        if not (math.isfinite(self.compact_retry_s) and self.compact_retry_s > 0):
-            raise ConfigError(
-                f"DELTASYNC_COMPACT_RETRY: must be a positive number of seconds, "
-                f"got {self.compact_retry_s}"
-            )
-        if not (math.isfinite(self.max_delta_fraction) and self.max_delta_fraction > 0):
-            raise ConfigError(
-                f"DELTASYNC_COMPACT_MAX_FRACTION: must be a positive number, "
-                f"got {self.max_delta_fraction}"
-            )
-        if self.keep_anchors < 1:
-            raise ConfigError(f"DELTASYNC_KEEP_ANCHORS: must be >= 1, got {self.keep_anchors}")
-        if self.content_hash not in content_hashes.ALGORITHMS:
-            raise ConfigError(
-                f"DELTASYNC_CONTENT_HASH: {self.content_hash!r} is not one of "
-                f"{', '.join(sorted(content_hashes.ALGORITHMS))}"
-            )
-        if not (math.isfinite(self.scrub_minutes) and self.scrub_minutes >= 0):
-            raise ConfigError(f"DELTASYNC_SCRUB_MINUTES: must be >= 0, got {self.scrub_minutes}")
-        if not 0 < self.scrub_cpu <= 1:
-            raise ConfigError(f"DELTASYNC_SCRUB_CPU: must be in (0, 1], got {self.scrub_cpu}")
-        if self.patch_memory_mb < 0:
-            raise ConfigError(
-                f"DELTASYNC_PATCH_MEMORY_MB: must be >= 0, got {self.patch_memory_mb}"
-            )
-        if not (math.isfinite(self.replica_ttl_s) and self.replica_ttl_s > 0):
-            raise ConfigError(
-                f"DELTASYNC_REPLICA_TTL: must be a positive number of seconds, "
-                f"got {self.replica_ttl_s}"
-            )
-        if not (math.isfinite(self.worker_lease_s) and self.worker_lease_s >= 2):
-            raise ConfigError(
-                f"DELTASYNC_WORKER_LEASE: must be at least 2 seconds, got {self.worker_lease_s}"
-            )
-        if not (math.isfinite(self.redis_timeout_s) and self.redis_timeout_s > 0):
-            raise ConfigError(
-                f"DELTASYNC_REDIS_TIMEOUT: must be a positive number of seconds, "
-                f"got {self.redis_timeout_s}"
-            )
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"DELTASYNC_METRICS_PORT: not a port number: {self.metrics_port}")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(
-                f"DELTASYNC_LOG_LEVEL: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
-            )
+        _require(self.part_bytes >= 1, "DELTASYNC_PART_BYTES", f"{self.part_bytes} is not positive")
+        for env, count in (
+            ("DELTASYNC_COMPACT_MAX_CHAIN", self.max_chain),
+            ("DELTASYNC_KEEP_ANCHORS", self.keep_anchors),
+        ):
+            _require(count >= 1, env, f"must be >= 1, got {count}")
+        for env, number, unit in (
+            ("DELTASYNC_SHARDED_PART_WAIT_S", self.sharded_part_wait_s, ""),
+            ("DELTASYNC_COMPACT_MAX_FRACTION", self.max_delta_fraction, ""),
+            ("DELTASYNC_COMPACT_RETRY", self.compact_retry_s, " of seconds"),
+            ("DELTASYNC_REPLICA_TTL", self.replica_ttl_s, " of seconds"),
+            ("DELTASYNC_REDIS_TIMEOUT", self.redis_timeout_s, " of seconds"),
+        ):
+            ok = math.isfinite(number) and number > 0
+            _require(ok, env, f"must be a positive number{unit}, got {number}")
+        for env, choice, choices in (
+            ("DELTASYNC_ANCHOR_COMPRESSION", self.anchor_compression, ANCHOR_COMPRESSIONS),
+            ("DELTASYNC_CONTENT_HASH", self.content_hash, sorted(content_hashes.ALGORITHMS)),
+            ("DELTASYNC_LOG_LEVEL", self.log_level, LOG_LEVELS),
+        ):
+            _require(choice in choices, env, f"{choice!r} is not one of {', '.join(choices)}")
+        minutes, cpu, memory = self.scrub_minutes, self.scrub_cpu, self.patch_memory_mb
+        ok = math.isfinite(minutes) and minutes >= 0
+        _require(ok, "DELTASYNC_SCRUB_MINUTES", f"must be >= 0, got {minutes}")
+        _require(0 < cpu <= 1, "DELTASYNC_SCRUB_CPU", f"must be in (0, 1], got {cpu}")
+        _require(memory >= 0, "DELTASYNC_PATCH_MEMORY_MB", f"must be >= 0, got {memory}")
+        lease, port = self.worker_lease_s, self.metrics_port
+        ok = math.isfinite(lease) and lease >= 2
+        _require(ok, "DELTASYNC_WORKER_LEASE", f"must be at least 2 seconds, got {lease}")
+        _require(0 <= port <= 65535, "DELTASYNC_METRICS_PORT", f"not a port number: {port}")
         for name, env in (
             ("signing_key_path", "DELTASYNC_SIGNING_KEY"),
             ("verify_key_path", "DELTASYNC_VERIFY_KEY"),
@@ -485,7 +571,8 @@ class Settings:
                 text = environ.get(spec.metadata["env"], "").strip()
                 value = text or None
             if value is not None:
-                raw[name] = _PARSERS[name](spec.metadata["env"], value)
+                parse = spec.metadata["parse"] or _BY_TYPE[str(spec.type).removesuffix(" | None")]
+                raw[name] = parse(spec.metadata["env"], value)
         return cls(**raw)
 
     def signing_key(self) -> bytes | None:
@@ -495,6 +582,11 @@ class Settings:
     def verify_key(self) -> bytes | None:
         """The verification key file's bytes, or None when signatures are not required."""
         return _read_key(self.verify_key_path, "DELTASYNC_VERIFY_KEY")
+
+
+def _require(ok: bool, env: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{env}: {problem}")
 
 
 def _read_key(path: Path | None, env: str) -> bytes | None:
@@ -523,136 +615,6 @@ def _check_redis_url(url: str) -> None:
         raise ConfigError("DELTASYNC_REDIS_URL: unix:// URL without a socket path")
     if scheme != "unix" and not parts.hostname:
         raise ConfigError(f"DELTASYNC_REDIS_URL: {scheme}:// URL without a host")
-
-
-def _text(env: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{env}: expected text, got {type(value).__name__}")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise ConfigError(f"{env}: contains control characters")
-    return value
-
-
-def _paths(env: str, value: object) -> tuple[Path, ...]:
-    if isinstance(value, tuple | list):
-        return tuple(_path(env, v) for v in value)
-    return tuple(_path(env, part) for part in _text(env, value).split(os.pathsep) if part)
-
-
-def _path(env: str, value: object) -> Path:
-    path = value if isinstance(value, Path) else Path(_text(env, value))
-    return path.expanduser().absolute()
-
-
-# A plain path that begins like a store URL with its "://" mistyped (file//x, s3:/b, hf:x):
-# taken as a folder it would silently become ./file/x. Refused instead.
-STORE_SCHEMES = ("file", "s3", "hf")
-_MISTYPED_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)(:/{0,1}(?!/)|//)")
-
-
-def check_plain_store_path(env: str, text: str) -> None:
-    """ConfigError for a store path (no ``://``) that looks like a mistyped URL."""
-    match = _MISTYPED_URL.match(text)
-    if match is None:
-        return
-    scheme, sep = match.group(1), match.group(2)
-    if sep.startswith(":") or scheme.lower() in STORE_SCHEMES:
-        raise ConfigError(
-            f"{env}: {text[:200]!r} is ambiguous: a URL needs {scheme}://, and a folder of "
-            f"that name needs ./{text[:200]}"
-        )
-
-
-def _store_url(env: str, value: object) -> str:
-    if isinstance(value, Path):
-        return value.expanduser().absolute().as_uri()
-    text = _text(env, value)
-    if "://" not in text:  # a plain path means a local folder
-        check_plain_store_path(env, text)
-        return Path(text).expanduser().absolute().as_uri()
-    return text
-
-
-def _int(env: str, value: object) -> int:
-    return int(_number(env, value, int, "an integer"))
-
-
-def _float(env: str, value: object) -> float:
-    return _number(env, value, float, "a number")
-
-
-def _number(env: str, value: object, kind: type[float], what: str) -> float:
-    """``value`` as ``kind`` (int or float; an int stands for a float, never a bool)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{env}: expected {what}, got {value!r}")
-    if isinstance(value, int) or (kind is float and isinstance(value, float)):
-        return kind(value)
-    try:
-        return kind(_text(env, value).strip())
-    except ValueError:
-        raise ConfigError(f"{env}: expected {what}, got {value!r}") from None
-
-
-def _bool(env: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = _text(env, value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{env}: expected true/false (1/0, yes/no, on/off), got {value!r}")
-
-
-_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def _host(env: str, value: object) -> str:
-    text = _text(env, value).strip()
-    if not _HOST.fullmatch(text):
-        raise ConfigError(f"{env}: expected a host name (letters, digits, '.', '_', '-')")
-    return text
-
-
-def _choice(env: str, value: object) -> str:
-    return _text(env, value).strip().lower()
-
-
-_PARSERS: dict[str, Callable[[str, object], Any]] = {
-    "data_dir": _path,
-    "redis_url": _text,
-    "store_url": _store_url,
-    "staging_dir": _path,
-    "cache_dir": _path,
-    "level": _int,
-    "max_chain": _int,
-    "max_delta_fraction": _float,
-    "compact_retry_s": _float,
-    "keep_anchors": _int,
-    "replica_ttl_s": _float,
-    "worker_lease_s": _float,
-    "redis_timeout_s": _float,
-    "signing_key_path": _path,
-    "verify_key_path": _path,
-    "log_level": _choice,
-    "log_json": _bool,
-    "keep_staging": _bool,
-    "checkpoint_roots": _paths,
-    "diff_host": _host,
-    "launch": _host,
-    "cache_link": _bool,
-    "early_start": _bool,
-    "kernel_cache": _text,
-    "warm": _bool,
-    "content_hash": _choice,
-    "scrub_minutes": _float,
-    "scrub_cpu": _float,
-    "patch_memory_mb": _int,
-    "part_bytes": _int,
-    "sharded_part_wait_s": _float,
-    "anchor_compression": _choice,
-    "metrics_port": _int,
-}
 
 
 # --------------------------------------------------------------------------- a rollout node
