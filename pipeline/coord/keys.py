@@ -133,36 +133,8 @@ REFUSED_JOBS = Template(
     f"{PREFIX}:refused-jobs", "stream", "Jobs the workers refused to run (capped): why, what."
 )
 
-TEMPLATES: tuple[Template, ...] = (
-    RUNS,
-    EVENTS,
-    EVENTS_ADDED,
-    REPLICA,
-    REPLICAS,
-    FAILING,
-    FAILING_INDEX,
-    LOCK,
-    STORE_BINDING,
-    PART_HINTS,
-    DEAD_STEPS,
-    FANOUT,
-    PART_RECORDS,
-    PENDING_STEPS,
-    EMITTED,
-    ANNOUNCED,
-    ANNOUNCED_HEAD,
-    ANCHORED,
-    COMPACTION_PENDING,
-    COMPACTION_FAILED,
-    DIFF_WAITING,
-    DIFF_WAITING_LEASE,
-    PART_HOSTS,
-    SHARDS,
-    CACHE_DAMAGE,
-    REFUSED_JOBS,
-    DIFF_QUEUE,
-    DIFF_HOST_QUEUE,
-    COMPACT_QUEUE,
+TEMPLATES: tuple[Template, ...] = tuple(
+    v for v in dict(globals()).values() if isinstance(v, Template)
 )
 
 

@@ -33,7 +33,6 @@ from pipeline.format.manifest import (
     PIECES_SCHEMA,
     SCHEMA_VERSION,
     CodecInfo,
-    Kind,
     Manifest,
     ObjectEntry,
     TensorEntry,
@@ -96,10 +95,11 @@ class PublishOptions:
 DEFAULT_OPTIONS = PublishOptions()
 
 
-def _existing(store: ObjectStore, run: str, kind: Kind, version: int) -> Manifest | None:
-    if not store.exists(manifest_key(run, kind, version)):
+def _existing_anchor(store: ObjectStore, run: str, version: int) -> Manifest | None:
+    if not store.exists(manifest_key(run, "anchor", version)):
         return None
-    return chain.load_manifest(store, run, kind, version)
+    log.info("anchor exists, nothing to do", run=run, version=version)
+    return chain.load_manifest(store, run, "anchor", version)
 
 
 def write_manifest(
@@ -209,34 +209,20 @@ def tensor_entry(
 # ---------------------------------------------------------------- anchors
 
 
-def _anchor_part(
+def _upload_part(
+    uploader: Uploader,
     run: str,
     version: int,
     key: str,
     part: list[tuple[str, torch.Tensor]],
-    want: dict[str, TensorEntry] | None,
-    entries: list[TensorEntry],
-    objects: list[ObjectEntry],
-    uploader: Uploader,
-    timings: PublishTimings,
     compression: str,
-    algorithm: HashAlgorithm,
+    objects: list[ObjectEntry],
+    clock: Clock,
 ) -> None:
-    faults.point("anchor.after_read")
-    clock = Clock()
-    for name, tensor in part:
-        entry = tensor_entry(name, tensor, key, algorithm=algorithm)
-        if want is not None:
-            w = want.get(name)
-            if w is None or (w.dtype, w.shape, w.hash) != (entry.dtype, entry.shape, entry.hash):
-                raise MismatchError(
-                    f"anchor {version} of run {run}: tensor {name!r} does not match the "
-                    "version it replaces"
-                )
-        entries.append(entry)
+    """Encode one part of anchor ``version``, note its object and hand it to ``uploader``."""
     data = encode_anchor(part, compression, metadata={"deltasync.run": run})
     objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
-    timings.encode_s += clock.lap()
+    uploader.timings.encode_s += clock.lap()
     faults.point("anchor.after_encode")
     uploader.submit(version_prefix(run, "anchor", version) + key, data)
 
@@ -273,9 +259,8 @@ def publish_anchor(
         algorithm = content_hashes.of(expected)
     else:
         algorithm = content_hashes.get(options.content_hash or content_hashes.DEFAULT)
-    found = _existing(store, run, "anchor", version)
+    found = _existing_anchor(store, run, version)
     if found is not None:
-        log.info("anchor exists, nothing to do", run=run, version=version)
         return found
     timings = timings or PublishTimings()
     want = {t.name: t for t in expected.tensors} if expected is not None else None
@@ -283,19 +268,22 @@ def publish_anchor(
     entries: list[TensorEntry] = []
     with Uploader(store, "anchor", timings) as uploader:
         for key, part in read_parts(tensors, layout, options.part_bytes, timings):
-            _anchor_part(
-                run,
-                version,
-                key,
-                part,
-                want,
-                entries,
-                objects,
-                uploader,
-                timings,
-                compression,
-                algorithm,
-            )
+            faults.point("anchor.after_read")
+            clock = Clock()
+            for name, tensor in part:
+                entry = tensor_entry(name, tensor, key, algorithm=algorithm)
+                w = want.get(name) if want is not None else entry
+                if w is None or (w.dtype, w.shape, w.hash) != (
+                    entry.dtype,
+                    entry.shape,
+                    entry.hash,
+                ):
+                    raise MismatchError(
+                        f"anchor {version} of run {run}: tensor {name!r} does not match the "
+                        "version it replaces"
+                    )
+                entries.append(entry)
+            _upload_part(uploader, run, version, key, part, compression, objects, clock)
             del part  # else held while the next part is read: two parts resident, not one
         uploader.finish()
     manifest = anchor_manifest(
@@ -334,9 +322,8 @@ def publish_pieced_anchor(
     are in ``options.anchor_compression``. Idempotent."""
     compression = options.anchor_compression
     check_compression(compression)
-    found = _existing(store, run, "anchor", version)
+    found = _existing_anchor(store, run, version)
     if found is not None:
-        log.info("anchor exists, nothing to do", run=run, version=version)
         return found
     algorithm = content_hashes.of(expected)
     timings = timings or PublishTimings()
@@ -367,12 +354,8 @@ def publish_pieced_anchor(
                         f"of tensor {name!r} does not match the version it replaces"
                     )
                 pieces.append(StoredPiece.at(name, entry.dtype, region, entry.shape, key, digest))
-            data = encode_anchor(part, compression, metadata={"deltasync.run": run})
-            objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
-            timings.encode_s += clock.lap()
-            faults.point("anchor.after_encode")
-            uploader.submit(version_prefix(run, "anchor", version) + key, data)
-            del part, data  # one part resident, not two
+            _upload_part(uploader, run, version, key, part, compression, objects, clock)
+            del part  # one part resident, not two
         uploader.finish()
     if [o.key for o in objects] != list(layout):
         raise MismatchError(f"anchor {version} of run {run}: parts missing from what was given")
