@@ -450,12 +450,12 @@ def part_index(key: str, position: int) -> int:
     """The claim index of part ``key`` (at ``position`` of its version's parts): a
     sharded run's ``part-r<rank>-<i>`` is numbered by rank and i, so that every worker
     names its claim alike without knowing the other hosts' parts."""
-    m = _RANK_PART.fullmatch(key)
+    m = RANK_PART.fullmatch(key)
     return position if m is None else int(m.group(1)) * RANK_PARTS + int(m.group(2))
 
 
 RANK_PARTS = 100_000  # part numbers of one rank (the key holds five digits)
-_RANK_PART = re.compile(r"part-r(\d{5})-(\d{5})\.safetensors")
+RANK_PART = re.compile(r"part-r(\d{5})-(\d{5})\.safetensors")
 
 
 def _check_pieces(key: str, held: list[tuple[TensorEntry, Piece]], pairs: Pairs) -> None:

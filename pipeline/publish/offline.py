@@ -40,13 +40,13 @@ from pipeline.format.manifest import (
     ObjectEntry,
     TensorEntry,
     compute_state_hash,
-    dtype_name,
     now_iso,
     to_json,
 )
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.matching import check_tensors
 from pipeline.publish.parts import DEFAULT_PART_BYTES, plan_parts
+from pipeline.publish.version import tensor_entry
 
 log = structlog.get_logger(__name__)
 
@@ -113,15 +113,7 @@ def create_delta(
                 data = encode_delta(pairs, level)
                 changed = {i.name: i.changed for i in read_delta(data, object_name=key).tensors}
                 entries.extend(
-                    TensorEntry(
-                        name=n,
-                        dtype=dtype_name(t.dtype),
-                        shape=tuple(t.shape),
-                        hash=content_hash(t),
-                        object=key,
-                        changed=changed[n],
-                    )
-                    for n, _, t in pairs
+                    tensor_entry(n, t, key, changed[n], digest=content_hash(t)) for n, _, t in pairs
                 )
                 (tmp / key).write_bytes(data)
                 objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))

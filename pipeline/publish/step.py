@@ -93,10 +93,9 @@ def already_done(
     if head is None or step > head:
         return None
     existing = None
-    if step in index.deltas:
-        existing = chain.load_manifest(store, run, "delta", step)
-    elif step in index.anchors:
-        existing = chain.load_manifest(store, run, "anchor", step)
+    if step in index.versions:
+        kind: Kind = "delta" if step in index.deltas else "anchor"
+        existing = chain.load_manifest(store, run, kind, step)
     reason = "already published" if existing else f"stale: head is {head}"
     log.info("step skipped", run=run, step=step, reason=reason)
     return PublishResult(run, step, "skipped", None, existing, head, reason)

@@ -196,13 +196,9 @@ class CacheScrub:
 
     def _load(self, version: int) -> Manifest | None:
         index = chain.list_versions(self.store, self.cache.run)
-        kind: Kind
-        if version in index.deltas:
-            kind = "delta"
-        elif version in index.anchors:
-            kind = "anchor"
-        else:  # collected from the store: the next diff rebuilds the cache anyway
+        if version not in index.versions:  # collected: the next diff rebuilds the cache anyway
             return None
+        kind: Kind = "delta" if version in index.deltas else "anchor"
         return chain.load_manifest(self.store, self.cache.run, kind, version)
 
     def _forget(self) -> None:

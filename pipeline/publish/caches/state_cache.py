@@ -226,11 +226,11 @@ class StateCache:
     def is_valid_for(self, manifest: Manifest) -> bool:
         """Does the cache hold exactly ``manifest``'s state (by version and state hash)?"""
         state = self._state()
-        if state is None or state["version"] != manifest.version:
-            return False
-        if state["state_hash"] != manifest.state_hash:
-            return False
-        if not self._links_unchanged(state):
+        if (
+            state is None
+            or (state["version"], state["state_hash"]) != (manifest.version, manifest.state_hash)
+            or not self._links_unchanged(state)
+        ):
             return False
         try:
             with self.reader() as reader:
@@ -306,9 +306,7 @@ class StateCache:
         }
         if linked:
             doc["linked"] = linked
-        tmp = self.root / f".{self.STATE}.tmp"
-        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
-        os.replace(tmp, self.root / self.STATE)
+        self._write_state(doc)
         # Out of the way at once (a rename), deleted later; a dead process's leftovers
         # in the trash are taken along by the next switch.
         trash = self.root.parent / ".trash"
@@ -325,9 +323,19 @@ class StateCache:
         if doomed:
             _remove_in_background(doomed)
 
-    def _folder_for(self, version: int) -> Path:
+    def _write_state(self, doc: dict[str, Any]) -> None:
+        tmp = self.root / f".{self.STATE}.tmp"
+        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+        os.replace(tmp, self.root / self.STATE)
+
+    def _folder_for(self, version: int, clear: bool = False) -> Path:
+        """The folder of ``version``; ``clear``: without what a crashed rewrite left there
+        (until the switch the state file still names the parent's untouched folder)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        return self.root / f"v{version:010d}"
+        folder = self.root / f"v{version:010d}"
+        if clear and folder.exists():
+            shutil.rmtree(folder)
+        return folder
 
     @_exclusive
     def rebuild(self, store: ObjectStore, run: str, version: int) -> Manifest:
@@ -368,10 +376,7 @@ class StateCache:
         ``proven``: it was just published as a delta from a proven base."""
         if not checkpoint.exists():
             return False
-        folder = self._folder_for(manifest.version)
-        # Until the switch, the state file still names the parent's untouched folder.
-        if folder.exists():  # left by a crashed rewrite
-            shutil.rmtree(folder)
+        folder = self._folder_for(manifest.version, clear=True)
         try:
             if checkpoint.is_dir():
                 os.rename(checkpoint, folder)
@@ -398,9 +403,7 @@ class StateCache:
             files = {reader.location(n)[0] for n in reader.names()}
         if (checkpoint / INDEX_NAME).is_file():
             files.add(checkpoint / INDEX_NAME)
-        folder = self._folder_for(manifest.version)
-        if folder.exists():  # left by a crashed rewrite
-            shutil.rmtree(folder)
+        folder = self._folder_for(manifest.version, clear=True)
         linked: dict[str, list[int]] = {}
         try:
             folder.mkdir()
@@ -451,9 +454,7 @@ class StateCache:
                 os.close(fd)
         renamed = self._folder_for(manifest.version)
         if renamed != folder:
-            if renamed.exists():  # left by a crashed rewrite
-                shutil.rmtree(renamed)
-            os.replace(folder, renamed)
+            os.replace(folder, self._folder_for(manifest.version, clear=True))
         self._switch(renamed, manifest)
 
     def _rewrite(self, new: CheckpointReader, manifest: Manifest) -> None:
@@ -503,10 +504,7 @@ class StateCache:
         if state is None or state.get("switched") != switched:
             return False
         if state.get("proven") is not True:
-            state["proven"] = True
-            tmp = self.root / f".{self.STATE}.tmp"
-            tmp.write_text(json.dumps(state, sort_keys=True) + "\n")
-            os.replace(tmp, self.root / self.STATE)
+            self._write_state({**state, "proven": True})
         return True
 
     @_exclusive

@@ -66,6 +66,7 @@ from pipeline.format.manifest import (
 from pipeline.format.pieces import StoredPiece, join_pieces
 from pipeline.publish.caches.rank_cache import RankCache
 from pipeline.publish.diff import (
+    RANK_PART,
     DeltaTask,
     PartRecord,
     StaleBaseError,
@@ -113,15 +114,13 @@ def read_pieces(folder: Path) -> list[RankPiece]:
 
 # ------------------------------------------------------------------ the partition
 
-_RANK_PART = re.compile(r"part-r(\d{5})-(\d{5})\.safetensors")
-
 
 def rank_part_key(rank: int, index: int) -> str:
     return f"part-r{rank:05d}-{index:05d}.safetensors"
 
 
 def rank_of(key: str) -> int:
-    m = _RANK_PART.fullmatch(key)
+    m = RANK_PART.fullmatch(key)
     if m is None:
         raise MismatchError(f"part {key!r} is not a rank's part")
     return int(m.group(1))
@@ -233,7 +232,7 @@ class _HostLedger(RedisLedger):
         self.caches = caches
 
     def claim(self, index: int, key: str) -> contextlib.ExitStack | None:
-        m = _RANK_PART.fullmatch(key)
+        m = RANK_PART.fullmatch(key)
         if m is None or int(m.group(1)) not in self.caches:
             return None
         return super().claim(index, key)
@@ -467,33 +466,31 @@ def publish_sharded(
             step,
             "anchor",
             level,
-            True,
-            "anchor",
-            options.anchor_compression,
-            launch,
-            part_bytes,
+            sharded=True,
+            publishes="anchor",
+            anchor_compression=options.anchor_compression,
+            launch=launch,
+            part_bytes=part_bytes,
         )
-        start_fanout(client, fanout)
-        ledger = RedisLedger(client, fanout, owner=True)
-        call_in(fanout, [(f"rank-{r:05d}", f.host) for r, f in sorted(ranks.items())])
-        try:
-            records = _await_parts(client, fanout, ledger, ranks, None, again, work_here, wait_s)
-            manifest = _assemble_anchor(store, fanout, ranks, records, signing_key)
-        finally:
-            ledger.close()
+        planned = None
+        calls = [(f"rank-{r:05d}", f.host) for r, f in sorted(ranks.items())]
     else:
         parent = chain.load_manifest(
             store, run, "anchor" if head in index.anchors else "delta", head
         )
         check_layouts(parent, ranks, step)
-        keys = [key for key, _ in parent.parts()]
-        route_parts(client, run, step, {key: ranks[rank_of(key)].host for key in keys})
+        planned = [key for key, _ in parent.parts()]
+        route_parts(client, run, step, {key: ranks[rank_of(key)].host for key in planned})
         fanout = DeltaTask(run, step, checkpoint, head, parent.kind, level, True, launch=launch)
-        start_fanout(client, fanout)
-        ledger = RedisLedger(client, fanout, owner=True)
-        call_in(fanout, [(key, ranks[rank_of(key)].host) for key in keys])
-        try:
-            records = _await_parts(client, fanout, ledger, ranks, keys, again, work_here, wait_s)
+        calls = [(key, ranks[rank_of(key)].host) for key in planned]
+    start_fanout(client, fanout)
+    ledger = RedisLedger(client, fanout, owner=True)
+    call_in(fanout, calls)
+    try:
+        records = _await_parts(client, fanout, ledger, ranks, planned, again, work_here, wait_s)
+        if head is None:
+            manifest = _assemble_anchor(store, fanout, ranks, records, signing_key)
+        else:
             manifest = assemble_delta(
                 store,
                 fanout,
@@ -502,8 +499,8 @@ def publish_sharded(
                 signing_key=signing_key,
                 tensor_form=parent.tensor_form,
             )
-        finally:
-            ledger.close()
+    finally:
+        ledger.close()
     published_s = round(time.perf_counter() - started, 4)
     if on_published is not None:
         on_published(manifest)
