@@ -325,11 +325,8 @@ def run_lock(
     if not lock.acquire(timeout_s if wait_s is None else wait_s):
         raise LockError(f"lock {lock.key} is held by another process")
     try:
-        if renew_every_s is None:
+        with contextlib.nullcontext() if renew_every_s is None else _Renewer(lock, renew_every_s):
             yield lock
-        else:
-            with _Renewer(lock, renew_every_s):
-                yield lock
     finally:
         try:
             released = lock.release()

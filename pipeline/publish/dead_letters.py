@@ -88,14 +88,11 @@ def record(
         if client.hexists(dead_steps_key(run), str(step)):  # a retry of the same step
             client.hdel(pending_key, str(step))
             return reason
-    with (
-        redis_errors(client, f"recording dead step {step} of {run}"),
-        client.pipeline(transaction=True) as pipe,
-    ):
-        EventStream(client, run).publish(event, pipeline=pipe)
-        pipe.hset(dead_steps_key(run), str(step), json.dumps(doc))
-        pipe.hdel(pending_key, str(step))
-        pipe.execute()
+        with client.pipeline(transaction=True) as pipe:
+            EventStream(client, run).publish(event, pipeline=pipe)
+            pipe.hset(dead_steps_key(run), str(step), json.dumps(doc))
+            pipe.hdel(pending_key, str(step))
+            pipe.execute()
     return reason
 
 

@@ -158,8 +158,6 @@ class _Objects:
     def __init__(self, folder: Path, manifest: Manifest) -> None:
         self.folder = folder
         self.manifest = manifest
-        self._key: str | None = None
-        self._obj: DeltaObject | None = None
         self._all: dict[str, DeltaObject] = {}
 
     def raw(self, entry: ObjectEntry) -> bytes:
@@ -173,20 +171,14 @@ class _Objects:
         return data
 
     def get(self, key: str) -> DeltaObject:
-        if self.manifest.is_pieced:
-            # A sharded run's tensors span every rank's objects: all held (a delta's
-            # objects are ~2% of the model), each read and checked once.
-            if key not in self._all:
-                data = self.raw(self.manifest.object_entry(key))
-                self._all[key] = read_delta(data, object_name=str(self.folder / key))
-            return self._all[key]
-        if key != self._key:
-            self._obj = None  # drop the previous object before loading the next
+        # A sharded run's tensors span every rank's objects: all held (a delta's objects
+        # are ~2% of the model), each read and checked once. Else one at a time.
+        if key not in self._all:
+            if not self.manifest.is_pieced:
+                self._all.clear()  # drop the previous object before loading the next
             data = self.raw(self.manifest.object_entry(key))
-            self._obj = read_delta(data, object_name=str(self.folder / key))
-            self._key = key
-        assert self._obj is not None
-        return self._obj
+            self._all[key] = read_delta(data, object_name=str(self.folder / key))
+        return self._all[key]
 
 
 def _base_hashes(manifest: Manifest) -> dict[str, str] | None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pipeline.errors import ConfigError, CorruptObjectError
+from pipeline.errors import ConfigError, CorruptObjectError, StoreError
 
 _KEY_PART = re.compile(r"^[A-Za-z0-9._=+-][A-Za-z0-9._=+-]*$")
 
@@ -106,6 +106,18 @@ class BucketKeys:
     buckets): each key joined to the prefix, and listings turned back into keys."""
 
     prefix: str
+    _failures: tuple[type[Exception], ...] = (Exception,)  # what the backend's calls raise
+
+    def _error(self, action: str, key: str, error: Exception) -> StoreError:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _failing(self, action: str, key: str) -> Iterator[None]:
+        """The backend's errors in the block as one StoreError line (see ``_error``)."""
+        try:
+            yield
+        except self._failures as error:
+            raise self._error(action, key, error) from error
 
     def _key(self, key: str) -> str:
         return join_key(self.prefix, key)
@@ -158,8 +170,9 @@ def put_if_absent(store: ObjectStore, key: str, data: bytes) -> bool:
     """Write ``key`` unless it exists; True when this call created it.
 
     Uses the backend's atomic create (``put_new``: file and S3) when it has one,
-    so that of several concurrent writers exactly one wins; otherwise falls
-    back to check-then-write, which is not race-free.
+    so that of several concurrent writers exactly one wins; otherwise (an HF bucket,
+    whose API has no conditional write) falls back to check-then-write, which is not
+    race-free.
     """
     put_new = getattr(store, "put_new", None)
     if put_new is not None:

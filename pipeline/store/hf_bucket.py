@@ -104,27 +104,15 @@ class HfBucketStore(BucketKeys):
 
     def put(self, key: str, data: bytes) -> None:
         name = self._key(key)
-        try:
+        with self._failing("write", key):
             self.api.batch_bucket_files(self.bucket_id, add=[(bytes(data), name)])
-        except Exception as error:
-            raise self._error("write", key, error) from error
-
-    def put_new(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if absent. The bucket API has no conditional write, so
-        this checks then writes: two concurrent creators can both succeed."""
-        if self.exists(key):
-            return False
-        self.put(key, data)
-        return True
 
     def put_file(self, key: str, path: Path) -> None:
         name = self._key(key)
         if not Path(path).is_file():
             raise StoreError(f"cannot read local file {str(path)!r}: not a file")
-        try:
+        with self._failing("write", key):
             self.api.batch_bucket_files(self.bucket_id, add=[(str(path), name)])
-        except Exception as error:
-            raise self._error("write", key, error) from error
 
     def delete(self, key: str) -> None:
         name = self._key(key)
@@ -138,22 +126,18 @@ class HfBucketStore(BucketKeys):
 
     def ensure_bucket(self, private: bool = True) -> None:
         """Create the bucket if it does not exist (first-time setup and tests)."""
-        try:
+        with self._failing("create bucket", self.bucket_id):
             self.api.create_bucket(self.bucket_id, private=private, exist_ok=True)
-        except Exception as error:
-            raise self._error("create bucket", self.bucket_id, error) from error
         log.info("hf bucket ready", bucket=self.bucket_id, endpoint=self.endpoint)
 
     # -- reads -----------------------------------------------------------------------
 
     def _info(self, key: str) -> BucketFile | None:
         name = self._key(key)
-        try:
+        with self._failing("stat", key):
             for info in self.api.get_bucket_paths_info(self.bucket_id, [name]):
                 if info.path == name:
                     return info
-        except Exception as error:
-            raise self._error("stat", key, error) from error
         return None
 
     def _require(self, key: str) -> BucketFile:
@@ -185,23 +169,18 @@ class HfBucketStore(BucketKeys):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)
         info = self._require(key)
-        end = min(start + length, int(info.size))
-        if start >= end:
-            return b""
-        return self._read(key, info, start, end)
+        return self._read(key, info, start, min(start + length, int(info.size)))
 
     def _read(self, key: str, info: BucketFile, start: int, end: int) -> bytes:
         if end <= start:
             return b""
-        try:
+        with self._failing("read", key):
             group = self._session().new_download_stream_group(
                 token_refresh_url=self._xet_refresh_url("read"),
                 token_refresh_headers=self._headers(),
             )
             file_info = hf_xet.XetFileInfo(info.xet_hash, int(info.size))
             data = b"".join(group.download_stream(file_info, start=start, end=end))
-        except Exception as error:
-            raise self._error("read", key, error) from error
         if len(data) != end - start:
             raise StoreError(
                 f"short read of {key!r} in {self.url}: {len(data)} of {end - start} bytes"
@@ -228,13 +207,11 @@ class HfBucketStore(BucketKeys):
 
     def list(self, prefix: str) -> Iterator[str]:
         search = self._search(prefix)
-        try:
+        with self._failing("list", prefix or "/"):
             entries = self.api.list_bucket_tree(
                 self.bucket_id, prefix=search or None, recursive=True
             )
             names = [entry.path for entry in entries if entry.type == "file"]
-        except Exception as error:
-            raise self._error("list", prefix or "/", error) from error
         return self._relative(names, search)
 
     # -- Xet plumbing ------------------------------------------------------------------

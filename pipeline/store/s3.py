@@ -76,6 +76,8 @@ def _new_session() -> boto3.session.Session:
 class S3Store(BucketKeys):
     """Objects under ``prefix`` in one S3 bucket."""
 
+    _failures = _BOTO_ERRORS
+
     def __init__(
         self,
         bucket: str,
@@ -175,21 +177,16 @@ class S3Store(BucketKeys):
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
         return StoreError(f"cannot {action} {key!r} in {where}: {text}")
 
-    def _botocore_errors(self) -> tuple[type[Exception], ...]:
-        return _BOTO_ERRORS
-
     def put(self, key: str, data: bytes) -> None:
         name = self._key(key)
         body = bytes(data)
-        try:
+        with self._failing("write", key):
             if len(body) > self._transfer.multipart_threshold:
                 self._client.upload_fileobj(
                     io.BytesIO(body), self.bucket, name, Config=self._transfer
                 )
             else:
                 self._client.put_object(Bucket=self.bucket, Key=name, Body=body)
-        except self._botocore_errors() as error:
-            raise self._error("write", key, error) from error
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist (a conditional PUT, atomic on the
@@ -203,7 +200,7 @@ class S3Store(BucketKeys):
             if status == 412 or code == "PreconditionFailed":
                 return False
             raise self._error("write", key, error) from error
-        except self._botocore_errors() as error:
+        except _BOTO_ERRORS as error:
             raise self._error("write", key, error) from error
         return True
 
@@ -211,18 +208,14 @@ class S3Store(BucketKeys):
         name = self._key(key)
         if not Path(path).is_file():
             raise StoreError(f"cannot read local file {str(path)!r}: not a file")
-        try:
+        with self._failing("write", key):
             self._client.upload_file(str(path), self.bucket, name, Config=self._transfer)
-        except self._botocore_errors() as error:
-            raise self._error("write", key, error) from error
 
     def get(self, key: str) -> bytes:
         name = self._key(key)
-        try:
+        with self._failing("read", key):
             response = self._client.get_object(Bucket=self.bucket, Key=name)
             return response["Body"].read()
-        except self._botocore_errors() as error:
-            raise self._error("read", key, error) from error
 
     def get_bounded(self, key: str, limit: int) -> bytes:
         """At most ``limit + 1`` bytes of the object (one ranged GET)."""
@@ -232,7 +225,7 @@ class S3Store(BucketKeys):
                 Bucket=self.bucket, Key=name, Range=f"bytes=0-{limit}"
             )
             return response["Body"].read(limit + 1)
-        except self._botocore_errors() as error:
+        except _BOTO_ERRORS as error:
             if _is_invalid_range(error):
                 return b""  # an existing, empty object
             raise self._error("read", key, error) from error
@@ -248,18 +241,15 @@ class S3Store(BucketKeys):
                 Bucket=self.bucket, Key=name, Range=f"bytes={start}-{start + length - 1}"
             )
             return response["Body"].read()
-        except self._botocore_errors() as error:
+        except _BOTO_ERRORS as error:
             if _is_invalid_range(error):
                 return b""  # the range starts past the end of an existing object
             raise self._error("read", key, error) from error
 
     def get_file(self, key: str, path: Path) -> None:
         name = self._key(key)
-        try:
-            with download_to(Path(path)) as temp:
-                self._client.download_file(self.bucket, name, str(temp), Config=self._transfer)
-        except self._botocore_errors() as error:
-            raise self._error("read", key, error) from error
+        with self._failing("read", key), download_to(Path(path)) as temp:
+            self._client.download_file(self.bucket, name, str(temp), Config=self._transfer)
 
     def exists(self, key: str) -> bool:
         try:
@@ -270,30 +260,26 @@ class S3Store(BucketKeys):
 
     def size(self, key: str) -> int:
         name = self._key(key)
-        try:
+        with self._failing("stat", key):
             response = self._client.head_object(Bucket=self.bucket, Key=name)
-        except self._botocore_errors() as error:
-            raise self._error("stat", key, error) from error
         return int(response["ContentLength"])
 
     def list(self, prefix: str) -> Iterator[str]:
         search = self._search(prefix)
         names: list[str] = []
-        try:
+        with self._failing("list", prefix or "/"):
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=search
             )
             for page in pages:
                 names.extend(item["Key"] for item in page.get("Contents", []))
-        except self._botocore_errors() as error:
-            raise self._error("list", prefix or "/", error) from error
         return self._relative(names, search)
 
     def delete(self, key: str) -> None:
         name = self._key(key)
         try:
             self._client.delete_object(Bucket=self.bucket, Key=name)
-        except self._botocore_errors() as error:
+        except _BOTO_ERRORS as error:
             converted = self._error("delete", key, error)
             if not isinstance(converted, ObjectNotFoundError):
                 raise converted from error
@@ -303,14 +289,12 @@ class S3Store(BucketKeys):
         try:
             self._client.head_bucket(Bucket=self.bucket)
             return
-        except self._botocore_errors() as error:
+        except _BOTO_ERRORS as error:
             converted = self._error("find bucket", self.bucket, error)
             if not isinstance(converted, ObjectNotFoundError):
                 raise converted from error
-        try:
+        with self._failing("create bucket", self.bucket):
             self._client.create_bucket(Bucket=self.bucket)
-        except self._botocore_errors() as error:
-            raise self._error("create bucket", self.bucket, error) from error
         log.info("s3 bucket created", bucket=self.bucket, endpoint=self._where)
 
 

@@ -14,7 +14,6 @@ the background under the same locks as a state cache's.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import uuid
@@ -28,7 +27,7 @@ from pipeline.errors import ChainError, CorruptObjectError, MismatchError
 from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import Manifest, check_run, dtype_name
-from pipeline.publish.caches.state_cache import flock, read_state_file
+from pipeline.publish.caches.state_cache import CacheFolder, flock, read_state_file
 from pipeline.store.base import ObjectStore
 from pipeline.versions import chain
 
@@ -37,11 +36,8 @@ log = structlog.get_logger(__name__)
 WEIGHTS = "model.safetensors"
 
 
-class RankCache:
+class RankCache(CacheFolder):
     """Rank ``rank``'s pieces of run ``run`` at its last published version, on this host."""
-
-    STATE = "state.json"
-    LOCK = ".lock"  # exclusive while the cache is written, shared while a scrub hashes
 
     def __init__(self, cache_dir: str | os.PathLike[str], run: str, rank: int) -> None:
         self.run, self.rank = run, rank
@@ -57,11 +53,6 @@ class RankCache:
     def _state(self) -> dict[str, Any] | None:
         doc = read_state_file(self.root / self.STATE, self.run)
         return None if doc is None or doc.get("rank") != self.rank else doc
-
-    @property
-    def version(self) -> int | None:
-        state = self._state()
-        return None if state is None else int(state["version"])
 
     def reader(self) -> CheckpointReader:
         state = self._state()
@@ -120,9 +111,7 @@ class RankCache:
         mine = self.uploaded(manifest.version)
         if not keys or any(mine.get(k) != manifest.object_entry(k).sha256 for k in keys):
             return False
-        target = self._folder_for(manifest.version)
-        if target.exists():
-            shutil.rmtree(target)
+        target = self._folder_for(manifest.version, clear=True)
         try:
             os.rename(folder, target)
         except OSError as e:
@@ -159,10 +148,6 @@ class RankCache:
         self._switch(target, manifest, proven=True)
         log.info("rank cache rebuilt", run=self.run, rank=self.rank, version=manifest.version)
 
-    def _folder_for(self, version: int) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return self.root / f"v{version:010d}"
-
     def _switch(self, folder: Path, manifest: Manifest, proven: bool) -> None:
         doc = {
             "run": self.run,
@@ -173,9 +158,7 @@ class RankCache:
             "proven": proven,
             "switched": uuid.uuid4().hex,  # tells each switch apart, even to the same version
         }
-        tmp = self.root / f".{self.STATE}.tmp"
-        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
-        os.replace(tmp, self.root / self.STATE)
+        self._write_state(doc)
         for other in self.root.iterdir():
             if other.is_dir() and other.name.startswith("v") and other != folder:
                 shutil.rmtree(other, ignore_errors=True)
@@ -192,32 +175,12 @@ class RankCache:
         prefix = f"part-r{self.rank:05d}-"
         return [key for key, _ in manifest.layout() if key.startswith(prefix)]
 
-    def current(self) -> dict[str, Any] | None:
-        """The state file's record, or None when the cache holds no version."""
-        return self._state()
-
-    def scrub_lock(self) -> contextlib.AbstractContextManager[None]:
-        """The shared lock a scrub holds while it hashes one piece (every write holds it
-        exclusively); CacheBusyError at once while the cache is being written."""
-        return flock(self.root / self.LOCK, exclusive=False, wait=False)
-
     def mark_proven(self, switched: str) -> bool:
         """Every piece of the state switched to as ``switched`` matched a scrub pass
         (rank caches are proven when switched to; kept for the scrub's one protocol)."""
         with flock(self.root / self.LOCK, exclusive=True):
             state = self._state()
             return state is not None and state.get("switched") == switched
-
-    def mark_damaged(self, switched: str) -> bool:
-        """Forget the state switched to as ``switched`` (a piece failed its scrub): the
-        next step rebuilds the cache from the store. False, with nothing changed, when
-        the cache has switched since."""
-        with flock(self.root / self.LOCK, exclusive=True):
-            state = self._state()
-            if state is None or state.get("switched") != switched:
-                return False
-            (self.root / self.STATE).unlink(missing_ok=True)
-            return True
 
 
 def _holds_pieces(reader: CheckpointReader, manifest: Manifest, keys: Collection[str]) -> bool:

@@ -101,6 +101,60 @@ def _take(fd: int, path: Path, exclusive: bool, wait_s: float) -> None:
         delay = min(delay * 2, 0.05)  # a scrub's tensor is short: no long sleeps past it
 
 
+class CacheFolder:
+    """What a state cache and a rank cache share: under ``root``, one folder per version
+    and the state file naming the one held, written under the exclusive lock."""
+
+    STATE = "state.json"
+    LOCK = ".lock"  # exclusive while the cache is written, shared while a scrub hashes
+    root: Path
+
+    def _state(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    @property
+    def version(self) -> int | None:
+        state = self._state()
+        return None if state is None else int(state["version"])
+
+    def _write_state(self, doc: dict[str, Any]) -> None:
+        tmp = self.root / f".{self.STATE}.tmp"
+        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
+        os.replace(tmp, self.root / self.STATE)
+
+    def _folder_for(self, version: int, clear: bool = False) -> Path:
+        """The folder of ``version``; ``clear``: without what a crashed rewrite left there
+        (until the switch the state file still names the parent's untouched folder)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        folder = self.root / f"v{version:010d}"
+        if clear and folder.exists():
+            shutil.rmtree(folder)
+        return folder
+
+    # -- scrubbing (pipeline/publish/caches/cache_scrub.py) ---------------------------------
+
+    def current(self) -> dict[str, Any] | None:
+        """The state file's record (version, state hash, folder, proven, switched), or
+        None when the cache holds no version."""
+        return self._state()
+
+    def scrub_lock(self) -> contextlib.AbstractContextManager[None]:
+        """The shared lock a scrub holds while it hashes one tensor (every write holds
+        it exclusively); CacheBusyError at once while the cache is being written."""
+        return flock(self.root / self.LOCK, exclusive=False, wait=False)
+
+    def mark_damaged(self, switched: str) -> bool:
+        """Forget the state switched to as ``switched`` (a tensor failed its scrub): the
+        next step rebuilds the cache from the store. False, with nothing changed, when
+        the cache has switched since (what was hashed is not what it holds now)."""
+        with flock(self.root / self.LOCK, exclusive=True):
+            state = self._state()
+            if state is None or state.get("switched") != switched:
+                return False
+            (self.root / self.STATE).unlink(missing_ok=True)
+            return True
+
+
 def _exclusive(method: _F) -> _F:
     """Run a method that writes the cache under its exclusive lock: a scrub hashes a
     tensor only under the shared lock, so it never sees a version half written."""
@@ -184,7 +238,7 @@ def copy_range(
         size, source_offset, offset = size - done, source_offset + done, offset + done
 
 
-class StateCache:
+class StateCache(CacheFolder):
     """The diff worker's local copy of a run's last published version.
 
     ``<cache_dir>/<run>/state.json`` names the version, its state hash and the folder
@@ -193,9 +247,7 @@ class StateCache:
     state valid.
     """
 
-    STATE = "state.json"
     LINKS_OFF = "links-off"  # written when a linked checkpoint was rewritten in place
-    LOCK = ".lock"  # exclusive while the cache is written, shared while a scrub hashes
 
     def __init__(self, cache_dir: str | os.PathLike[str], run: str) -> None:
         self.run = run
@@ -206,11 +258,6 @@ class StateCache:
         if doc is None or not isinstance(doc.get("linked", {}), dict):
             return None
         return doc
-
-    @property
-    def version(self) -> int | None:
-        state = self._state()
-        return None if state is None else int(state["version"])
 
     @property
     def folder(self) -> Path | None:
@@ -322,20 +369,6 @@ class StateCache:
                     shutil.rmtree(other, ignore_errors=True)
         if doomed:
             _remove_in_background(doomed)
-
-    def _write_state(self, doc: dict[str, Any]) -> None:
-        tmp = self.root / f".{self.STATE}.tmp"
-        tmp.write_text(json.dumps(doc, sort_keys=True) + "\n")
-        os.replace(tmp, self.root / self.STATE)
-
-    def _folder_for(self, version: int, clear: bool = False) -> Path:
-        """The folder of ``version``; ``clear``: without what a crashed rewrite left there
-        (until the switch the state file still names the parent's untouched folder)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        folder = self.root / f"v{version:010d}"
-        if clear and folder.exists():
-            shutil.rmtree(folder)
-        return folder
 
     @_exclusive
     def rebuild(self, store: ObjectStore, run: str, version: int) -> Manifest:
@@ -479,16 +512,6 @@ class StateCache:
 
     # -- scrubbing (pipeline/publish/caches/cache_scrub.py) ---------------------------------
 
-    def current(self) -> dict[str, Any] | None:
-        """The state file's record (version, state hash, folder, proven, switched), or
-        None when the cache holds no version."""
-        return self._state()
-
-    def scrub_lock(self) -> contextlib.AbstractContextManager[None]:
-        """The shared lock a scrub holds while it hashes one tensor (every write holds
-        it exclusively); CacheBusyError at once while the cache is being written."""
-        return flock(self.root / self.LOCK, exclusive=False, wait=False)
-
     def still_holds_state(self) -> bool:
         """Asked by a diff before its manifest: the state file still names a version (a
         scrub that found a tensor damaged removed it) and no linked file changed."""
@@ -505,15 +528,4 @@ class StateCache:
             return False
         if state.get("proven") is not True:
             self._write_state({**state, "proven": True})
-        return True
-
-    @_exclusive
-    def mark_damaged(self, switched: str) -> bool:
-        """Forget the state switched to as ``switched`` (a tensor failed its scrub): the
-        next diff rebuilds the cache from the store. False, with nothing changed, when
-        the cache has switched since (what was hashed is not what it holds now)."""
-        state = self._state()
-        if state is None or state.get("switched") != switched:
-            return False
-        (self.root / self.STATE).unlink(missing_ok=True)
         return True
