@@ -29,7 +29,6 @@ __all__ = [
     "configure_logging",
     "get_logger",
     "quiet",
-    "unbind_context",
 ]
 
 get_logger = structlog.get_logger
@@ -130,10 +129,6 @@ def _is_tty(stream: TextIO) -> bool:
 def bind_context(**values: Any) -> None:
     """Attach key-values (run, version, job_id ...) to every later log line in this context."""
     structlog.contextvars.bind_contextvars(**values)
-
-
-def unbind_context(*keys: str) -> None:
-    structlog.contextvars.unbind_contextvars(*keys)
 
 
 def clear_context() -> None:

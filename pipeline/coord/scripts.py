@@ -93,12 +93,3 @@ end
 if n == tonumber(ARGV[4]) then return 1 end
 return 0
 """)
-
-SCRIPTS: tuple[Script, ...] = (
-    REPORT_REPLICA,
-    REPORT_FAILURE,
-    RELEASE_LOCK,
-    EXTEND_LOCK,
-    REGISTER_RANK,
-    TAKE_OVER_LOCK,
-)

@@ -14,7 +14,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,19 +70,8 @@ class PublishResult:
         )
 
     def summary(self) -> dict[str, Any]:
-        """JSON-friendly summary (the rq job result)."""
-        return {
-            "run": self.run,
-            "version": self.version,
-            "status": self.status,
-            "kind": self.kind,
-            "head": self.head,
-            "reason": self.reason,
-            "bytes": self.bytes,
-            "changed": self.changed,
-            "total": self.total,
-            "timings": self.timings,
-        }
+        """JSON-friendly summary (the rq job result): every field but the manifest."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "manifest"}
 
 
 def already_done(

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import structlog
 
@@ -31,13 +31,7 @@ class PublishTimings:
     cache_s: float = 0.0  # bringing the state cache to the new version
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "read_s": round(self.read_s, 4),
-            "verify_s": round(self.verify_s, 4),
-            "encode_s": round(self.encode_s, 4),
-            "upload_s": round(self.upload_s, 4),
-            "cache_s": round(self.cache_s, 4),
-        }
+        return {f.name: round(getattr(self, f.name), 4) for f in fields(self)}
 
 
 class Clock:

@@ -94,6 +94,16 @@ class FileStore:
     def _store_error(self, action: str, key: str, error: OSError) -> StoreError:
         return StoreError(f"cannot {action} {key!r} in {self.url}: {error.strerror or error}")
 
+    @contextlib.contextmanager
+    def _failing(self, action: str, key: str) -> Iterator[None]:
+        """A missing object as ObjectNotFoundError, any other OSError as one StoreError line."""
+        try:
+            yield
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:
+            raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
+        except OSError as error:
+            raise self._store_error(action, key, error) from error
+
     def _write(self, key: str, fill: BinaryIO | bytes) -> None:
         target = self._path(key)
         # A concurrent delete may prune the folder between mkdir and open: retry.
@@ -153,23 +163,15 @@ class FileStore:
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
-        try:
+        with self._failing("read", key):
             return path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:
-            raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
-        except OSError as error:
-            raise self._store_error("read", key, error) from error
 
     def _open_regular(self, key: str) -> BinaryIO:
         """The object's file opened for reading: a FIFO, device or folder in place of an
         object is refused without blocking, a link not followed."""
         path = self._path(key)
-        try:
+        with self._failing("read", key):
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:
-            raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
-        except OSError as error:
-            raise self._store_error("read", key, error) from error
         source = os.fdopen(fd, "rb")
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             source.close()
@@ -185,28 +187,19 @@ class FileStore:
                 raise CorruptObjectError(
                     f"object {key} is {size} bytes, more than {limit} expected"
                 )
-            try:
+            with self._failing("read", key):
                 return source.read(limit + 1)
-            except OSError as error:
-                raise self._store_error("read", key, error) from error
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         check_range(key, start, length)
-        with self._open_regular(key) as source:
-            try:
-                source.seek(start)
-                return source.read(length)
-            except OSError as error:
-                raise self._store_error("read", key, error) from error
+        with self._open_regular(key) as source, self._failing("read", key):
+            source.seek(start)
+            return source.read(length)
 
     def get_file(self, key: str, path: Path) -> None:
         source_path = self._path(key)
-        try:
+        with self._failing("read", key):
             source = open(source_path, "rb")  # noqa: SIM115 - closed below
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as error:
-            raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
-        except OSError as error:
-            raise self._store_error("read", key, error) from error
         with source:
             try:
                 _write_atomically(Path(path), source)
@@ -220,12 +213,8 @@ class FileStore:
 
     def size(self, key: str) -> int:
         path = self._path(key)
-        try:
+        with self._failing("stat", key):
             stat = path.stat()
-        except (FileNotFoundError, NotADirectoryError) as error:
-            raise ObjectNotFoundError(f"object {key!r} not found in {self.url}") from error
-        except OSError as error:
-            raise self._store_error("stat", key, error) from error
         if not path.is_file():
             raise ObjectNotFoundError(f"object {key!r} not found in {self.url}")
         return stat.st_size
@@ -248,9 +237,7 @@ class FileStore:
         path = self._path(key)
         try:
             path.unlink()
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        except IsADirectoryError:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return
         except OSError as error:
             raise self._store_error("delete", key, error) from error

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import structlog
 
 from pipeline.errors import DeltasyncError
-from pipeline.format.manifest import manifest_key, version_prefix
+from pipeline.format.manifest import Kind, manifest_key, version_prefix
 from pipeline.store.base import ObjectStore
 from pipeline.testing import faults
 from pipeline.versions.index import VersionIndex, version_folders, with_manifest
@@ -45,23 +45,21 @@ def orphan_delta_folders(store: ObjectStore, run: str, below: int) -> list[str]:
     any more (publish refuses steps not newer than the head) and a diff in flight writes
     above the head. A host worker of a dead fan-out may still upload into such a folder
     after it is collected; the next collection takes that object too."""
-    folders = version_folders(store, run, "delta")
-    published = set(with_manifest(folders))
-    return [
-        version_prefix(run, "delta", v) for v in sorted(folders) if v < below and v not in published
-    ]
+    return _orphans(store, run, "delta", below)
 
 
 def orphan_anchor_folders(store: ObjectStore, run: str, below: int) -> list[str]:
     """Anchor folders under ``below`` holding objects but no manifest: remains of a
     compaction or a garbage collection that crashed. Only safe to collect while holding
     the run's compaction lock (no anchor is being written then)."""
-    folders = version_folders(store, run, "anchor")
+    return _orphans(store, run, "anchor", below)
+
+
+def _orphans(store: ObjectStore, run: str, kind: Kind, below: int) -> list[str]:
+    folders = version_folders(store, run, kind)
     published = set(with_manifest(folders))
     return [
-        version_prefix(run, "anchor", v)
-        for v in sorted(folders)
-        if v < below and v not in published
+        version_prefix(run, kind, v) for v in sorted(folders) if v < below and v not in published
     ]
 
 
