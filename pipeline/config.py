@@ -783,25 +783,18 @@ def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
 
 
+def _per_setting(line: str) -> str:
+    """``line`` filled in with each setting's name, env, default and doc, one a line."""
+    return "".join(line.format(name=f.name, **f.metadata) + "\n" for f in fields(Settings))
+
+
 def configuration_reference() -> str:
     """A Markdown table of every setting: variable, default, meaning."""
-    lines = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
-    for spec in fields(Settings):
-        meta = spec.metadata
-        lines.append(f"| `{meta['env']}` | `{meta['default']}` | {meta['doc']} |")
-    return "\n".join(lines) + "\n"
+    head = "| Variable | Default | Meaning |\n| --- | --- | --- |\n"
+    return head + _per_setting("| `{env}` | `{default}` | {doc} |")
 
 
-def _docstring() -> str:
-    head = (
-        "deltasync's settings. Build with ``Settings.from_env(**overrides)``.\n\n"
-        "Fields (environment variable, default):\n\n"
-    )
-    items = []
-    for spec in fields(Settings):
-        meta = spec.metadata
-        items.append(f"- ``{spec.name}`` ({meta['env']}, {meta['default']}): {meta['doc']}")
-    return head + "\n".join(items) + "\n"
-
-
-Settings.__doc__ = _docstring()
+Settings.__doc__ = (
+    "deltasync's settings. Build with ``Settings.from_env(**overrides)``.\n\n"
+    "Fields (environment variable, default):\n\n"
+) + _per_setting("- ``{name}`` ({env}, {default}): {doc}")

@@ -26,8 +26,7 @@ log = structlog.get_logger(__name__)
 _LISTEN_S = 1.0  # longest wait between checks of the stop flag
 
 
-def channel(run: str) -> str:
-    return part_hints_channel(run)
+channel = part_hints_channel  # the run's pub/sub channel of part hints
 
 
 def publish_part(client: redis.Redis, hint: DeltaPart) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
@@ -56,14 +56,7 @@ def _entry_json(folder: RankFolder) -> str:
         raise ConfigError(f"layout digest {str(folder.layout)[:80]!r} is not sha256 hex")
     if not isinstance(folder.launch, str) or not _LAUNCH.fullmatch(folder.launch):
         raise ConfigError(f"launch {str(folder.launch)[:80]!r} is not [A-Za-z0-9._-]{{0,64}}")
-    doc = {
-        "host": folder.host,
-        "path": folder.path,
-        "world": folder.world,
-        "layout": folder.layout,
-        "launch": folder.launch,
-    }
-    text = json.dumps(doc, separators=(",", ":"))
+    text = json.dumps(asdict(folder), separators=(",", ":"))
     if len(text) > MAX_ENTRY_BYTES:
         raise ConfigError(f"rank folder entry is {len(text)} bytes, over {MAX_ENTRY_BYTES}")
     return text
