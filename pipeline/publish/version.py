@@ -271,18 +271,14 @@ def publish_anchor(
             faults.point("anchor.after_read")
             clock = Clock()
             for name, tensor in part:
-                entry = tensor_entry(name, tensor, key, algorithm=algorithm)
-                w = want.get(name) if want is not None else entry
-                if w is None or (w.dtype, w.shape, w.hash) != (
-                    entry.dtype,
-                    entry.shape,
-                    entry.hash,
-                ):
+                e = tensor_entry(name, tensor, key, algorithm=algorithm)
+                w = e if want is None else want.get(name)  # a new run's: nothing to match
+                if w is None or (w.dtype, w.shape, w.hash) != (e.dtype, e.shape, e.hash):
                     raise MismatchError(
                         f"anchor {version} of run {run}: tensor {name!r} does not match the "
                         "version it replaces"
                     )
-                entries.append(entry)
+                entries.append(e)
             _upload_part(uploader, run, version, key, part, compression, objects, clock)
             del part  # else held while the next part is read: two parts resident, not one
         uploader.finish()
