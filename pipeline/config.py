@@ -178,8 +178,7 @@ _BY_TYPE: dict[str, Callable[[str, object], Any]] = {
 def _var(
     env: str, default: str, doc: str, parse: Callable[[str, object], Any] | None = None
 ) -> dict[str, Any]:
-    """A field's variable, its default as documented, its meaning, and its parser (if
-    not the one of its type)."""
+    """A field's variable, documented default, meaning and parser (None: its type's)."""
     return {"env": env, "default": default, "doc": doc, "parse": parse}
 
 

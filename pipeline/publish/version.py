@@ -219,7 +219,6 @@ def _upload_part(
     objects: list[ObjectEntry],
     clock: Clock,
 ) -> None:
-    """Encode one part of anchor ``version``, note its object and hand it to ``uploader``."""
     data = encode_anchor(part, compression, metadata={"deltasync.run": run})
     objects.append(ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data)))
     uploader.timings.encode_s += clock.lap()

@@ -123,8 +123,7 @@ class CacheFolder:
         os.replace(tmp, self.root / self.STATE)
 
     def _folder_for(self, version: int, clear: bool = False) -> Path:
-        """The folder of ``version``; ``clear``: without what a crashed rewrite left there
-        (until the switch the state file still names the parent's untouched folder)."""
+        """The folder of ``version``; ``clear``: without what a crashed rewrite left there."""
         self.root.mkdir(parents=True, exist_ok=True)
         folder = self.root / f"v{version:010d}"
         if clear and folder.exists():
@@ -409,6 +408,7 @@ class StateCache(CacheFolder):
         ``proven``: it was just published as a delta from a proven base."""
         if not checkpoint.exists():
             return False
+        # Until the switch, the state file still names the parent's untouched folder.
         folder = self._folder_for(manifest.version, clear=True)
         try:
             if checkpoint.is_dir():
