@@ -647,6 +647,7 @@ class RolloutOptions:
     early_start: bool | None = None
     vllm_options: Mapping[str, Any] = field(default_factory=dict)
     wait: bool = False
+    server_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.verify not in VERIFY_MODES:

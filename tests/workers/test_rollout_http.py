@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,14 @@ def test_the_rollout_entry_drives_a_server_over_http(
     publish(tmp_path, 2)
     settings = Settings.from_env(deltasync_env(redis_url, tmp_path))
     options = RolloutOptions(
-        run=RUN, target="vllm-http", node_id="remote", verify="all", until_version=1
+        run=RUN,
+        target="vllm-http",
+        node_id="remote",
+        verify="all",
+        until_version=1,
+        server_url=server.url + "/",
     )
-    assert run_rollout(options, settings=settings, url=server.url + "/") == 1
+    assert run_rollout(options, settings=settings) == 1
     posted = [(path, body) for method, path, body in server.calls if method == "POST"]
     assert posted == [  # the head at once: the server's workers bootstrap from its anchor
         ("/pause?mode=wait", None),
@@ -116,7 +122,10 @@ def test_a_remote_target_needs_an_http_url_and_dumps_nothing(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match="needs --url"):
         run_rollout(http, settings=settings)
     with pytest.raises(ConfigError, match="not an http"):
-        run_rollout(http, settings=settings, url="127.0.0.1:8000")
-    dumping = RolloutOptions(run=RUN, target="vllm-http", dump_path=tmp_path / "w.safetensors")
+        run_rollout(replace(http, server_url="127.0.0.1:8000"), settings=settings)
+    dumping = replace(http, server_url="http://127.0.0.1:8000", dump_path=tmp_path / "w.st")
     with pytest.raises(ConfigError, match="no --dump"):
-        run_rollout(dumping, settings=settings, url="http://127.0.0.1:8000")
+        run_rollout(dumping, settings=settings)
+    elsewhere = RolloutOptions(run=RUN, target="torch", server_url="http://127.0.0.1:8000")
+    with pytest.raises(ConfigError, match="--url is for --target vllm-http"):
+        run_rollout(elsewhere, settings=settings)

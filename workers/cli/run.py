@@ -116,7 +116,7 @@ def worker(
     help="vllm-http: drive a stock `vllm serve` at --url that runs the deltasync "
     "weight-transfer backend (docs/VLLM.md).",
 )
-@click.option("--url", default=None, help="The vLLM server for --target vllm-http.")
+@click.option("--url", "server_url", default=None, help="The vLLM server for --target vllm-http.")
 @NODE_ID_OPTION
 @click.option(
     "--device",
@@ -157,7 +157,7 @@ def worker(
     "Default: DELTASYNC_EARLY_START.",
 )
 @click.pass_context
-def rollout(ctx: click.Context, /, url: str | None, **options: Any) -> None:
+def rollout(ctx: click.Context, /, **options: Any) -> None:
     """Follow a run and keep a target's weights at the newest published version.
 
     \b
@@ -173,7 +173,7 @@ def rollout(ctx: click.Context, /, url: str | None, **options: Any) -> None:
 
     settings = runtime.settings
     node = RolloutOptions(**options, store_url=settings.store_url, redis_url=runtime.redis_url)
-    run_rollout(node, settings=settings, url=url)
+    run_rollout(node, settings=settings)
 
 
 @click.command("emit")

@@ -66,13 +66,12 @@ def run_rollout(
     settings: Settings | None = None,
     stop: threading.Event | None = None,
     configure_logs: bool = False,
-    url: str | None = None,
 ) -> int | None:
     """Run a rollout node until ``stop`` (or SIGINT/SIGTERM), or until
     ``options.until_version`` is applied. Returns the applied version. ``settings``
-    default to the CLI's (its --home and other root options). ``url``: the server of
-    ``--target vllm-http``, which holds its weights itself (no dump, no early start)."""
-    remote = _remote_target(options, url)
+    default to the CLI's (its --home and other root options). A ``vllm-http`` target's
+    server (``options.server_url``) holds its weights itself (no dump, no early start)."""
+    remote = _remote_target(options)
     settings = settings or current_runtime().settings
     if configure_logs:
         configure_logging(settings.log_level, json=settings.log_json)
@@ -141,11 +140,14 @@ def run_rollout(
     return applied
 
 
-def _remote_target(options: RolloutOptions, url: str | None) -> VllmHttp | None:
+def _remote_target(options: RolloutOptions) -> VllmHttp | None:
     """The server ``--target vllm-http`` drives, or None for a registered target (an
     unknown name fails here, listing the known ones)."""
+    url = options.server_url
     if options.target != HTTP_TARGET:
         target_class(options.target)
+        if url is not None:
+            raise ConfigError(f"--url is for --target {HTTP_TARGET}, not {options.target}")
         return None
     if url is None:
         raise ConfigError("--target vllm-http needs --url http://HOST:PORT")
