@@ -6,7 +6,6 @@ cache (``cache=True``) serves it to the next process instead of compiling again.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import numba  # type: ignore[import-untyped]
@@ -157,19 +156,23 @@ def put_bits(stream: Any, acc: Any, held: int, index: int, value: Any, width: in
 
 
 @jit  # type: ignore[untyped-decorator,misc]
+def word_at(stream: Any, index: int) -> Any:
+    """Bytes index .. index + 7 of ``stream`` as a big-endian uint64, zeros past its end."""
+    if index + 8 <= stream.size:
+        return load_be64(stream, index)
+    word = np.uint64(0)
+    for j in range(8):
+        word <<= np.uint64(8)
+        if index + j < stream.size:
+            word |= np.uint64(stream[index + j])
+    return word
+
+
+@jit  # type: ignore[untyped-decorator,misc]
 def peek(stream: Any, bit: int) -> Any:
     """The 64 bits of ``stream`` from ``bit`` on, MSB first, zeros past its end
     (at least 57 of them are stream bits when the stream is that long)."""
-    index = bit >> 3
-    if index + 8 <= stream.size:
-        word = load_be64(stream, index)
-    else:
-        word = np.uint64(0)
-        for j in range(8):
-            word <<= np.uint64(8)
-            if index + j < stream.size:
-                word |= np.uint64(stream[index + j])
-    return word << np.uint64(bit & 7)
+    return word_at(stream, bit >> 3) << np.uint64(bit & 7)
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -256,14 +259,7 @@ def signmag_diffs(diff: Any, top: int, signs: Any, big: Any, mags: Any) -> Any:
 def unary_word(unary: Any, index: int) -> Any:
     """Bytes index .. index + 7 of the unary stream (zeros past its end) with bit k
     holding stream bit 8 * index + k, so ends of codes come out of trailing zeros."""
-    if index + 8 <= unary.size:
-        return bit_reverse(load_be64(unary, index))
-    word = np.uint64(0)
-    for j in range(8):
-        word <<= np.uint64(8)
-        if index + j < unary.size:
-            word |= np.uint64(unary[index + j])
-    return bit_reverse(word)
+    return bit_reverse(word_at(unary, index))
 
 
 @jit  # type: ignore[untyped-decorator,misc]
@@ -841,18 +837,3 @@ def patch_chunk(
         chunk[i] = old + diffs[k]
         old_out[k] = old
         new_out[k] = chunk[i]
-
-
-FUSED = SimpleNamespace(
-    scan_diffs=scan_diffs,
-    signmag_diffs=signmag_diffs,
-    rice_write=rice_write,
-    rice_read=rice_read,
-    walk_sparse=walk_sparse,
-    walk_records=walk_records,
-    read_positions=read_positions,
-    encode_sparse=encode_sparse,
-    sparse_plan=sparse_plan,
-    sparse_contents=sparse_contents,
-    patch_chunk=patch_chunk,
-)

@@ -14,12 +14,8 @@ import importlib
 from typing import Any
 
 
+@functools.cache
 def get() -> Any:
     """The compiled kernels (numba is imported, and they are built, on first use)."""
-    return _build()
-
-
-@functools.cache
-def _build() -> Any:
     # Loaded by name: a process that never codes a delta never imports numba.
-    return importlib.import_module("pipeline.codec.compiled.kernels_jit").KERNELS
+    return importlib.import_module("pipeline.codec.compiled.kernels_jit")

@@ -6,7 +6,6 @@ Every function is defined at module level so that numba's disk cache
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -93,12 +92,3 @@ def first_difference(target: Any, positions: Any, values: Any) -> int:
         if p < 0 or p >= target.size or target[p] != values[i]:
             return i
     return -1
-
-
-KERNELS = SimpleNamespace(
-    rice_costs=rice_costs,
-    gather_add=gather_add,
-    signmag_values=signmag_values,
-    scatter=scatter,
-    first_difference=first_difference,
-)

@@ -96,7 +96,7 @@ def compiled() -> Any:
     """The chunked kernels (numba is imported, and they are built, on first use):
     they encode, check a record's chunk table and decode on CPU tensors; the
     torch-ops decoder (chunked_torch.py) serves other devices."""
-    return importlib.import_module("pipeline.codec.level3.chunked_jit").CHUNKED
+    return importlib.import_module("pipeline.codec.level3.chunked_jit")
 
 
 def magnitude_mask(info: DtypeInfo) -> int:

@@ -10,7 +10,6 @@ per changed element, zero padding to a byte.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -1199,15 +1198,3 @@ def read_table(
 def restore(target: Any, out_pos: Any, out_old: Any, a: int, b: int) -> None:
     for j in range(a, b):
         target[out_pos[j]] = out_old[j]
-
-
-CHUNKED = SimpleNamespace(
-    choose_bounds=choose_bounds,
-    scan_ranked=scan_ranked,
-    choose_groups=choose_groups,
-    encode_chunks=encode_chunks,
-    decode_chunks=decode_chunks,
-    read_table=read_table,
-    write_varints=write_varints,
-    restore=restore,
-)

@@ -55,17 +55,7 @@ def _lanes(i: Any, b: Any) -> tuple[Any, Any]:
 def full_sum(flat: Any, start: int) -> Any:
     """Both lane sums over ``flat`` (unsigned integers), whose first element sits at
     flat position ``start`` of its tensor."""
-    sa = np.uint64(0)
-    sb = np.uint64(0)
-    base = np.uint64(start)
-    for k in range(flat.size):
-        a, c = _lanes(base + np.uint64(k), np.uint64(flat[k]))
-        sa += a
-        sb += c
-    out = np.empty(2, np.uint64)
-    out[0] = sa
-    out[1] = sb
-    return out
+    return runs_sum(flat, np.full(1, start, np.int64), flat.size)
 
 
 @jit  # type: ignore[untyped-decorator,misc]
