@@ -64,25 +64,6 @@ class StoredPiece:
         return cls(name, dtype, shape, p.start, p.stop, object, hash, changed, p.offset, p.size)
 
 
-def stored_pieces(entry: TensorEntry) -> list[StoredPiece]:
-    """``entry``'s pieces as records (one whole piece for an unsharded tensor)."""
-    return [
-        StoredPiece(
-            entry.name,
-            entry.dtype,
-            entry.shape,
-            p.start,
-            p.stop,
-            p.object,
-            p.hash,
-            p.changed,
-            p.offset,
-            p.size,
-        )
-        for p in entry.stored
-    ]
-
-
 def join_pieces(
     pieces: Iterable[StoredPiece], order: Sequence[str], algorithm: HashAlgorithm
 ) -> list[TensorEntry]:

@@ -145,16 +145,6 @@ def public_key_from(key: Ed25519PublicKey | bytes) -> Ed25519PublicKey:
     return loaded
 
 
-def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
-    try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"cannot load private key {path}: {e}") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError(f"private key {path} is not an Ed25519 key")
-    return key
-
-
 def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
     try:
         key = serialization.load_pem_public_key(Path(path).read_bytes())

@@ -20,7 +20,7 @@ from pipeline.coord.connection import redis_client
 from pipeline.errors import ChainError, SignatureError
 from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.manifest import manifest_key
-from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.format.signing import generate_keypair, load_public_key, private_key_from
 from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
@@ -45,7 +45,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 
 def _publish(store: FileStore, tmp: Path, steps: range, key: Path | None = None) -> None:
     cache = StateCache(tmp / "cache", RUN)
-    signing = load_private_key(key) if key is not None else None
+    signing = private_key_from(key.read_bytes()) if key is not None else None
     for step in steps:
         path = tmp / f"ckpt-{step}.safetensors"
         write_checkpoint(path, _state(step).items())

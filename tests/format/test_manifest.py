@@ -27,8 +27,8 @@ from pipeline.format.manifest import (
 from pipeline.format.manifest_parse import parse_manifest
 from pipeline.format.signing import (
     generate_keypair,
-    load_private_key,
     load_public_key,
+    private_key_from,
     sign,
     verify_signature,
 )
@@ -210,7 +210,7 @@ def test_parts_group_tensors_by_object() -> None:
 def test_sign_and_verify_round_trip(tmp_path: Path) -> None:
     private_path, public_path = generate_keypair(tmp_path / "keys")
     assert private_path.stat().st_mode & 0o077 == 0
-    key, pub = load_private_key(private_path), load_public_key(public_path)
+    key, pub = private_key_from(private_path.read_bytes()), load_public_key(public_path)
     signed = sign(sample(), key)
     assert signed.signature is not None and signed.signature["alg"] == "ed25519"
     reparsed = parse_manifest(to_json(signed))

@@ -12,7 +12,7 @@ from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format import manifest as m
 from pipeline.format.hashes import content_hashes, mixsum
 from pipeline.format.manifest_parse import parse_manifest
-from pipeline.format.pieces import join_pieces, stored_pieces
+from pipeline.format.pieces import StoredPiece, join_pieces
 from pipeline.format.regions import Region
 
 ALG = content_hashes.get(content_hashes.MIXSUM)
@@ -136,7 +136,11 @@ def test_piece_hashes_that_do_not_sum_are_refused() -> None:
 def test_join_pieces_builds_the_entries_and_refuses_gaps() -> None:
     manifest = _manifest()
     entry = manifest.tensors[0]
-    stored = stored_pieces(entry)
+    e = entry
+    stored = [
+        StoredPiece.at(e.name, e.dtype, e.region(p), e.shape, p.object, p.hash, p.changed)
+        for p in e.stored
+    ]
     assert join_pieces(reversed(stored), ["w"], ALG) == [entry]
     with pytest.raises(MismatchError, match="missing"):
         join_pieces([stored[0], stored[2]], ["w"], ALG)

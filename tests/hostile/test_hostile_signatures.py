@@ -30,7 +30,7 @@ from pipeline.coord.hints import channel, publish_part
 from pipeline.coord.stream import EventStream
 from pipeline.errors import SignatureError
 from pipeline.format.manifest import manifest_key, object_key, to_json
-from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.format.signing import generate_keypair, load_public_key, private_key_from
 from pipeline.publish.version import PublishOptions, publish_anchor
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
@@ -100,7 +100,7 @@ def holds(node: RolloutNode, state: dict[str, torch.Tensor]) -> bool:
 @pytest.fixture
 def keys(tmp_path: Path) -> Keys:
     private, public = generate_keypair(tmp_path / "keys")
-    return load_private_key(private), load_public_key(public)
+    return private_key_from(private.read_bytes()), load_public_key(public)
 
 
 def test_an_earlier_instance_is_refused_by_a_node_without_redis(tmp_path: Path, keys: Keys) -> None:

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from pipeline.errors import CodecError, CorruptObjectError, SignatureError, StoreError
 from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
-from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.format.signing import generate_keypair, load_public_key
 from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.step import publish_step
@@ -113,7 +113,7 @@ def _signed_run(tmp: Path) -> tuple[FileStore, Path, Path]:
         path = tmp / f"ckpt-{step}.safetensors"
         write_checkpoint(path, _state(step).items())
         publish_step(
-            store, RUN, step, path, cache, PublishOptions(signing_key=load_private_key(private))
+            store, RUN, step, path, cache, PublishOptions(signing_key=private.read_bytes())
         )
     return store, private, public
 
@@ -127,16 +127,14 @@ def test_a_signing_worker_never_builds_on_an_unsigned_head(tmp_path: Path) -> No
     write_checkpoint(path, _state(4).items())
     cache = StateCache(tmp_path / "cache", RUN)
     with pytest.raises(SignatureError, match="delta 3 of run small is not signed"):
-        publish_step(
-            store, RUN, 4, path, cache, PublishOptions(signing_key=load_private_key(private))
-        )
+        publish_step(store, RUN, 4, path, cache, PublishOptions(signing_key=private.read_bytes()))
     assert chain.list_versions(store, RUN).head == 3
 
 
 def test_garbage_collection_verifies_what_it_keeps(tmp_path: Path) -> None:
     """An unsigned anchor at the head would let GC delete the signed chains below it."""
     store, private, public = _signed_run(tmp_path)
-    compact(store, RUN, 1, PublishOptions(signing_key=load_private_key(private)))
+    compact(store, RUN, 1, PublishOptions(signing_key=private.read_bytes()))
     compact(store, RUN, 2)  # someone without the key: an unsigned anchor
     before = sorted(store.list(RUN))
     with pytest.raises(SignatureError, match="anchor 2 of run small is not signed"):

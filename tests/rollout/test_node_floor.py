@@ -24,7 +24,7 @@ from pipeline.coord.stream import EventStream
 from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.checkpoints.checkpoint_write import write_checkpoint
 from pipeline.format.hashes.hashing import content_hash
-from pipeline.format.signing import generate_keypair, load_private_key
+from pipeline.format.signing import generate_keypair
 from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.publish.version import PublishOptions
@@ -53,9 +53,7 @@ def _publish(store: FileStore, tmp: Path, steps: range, key: Path) -> None:
     for step in steps:
         path = tmp / f"ckpt-{step}.safetensors"
         write_checkpoint(path, _state(step).items())
-        publish_step(
-            store, RUN, step, path, cache, PublishOptions(signing_key=load_private_key(key))
-        )
+        publish_step(store, RUN, step, path, cache, PublishOptions(signing_key=key.read_bytes()))
 
 
 def _hide(store: FileStore, *versions: int) -> None:

@@ -30,7 +30,7 @@ from pipeline.format.manifest import (
     manifest_key,
     to_json,
 )
-from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.format.signing import generate_keypair, load_public_key, private_key_from
 from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.step import publish_step
@@ -384,7 +384,7 @@ def test_signed_run_needs_the_right_key(store: FileStore, tmp_path: Path) -> Non
     private, public = generate_keypair(tmp_path / "keys")
     _, other_public = generate_keypair(tmp_path / "other")
     trainer = Trainer(store, tmp_path / "trainer")
-    key = load_private_key(private)
+    key = private_key_from(private.read_bytes())
     for step in range(2):
         state = trainer.current if step == 0 else trainer.generator.step()
         path = trainer.checkpoint(step, state)

@@ -19,7 +19,7 @@ from pipeline.errors import ChainError, ConfigError, CorruptObjectError, Mismatc
 from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import Manifest, ObjectEntry, Piece, TensorEntry, to_json
-from pipeline.format.signing import generate_keypair, load_private_key, load_public_key
+from pipeline.format.signing import generate_keypair, load_public_key, private_key_from
 from pipeline.publish.compaction import compact
 from pipeline.publish.offline import apply_delta as offline_apply
 from pipeline.publish.version import PublishOptions, publish_anchor
@@ -600,7 +600,7 @@ def test_a_signed_pieced_run_compacts_signed_and_replicas_check_it(
     store: FileStore, tmp_path: Path
 ) -> None:
     private, public = generate_keypair(tmp_path / "keys")
-    key = load_private_key(private)
+    key = private_key_from(private.read_bytes())
     built = build_pieced_run(store, RUN, deltas=2, signing_key=key)
     anchor = compact(store, RUN, options=PublishOptions(signing_key=key))
     assert anchor.signature is not None and anchor.is_pieced

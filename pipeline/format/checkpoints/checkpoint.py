@@ -410,12 +410,3 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def is_complete(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a readable, whole checkpoint (every shard present and sized)."""
-    try:
-        CheckpointReader(path).close()
-    except CorruptObjectError:
-        return False
-    return True

@@ -81,7 +81,6 @@ class Scrubber:
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait  # True: stop now
         self._thread: threading.Thread | None = None
-        self.passes = 0  # completed passes
         self.hashed = 0  # tensors re-hashed
 
     def start(self) -> None:
@@ -116,8 +115,6 @@ class Scrubber:
                 self.on_mismatch(name)
             if self._sleep(self.pace.wait_after(hashed_s, self.target.scrub_bytes(name) / total)):
                 break
-        else:
-            self.passes += 1
         return failed
 
     def _loop(self) -> None:
