@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any, cast
 
-from pipeline.errors import CodecError, CorruptObjectError, MismatchError
+from pipeline.errors import CodecError, CorruptObjectError, DeltasyncError, MismatchError
 from pipeline.format import sealed
 from pipeline.format.bounded import load_json
 from pipeline.format.hashes import content_hashes
@@ -78,18 +78,29 @@ _REQUIRED_KEYS = _TOP_KEYS - {
 }
 
 
-class _Checker:
-    """Field validation that names the manifest and the field at fault."""
+class FieldCheck:
+    """Field validation that names the document (a ``kind`` from ``source``) and the
+    field at fault. ``strict`` (rank layouts): every key present and patterns matched
+    whole; else (manifests) only unknown keys refused, patterns matched from the start."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
+    def __init__(
+        self,
+        source: str,
+        kind: str = "manifest",
+        error: type[DeltasyncError] = CorruptObjectError,
+        strict: bool = False,
+    ) -> None:
+        self.source, self.kind, self.error, self.strict = source, kind, error, strict
 
-    def fail(self, what: str) -> CorruptObjectError:
-        return CorruptObjectError(f"manifest {self.source}: {what}")
+    def fail(self, what: str) -> DeltasyncError:
+        return self.error(f"{self.kind} {self.source}: {what}")
 
     def obj(self, value: object, what: str, keys: frozenset[str]) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(f"{what} is not an object")
+        if self.strict and set(value) != keys:
+            odd = sorted(set(value) ^ keys)[0]
+            raise self.fail(f"{what} has a missing or unknown field {str(odd)[:40]!r}")
         unknown = set(value) - keys
         if unknown:
             raise self.fail(f"{what} has unknown field {sorted(unknown)[0]!r}")
@@ -105,7 +116,7 @@ class _Checker:
     def string(self, value: object, what: str, pattern: re.Pattern[str] | None = None) -> str:
         if not isinstance(value, str):
             raise self.fail(f"{what} is not a string")
-        if pattern is not None and not pattern.match(value):
+        if pattern is not None and not (pattern.fullmatch if self.strict else pattern.match)(value):
             raise self.fail(f"{what} {value[:80]!r} is malformed")
         return value
 
@@ -121,7 +132,7 @@ def parse_manifest(
     """Parse and validate a manifest, plain or in its signed envelope (whose signature
     this does not check: see ``signing.verify_sealed``); CorruptObjectError (CodecError
     for an unknown schema)."""
-    c = _Checker(source)
+    c = FieldCheck(source)
     raw = data.encode("utf-8", errors="surrogatepass") if isinstance(data, str) else bytes(data)
     if len(raw) > MAX_MANIFEST_BYTES + sealed.HEADER_BYTES:
         raise c.fail(f"{len(raw)} bytes exceeds the limit of {MAX_MANIFEST_BYTES}")
@@ -232,7 +243,7 @@ def load_manifest_json(data: bytes | str, source: str) -> Any:
     )
 
 
-def _parse_content_hash(c: _Checker, schema: int, raw: object) -> str:
+def _parse_content_hash(c: FieldCheck, schema: int, raw: object) -> str:
     """Schema 1 names no algorithm (xxh3-128); schema 2 names a known one."""
     if schema < 2:
         if raw is not None:
@@ -246,7 +257,7 @@ def _parse_content_hash(c: _Checker, schema: int, raw: object) -> str:
     return name
 
 
-def _parse_objects(c: _Checker, raw: object) -> tuple[ObjectEntry, ...]:
+def _parse_objects(c: FieldCheck, raw: object) -> tuple[ObjectEntry, ...]:
     if not isinstance(raw, list):
         raise c.fail("objects is not a list")
     out: list[ObjectEntry] = []
@@ -270,10 +281,10 @@ def _parse_objects(c: _Checker, raw: object) -> tuple[ObjectEntry, ...]:
 
 def check_tensor_name(name: object, source: str) -> str:
     """``name`` if a manifest may carry it, else CorruptObjectError naming ``source``."""
-    return _check_tensor_name(_Checker(source), name)
+    return _check_tensor_name(FieldCheck(source), name)
 
 
-def _check_tensor_name(c: _Checker, name: object) -> str:
+def _check_tensor_name(c: FieldCheck, name: object) -> str:
     if not isinstance(name, str) or not name:
         raise c.fail("a tensor name is empty or not a string")
     if len(name) > MAX_TENSOR_NAME or not name.isprintable():
@@ -282,7 +293,7 @@ def _check_tensor_name(c: _Checker, name: object) -> str:
 
 
 def _parse_tensors(
-    c: _Checker, raw: object, object_keys: set[str], schema: int, algorithm: str
+    c: FieldCheck, raw: object, object_keys: set[str], schema: int, algorithm: str
 ) -> tuple[TensorEntry, ...]:
     if not isinstance(raw, list):
         raise c.fail("tensors is not a list")
@@ -326,7 +337,7 @@ def _parse_tensors(
 
 
 def _parse_pieces(
-    c: _Checker, raw: object, entry: TensorEntry, object_keys: set[str], algorithm: str
+    c: FieldCheck, raw: object, entry: TensorEntry, object_keys: set[str], algorithm: str
 ) -> tuple[Piece, ...]:
     """A tensor's pieces: in order, covering every element once, in listed objects (one
     piece per object), their hashes and changes summing to the tensor's."""
@@ -383,7 +394,7 @@ def _parse_pieces(
     return tuple(pieces)
 
 
-def _dims(c: _Checker, p: dict[str, Any], key: str) -> list[object]:
+def _dims(c: FieldCheck, p: dict[str, Any], key: str) -> list[object]:
     dims = p.get(key)
     if not isinstance(dims, list) or len(dims) > MAX_NDIM:
         raise c.fail(f"a piece's {key} is not a list of at most {MAX_NDIM} integers")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError, CorruptObjectError, DeltasyncError, MismatchError
+from pipeline.errors import ConfigError, CorruptObjectError, MismatchError
 from pipeline.format.bounded import load_json
 from pipeline.format.manifest import (
     MAX_ELEMENTS,
@@ -32,6 +32,7 @@ from pipeline.format.manifest import (
     MAX_VERSION,
     RUN_PATTERN,
 )
+from pipeline.format.manifest_parse import FieldCheck
 from pipeline.format.regions import Region
 from pipeline.format.tensors import BY_NAME
 
@@ -90,38 +91,7 @@ class RankLayout:
     pieces: tuple[RankPiece, ...]
 
 
-class _Check:
-    def __init__(self, source: str, error: type[DeltasyncError]) -> None:
-        self.source = source
-        self.error = error
-
-    def fail(self, what: str) -> DeltasyncError:
-        return self.error(f"rank layout {self.source}: {what}")
-
-    def obj(self, value: object, what: str, keys: frozenset[str]) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            raise self.fail(f"{what} is not an object")
-        if set(value) != keys:
-            odd = sorted(set(value) ^ keys)[0]
-            raise self.fail(f"{what} has a missing or unknown field {str(odd)[:40]!r}")
-        return value
-
-    def integer(self, value: object, what: str, lo: int, hi: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(f"{what} is not an integer")
-        if not lo <= value <= hi:
-            raise self.fail(f"{what} {value} is out of range [{lo}, {hi}]")
-        return value
-
-    def string(self, value: object, what: str, pattern: re.Pattern[str]) -> str:
-        if not isinstance(value, str):
-            raise self.fail(f"{what} is not a string")
-        if not pattern.fullmatch(value):
-            raise self.fail(f"{what} {value[:80]!r} is malformed")
-        return value
-
-
-def _check_piece(c: _Check, doc: object, i: int) -> RankPiece:
+def _check_piece(c: FieldCheck, doc: object, i: int) -> RankPiece:
     what = f"tensors[{i}]"
     boxed = isinstance(doc, dict) and "size" in doc
     d = c.obj(doc, what, _BOX_KEYS if boxed else _PIECE_KEYS)
@@ -150,13 +120,13 @@ def _check_piece(c: _Check, doc: object, i: int) -> RankPiece:
     return RankPiece(name, dtype, shape, start, stop)
 
 
-def _dims(c: _Check, value: object, what: str) -> tuple[int, ...]:
+def _dims(c: FieldCheck, value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, list | tuple) or len(value) > MAX_NDIM:
         raise c.fail(f"{what} is not a list of at most {MAX_NDIM}")
     return tuple(c.integer(n, what, 0, MAX_ELEMENTS) for n in value)
 
 
-def _check_layout(c: _Check, doc: object) -> RankLayout:
+def _check_layout(c: FieldCheck, doc: object) -> RankLayout:
     d = c.obj(doc, "the document", _TOP_KEYS)
     run = c.string(d["run"], "run", RUN_PATTERN)
     step = c.integer(d["step"], "step", 0, MAX_VERSION)
@@ -200,7 +170,7 @@ def write_layout(folder: str | os.PathLike[str], layout: RankLayout) -> Path:
     layout that read_layout would refuse), atomically (temp file + rename)."""
     target = Path(folder) / LAYOUT_NAME
     doc = _layout_doc(layout)
-    _check_layout(_Check(str(target), ConfigError), doc)
+    _check_layout(FieldCheck(str(target), "rank layout", ConfigError, strict=True), doc)
     tmp = target.with_name(f".{LAYOUT_NAME}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         with tmp.open("w") as out:
@@ -232,7 +202,7 @@ def read_layout(folder: str | os.PathLike[str]) -> RankLayout:
     doc = load_json(
         data, max_bytes=MAX_LAYOUT_BYTES, what=f"rank layout {path}", error=CorruptObjectError
     )
-    return _check_layout(_Check(str(path), CorruptObjectError), doc)
+    return _check_layout(FieldCheck(str(path), "rank layout", CorruptObjectError, strict=True), doc)
 
 
 def layout_digest(layout: RankLayout) -> str:
