@@ -16,11 +16,10 @@ Public API (stable; other modules code against exactly this):
   sorted) and new contents in the integer view of the dtype, computed from the
   stored bit-pattern differences and ``base`` (which must be the exact base).
 - ``apply_patch(tensor, patch)``: in place, on any device.
-- ``DeltaObject.apply_to(name, tensor, undo=False) -> TensorPatch | None``: the
-  same as ``apply_patch(tensor, decode(name, tensor))`` in about one pass (CPU
-  tensors, the common ``sparse`` / ``signmag`` records, compiled kernels); with
-  ``undo`` it returns the patch that restores the base. A damaged stream leaves
-  ``tensor`` as it was.
+- ``DeltaObject.apply_to(name, tensor)``: the same as ``apply_patch(tensor,
+  decode(name, tensor))`` in about one pass (CPU tensors, the common ``sparse`` /
+  ``signmag`` records, compiled kernels). A damaged stream leaves ``tensor`` as it
+  was.
 
 Format (codec ``deltasync-bitdelta`` version 1): a safetensors file. Its
 metadata holds ``codec``, ``codec_version``, ``level``, ``tensors`` (a JSON

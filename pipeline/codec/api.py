@@ -158,49 +158,33 @@ class DeltaObject:
         """The patch that turns ``base`` (the exact base version of this tensor) into
         the new version; positions and values live on ``base``'s device."""
         record = self._record(name, base)
-        base_flat = int_view_flat(base, record.info)
-        blob = self._entries.get(name, np.zeros(0, np.uint8))
-        if record.encoding == "chunked":
-            positions_t, values_t = self._decode_chunked(record, base_flat)
-            return TensorPatch(name, record.info.dtype, record.shape, positions_t, values_t)
-        with self._named_damage(name):
-            positions, values = decode_tensor(
-                record.encoding,
-                record.changed,
-                record.split(blob),
-                record.params,
-                base_flat=base_flat,
-                info=record.info,
-            )
-        signed = values.view(_numpy_dtype(record.info.view))
-        device = base.device
-        return TensorPatch(
-            name=name,
-            dtype=record.info.dtype,
-            shape=record.shape,
-            positions=torch.from_numpy(positions).to(device),
-            values=torch.from_numpy(signed).to(device),
-        )
-
-    def _decode_chunked(
-        self, record: TensorRecord, base_flat: torch.Tensor, *, write: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions, new contents) of a ``chunked`` record on ``base_flat``'s device:
-        the compiled walk on CPU tensors (with ``write``, decoding into them; then the
-        old contents are returned instead), torch operations elsewhere."""
         info = record.info
-        assert record.layout is not None  # parse_record sets it
-        if base_flat.device.type != "cpu":
-            if write:
-                raise TargetError(f"tensor {record.name!r}: no in-place decode here")
-            streams = record.split(self._entries[record.name])
-            with self._named_damage(record.name):
-                return chunked_torch.decode(streams, record.layout, record.changed, base_flat, info)
-        target = base_flat.numpy().view(info.unsigned)
-        where, new, old = self._walk_chunked(chunked.compiled(), record, target, write=write)
-        signed = _numpy_dtype(info.view)
-        values = old if write else new
-        return torch.from_numpy(where), torch.from_numpy(values.view(signed))
+        base_flat = int_view_flat(base, info)
+        if record.encoding == "chunked" and base.device.type != "cpu":
+            assert record.layout is not None  # parse_record sets it
+            streams = record.split(self._entries[name])
+            with self._named_damage(name):
+                at, new = chunked_torch.decode(
+                    streams, record.layout, record.changed, base_flat, info
+                )
+            return TensorPatch(name, info.dtype, record.shape, at, new)
+        if record.encoding == "chunked":
+            target = base_flat.numpy().view(info.unsigned)
+            positions, values, _ = self._walk_chunked(
+                chunked.compiled(), record, target, write=False
+            )
+        else:
+            with self._named_damage(name):
+                positions, values = decode_tensor(
+                    record.encoding,
+                    record.changed,
+                    record.split(self._entries.get(name, np.zeros(0, np.uint8))),
+                    record.params,
+                    base_flat=base_flat,
+                    info=info,
+                )
+        at, new = torch.from_numpy(positions).to(base.device), _viewed(values, info)
+        return TensorPatch(name, info.dtype, record.shape, at, new.to(base.device))
 
     def _walk_chunked(
         self, walker: Any, record: TensorRecord, target: npt.NDArray[Any], *, write: bool
@@ -237,15 +221,9 @@ class DeltaObject:
             walker.patch_chunk(unsigned, start, positions, diffs, lo, hi, old, new)
 
         digest = patched_tensor_hash(int_view_flat(base, info), positions, patch_chunk)
-        signed = _numpy_dtype(info.view)
-        patch = TensorPatch(
-            name=name,
-            dtype=info.dtype,
-            shape=record.shape,
-            positions=torch.from_numpy(positions),
-            values=torch.from_numpy(new.view(signed)),
-        )
-        return HashedPatch(patch, torch.from_numpy(old.view(signed)), digest)
+        at = torch.from_numpy(positions)
+        patch = TensorPatch(name, info.dtype, record.shape, at, _viewed(new, info))
+        return HashedPatch(patch, _viewed(old, info), digest)
 
     def differences(
         self, name: str, base: torch.Tensor
@@ -307,12 +285,7 @@ class DeltaObject:
             where, new, old = self._walk_chunked(walker, record, target, write=False)
         else:
             where, new, old = self._walk(walker, name, record, target, fused.GATHER)
-        view = _numpy_dtype(info.view)
-        return (
-            torch.from_numpy(where),
-            torch.from_numpy(new.view(view)),
-            torch.from_numpy(old.view(view)),
-        )
+        return torch.from_numpy(where), _viewed(new, info), _viewed(old, info)
 
     def gathered_many(
         self, items: Sequence[tuple[str, torch.Tensor]]
@@ -420,66 +393,39 @@ class DeltaObject:
         record = self._record(name, tensor)
         return tensor.device.type == "cpu" and _walker(record) is not None
 
-    def apply_to(
-        self, name: str, tensor: torch.Tensor, *, undo: bool = False, confirm: bool = False
-    ) -> TensorPatch | None:
+    def apply_to(self, name: str, tensor: torch.Tensor, *, confirm: bool = False) -> None:
         """Turn ``tensor`` (holding the exact base version of this tensor) into the new
         version in place, decoding straight into it where that is possible (CPU
         tensors, the common encodings): the same result as
         ``apply_patch(tensor, self.decode(name, tensor))`` in about one pass.
 
-        With ``undo``, returns the patch that restores the base (positions and old
-        contents), e.g. for a rollback log. A damaged stream raises
-        CorruptObjectError and leaves ``tensor`` as it was. With ``confirm`` (only
-        where :meth:`walks`), each batch of written positions is read back from
-        ``tensor`` within the walk: MismatchError, with what was written walked
-        back, if one does not hold its new contents."""
+        A damaged stream raises CorruptObjectError and leaves ``tensor`` as it was.
+        With ``confirm`` (only where :meth:`walks`), each batch of written positions
+        is read back from ``tensor`` within the walk: MismatchError, with what was
+        written walked back, if one does not hold its new contents."""
         record = self._record(name, tensor)
         info = record.info
         if record.changed == 0:
-            if not undo:
-                return None
-            nothing = torch.zeros(0, dtype=torch.int64, device=tensor.device)
-            return TensorPatch(name, info.dtype, record.shape, nothing, nothing.to(info.view))
+            return
         if confirm and not self.walks(name, tensor):
             raise TargetError(f"tensor {name!r}: a confirmed write needs the compiled walk")
-        on_cpu = tensor.device.type == "cpu"
-        if record.encoding == "chunked" and on_cpu:
-            if not tensor.is_contiguous():
-                raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
-            flat = tensor.detach().view(info.view).view(-1)
-            if not undo:
-                target = flat.numpy().view(info.unsigned)
-                self._walk_chunked(chunked.compiled(), record, target, write=True)
-                return None
-            where_t, old_t = self._decode_chunked(record, flat, write=True)
-            return TensorPatch(name, info.dtype, record.shape, where_t, old_t)
-        if not on_cpu or not walk_applies(record.encoding, record.params, info):
-            patch = self.decode(name, tensor)
-            restore = None
-            if undo:
-                flat = tensor.detach().view(info.view).view(-1)
-                held = flat.index_select(0, patch.positions.to(flat.device))
-                restore = TensorPatch(name, info.dtype, record.shape, patch.positions, held)
-            apply_patch(tensor, patch)
-            return restore
+        is_chunked = record.encoding == "chunked"
+        if tensor.device.type != "cpu" or not (
+            is_chunked or walk_applies(record.encoding, record.params, info)
+        ):
+            apply_patch(tensor, self.decode(name, tensor))
+            return
         if not tensor.is_contiguous():
             raise TargetError(f"tensor {name!r}: cannot patch a non-contiguous tensor in place")
         target = tensor.detach().view(info.view).view(-1).numpy().view(info.unsigned)
+        if is_chunked:
+            self._walk_chunked(chunked.compiled(), record, target, write=True)
+            return
         mode = fused.CONFIRM if confirm else fused.APPLY
         try:
-            where, old_np, _ = self._walk(fused.get(), name, record, target, mode, record_out=undo)
+            self._walk(fused.get(), name, record, target, mode, record_out=False)
         except ReadBackError as exc:
             raise MismatchError(f"tensor {name}: read back after the write: {exc}") from None
-        if not undo:
-            return None
-        return TensorPatch(
-            name=name,
-            dtype=info.dtype,
-            shape=record.shape,
-            positions=torch.from_numpy(where),
-            values=torch.from_numpy(old_np.view(_numpy_dtype(info.view))),
-        )
 
     def undo_apply(self, name: str, tensor: torch.Tensor) -> None:
         """Take back a completed :meth:`apply_to` of ``name`` (one that decoded straight
@@ -488,9 +434,7 @@ class DeltaObject:
         record = self._record(name, tensor)
         if record.changed == 0:
             return
-        if tensor.device.type != "cpu" or not walk_applies(
-            record.encoding, record.params, record.info
-        ):
+        if not self.walks(name, tensor):
             raise TargetError(f"tensor {name!r}: its delta cannot be walked back in place")
         target = tensor.detach().view(record.info.view).view(-1).numpy().view(record.info.unsigned)
         self._walk(fused.get(), name, record, target, fused.UNDO, record_out=False)
@@ -534,6 +478,11 @@ class DeltaObject:
 @functools.cache
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype[np.integer]:
     return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _viewed(values: npt.NDArray[Any], info: DtypeInfo) -> torch.Tensor:
+    """Unsigned contents as a tensor of the dtype's integer view (sharing memory)."""
+    return torch.from_numpy(values.view(_numpy_dtype(info.view)))
 
 
 def _walker(record: TensorRecord) -> Any | None:
