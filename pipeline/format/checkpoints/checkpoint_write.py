@@ -177,6 +177,22 @@ def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
     _fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def _staged(target: Path, overwrite: bool) -> Iterator[Path]:
+    """A temp sibling of ``target`` to write, published as ``target`` when the block
+    ends (removed if it fails)."""
+    if (target.exists() or target.is_symlink()) and not overwrite:
+        raise ConfigError(f"{target} already exists")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_sibling(target)
+    try:
+        yield tmp
+        _publish(tmp, target, overwrite)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
 def write_sharded(
     path: str | os.PathLike[str],
     shards: Iterable[tuple[str, Tensors]],
@@ -188,12 +204,8 @@ def write_sharded(
     """Write a sharded folder atomically: each shard is (file name, tensors), plus the index
     and copies of ``extra_files`` (name -> source, e.g. a model's config.json)."""
     target = Path(path)
-    if (target.exists() or target.is_symlink()) and not overwrite:
-        raise ConfigError(f"{target} already exists")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(target)
-    tmp.mkdir()
-    try:
+    with _staged(target, overwrite) as tmp:
+        tmp.mkdir()
         weight_map: dict[str, str] = {}
         total = 0
         for file_name, tensors in shards:
@@ -221,10 +233,6 @@ def write_sharded(
                 raise ConfigError(f"extra file {name!r} clashes with the checkpoint's files")
             shutil.copyfile(source, tmp / name)
         _fsync_dir(tmp)
-        _publish(tmp, target, overwrite)
-    except BaseException:
-        _remove(tmp)
-        raise
     return target
 
 
@@ -262,21 +270,11 @@ def write_checkpoint(
     if specs is not None and max_shard_bytes is not None:
         raise ConfigError("tensors declared up front are written as one file, not sharded")
     if max_shard_bytes is None:
-        if (target.exists() or target.is_symlink()) and not overwrite:
-            raise ConfigError(f"{target} already exists")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _temp_sibling(target)
-        try:
+        with _staged(target, overwrite) as tmp:
             _write_file(tmp, tensors, metadata, specs)
-            _publish(tmp, target, overwrite)
-        except BaseException:
-            _remove(tmp)
-            raise
         return target
     if max_shard_bytes <= 0:
         raise ConfigError(f"max_shard_bytes must be positive, not {max_shard_bytes}")
-    if (target.exists() or target.is_symlink()) and not overwrite:
-        raise ConfigError(f"{target} already exists")
     # Shard names carry the total count, known only at the end: number them
     # provisionally and rename inside the temp folder before it is published.
     groups = _shard_by_size(tensors, max_shard_bytes)
@@ -297,9 +295,8 @@ def _write_hf_sharded(
     metadata: dict[str, str] | None,
     overwrite: bool,
 ) -> Path:
-    staging = _temp_sibling(target)
-    write_sharded(staging, shards, metadata=metadata)
-    try:
+    with _staged(target, overwrite) as staging:
+        write_sharded(staging, shards, metadata=metadata)
         count = len(names)
         renames = {n: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, n in enumerate(names)}
         for old, new in renames.items():
@@ -308,8 +305,4 @@ def _write_hf_sharded(
         index = json.loads(index_path.read_text())
         index["weight_map"] = {k: renames[v] for k, v in index["weight_map"].items()}
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _publish(staging, target, overwrite)
-    except BaseException:
-        _remove(staging)
-        raise
     return target
