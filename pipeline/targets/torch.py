@@ -206,8 +206,8 @@ class TorchTarget(Target):
                 self._use(content_hashes.get(algorithm))
             for name in wanted:
                 canonical = self._resolve(name, "hashes()")
-                self._hash_cache.pop(canonical, None)  # computed now
-                out[name] = self._cached_hash(canonical)
+                digest = self._algorithm.full(self._tensors[canonical])  # computed now
+                self._hash_cache[canonical] = out[name] = digest
         return out
 
     def use_content_hash(self, name: str) -> None:

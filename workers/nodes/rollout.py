@@ -22,7 +22,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 import redis
@@ -79,63 +79,63 @@ def run_rollout(
     bind_context(run=options.run, node=node_id)
     redis_url = options.redis_url or settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(redis_url, name=f"deltasync-node:{node_id}")
-    store = open_node_store(settings, client, options.run, options.store_url, wait=options.wait)
-    log.info(
-        "rollout node starting",
-        target=options.target,
-        store=store.url,
-        redis=redact_url(redis_url),
-        **({"url": remote.url} if remote else {"device": options.device}),
-        verify=options.verify,
-        signatures="required" if settings.verify_key_path else "not checked",
-    )
-    if settings.verify_key_path is None:
-        log.warning(
-            "signatures are not checked: set DELTASYNC_VERIFY_KEY to refuse unsigned versions"
-        )
-    serve_metrics(settings.metrics_port)
-    if settings.warm and remote is None:  # a remote target's own workers decode
-        warm.in_background(settings)
-    stop = stop or threading.Event()
-    with _signals_stop(stop):
-        built = remote or build_target(
-            options.target,
-            TargetSetup(
-                store=store,
-                run=options.run,
-                stop=stop,
-                device=options.device,
-                model_path=options.model_path,
-                patch_memory_bytes=settings.patch_memory_mb << 20,
-                engine_options={**env_vllm_options(), **options.vllm_options},
-                refused=_refusal_reporter(EventStream(client, options.run), node_id),
-            ),
-        )
-        if built is None:
-            return None  # stopped while waiting for the run's first anchor
-        node = make_node(
-            store,
-            options.run,
-            built,
-            client,
-            settings,
-            node_id=node_id,
+    with closing(client):
+        store = open_node_store(settings, client, options.run, options.store_url, wait=options.wait)
+        log.info(
+            "rollout node starting",
+            target=options.target,
+            store=store.url,
+            redis=redact_url(redis_url),
+            **({"url": remote.url} if remote else {"device": options.device}),
             verify=options.verify,
-            poll_interval_s=options.poll_interval_s,
-            prefetch=options.prefetch,
-            early_start=False if remote else options.early_start,
-            held_from=None if remote else options.model_path,
+            signatures="required" if settings.verify_key_path else "not checked",
         )
-        try:
-            applied = node.run(until_version=options.until_version, stop=stop)
-        finally:
-            if options.dump_path is not None and node.applied_version is not None:
-                node.dump(options.dump_path)
-                log.info(
-                    "weights dumped", path=str(options.dump_path), version=node.applied_version
-                )
-            deregister_node(client, options.run, node_id)
-            client.close()
+        if settings.verify_key_path is None:
+            log.warning(
+                "signatures are not checked: set DELTASYNC_VERIFY_KEY to refuse unsigned versions"
+            )
+        serve_metrics(settings.metrics_port)
+        if settings.warm and remote is None:  # a remote target's own workers decode
+            warm.in_background(settings)
+        stop = stop or threading.Event()
+        with _signals_stop(stop):
+            built = remote or build_target(
+                options.target,
+                TargetSetup(
+                    store=store,
+                    run=options.run,
+                    stop=stop,
+                    device=options.device,
+                    model_path=options.model_path,
+                    patch_memory_bytes=settings.patch_memory_mb << 20,
+                    engine_options={**env_vllm_options(), **options.vllm_options},
+                    refused=_refusal_reporter(EventStream(client, options.run), node_id),
+                ),
+            )
+            if built is None:
+                return None  # stopped while waiting for the run's first anchor
+            node = make_node(
+                store,
+                options.run,
+                built,
+                client,
+                settings,
+                node_id=node_id,
+                verify=options.verify,
+                poll_interval_s=options.poll_interval_s,
+                prefetch=options.prefetch,
+                early_start=False if remote else options.early_start,
+                held_from=None if remote else options.model_path,
+            )
+            try:
+                applied = node.run(until_version=options.until_version, stop=stop)
+            finally:
+                if options.dump_path is not None and node.applied_version is not None:
+                    node.dump(options.dump_path)
+                    log.info(
+                        "weights dumped", path=str(options.dump_path), version=node.applied_version
+                    )
+                deregister_node(client, options.run, node_id)
     log.info("rollout node stopped", version=applied)
     return applied
 
