@@ -17,7 +17,7 @@ from rq.worker_registration import clean_worker_registry
 
 from pipeline.coord import keys
 from pipeline.coord.connection import redis_errors, text
-from pipeline.coord.events import DeltaPart, Event
+from pipeline.coord.events import Event
 from pipeline.coord.hints import PartListener
 from pipeline.coord.problems import (
     compaction_failure,
@@ -84,12 +84,8 @@ def tail_events(
         nonlocal printed
         if event is None or (types and event.type not in types):
             return
-        if as_json:
-            click.echo(json.dumps({"id": event_id, **event.to_dict()}, sort_keys=True))
-        else:
-            click.echo(format_event(event_id, event))
+        _echo(event_id, event, {"id": event_id, **event.to_dict()} if as_json else None)
         printed += 1
-        sys.stdout.flush()
 
     if follow:
         for event_id, event in stream.follow(
@@ -108,23 +104,26 @@ def tail_events(
     return printed
 
 
+def _echo(event_id: str, event: Event, document: dict[str, Any] | None) -> None:
+    """One event as a line: its JSON ``document`` when given, else readable."""
+    click.echo(
+        format_event(event_id, event) if document is None else json.dumps(document, sort_keys=True)
+    )
+    sys.stdout.flush()
+
+
 def tail_hints(
     runtime: Runtime, run: str, *, as_json: bool, stop: threading.Event | None = None
 ) -> None:
     """Print delta-part hints of ``run`` as they arrive, until ``stop`` or Ctrl-C."""
     stop = stop or threading.Event()
 
-    def show(hint: DeltaPart) -> None:
-        if as_json:
-            click.echo(json.dumps(hint.to_dict(), sort_keys=True))
-        else:
-            click.echo(format_event("hint", hint))
-        sys.stdout.flush()
-
     client = runtime.redis
     with redis_errors(client, "subscribing to part hints"):
         client.ping()  # an unreachable Redis is a one-line error, not a silent wait
-    listener = PartListener(client, run, show).start()
+    listener = PartListener(
+        client, run, lambda hint: _echo("hint", hint, hint.to_dict() if as_json else None)
+    ).start()
     try:
         while not stop.wait(0.5):
             pass
@@ -232,17 +231,7 @@ def collect_status(runtime: Runtime, run: str) -> dict[str, Any]:
         for f in list_failing(r, run)
     ]
     # State-cache tensors the diff workers' scrubs found damaged (each rebuilt since).
-    report["cache_damage"] = [
-        {
-            "host": d.host,
-            "version": d.version,
-            "tensor": d.tensor,
-            "note": d.note,
-            "time": d.time,
-            "count": d.count,
-        }
-        for d in list_cache_damage(r, run)
-    ]
+    report["cache_damage"] = [asdict(d) for d in list_cache_damage(r, run)]
     # Jobs the workers refused to run (not deltasync's): every run's operator sees them.
     refused, recent = list_refused_jobs(r)
     report["refused_jobs"] = {"count": refused, "recent": [asdict(job) for job in recent]}
@@ -334,18 +323,13 @@ def render_status(report: dict[str, Any]) -> None:
     console.print(queues_table)
     for name, q in report["queues"].items():
         for w in q["workers"]:
-            if w["state"] == "dead":
-                console.print(
-                    f"[red]worker {escape(w['name'])} on {name}: dead[/] (no heartbeat since "
-                    f"{w['last_heartbeat']}, {w['heartbeat_s_ago']}s ago; lease "
-                    f"{w['lease_s']:g}s)",
-                    soft_wrap=True,
-                )
-                continue
+            worker, ago = f"worker {escape(w['name'])} on {name}", f"{w['heartbeat_s_ago']}s ago"
             job = f" {w['job']}" if w["job"] else ""
             console.print(
-                f"worker {escape(w['name'])} on {name}: {w['state']}{escape(job)}, "
-                f"heartbeat {w['heartbeat_s_ago']}s ago",
+                f"[red]{worker}: dead[/] (no heartbeat since {w['last_heartbeat']}, {ago}; "
+                f"lease {w['lease_s']:g}s)"
+                if w["state"] == "dead"
+                else f"{worker}: {w['state']}{escape(job)}, heartbeat {ago}",
                 soft_wrap=True,
             )
         if not any(w["state"] != "dead" for w in q["workers"]):

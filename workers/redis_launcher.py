@@ -98,7 +98,7 @@ def ensure_redis(
             if record is not None:
                 return record.url
         record = _start(folder, binary or redis_binary(), timeout_s)
-        _write_record(folder, record)
+        _write_private(folder / RECORD_NAME, json.dumps(asdict(record), indent=2))
     log.info("embedded redis started", url=redact_url(record.url), pid=record.pid, dir=str(folder))
     return record.url
 
@@ -175,14 +175,15 @@ def _read_record(folder: Path) -> ServerRecord | None:
         return None  # missing or damaged: treated as "no server"
 
 
-def _write_record(folder: Path, record: ServerRecord) -> None:
-    tmp = folder / f".{RECORD_NAME}.{os.getpid()}.tmp"
+def _write_private(path: Path, text: str) -> None:
+    """``text`` to ``path`` atomically, readable by the owner only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump(asdict(record), out, indent=2)
+        out.write(text)
         out.flush()
         os.fsync(out.fileno())
-    os.replace(tmp, folder / RECORD_NAME)
+    os.replace(tmp, path)
 
 
 def _live_record(folder: Path) -> ServerRecord | None:
@@ -251,11 +252,8 @@ def _write_config(folder: Path, port: int, password: str) -> Path:
         "appendfsync everysec",
         f"requirepass {password}",
     ]
-    path = folder / "redis.conf"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write("\n".join(lines) + "\n")
-    return path
+    _write_private(folder / "redis.conf", "\n".join(lines) + "\n")
+    return folder / "redis.conf"
 
 
 def _quote(value: str) -> str:
@@ -276,16 +274,6 @@ def read_address(folder: Path) -> tuple[int, str] | None:
     if not (0 < port < 65536 and password.replace("-", "").replace("_", "").isalnum()):
         return None
     return port, password
-
-
-def _write_address(folder: Path, port: int, password: str) -> None:
-    tmp = folder / f".{ADDRESS_NAME}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump({"port": port, "password": password}, out)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, folder / ADDRESS_NAME)
 
 
 def _start(folder: Path, binary: str, timeout_s: float) -> ServerRecord:
@@ -333,7 +321,8 @@ def _start(folder: Path, binary: str, timeout_s: float) -> ServerRecord:
         _CHILDREN[process.pid] = process
         while process.poll() is None:
             if _ping(record):
-                _write_address(folder, port, password)
+                address = {"port": port, "password": password}
+                _write_private(folder / ADDRESS_NAME, json.dumps(address))
                 return record
             if time.monotonic() > deadline:
                 _terminate(process.pid, folder, STOP_TIMEOUT_S)

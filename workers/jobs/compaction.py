@@ -22,9 +22,8 @@ from pipeline.publish.version import PublishOptions
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
-from pipeline.versions.policy import compaction_reason
 from workers import queues
-from workers.jobs.diff import publish_once
+from workers.jobs.diff import current_job_id, policy_reason, publish_once
 from workers.runtime import Runtime, current
 
 log = get_logger(__name__)
@@ -41,8 +40,7 @@ def compact_job(
     :func:`_failed`); a try with nothing left to do (a repair or another compaction
     made the chain short) ends the streak."""
     runtime = current()
-    job = get_current_job()
-    bind_context(run=run, version=version, job_id=job.id if job else None)
+    bind_context(run=run, version=version, job_id=current_job_id())
     policy = reason != MANUAL
     try:
         if attempt and not _still_asked(runtime, run):
@@ -96,14 +94,8 @@ def _compact(runtime: Runtime, run: str, version: int | None, reason: str) -> di
 
 def _still_asked(runtime: Runtime, run: str) -> bool:
     """Whether the policy still asks for a compaction of the run's head."""
-    settings = runtime.settings
     head = chain.list_versions(runtime.store, run).head
-    if head is None:
-        return False
-    reason = compaction_reason(
-        runtime.store, run, head, settings.max_chain, settings.max_delta_fraction
-    )
-    return reason is not None
+    return head is not None and policy_reason(runtime, run, head) is not None
 
 
 def _ended(runtime: Runtime, run: str) -> None:

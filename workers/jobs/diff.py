@@ -90,9 +90,15 @@ def announce_parent(runtime: Runtime, manifest: Manifest) -> None:
     log.warning("announced a version its worker did not", version=parent)
 
 
-def _job_id() -> str | None:
+def current_job_id() -> str | None:
     job = get_current_job()
     return job.id if job is not None else None
+
+
+def policy_reason(runtime: Runtime, run: str, version: int) -> str | None:
+    """Why the compaction policy asks for an anchor at ``version`` (None: it does not)."""
+    s = runtime.settings
+    return compaction_reason(runtime.store, run, version, s.max_chain, s.max_delta_fraction)
 
 
 def diff_job(
@@ -192,7 +198,7 @@ def _earlier_pending(runtime: Runtime, run: str, step: int) -> list[queues.DiffA
 def _diff_one(runtime: Runtime, args: queues.DiffArgs) -> dict[str, Any]:
     run, step, sharded = args.run, args.step, args.sharded
     settings = runtime.settings
-    bind_context(run=run, version=step, job_id=_job_id())
+    bind_context(run=run, version=step, job_id=current_job_id())
     path = Path(args.checkpoint)
     if not sharded:  # a sharded step's folders are on its hosts, each checks its own
         check_checkpoint_root(settings, run, path)
@@ -247,9 +253,7 @@ def _diff_one(runtime: Runtime, args: queues.DiffArgs) -> dict[str, Any]:
     elif result.manifest is None:
         metrics.refused(run, "diff", "stale-step")
     if result.status == "published":
-        reason = compaction_reason(
-            runtime.store, run, step, settings.max_chain, settings.max_delta_fraction
-        )
+        reason = policy_reason(runtime, run, step)
         # One policy compaction in flight per run: until it lands, every new step
         # would otherwise ask again.
         if reason is not None and claim_once(
@@ -289,7 +293,7 @@ def diff_part_job(
 ) -> dict[str, Any]:
     """rq entry point of one part of a sharded step, on its host's queue; arguments are
     JSON."""
-    bind_context(run=run, version=step, job_id=_job_id())
+    bind_context(run=run, version=step, job_id=current_job_id())
     done = sharded_diff.work_on_part(current(), run, step, checkpoint, part, parent_version)
     return {"run": run, "version": step, "part": part, "parts_encoded": done}
 
