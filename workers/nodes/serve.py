@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -294,8 +295,7 @@ def run_serve(
 
     cli_env_setup()  # type: ignore[no-untyped-call]
     serving = _Serving(args, store, run, client, settings, node_id, verify, poll_interval_s)
-    serving.early_start = early_start
-    serving.gate_wait_s = gate_wait_s
+    serving.early_start, serving.gate_wait_s = early_start, gate_wait_s
     import uvloop
 
     try:
@@ -306,33 +306,25 @@ def run_serve(
     log.info("serve stopped", version=serving.driver.version if serving.driver else None)
 
 
+@dataclass
 class _Serving:
-    def __init__(
-        self,
-        args: Any,
-        store: ObjectStore,
-        run: str,
-        client: Any,
-        settings: Settings,
-        node_id: str,
-        verify: str,
-        poll_interval_s: float,
-    ) -> None:
-        self.args = args
-        self.store = store
-        self.run = run
-        self.client = client
-        self.settings = settings
-        self.node_id = node_id
-        self.verify = verify
-        self.poll_interval_s = poll_interval_s
-        self.early_start: bool | None = None
-        self.gate_wait_s = GATE_WAIT_S
-        self.stop = threading.Event()
-        self.driver: ServedEngine | None = None
-        self.node: RolloutNode | None = None
-        self.target: Target | None = None  # the node's, over this process's engine
-        self.heads = HeadCache(store, run)
+    args: Any
+    store: ObjectStore
+    run: str
+    client: Any
+    settings: Settings
+    node_id: str
+    verify: str
+    poll_interval_s: float
+    early_start: bool | None = None
+    gate_wait_s: float = GATE_WAIT_S
+    stop: threading.Event = field(default_factory=threading.Event)
+    driver: ServedEngine | None = None
+    node: RolloutNode | None = None
+    target: Target | None = None  # the node's, over this process's engine
+
+    def __post_init__(self) -> None:
+        self.heads = HeadCache(self.store, self.run)
 
     async def main(self) -> None:
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
