@@ -225,20 +225,14 @@ class DeltasyncRollout:
         workers = min(self.max_concurrency, len(groups)) or 1
         with ThreadPoolExecutor(workers, thread_name_prefix="deltasync-rollout") as pool:
             results = list(pool.map(generate, range(len(groups))))
-        out: dict[str, list[Any]] = {
-            "prompt_ids": [],
-            "completion_ids": [],
-            "logprobs": [],
-            VERSION_FIELD: [],
-        }
-        for result in results:
-            for ids, logprobs in zip(result.completion_ids, result.logprobs, strict=True):
-                out["prompt_ids"].append(result.prompt_ids)
-                out["completion_ids"].append(ids)
-                out["logprobs"].append(logprobs)
-                out[VERSION_FIELD].append(result.version)
-        versions: list[int] = out[VERSION_FIELD]
-        _log_to_trainer(trainer, versions, policy)
+        samples = [
+            (r.prompt_ids, ids, logprobs, r.version)
+            for r in results
+            for ids, logprobs in zip(r.completion_ids, r.logprobs, strict=True)
+        ]
+        names = ("prompt_ids", "completion_ids", "logprobs", VERSION_FIELD)
+        out: dict[str, list[Any]] = {n: [s[i] for s in samples] for i, n in enumerate(names)}
+        _log_to_trainer(trainer, out[VERSION_FIELD], policy)
         return out
 
     def _generate(

@@ -41,11 +41,8 @@ def work_on_part(
     """Encode ``part`` (then any other free part) of the fan-out of ``step``, if it is
     still in flight; the number of parts this call encoded."""
     fanout = current_fanout(runtime.redis, run)
-    if fanout is None or (fanout.step, fanout.parent, fanout.checkpoint) != (
-        step,
-        parent,
-        checkpoint,
-    ):
+    wanted = (step, parent, checkpoint)
+    if fanout is None or (fanout.step, fanout.parent, fanout.checkpoint) != wanted:
         log.info("part job has nothing to do", part=part)
         return 0
     return _help(runtime, fanout, first=part)
