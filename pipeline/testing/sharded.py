@@ -12,7 +12,6 @@ the test helper ``tests/sharded_store.py``'s job (it needs the publish layer).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -138,10 +137,3 @@ class ShardedTrainer:
             new[t.name] = flat.view(t.shape)
         self.state = new
         return new
-
-    def pieces(
-        self, state: dict[str, torch.Tensor], rank: int
-    ) -> Iterator[tuple[RankRange, torch.Tensor]]:
-        """Rank ``rank``'s pieces of ``state``, in its order."""
-        for r in self.ranges[rank]:
-            yield r, piece_of(state, r)

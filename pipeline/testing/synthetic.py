@@ -256,8 +256,6 @@ class UpdateGenerator:
 
     def __init__(self, config: ModelConfig, lr: float = 1e-6, seed: int = 0) -> None:
         self.config = config
-        self.lr = lr
-        self.seed = seed
         self.steps_taken = 0
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
