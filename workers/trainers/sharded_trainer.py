@@ -410,13 +410,11 @@ class ShardedEmitter(RunEmitter):
                     specs = named_specs({p.name: p.flat for p in held}, dtype)
                     write_checkpoint(tmp / CHECKPOINT_NAME, flats(), metadata=metadata, specs=specs)
             write_layout(tmp, layout)
+            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:12]}")
             if target.exists() or target.is_symlink():  # the same step staged again
-                old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:12]}")
                 os.rename(target, old)
-                os.rename(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, target)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -431,14 +429,13 @@ class ShardedEmitter(RunEmitter):
         if not root.is_dir():
             return
         mine = f"rank-{self.rank:05d}"
-        earlier: list[tuple[int, Path]] = []
-        for child in root.iterdir():
-            match = _STEP_FOLDER.fullmatch(child.name)
-            if match and int(match[1]) < step:
-                earlier.append((int(match[1]), child))
+        earlier = sorted(
+            (int(match[1]), child)
+            for child in root.iterdir()
+            if (match := _STEP_FOLDER.fullmatch(child.name)) and int(match[1]) < step
+        )
         if not earlier:
             return
-        earlier.sort()
         r = self.runtime.redis
         # A later step's marker tells it completed: those of the folders still here,
         # of the step this emitter did last, and of this one.
