@@ -289,6 +289,10 @@ def render_status(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
+
+    def say(line: str) -> None:
+        console.print(line, soft_wrap=True)
+
     console.print(f"[bold]run[/] {report['run']}   [bold]store[/] {report['store']}")
     if report["head"] is None:
         console.print("no published version yet")
@@ -308,10 +312,9 @@ def render_status(report: dict[str, Any]) -> None:
                 f"{c['delta_bytes']:,} delta bytes vs {c['anchor_bytes']:,} anchor bytes"
             )
     if report.get("store_behind"):
-        console.print(
+        say(
             f"[red]{report['store_behind']}[/] (versions hidden or deleted from the store; "
-            "nodes cannot reach them)",
-            soft_wrap=True,
+            "nodes cannot reach them)"
         )
     queues_table = Table(
         "queue", "queued", "running", "failed", "recent failed jobs", title="queues"
@@ -325,23 +328,21 @@ def render_status(report: dict[str, Any]) -> None:
         for w in q["workers"]:
             worker, ago = f"worker {escape(w['name'])} on {name}", f"{w['heartbeat_s_ago']}s ago"
             job = f" {w['job']}" if w["job"] else ""
-            console.print(
+            say(
                 f"[red]{worker}: dead[/] (no heartbeat since {w['last_heartbeat']}, {ago}; "
                 f"lease {w['lease_s']:g}s)"
                 if w["state"] == "dead"
-                else f"{worker}: {w['state']}{escape(job)}, heartbeat {ago}",
-                soft_wrap=True,
+                else f"{worker}: {w['state']}{escape(job)}, heartbeat {ago}"
             )
         if not any(w["state"] != "dead" for w in q["workers"]):
             console.print(f"[yellow]no live worker on {name}[/]")
     if report.get("pending_steps"):
-        console.print(f"steps waiting to publish {report['pending_steps']}", soft_wrap=True)
+        say(f"steps waiting to publish {report['pending_steps']}")
     for step in report.get("lost_steps", []):
-        console.print(
+        say(
             f"[yellow]step {step} is staged but Redis does not know it[/] (Redis lost its "
             f"data?): `deltasync retry --run {escape(report['run'])} --step {step}` sends it "
-            "again, or the trainer's next step does",
-            soft_wrap=True,
+            "again, or the trainer's next step does"
         )
     replicas_table = Table(
         *("node", "version", "lag (versions)", "last seen", "state"), title="replicas"
@@ -359,17 +360,15 @@ def render_status(report: dict[str, Any]) -> None:
         replicas_table.add_row("-", "-", "-", "no replica reported recently", "-")
     console.print(replicas_table)
     for dead in report.get("dead_steps", []):
-        console.print(
+        say(
             f"[red]step {dead['step']} set aside:[/] {escape(dead['reason'])} (once its cause "
-            f"is fixed: `deltasync retry --run {escape(report['run'])} --step {dead['step']}`)",
-            soft_wrap=True,
+            f"is fixed: `deltasync retry --run {escape(report['run'])} --step {dead['step']}`)"
         )
     failing = report.get("compaction_failing")
     if failing:
-        console.print(
+        say(
             f"[red]policy compaction failed[/] ({failing['failures']} in a row since "
-            f"{failing['since']}; next try {failing['retry_at']}): {escape(failing['reason'])}",
-            soft_wrap=True,
+            f"{failing['since']}; next try {failing['retry_at']}): {escape(failing['reason'])}"
         )
     render_failing(console, report.get("failing", []))
     for d in report.get("cache_damage", []):
@@ -380,16 +379,14 @@ def render_status(report: dict[str, Any]) -> None:
         )
     refused = report.get("refused_jobs") or {}
     if refused.get("count"):
-        console.print(
+        say(
             f"[red]{refused['count']} job(s) refused[/] (not deltasync's jobs; nothing of "
-            "them ran): someone with Redis write access queued them",
-            soft_wrap=True,
+            "them ran): someone with Redis write access queued them"
         )
     for job in refused.get("recent", []):
-        console.print(
+        say(
             f"  [red]refused[/] {escape(job['job_id'])} on {escape(job['queue'])} "
-            f"{job['time']}: {escape(job['reason'])}",
-            soft_wrap=True,
+            f"{job['time']}: {escape(job['reason'])}"
         )
 
 
