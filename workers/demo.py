@@ -94,21 +94,18 @@ class Demo:
     # processes --------------------------------------------------------------
     def _env(self) -> dict[str, str]:
         s = self.runtime.settings
-        env = dict(os.environ)
-        env.update(
-            {
-                "DELTASYNC_REDIS_URL": self.runtime.redis_url,
-                "DELTASYNC_STORE": s.store_url,
-                "DELTASYNC_HOME": str(s.data_dir),
-                "DELTASYNC_STAGING": str(s.staging_dir),
-                "DELTASYNC_CACHE": str(self.folder / "cache"),
-                "DELTASYNC_COMPACT_MAX_CHAIN": str(self.options.compact_every),
-                "DELTASYNC_LOG_JSON": "1",
-                # Two cores: one torch thread per helper process keeps them from thrashing.
-                "OMP_NUM_THREADS": "1",
-            }
-        )
-        return env
+        return {
+            **os.environ,
+            "DELTASYNC_REDIS_URL": self.runtime.redis_url,
+            "DELTASYNC_STORE": s.store_url,
+            "DELTASYNC_HOME": str(s.data_dir),
+            "DELTASYNC_STAGING": str(s.staging_dir),
+            "DELTASYNC_CACHE": str(self.folder / "cache"),
+            "DELTASYNC_COMPACT_MAX_CHAIN": str(self.options.compact_every),
+            "DELTASYNC_LOG_JSON": "1",
+            # Two cores: one torch thread per helper process keeps them from thrashing.
+            "OMP_NUM_THREADS": "1",
+        }
 
     def _spawn(self, name: str, *args: str) -> None:
         logs = self.folder / "logs"
@@ -297,8 +294,7 @@ class Demo:
                 while time.monotonic() < deadline:
                     self._drain_events(block_ms=250)
                     live.update(self._live_view(opts.steps))
-                    nodes_done = all(self.procs[n].poll() is not None for n in self.nodes)
-                    if nodes_done:
+                    if all(self.procs[n].poll() is not None for n in self.nodes):
                         break
                 self._drain_events()
             if not self.console.is_terminal:
