@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,7 @@ def parse_server_args(argv: Sequence[str]) -> Any:
     return args
 
 
+@dataclass(eq=False)
 class VersionTagger:
     """ASGI middleware: generation requests (POST) pass the version gate, and their
     response carries the version they were admitted under.
@@ -124,18 +125,11 @@ class VersionTagger:
     504 naming the held version and the head (``status()``, the version route's
     document). A malformed header is answered 400."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        gate: VersionGate,
-        *,
-        wait_s: float = GATE_WAIT_S,
-        status: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-    ) -> None:
-        self.app = app
-        self.gate = gate
-        self.wait_s = wait_s
-        self.status = status
+    app: ASGIApp
+    gate: VersionGate
+    _: KW_ONLY
+    wait_s: float = GATE_WAIT_S
+    status: Callable[[], Awaitable[dict[str, Any]]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -241,14 +235,14 @@ class Fingerprints:
                 value.system_fingerprint = label
 
 
+@dataclass(eq=False)
 class HeadCache:
     """The run's head from the store, listed at most once a second."""
 
-    def __init__(self, store: ObjectStore, run: str) -> None:
-        self.store = store
-        self.run = run
-        self._at = 0.0
-        self._head: int | None = None
+    store: ObjectStore
+    run: str
+    _at: float = 0.0
+    _head: int | None = None
 
     def head(self) -> int | None:
         if time.monotonic() - self._at >= _HEAD_CACHE_S:
@@ -306,7 +300,7 @@ def run_serve(
     log.info("serve stopped", version=serving.driver.version if serving.driver else None)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Serving:
     args: Any
     store: ObjectStore
