@@ -121,27 +121,13 @@ class Demo:
 
     def _start_node(self, name: str, last: int, *, target: str = "torch") -> None:
         self.nodes.append(name)
-        args = [
-            "rollout",
-            "--run",
-            self.run,
-            "--target",
-            target,
-            "--node-id",
-            name,
-            "--until",
-            str(last),
-            "--verify",
-            "all",
-            "--poll",
-            "1",
-            "--wait",  # started before the trainer's first step
-            "--dump",
-            str(self.folder / "dumps" / f"{name}.safetensors"),
-        ]
+        options = {"--run": self.run, "--target": target, "--node-id": name, "--until": str(last)}
+        options |= {"--verify": "all", "--poll": "1"}
+        options["--dump"] = str(self.folder / "dumps" / f"{name}.safetensors")
         if target == "vllm":
-            args += ["--model", str(self._vllm_model_folder())]
-        self._spawn(name, *args)
+            options["--model"] = str(self._vllm_model_folder())
+        # --wait: started before the trainer's first step
+        self._spawn(name, "rollout", "--wait", *(word for pair in options.items() for word in pair))
 
     def _vllm_model_folder(self) -> Path:
         """config.json of the synthetic (Llama-shaped) model, no weights and no
