@@ -38,37 +38,17 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
 
-    PRESETS: ClassVar[dict[str, dict[str, int]]] = {
-        # ~2.5M parameters: fast enough for unit tests.
-        "tiny": {
-            "vocab_size": 4096,
-            "hidden_size": 192,
-            "num_layers": 2,
-            "num_heads": 4,
-            "intermediate_size": 512,
-        },
-        # ~10M parameters.
-        "small": {
-            "vocab_size": 8192,
-            "hidden_size": 320,
-            "num_layers": 4,
-            "num_heads": 5,
-            "intermediate_size": 864,
-        },
-        # ~36M parameters: benchmarks.
-        "medium": {
-            "vocab_size": 16384,
-            "hidden_size": 512,
-            "num_layers": 6,
-            "num_heads": 8,
-            "intermediate_size": 1376,
-        },
+    # (vocab_size, hidden_size, num_layers, num_heads, intermediate_size): the fields' order
+    PRESETS: ClassVar[dict[str, tuple[int, int, int, int, int]]] = {
+        "tiny": (4096, 192, 2, 4, 512),  # ~2.5M parameters: fast enough for unit tests
+        "small": (8192, 320, 4, 5, 864),  # ~10M parameters
+        "medium": (16384, 512, 6, 8, 1376),  # ~36M parameters: benchmarks
     }
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
         try:
-            return cls(**cls.PRESETS[name])
+            return cls(*cls.PRESETS[name])
         except KeyError:
             raise ConfigError(
                 f"unknown model preset {name!r}; choose from {sorted(cls.PRESETS)}"
