@@ -39,7 +39,7 @@ from pipeline.errors import ConfigError, DeltasyncError, VersionTimeoutError
 from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
-from pipeline.rollout.node import RolloutNode
+from pipeline.rollout.node import RolloutNode, parse_verify
 from pipeline.rollout.served import (
     GATE_WAIT_S,
     MIN_VERSION_HEADER,
@@ -269,8 +269,7 @@ def run_serve(
     """Serve ``model_path``'s model with the weights of run ``run`` until SIGINT/SIGTERM.
     ``gate_wait_s``: how long a request asking for a version waits for it by default.
     ``wait``: as for ``open_node_store`` (checked before vLLM is loaded)."""
-    if verify not in ("touched", "all", "none"):
-        raise ConfigError(f"verify mode {verify!r} is not one of touched, all, none")
+    parse_verify(verify)
     if poll_interval_s <= 0:
         raise ConfigError(f"poll interval must be positive, got {poll_interval_s}")
     parse_wait_timeout(str(gate_wait_s), name="--wait-timeout")

@@ -81,9 +81,8 @@ def named_specs(
 def named_tensors(
     weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    items = weights.items()
     seen: set[int] = set()
-    for name, tensor in items:
+    for name, tensor in weights.items():
         t = tensor.detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
