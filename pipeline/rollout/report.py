@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import structlog
@@ -41,36 +41,26 @@ class Applied:
     early_parts: int = 0  # objects fetched (and proven, where the target can) from part hints
 
 
+@dataclass(eq=False)
 class Reporter:
     """Events, heartbeats and history of one node of ``run``. ``first_seen(version)``
     is when the version's first event arrived (for latency), if one did; with
     ``early_start`` each ``delta-applied`` says how many objects were fetched early."""
 
-    def __init__(
-        self,
-        run: str,
-        node_id: str,
-        *,
-        events: EventStream | None,
-        redis: Any,
-        heartbeat_interval_s: float,
-        replica_ttl_s: float,
-        first_seen: Callable[[int], float | None],
-        early_start: bool,
-    ) -> None:
-        self.run = run
-        self.node_id = node_id
-        self.events = events
-        self.redis = redis
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.replica_ttl_s = replica_ttl_s
-        self.first_seen = first_seen
-        self.early_start = early_start
-        self.history: deque[Applied] = deque(maxlen=HISTORY)
-        self._last_heartbeat = 0.0
-        # A failure record of this node may be in Redis (also from an earlier process
-        # with this node id): the first successful sync removes it.
-        self._failing = True
+    run: str
+    node_id: str
+    _: KW_ONLY
+    events: EventStream | None
+    redis: Any
+    heartbeat_interval_s: float
+    replica_ttl_s: float
+    first_seen: Callable[[int], float | None]
+    early_start: bool
+    history: deque[Applied] = field(init=False, default_factory=lambda: deque(maxlen=HISTORY))
+    _last_heartbeat: float = field(init=False, default=0.0)
+    # A failure record of this node may be in Redis (also from an earlier process
+    # with this node id): the first successful sync removes it.
+    _failing: bool = field(init=False, default=True)
 
     def applied(
         self,
