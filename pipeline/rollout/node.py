@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import structlog
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pipeline import collector, metrics
@@ -70,7 +69,6 @@ from pipeline.store import open_store
 from pipeline.store.base import ObjectStore
 from pipeline.store.trust import store_key, trusted
 from pipeline.targets.base import Target, VerifyMode
-from pipeline.targets.pieced import AnchorPiece
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
@@ -468,10 +466,7 @@ class RolloutNode:
         for recorded in list(self._candidates):
             version, kind = recorded.version, recorded.kind
             assert version is not None  # only held versions are candidates
-            listed = index is None or version in (
-                index.deltas if kind == "delta" else index.anchors
-            )
-            if not listed:
+            if index is not None and not _listed(index, kind, version):
                 continue
             try:
                 manifest = self._manifest(kind, version)
@@ -488,19 +483,18 @@ class RolloutNode:
 
     def _proves(self, manifest: Manifest) -> bool:
         """Whether the target's weights are ``manifest``'s (a remote target's word)."""
-        version = manifest.version
         if isinstance(self.target, RemoteTarget):
             return self.target.holds(manifest)
         try:
             held = self.target.hashes([t.name for t in manifest.tensors], manifest.content_hash)
         except DeltasyncError as exc:
-            log.info("cannot resume, will bootstrap", version=version, error=str(exc))
+            log.info("cannot resume, will bootstrap", version=manifest.version, error=str(exc))
             return False
         bad = [t.name for t in manifest.tensors if held.get(t.name) != t.hash]
         if bad:
             log.info(
                 "held weights are not the recorded version, will bootstrap",
-                version=version,
+                version=manifest.version,
                 first_mismatch=bad[0],
                 mismatches=len(bad),
             )
@@ -633,21 +627,16 @@ class RolloutNode:
         newest = index.head
         for version in reversed(index.versions):
             for kind in ("delta", "anchor"):
-                listed = index.deltas if kind == "delta" else index.anchors
-                if version not in listed:
-                    continue
-                if (kind, version) in self._unusable and version != newest:
-                    continue
-                manifest = self._usable(kind, version)
-                if manifest is not None:
-                    return manifest
+                skipped = (kind, version) in self._unusable and version != newest
+                if _listed(index, kind, version) and not skipped:
+                    manifest = self._usable(kind, version)
+                    if manifest is not None:
+                        return manifest
         return None
 
     def _newest_usable_anchor(self, index: chain.VersionIndex, head: int) -> int | None:
         for version in sorted((a for a in index.anchors if a <= head), reverse=True):
-            if ("anchor", version) in self._unusable:
-                continue
-            if self._usable("anchor", version) is not None:
+            if ("anchor", version) not in self._unusable and self._usable("anchor", version):
                 return version
         return None
 
@@ -720,31 +709,26 @@ class RolloutNode:
         log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
         started = time.perf_counter()
         ahead = self.options.prefetch_depth if self.options.prefetch else 1
-        pieces: Iterator[AnchorPiece] | None = None
-        tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
-        if manifest.is_pieced:
-            if not target.capabilities.pieces:
-                raise TargetError(
-                    f"run {self.run_name} is sharded (tensors in pieces): target "
-                    f"{type(target).__name__} cannot apply its versions"
-                )
-            pieces = stream_anchor_pieces(self.store, manifest, self._submit, ahead, self.progress)
-        else:
-            tensors = stream_anchor(self.store, manifest, self._submit, ahead, self.progress)
+        if manifest.is_pieced and not target.capabilities.pieces:
+            raise TargetError(
+                f"run {self.run_name} is sharded (tensors in pieces): target "
+                f"{type(target).__name__} cannot apply its versions"
+            )
+        stream = stream_anchor_pieces if manifest.is_pieced else stream_anchor
+        parts: Iterator[Any] = stream(self.store, manifest, self._submit, ahead, self.progress)
         if self._applied is not None:
             # Serving a version: prove the whole anchor (sizes, sha256, tensor hashes)
             # before the first weight is overwritten, so a damaged anchor leaves the
             # served version intact rather than a mix of two versions.
-            tensors = iter(list(tensors))
-            pieces = None if pieces is None else iter(list(pieces))
+            parts = iter(list(parts))
         self._stuck_on = store_state
         self._forget_state(manifest.instance)  # mid-load the target holds no provable version
         target.use_content_hash(manifest.content_hash)
-        if pieces is not None:
-            target.load_pieces(pieces)
+        if manifest.is_pieced:
+            target.load_pieces(parts)
         else:
             # stream_anchor checked each tensor against these as it came.
-            target.load_state(tensors, {t.name: t.hash for t in manifest.tensors})
+            target.load_state(parts, {t.name: t.hash for t in manifest.tensors})
         load_s = time.perf_counter() - started
         self._need_bootstrap = False
         self._set_applied(manifest)
@@ -952,6 +936,10 @@ class RolloutNode:
 def _collected(before: chain.VersionIndex, after: chain.VersionIndex) -> bool:
     """Whether versions listed ``before`` are gone from the listing ``after``."""
     return bool(set(before.deltas) - set(after.deltas) or set(before.anchors) - set(after.anchors))
+
+
+def _listed(index: chain.VersionIndex, kind: Kind, version: int) -> bool:
+    return version in (index.deltas if kind == "delta" else index.anchors)
 
 
 def _shown(version: int | None) -> str:
