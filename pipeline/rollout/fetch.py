@@ -107,9 +107,7 @@ def _anchor_objects(
     entries = list(manifest.objects)
     total = sum(e.size for e in entries)
     with progress_bar(progress, f"anchor v{manifest.version}", total) as advance:
-        pending: deque[Future[bytes]] = deque()
-        for entry in entries[:ahead]:
-            pending.append(submit(chain.fetch_object, store, manifest, entry))
+        pending = deque(submit(chain.fetch_object, store, manifest, e) for e in entries[:ahead])
         for i, entry in enumerate(entries):
             data = pending.popleft().result()
             nxt = i + len(pending) + 1

@@ -500,23 +500,16 @@ class RolloutNode:
             )
         return not bad
 
-    def _forget_state(self, instance: str | None) -> None:
-        """Mid-load: the target holds no provable version; the floor stays recorded."""
-        self._applied = None
-        self._held = None
-        self._state_hash = None
-        self._write_state(None, instance)
-
-    def _write_state(self, manifest: Manifest | None, instance: str | None) -> None:
+    def _hold(self, manifest: Manifest | None, instance: str | None) -> None:
+        """Record ``manifest`` as held (None mid-load: no provable version; the floor
+        stays recorded)."""
+        self._applied = None if manifest is None else manifest.version
+        self._held = manifest
+        self._state_hash = None if manifest is None else manifest.state_hash
         if instance is not None:
             self._floor_instance = instance
         write_state(
-            self.state_path,
-            self.run_name,
-            self.node_id,
-            manifest,
-            self.floor,
-            self._floor_instance,
+            self.state_path, self.run_name, self.node_id, manifest, self.floor, self._floor_instance
         )
 
     # -- sync ------------------------------------------------------------------------
@@ -722,7 +715,7 @@ class RolloutNode:
             # served version intact rather than a mix of two versions.
             parts = iter(list(parts))
         self._stuck_on = store_state
-        self._forget_state(manifest.instance)  # mid-load the target holds no provable version
+        self._hold(None, manifest.instance)  # mid-load the target holds no provable version
         target.use_content_hash(manifest.content_hash)
         if manifest.is_pieced:
             target.load_pieces(parts)
@@ -888,10 +881,7 @@ class RolloutNode:
         return self.public_key if self.public_key is not None else store_key(self.store)
 
     def _set_applied(self, manifest: Manifest) -> None:
-        self._applied = manifest.version
-        self._held = manifest
-        self._state_hash = manifest.state_hash
-        self._write_state(manifest, manifest.instance)
+        self._hold(manifest, manifest.instance)
         if manifest.instance not in (None, self._pinned) and self._key() is not None:
             assert manifest.instance is not None
             write_pin(self.state_path, self.run_name, manifest.instance)

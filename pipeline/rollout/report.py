@@ -96,12 +96,13 @@ class Reporter:
     def failed(self, held: int | None, exc: DeltasyncError) -> None:
         """Announce a failed sync; the node keeps ``held`` and recovers."""
         metrics.refused(self.run, "rollout", exc)
+        error = f"{type(exc).__name__}: {exc}"
         self.publish(
             ReplicaError(
                 run=self.run,
                 version=held if held is not None else 0,
                 node=self.node_id,
-                error=f"{type(exc).__name__}: {exc}",
+                error=error,
                 recovering=True,
             )
         )
@@ -109,12 +110,7 @@ class Reporter:
         if self.redis is not None:
             try:
                 replica_problems.report_failure(
-                    self.redis,
-                    self.run,
-                    self.node_id,
-                    held,
-                    f"{type(exc).__name__}: {exc}",
-                    ttl_s=self.replica_ttl_s,
+                    self.redis, self.run, self.node_id, held, error, ttl_s=self.replica_ttl_s
                 )
                 self._failing = True
             except DeltasyncError as report_exc:
