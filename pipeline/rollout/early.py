@@ -102,25 +102,22 @@ class EarlyParts:
             self._parts[(hint.version, hint.key)] = (hint.sha256, future)
 
     def _start(self, hint: DeltaPart) -> EarlyPart:
-        try:
-            return self._early(hint)
-        except DeltasyncError as exc:  # kept for _ready; said now, while it is news
-            log.info("early part refused", version=hint.version, key=hint.key, error=str(exc))
-            raise
-
-    def _early(self, hint: DeltaPart) -> EarlyPart:
         """Download the hinted object, check it is as hinted, and prove it if the target can.
         Read as the manifest's objects are (``read_bounded``): no more than the hinted
         size, and only from a regular file, so that a FIFO, device or huge (sparse) file
         in the hinted object's place is refused at once instead of blocking the node or
         filling its memory."""
-        key = object_key(self.run, "delta", hint.version, hint.key)
-        data = read_bounded(self.store, key, hint.size, what="hinted object")
-        if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
-            raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
-        if self.target is None or self._proofs != "here":
-            return EarlyPart(data, None)
-        return EarlyPart(data, self.target.prove_object(hint.key, data, hint.sha256))
+        try:
+            key = object_key(self.run, "delta", hint.version, hint.key)
+            data = read_bounded(self.store, key, hint.size, what="hinted object")
+            if len(data) != hint.size or sha256_bytes(data) != hint.sha256:
+                raise CorruptObjectError(f"object {hint.key} of v{hint.version} is not as hinted")
+            if self.target is None or self._proofs != "here":
+                return EarlyPart(data, None)
+            return EarlyPart(data, self.target.prove_object(hint.key, data, hint.sha256))
+        except DeltasyncError as exc:  # kept for _ready; said now, while it is news
+            log.info("early part refused", version=hint.version, key=hint.key, error=str(exc))
+            raise
 
     @property
     def hands_off(self) -> bool:

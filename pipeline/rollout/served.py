@@ -137,8 +137,7 @@ class VersionClient:
     OpenAI base URL, is accepted too). Plain HTTP from the standard library."""
 
     def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
-        base = url.rstrip("/")
-        base = base.removesuffix("/v1")
+        base = url.rstrip("/").removesuffix("/v1")
         parts = urllib.parse.urlsplit(base)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"server URL {url!r} must look like http://host:port")
