@@ -501,8 +501,7 @@ class RolloutNode:
         return not bad
 
     def _hold(self, manifest: Manifest | None, instance: str | None) -> None:
-        """Record ``manifest`` as held (None mid-load: no provable version; the floor
-        stays recorded)."""
+        """Record ``manifest`` as held (None mid-load: nothing provable; the floor stays)."""
         self._applied = None if manifest is None else manifest.version
         self._held = manifest
         self._state_hash = None if manifest is None else manifest.state_hash
