@@ -118,6 +118,16 @@ class DeltasyncWorkerExtension:
             weights_iterator=list(tensors), is_checkpoint_format=True
         )
 
+    def _ds_routes(
+        self, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> dict[str, Route]:
+        """Where the model's loader puts each named tensor (see ``route_names``)."""
+        model = self._ds_model()
+        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+        load_weights = model.load_weights  # type: ignore[assignment]
+        with torch.no_grad():
+            return route_names(model, load_weights, shapes)
+
     def _ds_adopt(self, tensors: dict[str, torch.Tensor], push: bool) -> None:
         """Make ``tensors`` the shadow; with ``push``, reload all of them into the model.
 
@@ -126,12 +136,7 @@ class DeltasyncWorkerExtension:
         """
         state = self._ds()
         state.check_idle()
-        model = self._ds_model()
-        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
-        load_weights = model.load_weights  # type: ignore[assignment]
-        shapes = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
-        with torch.no_grad():
-            routes = route_names(model, load_weights, shapes)
+        routes = self._ds_routes({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()})
         state.pending = None
         state.early.wrote()
         if push:
@@ -185,10 +190,11 @@ class DeltasyncWorkerExtension:
                     placements[name] = placement
         return placements
 
-    def _ds_group(self, state: WorkerState, names: Iterable[str]) -> list[str]:
-        """Every shadow tensor feeding the modules that ``names`` reach (whole groups)."""
+    def _ds_reload_groups(self, state: WorkerState, names: Iterable[str]) -> None:
+        """Reload from the shadow every tensor feeding the modules ``names`` reach."""
         modules = {state.routes[n].module for n in names} - {None}
-        return sorted(n for n, r in state.routes.items() if r.module in modules)
+        group = sorted(n for n, r in state.routes.items() if r.module in modules)
+        self._ds_reload((n, state.shadow[n]) for n in group)
 
     def _ds_push(self, state: WorkerState, pending: Written) -> None:
         """Bring the model in line with the shadow for the tensors ``pending`` wrote:
@@ -235,8 +241,7 @@ class DeltasyncWorkerExtension:
                     0, flat.to(param.device), int_view(values).to(param.device)
                 )
         if reload:
-            group = self._ds_group(state, reload)
-            self._ds_reload((n, state.shadow[n]) for n in group)
+            self._ds_reload_groups(state, reload)
 
     # --- RPC methods --------------------------------------------------------------
 
@@ -317,11 +322,7 @@ class DeltasyncWorkerExtension:
                 name: (spec.dtype, spec.shape)
                 for name, spec in specs_from_wire(specs, "check_names request").items()
             }
-            model = self._ds_model()
-            load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]
-            load_weights = model.load_weights  # type: ignore[assignment]
-            with torch.no_grad():
-                return len(route_names(model, load_weights, shapes))
+            return len(self._ds_routes(shapes))
 
         return enveloped(run)
 
@@ -463,13 +464,8 @@ class DeltasyncWorkerExtension:
             try:
                 self._ds_push(state, pending)
             except Exception:
-                state.early.wrote()
-                pending.rollback()
-                for name in pending.touched:
-                    state.hashes.pop(name, None)
-                state.pending = None
-                group = self._ds_group(state, pending.touched)
-                self._ds_reload((n, state.shadow[n]) for n in group)
+                state.undo(pending)
+                self._ds_reload_groups(state, pending.touched)
                 raise
             state.pending = None
             return time.perf_counter() - started
@@ -486,11 +482,7 @@ class DeltasyncWorkerExtension:
             pending = state.pending
             if pending is None:
                 return False
-            state.early.wrote()
-            pending.rollback()
-            for name in pending.touched:
-                state.hashes.pop(name, None)
-            state.pending = None
+            state.undo(pending)
             return True
 
         return enveloped(run)

@@ -12,7 +12,7 @@ one-line TargetError naming the field that is wrong.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict, TypeVar, cast
 
 from pipeline.errors import MismatchError, TargetError
@@ -322,23 +322,12 @@ class PrepareSummary:
     walked: int = 0
 
     def wire(self) -> SummaryWire:
-        return {
-            "tensors": self.tensors,
-            "changed": self.changed,
-            "early_tensors": self.early_tensors,
-            "walked": self.walked,
-        }
+        return cast(SummaryWire, {f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
     def parse(cls, doc: object) -> PrepareSummary:
-        what = "prepare answer"
-        summary = _mapping(doc, "answer", what)
-        return cls(
-            _get(summary, "tensors", int, what),
-            _get(summary, "changed", int, what),
-            _get(summary, "early_tensors", int, what),
-            _get(summary, "walked", int, what),
-        )
+        summary = _mapping(doc, "answer", "prepare answer")
+        return cls(*(_get(summary, f.name, int, "prepare answer") for f in fields(cls)))
 
 
 __all__ = [

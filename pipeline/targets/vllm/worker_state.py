@@ -94,6 +94,14 @@ class WorkerState:
             self.hashes.pop(name, None)
         yield
 
+    def undo(self, pending: Written) -> None:
+        """Take a prepared delta back out of the shadow (the model is not touched)."""
+        self.early.wrote()
+        pending.rollback()
+        for name in pending.touched:
+            self.hashes.pop(name, None)
+        self.pending = None
+
     def busy(self) -> bool:
         """A background prepare is running, or a prepared delta awaits its commit."""
         thread = self.preparing
