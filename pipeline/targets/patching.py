@@ -23,6 +23,8 @@ Shared by every target, through ``pipeline.targets.proving.prove_and_write``. Th
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -98,14 +100,10 @@ def decode_entries(
     """
     patches: list[TensorPatch] = []
     for entry, delta, held, spec in changed_entries(entries, objects, base, specs):
-        patch = decode_entry(delta, entry, held)
+        patch = guarded(delta.decode, entry, held)
         check_patch(patch, entry, spec)
         patches.append(patch)
     return patches
-
-
-def decode_entry(delta: DeltaObject, entry: TensorEntry, held: torch.Tensor) -> TensorPatch:
-    return guarded(delta.decode, entry, held)
 
 
 def guarded(
@@ -213,13 +211,10 @@ def check_patch(patch: TensorPatch, entry: TensorEntry, spec: TensorSpec) -> Non
         )
     if patch.positions.dtype != torch.int64 or patch.positions.dim() != 1:
         raise CorruptObjectError(f"tensor {entry.name}: decoded positions are not flat int64")
-    numel = 1
-    for size in spec.shape:
-        numel *= size
     # Positions are sorted ascending: the ends bound them all.
     if count:
         first, last = _ends(patch.positions)
-        if first < 0 or last >= numel:
+        if first < 0 or last >= math.prod(spec.shape):
             raise CorruptObjectError(f"tensor {entry.name}: decoded position out of range")
 
 
@@ -248,15 +243,14 @@ def hash_patched(
     chunks are copied out while the previous one is hashed). MismatchError names the
     first tensor whose result differs from ``expected``. The held tensors must not
     change between this call and the write, or the hashes prove nothing."""
-    hashes: dict[str, str] = {}
-    for patch in patches:
-        held = tensor(patch.name)
-        digest = _hash_patched(held, patch)
-        want = expected.get(patch.name)
-        if digest != want:
-            raise hash_mismatch(patch.name, digest, want)
-        hashes[patch.name] = digest
-    return hashes
+    return {p.name: _checked(p.name, _hash_patched(tensor(p.name), p), expected) for p in patches}
+
+
+def _checked(name: str, digest: str, expected: Mapping[str, str]) -> str:
+    """``digest``, if it is the ``expected`` hash of tensor ``name``."""
+    if digest != expected.get(name):
+        raise hash_mismatch(name, digest, expected.get(name))
+    return digest
 
 
 def hash_mismatch(name: str, digest: str, want: str | None) -> MismatchError:
@@ -306,15 +300,12 @@ def saved_old_values(
 # Scattered writes into cold weights are bound by the cache misses one core keeps in
 # flight; a second core writing other tensors shortens the locked write (~1.7x here).
 _PARALLEL_WRITE_MIN = 1 << 16  # changed elements
-_writer: ThreadPoolExecutor | None = None
 
 
+@functools.cache
 def _second_writer() -> ThreadPoolExecutor:
     """The one thread that writes half of a large CPU delta next to the caller's."""
-    global _writer
-    if _writer is None:
-        _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-write")
-    return _writer
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltasync-write")
 
 
 def split_for_two_writers(
@@ -390,14 +381,7 @@ def rehash_written(
 ) -> dict[str, str]:
     """Content hashes (``full``) of the written tensors ``names``; MismatchError naming
     the first that differs from ``expected``."""
-    hashes: dict[str, str] = {}
-    for name in names:
-        digest = full(tensor(name))
-        want = expected.get(name)
-        if digest != want:
-            raise hash_mismatch(name, digest, want)
-        hashes[name] = digest
-    return hashes
+    return {name: _checked(name, full(tensor(name)), expected) for name in names}
 
 
 def check_written(patches: Sequence[TensorPatch], tensor: Callable[[str], torch.Tensor]) -> None:

@@ -43,7 +43,6 @@ from pipeline.targets.patching import (
     changed_records,
     check_patch,
     decode_entries,
-    decode_entry,
     guarded,
     hash_mismatch,
     hash_patched,
@@ -246,13 +245,9 @@ def prove_entries(
     tensor's patch per thread instead of growing with every change of the version."""
     early = early or {}
     changes = list(changed_entries(entries, objects, base, specs))
-
-    def prove(
-        entry: TensorEntry, delta: DeltaObject, held: torch.Tensor, spec: TensorSpec
-    ) -> tuple[TensorPatch | Walk, str, torch.Tensor | None]:
-        return _prove_one(entry, delta, held, spec, base, early, keep_patches)
-
-    results = _prove_all(prove, changes)
+    results = _on_provers(
+        lambda c: _prove_one(*c, base, early, keep_patches), changes, lambda c: c[0].changed
+    )
     proven = ProvenPatches([], {}, {})
     for done, digest, old in results:
         proven.hashes[done.name] = digest
@@ -283,22 +278,16 @@ def _provers() -> ThreadPoolExecutor:
 Change = tuple[TensorEntry, DeltaObject, torch.Tensor, TensorSpec]
 
 
-def _prove_all(prove: Callable[..., _R], changes: list[Change]) -> list[_R]:
-    """``prove(*change)`` for every change, on PROVE_THREADS threads where there are
-    several (the walk, gathers and hash updates release the GIL), the tensors with
-    the most changes first: an embedding or a head left for last would keep one
-    thread busy while the others idle. Results come in the order given, so the first
-    tensor at fault in manifest order is the one raised; none still reads the
-    weights when this returns or raises."""
-    return _on_provers(lambda change: prove(*change), changes, lambda c: c[0].changed)
-
-
 _W = TypeVar("_W")
 
 
 def _on_provers(prove: Callable[[_W], _R], work: list[_W], weight: Callable[[_W], int]) -> list[_R]:
-    """``prove(w)`` for every ``w`` of ``work``, the heaviest first (see
-    :func:`_prove_all`); results in the order given."""
+    """``prove(w)`` for every ``w`` of ``work``, on PROVE_THREADS threads where there
+    are several (the walk, gathers and hash updates release the GIL), the heaviest
+    first: an embedding or a head left for last would keep one thread busy while the
+    others idle. Results come in the order given, so the first tensor at fault in
+    manifest order is the one raised; none still reads the weights when this returns
+    or raises."""
     if PROVE_THREADS <= 1 or len(work) <= 1:
         return [prove(w) for w in work]
     pool = _provers()
@@ -328,13 +317,11 @@ def _prove_one(
     found = early.get(entry.name)
     if isinstance(found, ProvenDigest):
         return _early_walk(entry, delta, found), found.digest, None
-    hashed = found
-    if hashed is None:
-        hashed = guarded(delta.decode_hashed, entry, held)
+    hashed = found if found is not None else guarded(delta.decode_hashed, entry, held)
     if hashed is not None and held.device.type != "cpu":
         hashed = _to_device(hashed, held.device)
     if hashed is None:
-        patch = decode_entry(delta, entry, held)
+        patch = guarded(delta.decode, entry, held)
         check_patch(patch, entry, spec)
         digest = hash_patched([patch], base, {entry.name: entry.hash})[entry.name]
         return patch, digest, saved_old_values([patch], base)[entry.name]
@@ -663,12 +650,6 @@ def _piece_walks(
     return walks
 
 
-def _a_piece(shape: tuple[int, ...], held: torch.Tensor) -> bool:
-    """Whether a record is a piece of the held tensor (a sharded run's): it decodes
-    against a flat slice the manifest names, so it is proven with the manifest."""
-    return tuple(shape) != tuple(held.shape)
-
-
 def _to_device(hashed: HashedPatch, device: torch.device) -> HashedPatch:
     """A host-decoded proof of a tensor held on ``device``: its patch moves there now,
     before the weights are locked for the write; the old contents stay on the host
@@ -712,8 +693,8 @@ def prove_object(
         if info.changed == 0:
             continue
         held = base(info.name)
-        if _a_piece(info.shape, held):
-            continue
+        if tuple(info.shape) != tuple(held.shape):
+            continue  # a piece of a sharded run's tensor: proven with the manifest
         if not keep and not (delta.walks(info.name, held) if incremental else held.is_cpu):
             continue  # left to the proof with the manifest
         named = TensorEntry(
