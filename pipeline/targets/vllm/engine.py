@@ -110,9 +110,7 @@ class VersionGate:
         return len(self._waiters)
 
     def admits(self, min_version: int | None = None) -> bool:
-        if not self._open:
-            return False
-        return min_version is None or (self.version is not None and self.version >= min_version)
+        return self._open and (min_version is None or self.reached(min_version))
 
     def reached(self, version: int) -> bool:
         """The model holds ``version`` or a newer one (open or not)."""
