@@ -18,12 +18,13 @@ checkpoint the engine was given, never a re-derived kernel layout.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ParamSpec, Self
 
 import structlog
 import torch
@@ -72,6 +73,18 @@ from pipeline.targets.vllm.worker_state import (
 from pipeline.targets.walking import Written, written_patch
 
 log = structlog.get_logger(__name__)
+
+_P = ParamSpec("_P")
+
+
+def _rpc(method: Callable[_P, object]) -> Callable[_P, Envelope]:
+    """An RPC method whose value, or error, is answered in an envelope (``enveloped``)."""
+
+    @functools.wraps(method)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> Envelope:
+        return enveloped(lambda: method(*args, **kwargs))
+
+    return call
 
 
 class DeltasyncWorkerExtension:
@@ -243,88 +256,70 @@ class DeltasyncWorkerExtension:
         if reload:
             self._ds_reload_groups(state, reload)
 
-    # --- RPC methods --------------------------------------------------------------
+    # --- RPC methods (each answers an envelope: see _rpc) ------------------------
 
-    def deltasync_load_begin(self) -> Envelope:
+    @_rpc
+    def deltasync_load_begin(self) -> None:
         """Start a load_state: following chunks replace the whole shadow."""
+        self._ds().staging = {}
 
-        def run() -> None:
-            self._ds().staging = {}
-
-        return enveloped(run)
-
-    def deltasync_load_chunk(self, data: bytes) -> Envelope:
+    @_rpc
+    def deltasync_load_chunk(self, data: bytes) -> int:
         """One safetensors blob of checkpoint tensors (part of a load_state)."""
+        state = self._ds()
+        if state.staging is None:
+            raise TargetError("vLLM worker: load chunk outside load_begin/load_commit")
+        tensors = load(bytes(data))
+        state.staging.update((n, t.contiguous()) for n, t in tensors.items())
+        return len(tensors)
 
-        def run() -> int:
-            state = self._ds()
-            if state.staging is None:
-                raise TargetError("vLLM worker: load chunk outside load_begin/load_commit")
-            tensors = load(bytes(data))
-            state.staging.update((n, t.contiguous()) for n, t in tensors.items())
-            return len(tensors)
-
-        return enveloped(run)
-
-    def deltasync_load_commit(self, push: bool) -> Envelope:
+    @_rpc
+    def deltasync_load_commit(self, push: bool) -> dict[str, WireSpec]:
         """Adopt the staged tensors as the shadow; with ``push``, reload them all into
         the model (the model then holds exactly the shadow)."""
+        state = self._ds()
+        if state.staging is None:
+            raise TargetError("vLLM worker: load_commit without load_begin")
+        staged, state.staging = state.staging, None
+        self._ds_adopt(staged, push)
+        return specs_to_wire(state.specs())
 
-        def run() -> dict[str, WireSpec]:
-            state = self._ds()
-            if state.staging is None:
-                raise TargetError("vLLM worker: load_commit without load_begin")
-            staged, state.staging = state.staging, None
-            self._ds_adopt(staged, push)
-            return specs_to_wire(state.specs())
-
-        return enveloped(run)
-
-    def deltasync_load_files(self, paths: list[str] | None, push: bool) -> Envelope:
+    @_rpc
+    def deltasync_load_files(self, paths: list[str] | None, push: bool) -> dict[str, WireSpec]:
         """Adopt safetensors files readable by the worker as the shadow: ``paths``
         (files or folders), or None for the folder the engine was started from.
         With ``push`` the tensors are also reloaded into the model. JSON-safe
         arguments, so it also works through the server's ``/collective_rpc``."""
+        if paths is None:
+            sources = [Path(self.model_config.model)]  # type: ignore[attr-defined]
+        else:
+            sources = [Path(path) for path in paths]
+        files: list[Path] = []
+        for source in sources:
+            files.extend(sorted(source.glob("*.safetensors")) if source.is_dir() else [source])
+        if not files:
+            raise TargetError(f"vLLM worker: no safetensors files in {sources[0]}")
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(load(file.read_bytes()))
+        self._ds_adopt(tensors, push)
+        return specs_to_wire(self._ds().specs())
 
-        def run() -> dict[str, WireSpec]:
-            if paths is None:
-                sources = [Path(self.model_config.model)]  # type: ignore[attr-defined]
-            else:
-                sources = [Path(path) for path in paths]
-            files: list[Path] = []
-            for source in sources:
-                files.extend(sorted(source.glob("*.safetensors")) if source.is_dir() else [source])
-            if not files:
-                raise TargetError(f"vLLM worker: no safetensors files in {sources[0]}")
-            tensors: dict[str, torch.Tensor] = {}
-            for file in files:
-                tensors.update(load(file.read_bytes()))
-            self._ds_adopt(tensors, push)
-            return specs_to_wire(self._ds().specs())
-
-        return enveloped(run)
-
-    def deltasync_specs(self) -> Envelope:
+    @_rpc
+    def deltasync_specs(self) -> dict[str, WireSpec] | None:
         """Specs of the shadow; None while the worker holds no deltasync state."""
+        state = self._ds()
+        return specs_to_wire(state.specs()) if state.loaded else None
 
-        def run() -> dict[str, WireSpec] | None:
-            state = self._ds()
-            return specs_to_wire(state.specs()) if state.loaded else None
-
-        return enveloped(run)
-
-    def deltasync_check_names(self, specs: dict[str, WireSpec]) -> Envelope:
+    @_rpc
+    def deltasync_check_names(self, specs: dict[str, WireSpec]) -> int:
         """Check that the model's loader accepts every named tensor (dtype, shape);
         writes nothing. TargetError names the first it rejects."""
-
-        def run() -> int:
-            shapes = {
-                name: (spec.dtype, spec.shape)
-                for name, spec in specs_from_wire(specs, "check_names request").items()
-            }
-            return len(self._ds_routes(shapes))
-
-        return enveloped(run)
+        shapes = {
+            name: (spec.dtype, spec.shape)
+            for name, spec in specs_from_wire(specs, "check_names request").items()
+        }
+        return len(self._ds_routes(shapes))
 
     def deltasync_prepare(self, request: PrepareWire) -> Envelope:
         """Decode, check and write a delta into the shadow; the model is not touched.
@@ -380,13 +375,14 @@ class DeltasyncWorkerExtension:
         with collector.held_off():  # (see pipeline/collector.py)
             return enveloped(run)
 
+    @_rpc
     def deltasync_prove_start(
         self,
         key: str,
         data: bytes,
         sha256: str,
         patch_memory_bytes: int = DEFAULT_PATCH_MEMORY_BYTES,
-    ) -> Envelope:
+    ) -> bool:
         """Start proving one delta object against the shadow before its manifest is
         read (early start: the node got it from a part hint and checked its bytes
         against ``sha256``). Answers at once: True when started, False when the worker
@@ -394,36 +390,29 @@ class DeltasyncWorkerExtension:
         the object with this sha256 uses the proof if the shadow was not written
         since. The proofs keep patches up to ``patch_memory_bytes`` between two
         writes, then only hashes (those tensors are walked at the prepare)."""
+        state = self._ds()
+        if state.busy() or not state.loaded:
+            return False
+        if isinstance(patch_memory_bytes, bool) or not isinstance(patch_memory_bytes, int):
+            raise TargetError("vLLM RPC: patch_memory_bytes must be an int")
+        state.early.patch_memory_bytes = patch_memory_bytes
+        return state.early.start(key, bytes(data), sha256)
 
-        def run() -> bool:
-            state = self._ds()
-            if state.busy() or not state.loaded:
-                return False
-            if isinstance(patch_memory_bytes, bool) or not isinstance(patch_memory_bytes, int):
-                raise TargetError("vLLM RPC: patch_memory_bytes must be an int")
-            state.early.patch_memory_bytes = patch_memory_bytes
-            return state.early.start(key, bytes(data), sha256)
-
-        return enveloped(run)
-
-    def deltasync_prepare_start(self, request: PrepareWire) -> Envelope:
+    @_rpc
+    def deltasync_prepare_start(self, request: PrepareWire) -> bool:
         """``deltasync_prepare`` on a thread of its own; answers at once, so the engine
         keeps serving while the delta is decoded and verified (the model is not
         touched). Collect the outcome with ``deltasync_prepare_result``."""
+        state = self._ds_loaded()
+        if state.pending is not None or state.prepared is not None:
+            raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
 
-        def run() -> bool:
-            state = self._ds_loaded()
-            if state.pending is not None or state.prepared is not None:
-                raise TargetError("vLLM worker: a prepared delta is neither committed nor aborted")
+        def work() -> None:
+            state.prepared = self.deltasync_prepare(request)
 
-            def work() -> None:
-                state.prepared = self.deltasync_prepare(request)
-
-            state.preparing = threading.Thread(target=work, name="deltasync-prepare", daemon=True)
-            state.preparing.start()
-            return True
-
-        return enveloped(run)
+        state.preparing = threading.Thread(target=work, name="deltasync-prepare", daemon=True)
+        state.preparing.start()
+        return True
 
     def deltasync_prepare_result(self) -> Envelope:
         """``{"ok": True, "value": None}`` while a background prepare runs, then the
@@ -473,55 +462,46 @@ class DeltasyncWorkerExtension:
         with collector.held_off():  # (see pipeline/collector.py)
             return enveloped(run)
 
-    def deltasync_abort(self) -> Envelope:
+    @_rpc
+    def deltasync_abort(self) -> bool:
         """Undo a prepared delta in the shadow (another worker failed to prepare)."""
+        state = self._ds()
+        state.check_idle()
+        pending = state.pending
+        if pending is None:
+            return False
+        state.undo(pending)
+        return True
 
-        def run() -> bool:
-            state = self._ds()
-            state.check_idle()
-            pending = state.pending
-            if pending is None:
-                return False
-            state.undo(pending)
-            return True
+    @_rpc
+    def deltasync_hashes(
+        self, names: list[str] | None, algorithm: str | None = None
+    ) -> dict[str, str]:
+        state = self._ds_loaded()
+        state.use(algorithm)
+        wanted = list(state.shadow) if names is None else list(names)
+        missing = [n for n in wanted if n not in state.shadow]
+        if missing:
+            raise MismatchError(f"tensor {missing[0]} is not held by the vLLM target")
+        return {n: state.held_hash(n) for n in wanted}
 
-        return enveloped(run)
-
-    def deltasync_hashes(self, names: list[str] | None, algorithm: str | None = None) -> Envelope:
-        def run() -> dict[str, str]:
-            state = self._ds_loaded()
-            state.use(algorithm)
-            wanted = list(state.shadow) if names is None else list(names)
-            missing = [n for n in wanted if n not in state.shadow]
-            if missing:
-                raise MismatchError(f"tensor {missing[0]} is not held by the vLLM target")
-            return {n: state.held_hash(n) for n in wanted}
-
-        return enveloped(run)
-
-    def deltasync_export(self, names: list[str]) -> Envelope:
+    @_rpc
+    def deltasync_export(self, names: list[str]) -> bytes:
         """Shadow tensors as one safetensors blob."""
+        state = self._ds_loaded()
+        return save({n: state.shadow[n] for n in names})
 
-        def run() -> bytes:
-            state = self._ds_loaded()
-            return save({n: state.shadow[n] for n in names})
-
-        return enveloped(run)
-
-    def deltasync_read_param(self, hf_name: str) -> Envelope:
+    @_rpc
+    def deltasync_read_param(self, hf_name: str) -> bytes | None:
         """The model's own bits of a checkpoint tensor, where a placement knows them
         (tests and debugging: proves an in-place write reached the live parameter)."""
-
-        def run() -> bytes | None:
-            state = self._ds_loaded()
-            placement = state.placements.get(hf_name)
-            if placement is None:
-                return None
-            param = self._ds_model().get_parameter(placement.parameter)
-            box = gather_placed(param, placement).detach().cpu().contiguous()
-            return save({hf_name: box})
-
-        return enveloped(run)
+        state = self._ds_loaded()
+        placement = state.placements.get(hf_name)
+        if placement is None:
+            return None
+        param = self._ds_model().get_parameter(placement.parameter)
+        box = gather_placed(param, placement).detach().cpu().contiguous()
+        return save({hf_name: box})
 
 
 # UnquantizedFusedMoEMethod: stacked experts (w13/w2); whether the kernel computes
