@@ -19,9 +19,7 @@ from pipeline.codec import anchor_tensors
 from pipeline.errors import CorruptObjectError, MismatchError
 from pipeline.format.hashes import content_hashes
 from pipeline.format.manifest import Manifest, Piece
-from pipeline.targets.patching import (
-    int_view,
-)
+from pipeline.targets.patching import int_view
 
 # (tensor name, piece, its 1-D elements): what a pieced anchor hands a target.
 AnchorPiece = tuple[str, Piece, torch.Tensor]
