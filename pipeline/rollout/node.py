@@ -22,9 +22,10 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast, runtime_checkable
 
@@ -701,26 +702,28 @@ class RolloutNode:
         log.info("bootstrapping", run=self.run_name, anchor=anchor, head=head)
         started = time.perf_counter()
         ahead = self.options.prefetch_depth if self.options.prefetch else 1
-        if manifest.is_pieced and not target.capabilities.pieces:
-            raise TargetError(
-                f"run {self.run_name} is sharded (tensors in pieces): target "
-                f"{type(target).__name__} cannot apply its versions"
-            )
-        stream = stream_anchor_pieces if manifest.is_pieced else stream_anchor
-        parts: Iterator[Any] = stream(self.store, manifest, self._submit, ahead, self.progress)
-        if self._applied is not None:
-            # Serving a version: prove the whole anchor (sizes, sha256, tensor hashes)
-            # before the first weight is overwritten, so a damaged anchor leaves the
-            # served version intact rather than a mix of two versions.
-            parts = iter(list(parts))
+        # Serving a version: prove the whole anchor (sizes, sha256, tensor hashes) before
+        # the first weight is overwritten, so a damaged anchor leaves the served version
+        # intact rather than a mix of two versions.
+        whole = self._applied is not None
+        load: Callable[[], None]
+        if manifest.is_pieced:
+            if not target.capabilities.pieces:
+                raise TargetError(
+                    f"run {self.run_name} is sharded (tensors in pieces): target "
+                    f"{type(target).__name__} cannot apply its versions"
+                )
+            pieces = stream_anchor_pieces(self.store, manifest, self._submit, ahead, self.progress)
+            load = partial(target.load_pieces, iter(list(pieces)) if whole else pieces)
+        else:
+            # stream_anchor checks each tensor against these hashes as it comes.
+            hashes = {t.name: t.hash for t in manifest.tensors}
+            tensors = stream_anchor(self.store, manifest, self._submit, ahead, self.progress)
+            load = partial(target.load_state, iter(list(tensors)) if whole else tensors, hashes)
         self._stuck_on = store_state
         self._hold(None, manifest.instance)  # mid-load the target holds no provable version
         target.use_content_hash(manifest.content_hash)
-        if manifest.is_pieced:
-            target.load_pieces(parts)
-        else:
-            # stream_anchor checked each tensor against these as it came.
-            target.load_state(parts, {t.name: t.hash for t in manifest.tensors})
+        load()
         load_s = time.perf_counter() - started
         self._need_bootstrap = False
         self._set_applied(manifest)
