@@ -98,6 +98,25 @@ def test_thread_chunks_and_torch_steps_agree(monkeypatch: pytest.MonkeyPatch) ->
     assert mixsum.full(m.t()) == mixsum.full(m.t().contiguous())
 
 
+def test_a_mid_size_tensor_is_spread_over_every_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mixsum, "THREADS", 4)
+    monkeypatch.setattr(mixsum, "MIN_TASK", 1000)
+    # 4,003 elements: four tasks of 1,001, none under MIN_TASK nor over CPU_CHUNK.
+    assert mixsum.task_elements(4003) == 1001
+    assert mixsum.task_elements(1500) == 1000  # two tasks, not four of 375
+    assert mixsum.task_elements(10 * mixsum.CPU_CHUNK) == mixsum.CPU_CHUNK
+    t = _tensor(torch.bfloat16, 4003, 7)
+    spread = mixsum.full(t)
+    runs = np.arange(0, 4003 * 3, 3 * 7, dtype=np.int64)[: 4003 // 7]
+    piece = t[: runs.size * 7]
+    spread_runs = mixsum.runs_lanes(piece, 7, runs)
+    monkeypatch.setattr(mixsum, "THREADS", 1)
+    monkeypatch.setattr(mixsum, "MIN_TASK", 1 << 30)
+    assert mixsum.task_elements(4003) == mixsum.CPU_CHUNK
+    assert mixsum.full(t) == spread
+    assert mixsum.runs_lanes(piece, 7, runs) == spread_runs
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 def test_every_flipped_bit_is_caught(dtype: torch.dtype) -> None:
     t = _tensor(dtype, 257, 6)

@@ -47,8 +47,11 @@ _MASK = (1 << 64) - 1
 _SIGNED_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NUMPY_INTS = frozenset(_SIGNED_VIEW.values()) | {torch.int8}
-# Elements per thread task / per torch-ops step (bounds the int64 temporaries).
+# Elements per thread task at most (balances a large tensor's tasks) and at least (a
+# task's hand-off costs microseconds), and per torch-ops step (bounds the int64
+# temporaries).
 CPU_CHUNK = 1 << 22
+MIN_TASK = 1 << 18
 TORCH_CHUNK = 1 << 23
 THREADS = max(1, min(8, cpus.available()))
 
@@ -76,6 +79,13 @@ def _threads() -> ThreadPoolExecutor:
     if _pool is None:
         _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="deltasync-mixsum")
     return _pool
+
+
+def task_elements(size: int) -> int:
+    """Elements per thread task for ``size`` elements: spread over every thread, each
+    task MIN_TASK to CPU_CHUNK elements. (Tasks of CPU_CHUNK alone left a model's
+    usual 0.8-4.4M-element tensors on one thread, docs/PERFORMANCE.md.)"""
+    return min(CPU_CHUNK, max(MIN_TASK, -(-size // THREADS)))
 
 
 # ---------------------------------------------------------------- digests
@@ -214,13 +224,12 @@ def full_lanes(tensor: torch.Tensor, offset: int = 0) -> tuple[int, int]:
     if flat.device.type != "cpu" or jit is None:
         return torch_full(flat, offset)
     data = _unsigned(flat.numpy(), flat.element_size())
-    starts = range(0, data.size, CPU_CHUNK)
+    step = task_elements(data.size)
+    starts = range(0, data.size, step)
     if len(starts) <= 1:
         sums = [jit.full_sum(data, offset)]
     else:
-        sums = list(
-            _threads().map(lambda s: jit.full_sum(data[s : s + CPU_CHUNK], offset + s), starts)
-        )
+        sums = list(_threads().map(lambda s: jit.full_sum(data[s : s + step], offset + s), starts))
     return (
         sum(int(s[0]) for s in sums) & _MASK,
         sum(int(s[1]) for s in sums) & _MASK,
@@ -258,7 +267,7 @@ def runs_lanes(tensor: torch.Tensor, width: int, starts: npt.NDArray[np.int64]) 
     if flat.device.type != "cpu" or jit is None:
         return torch_runs(flat, width, starts)
     data = _unsigned(flat.numpy(), flat.element_size())
-    per = max(1, CPU_CHUNK // width)
+    per = max(1, task_elements(flat.numel()) // width)
     sums = list(
         _threads().map(
             lambda r: jit.runs_sum(data[r * width : (r + per) * width], starts[r : r + per], width),
