@@ -13,9 +13,11 @@ from pathlib import Path
 
 from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.manifest import Kind, manifest_key, version_prefix
+from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.compaction import collect_garbage, compact
 from pipeline.publish.diff import DeltaTask, LocalLedger, PartRecord, assemble_delta, encode_parts
 from pipeline.store.base import ObjectStore
+from pipeline.store.file import FileStore
 from pipeline.versions import chain
 from tests.publish.test_chain import SyntheticRun
 
@@ -103,3 +105,40 @@ def test_gc_never_collects_the_folder_of_a_version_above_the_head(
     assert collect_garbage(store, RUN, keep_anchors=1, min_live_version=None) == []
     assert _keys(store, 7) == waiting
     trainer.assert_rebuilds(2)
+
+
+class _CompactsOnRead(FileStore):
+    """A file store that, on the first read of a delta object, lets a compaction of the
+    head and its garbage collection run (another worker's, at that very moment)."""
+
+    def __init__(self, root: Path, run: str) -> None:
+        super().__init__(root)
+        self.run, self.fired = run, False
+
+    def get_bounded(self, key: str, limit: int) -> bytes:
+        if not self.fired and "/deltas/" in key and not key.endswith("manifest.json"):
+            self.fired = True
+            compact(self, self.run)
+            collect_garbage(self, self.run, keep_anchors=1, min_live_version=None)
+        return super().get_bounded(key, limit)
+
+
+def test_a_cache_rebuild_overtaken_by_a_compaction_starts_again_from_its_anchor(
+    tmp_path: Path,
+) -> None:
+    """A second diff worker rebuilds its stale cache from the store while a compaction
+    anchors the head and collects the chain it was reading: the rebuild starts over
+    from the new anchor, and the step is published, not set aside."""
+    store = _CompactsOnRead(tmp_path / "store", RUN)
+    trainer = SyntheticRun(tmp_path, store, RUN)
+    store.fired = True  # no compaction while the chain is published
+    for step in (0, 1, 2):
+        assert trainer.publish(step).status == "published"
+    trainer.cache = StateCache(tmp_path / "other-cache", RUN)  # another worker's
+    store.fired = False
+    result = trainer.publish(3)
+    assert store.fired and result.status == "published"
+    index = chain.list_versions(store, RUN)
+    assert index.anchors == (2,) and index.deltas == (3,)
+    assert trainer.cache.version == 3
+    trainer.assert_rebuilds(3)
