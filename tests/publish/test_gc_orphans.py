@@ -107,7 +107,7 @@ def test_gc_never_collects_the_folder_of_a_version_above_the_head(
     trainer.assert_rebuilds(2)
 
 
-class _CompactsOnRead(FileStore):
+class CompactsOnRead(FileStore):
     """A file store that, on the first read of a delta object, lets a compaction of the
     head and its garbage collection run (another worker's, at that very moment)."""
 
@@ -129,7 +129,7 @@ def test_a_cache_rebuild_overtaken_by_a_compaction_starts_again_from_its_anchor(
     """A second diff worker rebuilds its stale cache from the store while a compaction
     anchors the head and collects the chain it was reading: the rebuild starts over
     from the new anchor, and the step is published, not set aside."""
-    store = _CompactsOnRead(tmp_path / "store", RUN)
+    store = CompactsOnRead(tmp_path / "store", RUN)
     trainer = SyntheticRun(tmp_path, store, RUN)
     store.fired = True  # no compaction while the chain is published
     for step in (0, 1, 2):

@@ -21,7 +21,9 @@ from pipeline.publish.caches.state_cache import CacheBusyError
 from pipeline.publish.ranks.sharded import HostSide, _ready
 from pipeline.store.file import FileStore
 from pipeline.testing.sharded import piece_of
+from pipeline.versions import chain
 from tests.pipeline_helpers import bits, wait_for
+from tests.publish.test_gc_orphans import CompactsOnRead
 from tests.sharded_store import PiecedRun, build_pieced_run
 
 FAST = ScrubPace(period_s=0.0, cpu_fraction=1.0)
@@ -176,3 +178,20 @@ def test_a_scrub_racing_with_rank_cache_advances_reports_no_false_mismatch(
         thread.join()
     assert failed == [] and scrub.damaged is None
     assert cache.version in (2, 3)
+
+
+def test_a_rank_cache_rebuild_overtaken_by_a_compaction_starts_again_from_its_anchor(
+    tmp_path: Path,
+) -> None:
+    """A host rebuilds a rank cache from the store while a compaction anchors the head
+    and collects the chain it was reading: the rebuild starts over from the new anchor."""
+    store = CompactsOnRead(tmp_path / "store", "run-a")
+    store.fired = True  # no compaction while the chain is written
+    built = build_pieced_run(store, "run-a", deltas=3)
+    store.fired = False
+    cache = RankCache(tmp_path / "cache", built.run, RANK)
+    rebuilt(cache, built, 3)
+    assert store.fired
+    assert chain.list_versions(store, built.run).anchors == (3,)
+    assert cache.version == 3
+    assert_holds(cache, truth(built, 3, RANK))
