@@ -89,29 +89,31 @@ def verify(
             report.objects += 1
     if report.bad_objects:
         return report
-    reader = CheckpointReader(Path(against_checkpoint))
-    target = {t.name: t for t in plan.target.tensors}
-    algorithm = content_hashes.of(plan.target)
-    for name in target:
-        if name not in reader:
-            report.differences.append(TensorDifference(name, "missing"))
-    for name in reader.names():
-        if name not in target:
-            report.differences.append(TensorDifference(name, "extra"))
-    for name, tensor in reconstruct_tensors(store, run, version, plan=plan, verify_hashes=False):
-        report.tensors += 1
-        if algorithm.full(tensor) != target[name].hash:
-            report.differences.append(TensorDifference(name, "manifest-hash"))
-        if name not in reader:
-            continue
-        ours = TensorSpec(tensor.dtype, tuple(tensor.shape))
-        differs = difference(ours, reader.spec(name))
-        if differs is not None:
-            report.differences.append(TensorDifference(name, differs))
-            continue
-        # Mapped for the comparison alone: a checkpoint larger than RAM stays one
-        # tensor resident.
-        n = reader.read_mapped(name, functools.partial(count_differing, tensor))
-        if n:
-            report.differences.append(TensorDifference(name, "content", n))
+    with CheckpointReader(Path(against_checkpoint)) as reader:
+        target = {t.name: t for t in plan.target.tensors}
+        algorithm = content_hashes.of(plan.target)
+        for name in target:
+            if name not in reader:
+                report.differences.append(TensorDifference(name, "missing"))
+        for name in reader.names():
+            if name not in target:
+                report.differences.append(TensorDifference(name, "extra"))
+        for name, tensor in reconstruct_tensors(
+            store, run, version, plan=plan, verify_hashes=False
+        ):
+            report.tensors += 1
+            if algorithm.full(tensor) != target[name].hash:
+                report.differences.append(TensorDifference(name, "manifest-hash"))
+            if name not in reader:
+                continue
+            ours = TensorSpec(tensor.dtype, tuple(tensor.shape))
+            differs = difference(ours, reader.spec(name))
+            if differs is not None:
+                report.differences.append(TensorDifference(name, differs))
+                continue
+            # Mapped for the comparison alone: a checkpoint larger than RAM stays one
+            # tensor resident.
+            n = reader.read_mapped(name, functools.partial(count_differing, tensor))
+            if n:
+                report.differences.append(TensorDifference(name, "content", n))
     return report
