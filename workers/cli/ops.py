@@ -47,6 +47,7 @@ def compact(
     Example:
       deltasync compact --run grpo-7 --wait
     """
+    from rq.exceptions import InvalidJobOperation
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer
 
@@ -91,7 +92,15 @@ def compact(
 
     with Console(stderr=True).status("waiting for a compaction worker") as spinner:
         while True:
-            status = job.get_status(refresh=True)
+            try:
+                status = job.get_status(refresh=True)
+            except InvalidJobOperation:  # its record is gone: it cannot finish any more
+                raise DeltasyncError(
+                    f"compaction job {job_id} is no longer in redis (restarted without "
+                    f"persistence, or the job was deleted): `deltasync status --run {run}` "
+                    f"shows whether anchor {target} was published; `deltasync compact --run "
+                    f"{run} --version {target}` queues it again"
+                ) from None
             if status == JobStatus.FINISHED:
                 break
             if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):

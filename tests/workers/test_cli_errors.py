@@ -1,0 +1,73 @@
+"""Commands that meet a vanished job or an unusable path end with one line naming
+it, not a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rq.serializers import JSONSerializer
+from rq.worker import Worker
+
+from pipeline.coord.connection import redis_client
+from pipeline.publish.caches.state_cache import StateCache
+from pipeline.publish.step import publish_step
+from pipeline.store.file import FileStore
+from pipeline.testing.synthetic import save_state
+from tests.pipeline_helpers import REPO, deltasync_env
+from workers import queues
+
+RUN = "vanish"
+
+
+def _one_error_line(stderr: str) -> str:
+    """The one error line (log lines may come before it), with no traceback."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("deltasync: error: ")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def test_compact_wait_ends_when_its_job_is_gone_from_redis(redis_url: str, tmp_path: Path) -> None:
+    """A Redis restarted without persistence (or a job deleted) while `compact --wait`
+    watches its job: one line saying so, not rq's InvalidJobOperation."""
+    env = deltasync_env(redis_url, tmp_path)
+    save_state({"w": torch.arange(16, dtype=torch.float32).bfloat16()}, tmp_path / "0.st")
+    publish_step(
+        FileStore(tmp_path / "store"), RUN, 0, tmp_path / "0.st", StateCache(tmp_path / "c", RUN)
+    )
+    client = redis_client(redis_url)
+    # A compaction worker that listens but never takes the job.
+    queue = queues.queue(client, queues.COMPACT_QUEUE)
+    worker = Worker([queue], connection=client, name="idle-compactor", serializer=JSONSerializer)
+    worker.register_birth()  # type: ignore[no-untyped-call]
+    worker.heartbeat()
+    job_key = f"rq:job:{queues.compact_job_id(RUN, 0, 'cli')}"
+    args = ["compact", "--run", RUN, "--wait", "--timeout", "60"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not client.exists(job_key):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)  # the command is watching the job now
+        client.delete(job_key)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        worker.register_death()  # type: ignore[no-untyped-call]
+    assert proc.returncode == 1
+    line = _one_error_line(stderr)
+    assert "is no longer in redis" in line and "deltasync compact" in line
