@@ -19,13 +19,14 @@ import torch
 from pipeline.config import RolloutOptions, Settings
 from pipeline.coord.connection import redis_client
 from pipeline.coord.replicas import list_replicas
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, TargetError
 from pipeline.publish.caches.state_cache import StateCache
 from pipeline.publish.step import publish_step
 from pipeline.store.file import FileStore
 from pipeline.testing.synthetic import save_state
+from pipeline.versions import chain
 from tests.pipeline_helpers import deltasync_env
-from workers.nodes.rollout import run_rollout
+from workers.nodes.rollout import VllmHttp, run_rollout
 
 RUN = "http"
 
@@ -129,3 +130,40 @@ def test_a_remote_target_needs_an_http_url_and_dumps_nothing(tmp_path: Path) -> 
     elsewhere = RolloutOptions(run=RUN, target="torch", server_url="http://127.0.0.1:8000")
     with pytest.raises(ConfigError, match="--url is for --target vllm-http"):
         run_rollout(elsewhere, settings=settings)
+
+
+class NotVllm(BaseHTTPRequestHandler):
+    """Some other web server at the --url given (a login page on every path)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        data = b"<html><body>sign in</body></html>"
+        self.send_response(200)
+        self.send_header("content-type", "text/html")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:
+        self.do_GET()
+
+
+def test_a_url_that_is_not_a_vllm_server_is_a_target_error(tmp_path: Path) -> None:
+    """Its answers are not JSON: a TargetError the node reports and retries, not a
+    JSONDecodeError that ends the node with a traceback."""
+    other = ThreadingHTTPServer(("127.0.0.1", 0), NotVllm)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        remote = VllmHttp(f"http://127.0.0.1:{other.server_address[1]}")
+        with pytest.raises(TargetError, match=r"not JSON.*weight-transfer backend"):
+            remote.call("GET", "/weight_info")
+        publish(tmp_path, 1)
+        manifest = chain.load_manifest(FileStore(tmp_path / "store"), RUN, "anchor", 0)
+        assert not remote.holds(manifest)
+        with pytest.raises(TargetError, match="not JSON"):
+            remote.bring_to(manifest, "touched")
+    finally:
+        other.shutdown()
+        other.server_close()

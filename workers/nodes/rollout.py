@@ -181,13 +181,19 @@ class VllmHttp:
         )
         try:
             with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
-                text = response.read().decode()
+                text = response.read().decode(errors="replace")
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             raise TargetError(f"vLLM {path} answered HTTP {exc.code}: {detail}") from None
         except OSError as exc:
             raise TargetError(f"vLLM at {self.url} unreachable ({path}): {exc}") from None
-        return json.loads(text) if text else None
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            raise TargetError(
+                f"{self.url}{path} answered something that is not JSON ({text[:80]!r}): is "
+                "--url a `vllm serve` with the deltasync weight-transfer backend (docs/VLLM.md)?"
+            ) from None
 
     def holds(self, manifest: Manifest) -> bool:
         """Whether the server's weight version names ``manifest``'s version."""
