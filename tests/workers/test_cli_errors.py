@@ -71,3 +71,21 @@ def test_compact_wait_ends_when_its_job_is_gone_from_redis(redis_url: str, tmp_p
     assert proc.returncode == 1
     line = _one_error_line(stderr)
     assert "is no longer in redis" in line and "deltasync compact" in line
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """--out below a file (a typo): the path and the reason, not an OSError traceback."""
+    env = deltasync_env("redis://127.0.0.1:1/0", tmp_path)
+    for version in (0, 1):
+        state = {"w": torch.arange(16, dtype=torch.float32).add(version).bfloat16()}
+        save_state(state, tmp_path / f"{version}.st")
+    base, new = str(tmp_path / "0.st"), str(tmp_path / "1.st")
+    out = tmp_path / "1.st" / "delta"
+    done = subprocess.run(
+        [sys.executable, "-m", "workers", "delta", "create", "--base", base, "--new", new,
+         "--out", str(out)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    line = _one_error_line(done.stderr)
+    assert line == f"deltasync: error: {tmp_path / '1.st'}: File exists"

@@ -34,6 +34,12 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except DeltasyncError as exc:
             _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except OSError as exc:
+            # A path given that cannot be read or written (a typo, a full or read-only
+            # disk): the path and the reason.
+            paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+            reason = exc.strerror or (str(exc).splitlines() or [type(exc).__name__])[0]
+            _fail(f"{' -> '.join(paths)}: {reason}" if paths else reason)
         except Exception as exc:
             # Commands that read Redis directly (status, compact --wait): one line too,
             # naming the server without its password. (Not imported here: `--help`
