@@ -35,7 +35,7 @@ import structlog
 
 from pipeline.config import Settings
 from pipeline.coord.connection import redact_url, redis_client
-from pipeline.errors import ConfigError, DeltasyncError, VersionTimeoutError
+from pipeline.errors import ConfigError, DeltasyncError, TargetError, VersionTimeoutError
 from pipeline.format.hashes.hashing import state_hash
 from pipeline.format.manifest import Manifest
 from pipeline.logs import bind_context, configure_logging
@@ -315,6 +315,7 @@ class _Serving:
     driver: ServedEngine | None = None
     node: RolloutNode | None = None
     target: Target | None = None  # the node's, over this process's engine
+    failure: Exception | None = None  # what ended the node's thread, if anything did
 
     def __post_init__(self) -> None:
         self.heads = HeadCache(self.store, self.run)
@@ -382,8 +383,9 @@ class _Serving:
         def follow() -> None:
             try:
                 node.run(stop=self.stop)
-            except Exception:
+            except Exception as exc:
                 log.exception("rollout node failed")
+                self.failure = exc
                 self.stop.set()
                 raise
 
@@ -392,6 +394,11 @@ class _Serving:
         while driver.version is None or not self.gate.is_open:
             if self.stop.is_set() or not thread.is_alive():
                 await asyncio.to_thread(thread.join)
+                if self.failure is not None:  # not asked to stop: serve fails with it
+                    failure = f"{type(self.failure).__name__}: {self.failure}".splitlines()[0]
+                    raise TargetError(
+                        f"the rollout node failed before its first version: {failure}"
+                    )
                 return None
             await asyncio.sleep(0.1)
         log.info("first version loaded, opening the server", version=driver.version)

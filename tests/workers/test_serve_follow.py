@@ -1,0 +1,48 @@
+"""`deltasync serve` whose rollout node fails before its first version: the command
+fails, naming why, instead of ending as if it had been asked to stop (exit status 0,
+so a supervisor that restarts failed servers never does). No vLLM needed: the node
+and its target are stand-ins."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.config import Settings
+from pipeline.errors import TargetError
+from pipeline.store.file import FileStore
+from workers.nodes import serve
+
+
+class DyingNode:
+    last_error = None
+    applied_version = None
+
+    def run(self, stop: threading.Event) -> None:
+        raise RuntimeError("engine core died")
+
+
+def test_a_node_failing_before_its_first_version_fails_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve, "build_target", lambda name, setup: object())
+    monkeypatch.setattr(serve, "make_node", lambda *args, **kwargs: DyingNode())
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's own report
+    serving = serve._Serving(
+        args=None,
+        store=FileStore(tmp_path / "store"),
+        run="r",
+        client=None,
+        settings=Settings.from_env({"DELTASYNC_HOME": str(tmp_path / "home")}),
+        node_id="n1",
+        verify="touched",
+        poll_interval_s=1.0,
+    )
+    engine: Any = None
+    with pytest.raises(TargetError, match=r"rollout node failed.*RuntimeError: engine core died"):
+        asyncio.run(serving._follow(engine))
+    assert serving.stop.is_set()
