@@ -89,3 +89,42 @@ def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path: Path) -> No
     assert done.returncode == 1
     line = _one_error_line(done.stderr)
     assert line == f"deltasync: error: {tmp_path / '1.st'}: File exists"
+
+
+def test_compact_wait_ends_when_no_worker_listens_any_more(redis_url: str, tmp_path: Path) -> None:
+    """The only compaction worker goes away while `compact --wait` waits for its job:
+    one line within the grace period, not a silent wait until --timeout."""
+    run = "orphan"
+    env = deltasync_env(redis_url, tmp_path)
+    save_state({"w": torch.arange(16, dtype=torch.float32).bfloat16()}, tmp_path / "0.st")
+    store, cache = FileStore(tmp_path / "store"), StateCache(tmp_path / "c", run)
+    publish_step(store, run, 0, tmp_path / "0.st", cache)
+    client = redis_client(redis_url)
+    queue = queues.queue(client, queues.COMPACT_QUEUE)
+    worker = Worker([queue], connection=client, name="leaving-compactor", serializer=JSONSerializer)
+    worker.register_birth()  # type: ignore[no-untyped-call]
+    worker.heartbeat()
+    job_key = f"rq:job:{queues.compact_job_id(run, 0, 'cli')}"
+    args = ["compact", "--run", run, "--wait", "--timeout", "300"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not client.exists(job_key):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        worker.register_death()  # type: ignore[no-untyped-call]
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1
+    line = _one_error_line(stderr)
+    assert "no compaction worker has listened" in line and "deltasync worker compact" in line

@@ -88,6 +88,7 @@ def compact(
         return
     job = Job.fetch(job_id, connection=runtime.redis, serializer=JSONSerializer)
     started = time.monotonic()
+    workers_seen, next_check = started, started + WORKER_CHECK_S  # a worker listened then
     from rich.console import Console
 
     with Console(stderr=True).status("waiting for a compaction worker") as spinner:
@@ -110,6 +111,18 @@ def compact(
                     f"compaction job {job_id} still {status.value} after "
                     f"{timeout_s:.0f}s (is `deltasync worker compact` running?)"
                 )
+            now = time.monotonic()
+            if now >= next_check:  # the workers stopped or died meanwhile: say so
+                next_check = now + WORKER_CHECK_S
+                if listening_workers(runtime, queues.COMPACT_QUEUE):
+                    workers_seen = now
+                elif now - workers_seen > COMPACT_WORKER_GRACE_S:
+                    raise ServiceUnavailableError(
+                        f"compaction job {job_id} still {status.value}, and no compaction "
+                        f"worker has listened on {queues.COMPACT_QUEUE} for "
+                        f"{COMPACT_WORKER_GRACE_S:.0f}s: start `deltasync worker compact`, "
+                        "then run this again"
+                    )
             spinner.update(
                 f"compaction job {job_id}: {status.value} ({time.monotonic() - started:.0f}s)"
             )
@@ -118,8 +131,10 @@ def compact(
     click.echo(json.dumps(result, indent=2) if isinstance(result, dict) else str(result))
 
 
-# compact --wait gives a compaction worker that is just starting this long to listen.
+# compact --wait gives a compaction worker that is just starting this long to listen,
+# and while it waits for its job looks this often whether one still does.
 COMPACT_WORKER_GRACE_S = 20.0
+WORKER_CHECK_S = 5.0
 
 
 def _await_worker(runtime: Runtime, queue_name: str, grace_s: float) -> list[str]:
