@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -62,6 +62,16 @@ def redis_client(
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(f"redis URL {redact_url(url)!r}: scheme must be redis, rediss or unix")
+    if scheme != "unix":  # the path names the database; redis-py reads any other as 0
+        try:
+            database = unquote(urlsplit(url).path).replace("/", "")
+        except ValueError:
+            database = ""  # from_url names what is wrong
+        if database and not (database.isascii() and database.isdigit()):
+            raise ConfigError(
+                f"redis URL {redact_url(url)!r}: database {database[:20]!r} is not a number "
+                "(redis://host:port/0)"
+            )
     try:
         client = redis.Redis.from_url(
             url,

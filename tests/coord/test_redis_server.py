@@ -235,7 +235,19 @@ def test_client_url_and_errors_never_show_the_password() -> None:
     assert f"127.0.0.1:{port}" in str(info.value)
 
 
-@pytest.mark.parametrize("url", ["http://h:1/0", "h:6379", "", "redis://:pw@h:notaport/0"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://h:1/0",
+        "h:6379",
+        "",
+        "redis://:pw@h:notaport/0",
+        # A database that is not a number: redis-py would quietly use database 0.
+        "redis://:pw@h:6379/abc",
+        "rediss://:pw@h:6379/1x",
+        "redis://:pw@h/l",
+    ],
+)
 def test_bad_client_urls(url: str) -> None:
     with pytest.raises(ConfigError) as info:
         redis_client(url).ping()
