@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,22 @@ def test_unknown_target_and_bad_options_are_config_errors(tmp_path: Path) -> Non
         RolloutOptions(run=RUN, verify="some", store_url=(tmp_path / "s").as_uri())
     with pytest.raises(ConfigError, match="poll interval"):
         RolloutOptions(run=RUN, poll_interval_s=0)
+
+
+@pytest.mark.parametrize(
+    ("device", "error"),
+    [
+        ("cudaX", "--device 'cudaX' is not a torch device"),
+        ("gpu:0", "--device 'gpu:0' is not a torch device"),
+        ("cuda:64", "--device 'cuda:64': "),
+    ],
+)
+def test_a_device_torch_cannot_use_is_a_config_error(
+    tmp_path: Path, device: str, error: str
+) -> None:
+    """A misspelled --device, or one this machine has not, is named before the node
+    connects (not torch's RuntimeError or AssertionError at the first tensor)."""
+    options = RolloutOptions(run=RUN, device=device, store_url=(tmp_path / "s").as_uri(),
+                             redis_url="redis://127.0.0.1:1/0")  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        run_rollout(options)

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 import structlog
+import torch
 
 from pipeline.config import RolloutOptions, Settings
 from pipeline.config import vllm_options as env_vllm_options
@@ -72,6 +73,8 @@ def run_rollout(
     default to the CLI's (its --home and other root options). A ``vllm-http`` target's
     server (``options.server_url``) holds its weights itself (no dump, no early start)."""
     remote = _remote_target(options)
+    if options.target == "torch":
+        check_device(options.device)
     settings = settings or current_runtime().settings
     if configure_logs:
         configure_logging(settings.log_level, json=settings.log_json)
@@ -154,6 +157,27 @@ def _remote_target(options: RolloutOptions) -> VllmHttp | None:
     if options.dump_path is not None:
         raise ConfigError("--target vllm-http holds its weights in the server: no --dump")
     return VllmHttp(url)
+
+
+def check_device(device: str) -> None:
+    """``--device`` as torch reads it, on a machine that has it: a ConfigError naming
+    the problem otherwise, before the node connects (not torch's error at its first
+    tensor)."""
+    try:
+        place = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(
+            f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+        ) from None
+    if place.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"--device {device!r}: torch sees no CUDA device here (--device cpu)")
+    if place.index is not None and place.index >= count:
+        raise ConfigError(
+            f"--device {device!r}: torch sees {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
+        )
 
 
 class VllmHttp:
