@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import RolloutOptions
+from pipeline.config import RolloutOptions, Settings
 from pipeline.coord.connection import redis_client
 from pipeline.coord.replicas import list_replicas
 from pipeline.errors import ConfigError
@@ -147,3 +147,20 @@ def test_a_device_torch_cannot_use_is_a_config_error(
                              redis_url="redis://127.0.0.1:1/0")  # fmt: skip
     with pytest.raises(ConfigError, match=re.escape(error)):
         run_rollout(options)
+
+
+def test_a_dump_that_fails_still_takes_the_heartbeat_along(tmp_path: Path, redis_url: str) -> None:
+    """--dump to a path that cannot be written: the error comes out, and the stopped
+    node's heartbeat is removed all the same (garbage collection need not wait for it)."""
+    store = FileStore(tmp_path / "store")
+    save_state({"w": torch.arange(64, dtype=torch.float32).bfloat16()}, tmp_path / "0.st")
+    publish_step(store, RUN, 0, tmp_path / "0.st", StateCache(tmp_path / "cache", RUN))
+    settings = Settings.from_env(
+        {"DELTASYNC_HOME": str(tmp_path / "home"), "DELTASYNC_STORE": store.url,
+         "DELTASYNC_REDIS_URL": redis_url, "DELTASYNC_WARM": "0"}
+    )  # fmt: skip
+    below_a_file = tmp_path / "0.st" / "w.safetensors"
+    options = RolloutOptions(run=RUN, node_id="dumper", until_version=0, dump_path=below_a_file)
+    with pytest.raises(OSError):
+        run_rollout(options, settings=settings)
+    assert list_replicas(redis_client(redis_url), RUN) == []

@@ -133,12 +133,16 @@ def run_rollout(
             try:
                 applied = node.run(until_version=options.until_version, stop=stop)
             finally:
-                if options.dump_path is not None and node.applied_version is not None:
-                    node.dump(options.dump_path)
-                    log.info(
-                        "weights dumped", path=str(options.dump_path), version=node.applied_version
-                    )
-                deregister_node(client, options.run, node_id)
+                try:
+                    if options.dump_path is not None and node.applied_version is not None:
+                        node.dump(options.dump_path)
+                        log.info(
+                            "weights dumped",
+                            path=str(options.dump_path),
+                            version=node.applied_version,
+                        )
+                finally:
+                    deregister_node(client, options.run, node_id)
     log.info("rollout node stopped", version=applied)
     return applied
 
