@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from pipeline.config import Settings
-from pipeline.errors import TargetError
+from pipeline.coord.connection import redis_client
+from pipeline.errors import ServiceUnavailableError, TargetError
 from pipeline.store.file import FileStore
 from workers.nodes import serve
 
@@ -46,3 +47,30 @@ def test_a_node_failing_before_its_first_version_fails_serve(
     with pytest.raises(TargetError, match=r"rollout node failed.*RuntimeError: engine core died"):
         asyncio.run(serving._follow(engine))
     assert serving.stop.is_set()
+
+
+def test_serve_closes_its_redis_client_when_it_cannot_start(tmp_path: Path) -> None:
+    """serve refuses to start (here: Redis unreachable while checking the run): the
+    Redis client it opened is closed, not left to the garbage collector."""
+    closed: list[str] = []
+
+    def client(url: str, **kwargs: Any) -> Any:
+        made = redis_client(url, retries=0, **kwargs)
+        close = made.close
+
+        def closing() -> None:
+            closed.append(url)
+            close()
+
+        made.close = closing  # type: ignore[method-assign]
+        return made
+
+    settings = Settings.from_env(
+        {"DELTASYNC_HOME": str(tmp_path / "home"), "DELTASYNC_REDIS_URL": "redis://127.0.0.1:1/0",
+         "DELTASYNC_STORE": (tmp_path / "store").as_uri()}
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serve, "redis_client", client)
+        with pytest.raises(ServiceUnavailableError):
+            serve.run_serve(run="r", model_path=tmp_path, settings=settings)
+    assert closed == ["redis://127.0.0.1:1/0"]

@@ -278,24 +278,24 @@ def run_serve(
     bind_context(run=run, node=node_id)
     url = settings.redis_url or ensure_redis(settings.data_dir)
     client = redis_client(url, name=f"deltasync-serve:{node_id}")
-    store = open_node_store(settings, client, run, wait=wait)
-    args = parse_server_args(server_argv(model_path, host, port, vllm_args))
-    log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
-    # Keep CPU linear weights plain, so deltas are written in place; spawned engine
-    # processes inherit the setting and install the hook with the extension.
-    prepare_engine_process(cpu_plain_linear=True)
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    with contextlib.closing(client):
+        store = open_node_store(settings, client, run, wait=wait)
+        args = parse_server_args(server_argv(model_path, host, port, vllm_args))
+        log.info("serve starting", store=store.url, redis=redact_url(url), host=host, port=port)
+        # Keep CPU linear weights plain, so deltas are written in place; spawned engine
+        # processes inherit the setting and install the hook with the extension.
+        prepare_engine_process(cpu_plain_linear=True)
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
-    cli_env_setup()  # type: ignore[no-untyped-call]
-    serving = _Serving(args, store, run, client, settings, node_id, verify, poll_interval_s)
-    serving.early_start, serving.gate_wait_s = early_start, gate_wait_s
-    import uvloop
+        cli_env_setup()  # type: ignore[no-untyped-call]
+        serving = _Serving(args, store, run, client, settings, node_id, verify, poll_interval_s)
+        serving.early_start, serving.gate_wait_s = early_start, gate_wait_s
+        import uvloop
 
-    try:
-        uvloop.run(serving.main())
-    finally:
-        deregister_node(client, run, node_id)
-        client.close()
+        try:
+            uvloop.run(serving.main())
+        finally:
+            deregister_node(client, run, node_id)
     log.info("serve stopped", version=serving.driver.version if serving.driver else None)
 
 
