@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -74,3 +75,54 @@ def test_serve_closes_its_redis_client_when_it_cannot_start(tmp_path: Path) -> N
         with pytest.raises(ServiceUnavailableError):
             serve.run_serve(run="r", model_path=tmp_path, settings=settings)
     assert closed == ["redis://127.0.0.1:1/0"]
+
+
+class LaterDyingNode:
+    """Applies version 3 (the server opens), then fails once told to."""
+
+    last_error = None
+    applied_version = 3
+
+    def __init__(self, on_applied: Any, go: threading.Event) -> None:
+        self.on_applied, self.go = on_applied, go
+
+    def run(self, stop: threading.Event) -> None:
+        self.on_applied(SimpleNamespace(version=3))
+        self.go.wait(30)
+        raise RuntimeError("engine core died")
+
+
+def test_a_node_failing_while_serving_stops_the_http_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a server that answers with version 3 for ever while nothing follows the run:
+    uvicorn is told to exit, and the failure is kept for serve to fail with."""
+    go = threading.Event()
+    monkeypatch.setattr(serve, "build_target", lambda name, setup: object())
+    monkeypatch.setattr(
+        serve, "make_node", lambda *args, on_applied, **kw: LaterDyingNode(on_applied, go)
+    )
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    serving = serve._Serving(
+        args=None,
+        store=FileStore(tmp_path / "store"),
+        run="r",
+        client=None,
+        settings=Settings.from_env({"DELTASYNC_HOME": str(tmp_path / "home")}),
+        node_id="n1",
+        verify="touched",
+        poll_interval_s=1.0,
+    )
+    uvicorn_server = SimpleNamespace(should_exit=False)
+
+    async def scenario() -> None:
+        engine: Any = None
+        thread = await serving._follow(engine)
+        assert thread is not None and serving.gate.label == "r@3"
+        serving.fingerprints.state = SimpleNamespace(server=uvicorn_server, _state={})
+        go.set()
+        await asyncio.to_thread(thread.join, 30)
+
+    asyncio.run(scenario())
+    assert uvicorn_server.should_exit
+    assert isinstance(serving.failure, RuntimeError)

@@ -346,6 +346,9 @@ class _Serving:
                 if thread is not None:
                     # The node may be inside an engine call: keep the loop running.
                     await asyncio.to_thread(thread.join, _JOIN_S)
+            if self.failure is not None:  # serve fails with it, not as a clean stop
+                failure = f"{type(self.failure).__name__}: {self.failure}".splitlines()[0]
+                raise TargetError(f"the rollout node failed: {failure}")
 
     async def _follow(self, engine: Any) -> threading.Thread | None:
         """Start the node on its thread; return once it holds a verified version
@@ -387,6 +390,11 @@ class _Serving:
                 log.exception("rollout node failed")
                 self.failure = exc
                 self.stop.set()
+                # Serving already: the HTTP server stops too (serve_http keeps uvicorn's
+                # server in the app's state), not answering with a frozen version.
+                server = getattr(fingerprints.state, "server", None)
+                if server is not None:
+                    server.should_exit = True
                 raise
 
         thread = threading.Thread(target=follow, name="deltasync-node", daemon=True)
