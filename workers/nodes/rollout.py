@@ -27,7 +27,6 @@ from typing import Any
 
 import redis
 import structlog
-import torch
 
 from pipeline.config import RolloutOptions, Settings
 from pipeline.config import vllm_options as env_vllm_options
@@ -167,6 +166,8 @@ def check_device(device: str) -> None:
     """``--device`` as torch reads it, on a machine that has it: a ConfigError naming
     the problem otherwise, before the node connects (not torch's error at its first
     tensor)."""
+    import torch  # the torch target's own dependency: not loaded for vllm-http
+
     try:
         place = torch.device(device)
     except (RuntimeError, ValueError):
