@@ -60,8 +60,7 @@ def test_compact_wait_ends_when_its_job_is_gone_from_redis(redis_url: str, tmp_p
         while not client.exists(job_key):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        time.sleep(1.0)  # the command is watching the job now
-        client.delete(job_key)
+        client.delete(job_key)  # before or while the command watches it: the same line
         _, stderr = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:

@@ -47,7 +47,7 @@ def compact(
     Example:
       deltasync compact --run grpo-7 --wait
     """
-    from rq.exceptions import InvalidJobOperation
+    from rq.exceptions import InvalidJobOperation, NoSuchJobError
     from rq.job import Job, JobStatus
     from rq.serializers import JSONSerializer
 
@@ -86,7 +86,15 @@ def compact(
         )
     if not wait:
         return
-    job = Job.fetch(job_id, connection=runtime.redis, serializer=JSONSerializer)
+    gone = DeltasyncError(
+        f"compaction job {job_id} is no longer in redis (restarted without persistence, or "
+        f"the job was deleted): `deltasync status --run {run}` shows whether anchor {target} "
+        f"was published; `deltasync compact --run {run} --version {target}` queues it again"
+    )
+    try:
+        job = Job.fetch(job_id, connection=runtime.redis, serializer=JSONSerializer)
+    except NoSuchJobError:
+        raise gone from None
     started = time.monotonic()
     workers_seen, next_check = started, started + WORKER_CHECK_S  # a worker listened then
     from rich.console import Console
@@ -96,12 +104,7 @@ def compact(
             try:
                 status = job.get_status(refresh=True)
             except InvalidJobOperation:  # its record is gone: it cannot finish any more
-                raise DeltasyncError(
-                    f"compaction job {job_id} is no longer in redis (restarted without "
-                    f"persistence, or the job was deleted): `deltasync status --run {run}` "
-                    f"shows whether anchor {target} was published; `deltasync compact --run "
-                    f"{run} --version {target}` queues it again"
-                ) from None
+                raise gone from None
             if status == JobStatus.FINISHED:
                 break
             if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
