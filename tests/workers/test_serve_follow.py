@@ -34,16 +34,7 @@ def test_a_node_failing_before_its_first_version_fails_serve(
     monkeypatch.setattr(serve, "build_target", lambda name, setup: object())
     monkeypatch.setattr(serve, "make_node", lambda *args, **kwargs: DyingNode())
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's own report
-    serving = serve._Serving(
-        args=None,
-        store=FileStore(tmp_path / "store"),
-        run="r",
-        client=None,
-        settings=Settings.from_env({"DELTASYNC_HOME": str(tmp_path / "home")}),
-        node_id="n1",
-        verify="touched",
-        poll_interval_s=1.0,
-    )
+    serving = _serving(tmp_path)
     engine: Any = None
     with pytest.raises(TargetError, match=r"rollout node failed.*RuntimeError: engine core died"):
         asyncio.run(serving._follow(engine))
@@ -103,16 +94,7 @@ def test_a_node_failing_while_serving_stops_the_http_server(
         serve, "make_node", lambda *args, on_applied, **kw: LaterDyingNode(on_applied, go)
     )
     monkeypatch.setattr(threading, "excepthook", lambda args: None)
-    serving = serve._Serving(
-        args=None,
-        store=FileStore(tmp_path / "store"),
-        run="r",
-        client=None,
-        settings=Settings.from_env({"DELTASYNC_HOME": str(tmp_path / "home")}),
-        node_id="n1",
-        verify="touched",
-        poll_interval_s=1.0,
-    )
+    serving = _serving(tmp_path)
     uvicorn_server = SimpleNamespace(should_exit=False)
 
     async def scenario() -> None:
@@ -126,3 +108,17 @@ def test_a_node_failing_while_serving_stops_the_http_server(
     asyncio.run(scenario())
     assert uvicorn_server.should_exit
     assert isinstance(serving.failure, RuntimeError)
+
+
+def _serving(tmp_path: Path) -> serve._Serving:
+    """Serve's state for run "r", with no vLLM server nor Redis behind it."""
+    return serve._Serving(
+        args=None,
+        store=FileStore(tmp_path / "store"),
+        run="r",
+        client=None,
+        settings=Settings.from_env({"DELTASYNC_HOME": str(tmp_path / "home")}),
+        node_id="n1",
+        verify="touched",
+        poll_interval_s=1.0,
+    )
