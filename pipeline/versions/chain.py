@@ -12,7 +12,8 @@ manifest before it is handed out.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import TypeVar
 
 import structlog
 import torch
@@ -282,6 +283,24 @@ def reconstruct_tensors(
         return
     for _, tensors in parts:
         yield from tensors
+
+
+_T = TypeVar("_T")
+
+
+def across_compaction(store: ObjectStore, run: str, version: int, read: Callable[[], _T]) -> _T:
+    """``read()``, which rebuilds ``version`` from its chain; once more when it fails
+    because a compaction anchored that chain meanwhile (its garbage collection may
+    take the deltas, and the anchor, being read). With the same anchor before and
+    after, the damage is real and the error stands."""
+    anchor = list_versions(store, run).anchor_at_or_below(version)
+    try:
+        return read()
+    except (ChainError, CorruptObjectError):
+        if list_versions(store, run).anchor_at_or_below(version) == anchor:
+            raise
+        log.info("chain compacted while it was read, again", run=run, version=version)
+        return read()
 
 
 def reconstruct(

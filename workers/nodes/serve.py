@@ -346,9 +346,13 @@ class _Serving:
                 if thread is not None:
                     # The node may be inside an engine call: keep the loop running.
                     await asyncio.to_thread(thread.join, _JOIN_S)
-            if self.failure is not None:  # serve fails with it, not as a clean stop
-                failure = f"{type(self.failure).__name__}: {self.failure}".splitlines()[0]
-                raise TargetError(f"the rollout node failed: {failure}")
+            self._raise_failure("")  # serve fails with it, not as a clean stop
+
+    def _raise_failure(self, when: str) -> None:
+        """A TargetError naming what ended the node's thread, if anything did."""
+        if self.failure is not None:
+            failure = f"{type(self.failure).__name__}: {self.failure}".splitlines()[0]
+            raise TargetError(f"the rollout node failed{when}: {failure}")
 
     async def _follow(self, engine: Any) -> threading.Thread | None:
         """Start the node on its thread; return once it holds a verified version
@@ -402,11 +406,7 @@ class _Serving:
         while driver.version is None or not self.gate.is_open:
             if self.stop.is_set() or not thread.is_alive():
                 await asyncio.to_thread(thread.join)
-                if self.failure is not None:  # not asked to stop: serve fails with it
-                    failure = f"{type(self.failure).__name__}: {self.failure}".splitlines()[0]
-                    raise TargetError(
-                        f"the rollout node failed before its first version: {failure}"
-                    )
+                self._raise_failure(" before its first version")  # not asked to stop
                 return None
             await asyncio.sleep(0.1)
         log.info("first version loaded, opening the server", version=driver.version)

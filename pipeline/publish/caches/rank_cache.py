@@ -148,18 +148,7 @@ class RankCache(CacheFolder):
             )
             write_checkpoint(target / WEIGHTS, tensors, overwrite=True)
 
-        anchor = chain.list_versions(store, self.run).anchor_at_or_below(manifest.version)
-        try:
-            write()
-        except (ChainError, CorruptObjectError):
-            # A compaction that anchored the chain meanwhile may have collected the
-            # deltas (and the anchor) this rebuild was reading: start again from the
-            # new anchor. With the same anchor, the damage is real and stands.
-            now = chain.list_versions(store, self.run).anchor_at_or_below(manifest.version)
-            if now == anchor:
-                raise
-            log.info("chain compacted while the rank cache was rebuilt, again", rank=self.rank)
-            write()
+        chain.across_compaction(store, self.run, manifest.version, write)
         self._switch(target, manifest, proven=True)
         log.info("rank cache rebuilt", run=self.run, rank=self.rank, version=manifest.version)
 

@@ -375,17 +375,12 @@ class StateCache(CacheFolder):
         if run != self.run:
             raise ConfigError(f"state cache {self.root} is for run {self.run}, not {run}")
         folder = self._folder_for(version)
-        anchor = chain.list_versions(store, run).anchor_at_or_below(version)
-        try:
-            manifest = chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True)
-        except (ChainError, CorruptObjectError):
-            # A compaction that anchored the chain meanwhile may have collected the
-            # deltas (and the anchor) this rebuild was reading: start again from the
-            # new anchor. With the same anchor, the damage is real and stands.
-            if chain.list_versions(store, run).anchor_at_or_below(version) == anchor:
-                raise
-            log.info("chain compacted while the state cache was rebuilt, again", run=run)
-            manifest = chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True)
+        manifest = chain.across_compaction(
+            store,
+            run,
+            version,
+            lambda: chain.reconstruct(store, run, version, folder, by_part=True, overwrite=True),
+        )
         self._switch(folder, manifest, proven=True)  # every tensor hashed on the way
         log.info("state cache rebuilt", run=run, version=version)
         return manifest
