@@ -41,9 +41,10 @@ def node_runtime(ctx: click.Context, options: dict[str, Any]) -> Runtime:
     event unless --wait: checked before torch or vLLM is loaded, so a misspelled name
     fails within a second, naming the runs."""
     from pipeline.versions.runs import require_run
-    from workers.runtime import from_context
+    from workers.runtime import from_context, keep_freed_memory
 
     runtime = from_context(ctx)
+    keep_freed_memory()
     if not options["wait"]:
         hint = "; --wait waits for its first version"
         require_run(runtime.store, runtime.redis, options["run"], hint=hint)
@@ -97,13 +98,14 @@ def worker(
       deltasync worker diff
       deltasync worker compact --burst
     """
-    from workers.runtime import from_context
+    from workers.runtime import from_context, keep_freed_memory
     from workers.worker_process import run_worker
 
     if host_only and diff_host is None:
         raise click.UsageError("--host-only needs --host")
     if diff_host is not None:
         ctx.find_root().obj["overrides"]["diff_host"] = diff_host
+    keep_freed_memory()
     run_worker(from_context(ctx), kind, burst=burst, name=name, host_only=host_only)
 
 
