@@ -23,7 +23,7 @@ from pipeline.publish.version import PublishOptions
 from pipeline.store.file import FileStore
 from pipeline.store.trust import trusted
 from pipeline.versions import chain
-from pipeline.versions.policy import compaction_reason
+from pipeline.versions.policy import tally
 
 pytestmark = pytest.mark.kernels  # rerun with bounds checks (scripts/test.sh)
 
@@ -81,7 +81,7 @@ def test_without_anchors_the_policy_warns_and_never_fails(tmp_path: Path) -> Non
     _publish(store, tmp_path, range(2, 3))  # the next step still publishes (cache holds 1)
     assert chain.list_versions(store, RUN).head == 2
     with capture_logs() as logs:
-        assert compaction_reason(store, RUN, 2, max_chain=1, max_delta_fraction=0.5) is None
+        assert tally(store, RUN, 2) is None
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert warnings and "no new node can bootstrap" in warnings[0]["event"]
 

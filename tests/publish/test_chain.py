@@ -21,6 +21,7 @@ from pipeline.store.base import ObjectStore
 from pipeline.store.file import FileStore
 from pipeline.testing.synthetic import ModelConfig, UpdateGenerator
 from pipeline.versions import chain, retention, verify
+from pipeline.versions.policy import ChainTally, tally
 from tests.format.test_checkpoint import same_bits, special_tensors
 
 # About 150k parameters: real AdamW updates on a real loss, fast on two cores.
@@ -83,6 +84,26 @@ class SyntheticRun:
 @pytest.fixture
 def file_store(tmp_path: Path) -> FileStore:
     return FileStore(tmp_path / "store")
+
+
+def test_a_carried_chain_tally_equals_one_resolved_from_the_store(
+    file_store: FileStore, tmp_path: Path
+) -> None:
+    """The policy's tally, carried from step to step, against the chain read again."""
+    trainer = SyntheticRun(tmp_path, file_store)
+    carried: ChainTally | None = None
+    for step in range(7):
+        if step == 4:
+            compact(file_store, trainer.run, 3)  # a new anchor under the next step
+        published = trainer.publish(step).manifest
+        carried = tally(file_store, trainer.run, step, last=carried, published=published)
+        assert carried == tally(file_store, trainer.run, step), step
+    assert carried == ChainTally(6, 3, carried.anchor_bytes, 3, carried.delta_bytes)
+    assert carried.reason(max_chain=3, max_delta_fraction=1.0) == "chain of 3 deltas reached 3"
+    assert carried.reason(max_chain=4, max_delta_fraction=1.0) is None
+    # A tally that is not the parent's is not carried on.
+    stale = ChainTally(5, 0, 1, 1, 10**12)
+    assert tally(file_store, trainer.run, 6, last=stale, published=published) == carried
 
 
 def test_every_version_rebuilds_bit_exactly(store: ObjectStore, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from pipeline.publish.version import PublishOptions
 from pipeline.testing import faults
 from pipeline.versions import binding as run_binding
 from pipeline.versions import chain
-from pipeline.versions.policy import compaction_reason
+from pipeline.versions.policy import ChainTally, tally
 from workers import metrics_http, queues
 from workers.jobs import sharded_diff
 from workers.runtime import Runtime, current
@@ -95,10 +95,24 @@ def current_job_id() -> str | None:
     return job.id if job is not None else None
 
 
-def policy_reason(runtime: Runtime, run: str, version: int) -> str | None:
-    """Why the compaction policy asks for an anchor at ``version`` (None: it does not)."""
-    s = runtime.settings
-    return compaction_reason(runtime.store, run, version, s.max_chain, s.max_delta_fraction)
+# (store, run) -> the chain tally of the last version this process asked the policy
+# about: the next step's tally follows from it and the step's manifest.
+_tallies: dict[tuple[str, str], ChainTally] = {}
+
+
+def policy_reason(
+    runtime: Runtime, run: str, version: int, published: Manifest | None = None
+) -> str | None:
+    """Why the compaction policy asks for an anchor at ``version`` (None: it does not);
+    ``published``: the manifest this process just wrote for it."""
+    store = runtime.store
+    where = (store.url, run)
+    found = tally(store, run, version, last=_tallies.get(where), published=published)
+    if found is None:
+        _tallies.pop(where, None)
+        return None
+    _tallies[where] = found
+    return found.reason(runtime.settings.max_chain, runtime.settings.max_delta_fraction)
 
 
 def diff_job(
@@ -253,7 +267,7 @@ def _diff_one(runtime: Runtime, args: queues.DiffArgs) -> dict[str, Any]:
     elif result.manifest is None:
         metrics.refused(run, "diff", "stale-step")
     if result.status == "published":
-        reason = policy_reason(runtime, run, step)
+        reason = policy_reason(runtime, run, step, result.manifest)
         # One policy compaction in flight per run: until it lands, every new step
         # would otherwise ask again.
         if reason is not None and claim_once(
