@@ -98,14 +98,13 @@ def worker(
       deltasync worker diff
       deltasync worker compact --burst
     """
-    from workers.runtime import from_context, keep_freed_memory
+    from workers.runtime import from_context
     from workers.worker_process import run_worker
 
     if host_only and diff_host is None:
         raise click.UsageError("--host-only needs --host")
     if diff_host is not None:
         ctx.find_root().obj["overrides"]["diff_host"] = diff_host
-    keep_freed_memory()
     run_worker(from_context(ctx), kind, burst=burst, name=name, host_only=host_only)
 
 
