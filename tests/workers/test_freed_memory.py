@@ -1,4 +1,4 @@
-"""Long-running commands keep what they free for their next version's buffers."""
+"""Rollout nodes keep what they free for their next version's buffers."""
 
 from __future__ import annotations
 
