@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # A version's buffers, allocated, written and freed three times: the minor page faults
-# of the second and third rounds. Eight buffers of 3 MiB, 6,144 pages of 4 KiB in all
-# (under 4 MiB, where numpy asks for huge pages and a fault maps 2 MiB).
+# of the second and third rounds. Sixteen buffers of 1.5 MiB, 6,144 pages of 4 KiB in
+# all: each too small to hold a 2 MiB huge page, which one fault would map.
 ROUNDS = """
 import resource, sys
 import numpy as np
@@ -23,7 +23,7 @@ print(keep_freed_memory())
 faults = []
 for _ in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    buffers = [np.empty(3 << 20, np.uint8) for _ in range(8)]
+    buffers = [np.empty(3 << 19, np.uint8) for _ in range(16)]
     for buffer in buffers:
         buffer.fill(1)
     del buffers, buffer
@@ -31,7 +31,7 @@ for _ in range(3):
 print(faults[1] + faults[2])
 """
 
-PAGES = 8 * (3 << 20) // 4096
+PAGES = 16 * (3 << 19) // 4096
 
 
 def rounds(**env: str) -> tuple[str, int]:
