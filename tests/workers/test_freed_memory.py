@@ -58,7 +58,7 @@ def test_freed_buffers_are_reused_without_faulting_in_again() -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
 def test_an_operators_allocator_variables_are_left_alone() -> None:
-    # glibc's default: every round's buffer is mapped afresh and faults in again.
+    # glibc as the operator set it: each round's buffers are mapped afresh and fault in.
     kept, faults = rounds(MALLOC_TRIM_THRESHOLD_="131072")
     assert kept == "False"
     assert faults >= PAGES, faults
