@@ -88,7 +88,7 @@ _OPERATOR_CHOSEN = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 
 
 def keep_freed_memory() -> bool:
-    """Let glibc's allocator keep what a rollout node frees for its next allocations:
+    """Let glibc's allocator keep what a torch rollout node frees for its next allocations:
     blocks up to 32 MiB come from the heap, and the heap is never trimmed. Every
     version allocates and frees the same buffers (a delta's changed positions and
     contents); handed back to the kernel, they page-fault in again, zeroed, each

@@ -1,4 +1,4 @@
-"""Rollout nodes keep what they free for their next version's buffers."""
+"""Torch rollout nodes keep what they free for their next version's buffers."""
 
 from __future__ import annotations
 
