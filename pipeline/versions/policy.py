@@ -62,7 +62,7 @@ def tally(
         and published.kind == "delta"
         and published.version == version
         and published.parent == last.version
-        and max((a for a in index.anchors if a <= version), default=None) == last.anchor
+        and index.anchor_at_or_below(version) == last.anchor
     ):
         return ChainTally(
             version,
