@@ -106,7 +106,42 @@ def test_mapped_reads_are_bit_exact_and_never_reach_the_file(tmp_path: Path) -> 
     kept = reader.read_mapped("bf16.weight", lambda view: bits(view).add_(1))
     assert not same_bits(kept.view(torch.bfloat16), tensors["bf16.weight"])
     assert same_bits(CheckpointReader(path).get("bf16.weight"), tensors["bf16.weight"])
-    assert not reader._handles
+    assert not reader._maps
+
+
+def test_views_are_bit_exact_share_one_mapping_and_never_reach_the_file(tmp_path: Path) -> None:
+    """view builds each tensor on one private mapping of its file (odd offsets, 0-dim
+    and empty tensors included); a write into a view stays in private pages, and the
+    mapping lives until its last view is gone, after ``close``."""
+    tensors = special_tensors(2)
+    path = write_checkpoint(tmp_path / "ckpt", tensors.items(), max_shard_bytes=1200)
+    reader = CheckpointReader(path)
+    views = {name: reader.view(name) for name in tensors}
+    for name, t in tensors.items():
+        assert views[name].dtype == t.dtype and views[name].shape == t.shape, name
+        assert same_bits(views[name], t), name
+    assert len(reader._maps) == len(reader.shards())  # one mapping a file
+    reader.close()
+    assert not reader._maps
+    bits(views["bf16.weight"]).add_(1)  # still mapped after close, and private
+    assert not same_bits(views["bf16.weight"], tensors["bf16.weight"])
+    assert same_bits(CheckpointReader(path).view("bf16.weight"), tensors["bf16.weight"])
+    del views
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # the last view gone, nothing of the shards stays mapped
+        assert str(path) not in maps.read_text()
+
+
+def test_a_view_of_a_file_cut_short_after_open_names_it(tmp_path: Path) -> None:
+    path = write_checkpoint(
+        tmp_path / "m.safetensors", [("a", torch.ones(4)), ("b", torch.ones(8))]
+    )
+    reader = CheckpointReader(path)
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 4)
+    assert torch.equal(reader.view("a"), torch.ones(4))  # what is still there reads
+    with pytest.raises(CorruptObjectError, match=r"m\.safetensors shrank"):
+        reader.view("b")
 
 
 def test_a_mapped_read_past_the_end_of_a_truncated_file_names_it(tmp_path: Path) -> None:
