@@ -19,6 +19,7 @@ from pipeline.format.checkpoints.checkpoint import (
     CheckpointReader,
     parse_header,
     tensors_from_bytes,
+    unmap_later,
 )
 from pipeline.format.checkpoints.checkpoint_write import safetensors_bytes, write_checkpoint
 from pipeline.format.hashes.hashing import content_hash
@@ -112,7 +113,8 @@ def test_mapped_reads_are_bit_exact_and_never_reach_the_file(tmp_path: Path) -> 
 def test_views_are_bit_exact_share_one_mapping_and_never_reach_the_file(tmp_path: Path) -> None:
     """view builds each tensor on one private mapping of its file (odd offsets, 0-dim
     and empty tensors included); a write into a view stays in private pages, and the
-    mapping lives until its last view is gone, after ``close``."""
+    mapping lives until its last view is gone, after ``close`` (which hands it to a
+    thread that unmaps)."""
     tensors = special_tensors(2)
     path = write_checkpoint(tmp_path / "ckpt", tensors.items(), max_shard_bytes=1200)
     reader = CheckpointReader(path)
@@ -127,6 +129,7 @@ def test_views_are_bit_exact_share_one_mapping_and_never_reach_the_file(tmp_path
     assert not same_bits(views["bf16.weight"], tensors["bf16.weight"])
     assert same_bits(CheckpointReader(path).view("bf16.weight"), tensors["bf16.weight"])
     del views
+    unmap_later([]).result()  # one thread drops them in order: the reader's are gone
     maps = Path("/proc/self/maps")
     if maps.exists():  # the last view gone, nothing of the shards stays mapped
         assert str(path) not in maps.read_text()

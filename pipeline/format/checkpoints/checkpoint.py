@@ -16,7 +16,9 @@ import os
 import re
 import stat
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -413,10 +415,32 @@ class CheckpointReader:
             yield name, self.get(name)
 
     def close(self) -> None:
+        """Drop this reader's mappings; each is unmapped once no view of it is left."""
+        held = list(self._maps.values())
         self._maps.clear()
+        if held:
+            unmap_later(held)
 
     def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_unmap_lock = threading.Lock()
+_unmapper: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def unmap_later(held: list[memoryview]) -> Future[None]:
+    """Drop ``held`` (the caller keeps no other reference) on a thread of its own.
+    Unmapping a file's touched pages takes a core about 8 ms a GB (16-23 ms for the
+    diff job's 0.63B pair), which the diff job would spend between its parts and
+    before its manifest; the thread unmaps while the encoders work. The returned
+    future is done once they are dropped (and unmapped, where no view is left)."""
+    global _unmapper
+    with _unmap_lock:
+        if _unmapper is None or _unmapper[0] != os.getpid():  # threads do not survive fork
+            _unmapper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="deltasync-unmap"))
+        pool = _unmapper[1]
+    return pool.submit(held.clear)
