@@ -501,12 +501,13 @@ def encode_delta(
     | None = None,
 ) -> bytes:
     """One delta object for (name, base, new) pairs of equal dtype and shape.
-    ``on_changes(name, positions, new - base, base)`` is called for each changed tensor
-    with what the encoder's scan found, in the unsigned integer view (on an encoding
-    thread; the arrays are valid during the call only), so that a caller needs no
-    second pass over the changes nor over the base. Every pair is checked before
-    any is encoded; the tensors are then encoded on ENCODE_THREADS threads, the
-    largest first, and the scans of the largest in pieces on all of them."""
+    ``on_changes(name, positions, new - base, base)`` is called once for each changed
+    tensor with every change the encoder's scan found (checked against what was
+    encoded), in the unsigned integer view (on an encoding thread; the arrays are
+    valid during the call only), so that a caller needs no second pass over the
+    changes nor over the base, nor a parse of the object for its counts. Every pair
+    is checked before any is encoded; the tensors are then encoded on ENCODE_THREADS
+    threads, the largest first, and the scans of the largest in pieces on all of them."""
     if level in RETIRED_LEVELS:
         raise CodecError(f"codec {CODEC_NAME}: {RETIRED_LEVELS[level]}")
     if level not in LEVELS:
@@ -536,10 +537,23 @@ def encode_delta(
         new: torch.Tensor,
         helpers: Helpers | None = None,
     ) -> Encoded:
-        hook = None if on_changes is None else functools.partial(on_changes, name)
         base_flat = int_view_flat(base, info)
         new_flat = int_view_flat(new.to(base.device), info)
-        return encode_tensor(base_flat, new_flat, info, level, hook, helpers)
+        if on_changes is None:
+            return encode_tensor(base_flat, new_flat, info, level, None, helpers)
+        told: list[int] = []
+
+        def hook(positions: npt.NDArray[np.int64], diffs: Any, old: Any) -> None:
+            told.append(positions.size)
+            on_changes(name, positions, diffs, old)
+
+        encoded = encode_tensor(base_flat, new_flat, info, level, hook, helpers)
+        if sum(told) != encoded.changed:  # a caller's hashes and counts rest on this
+            raise CodecError(
+                f"tensor {name!r}: the encoder reported {sum(told)} changes for "
+                f"{encoded.changed} encoded"
+            )
+        return encoded
 
     pool = _encode_pool() if ENCODE_THREADS > 1 else None
     if pool is None:

@@ -30,12 +30,12 @@ import structlog
 import torch
 
 from pipeline import cpus
-from pipeline.codec import CODEC_NAME, CODEC_VERSION, DeltaObject, encode_delta, read_delta
+from pipeline.codec import CODEC_NAME, CODEC_VERSION, encode_delta
 from pipeline.coord.events import DeltaPart
 from pipeline.errors import ChainError, MismatchError
 from pipeline.format.checkpoints.checkpoint import CheckpointReader
 from pipeline.format.checkpoints.checkpoint_names import published_form
-from pipeline.format.hashes import content_hashes, mixsum
+from pipeline.format.hashes import content_hashes
 from pipeline.format.hashes.content_hashes import HashAlgorithm
 from pipeline.format.hashes.hashing import sha256_bytes
 from pipeline.format.manifest import (
@@ -216,65 +216,40 @@ def submit_hashes(
 def scan_hasher(
     pairs: Pairs,
     held: dict[str, str],
-    algorithm: HashAlgorithm,
+    algorithm: HashAlgorithm | None,
     regions: dict[str, Region] | None = None,
 ) -> tuple[
-    Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]], None], dict[str, str]
+    Callable[[str, npt.NDArray[np.int64], npt.NDArray[Any], npt.NDArray[Any]], None],
+    dict[str, int],
+    dict[str, str],
 ]:
-    """(the encoder's ``on_changes`` hook, the new hashes it fills): each changed
-    tensor's new content hash from its base's (``held``) and the changes the encode's
-    own scan found, with the base contents the scan took at the changed positions:
-    no second decode of the object, no second read of the base. The hash comes from
-    the true base and new (not from the object's decoding), so a replica that
-    decodes the object into anything else refuses it. A piece's positions are its
-    own; ``regions`` places them in the tensor."""
+    """(the encoder's ``on_changes`` hook, the changed count of each tensor it fills,
+    the new content hashes it fills): the encoder tells the hook every change its own
+    scan found, so neither needs the object parsed again. With an incremental
+    ``algorithm``, each changed tensor's new hash comes from its base's (``held``) and
+    those changes, with the base contents the scan took at the changed positions: no
+    second decode of the object, no second read of the base. The hash comes from the
+    true base and new (not from the object's decoding), so a replica that decodes the
+    object into anything else refuses it. A piece's positions are its own;
+    ``regions`` places them in the tensor. An unchanged tensor has neither a count nor
+    a hash here: its hash is its base's."""
     widths = {name: base.element_size() for name, base, _ in pairs}
     at = regions or {}
+    counts: dict[str, int] = {}
     out: dict[str, str] = {}
 
     def hook(
         name: str, positions: npt.NDArray[np.int64], diffs: npt.NDArray[Any], old: npt.NDArray[Any]
     ) -> None:
+        counts[name] = positions.size
+        if algorithm is None:
+            return
         region = at.get(name)
         where = positions if region is None else region.positions(positions)
         new = old + diffs  # wraps in the unsigned width, as the scan took it
         out[name] = algorithm.updated(held[name], where, old, new, widths[name])
 
-    return hook, out
-
-
-def updated_hashes(
-    delta: DeltaObject,
-    pairs: Pairs,
-    held: dict[str, str],
-    algorithm: HashAlgorithm,
-    scanned: dict[str, str] | None = None,
-    regions: dict[str, Region] | None = None,
-) -> dict[str, str]:
-    """The new content hash of each tensor of ``pairs`` from its base's (``held``) and
-    the changes ``delta`` makes to it: O(changed), the old contents read at the changed
-    positions only. ``scanned`` hashes (from :func:`scan_hasher`) are taken as they are;
-    ``regions``: where each tensor that is a piece lies in its tensor."""
-    at = regions or {}
-    out: dict[str, str] = {}
-    for name, base, _ in pairs:
-        region = at.get(name)
-        if delta.info(name).changed == 0:
-            out[name] = held[name]
-            continue
-        if scanned is not None and name in scanned:
-            out[name] = scanned[name]
-            continue
-        flat = mixsum.int_flat(base)
-        found = delta.differences(name, base)  # from the streams, the base not read
-        if found is not None:  # the base read at the changed positions, once
-            out[name] = algorithm.gathered(held[name], flat, *found, region)[0]
-            continue
-        patch = delta.decode(name, base)  # level 3's chunked positions need the base
-        old = flat.index_select(0, patch.positions.to(flat.device))
-        where = patch.positions if region is None else region.positions(patch.positions)
-        out[name] = algorithm.updated(held[name], where, old, patch.values, base.element_size())
-    return out
+    return hook, counts, out
 
 
 # A part's readers: one for every part, or one per part (a sharded run's: the rank's).
@@ -372,15 +347,14 @@ def encode_parts(
                 hashed = [(n, b, b.reshape(-1)[:0]) for n, b, _ in hashed]
             hashes = submit_hashes(hasher, hashed, algorithm, regions)
             faults.point("publish.after_read")
-            hook, scanned = scan_hasher(pairs, parent_hashes, algorithm, regions)
-            data = encode_delta(pairs, task.level, on_changes=hook if incremental else None)
+            hook, changed, scanned = scan_hasher(
+                pairs, parent_hashes, algorithm if incremental else None, regions
+            )
+            data = encode_delta(pairs, task.level, on_changes=hook)
             timings.encode_s += clock.lap()
             base_hashes, new_hashes = hashes()
-            delta = read_delta(data, object_name=key)
             if incremental:
-                new_hashes = updated_hashes(
-                    delta, pairs, parent_hashes, algorithm, scanned, regions
-                )
+                new_hashes = {n: scanned.get(n, parent_hashes[n]) for n in names}
             timings.verify_s += clock.lap()  # the hashing not hidden behind the encoding
             for n, digest in base_hashes.items():
                 if digest != parent_hashes[n]:
@@ -388,7 +362,6 @@ def encode_parts(
                         f"base tensor {n!r} in {part_base.path} does not match version "
                         f"{parent.version}"
                     )
-            changed = {i.name: i.changed for i in delta.tensors}
             stored = ObjectEntry(key=key, size=len(data), sha256=sha256_bytes(data))
             if pieced:
                 record = PartRecord(
@@ -402,7 +375,7 @@ def encode_parts(
                             e.shape,
                             key,
                             new_hashes[e.name],
-                            changed[e.name],
+                            changed.get(e.name, 0),
                         )
                         for e, p in held_pieces
                     ),
@@ -411,12 +384,12 @@ def encode_parts(
                 record = PartRecord(
                     stored,
                     tuple(
-                        tensor_entry(n, t, key, changed[n], digest=new_hashes[n])
+                        tensor_entry(n, t, key, changed.get(n, 0), digest=new_hashes[n])
                         for n, _, t in pairs
                     ),
                 )
             timings.encode_s += clock.lap()
-            del pairs, delta
+            del pairs
             # Unmap this part's pages: a model larger than RAM stays one part resident.
             part_base.close()
             part_new.close()

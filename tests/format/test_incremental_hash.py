@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pipeline.codec import DeltaObject, apply_patch, encode_delta, read_delta
+from pipeline.codec import api as codec_api
 from pipeline.coord.connection import redis_client
 from pipeline.coord.events import ReplicaError
 from pipeline.coord.stream import EventStream
@@ -22,7 +23,7 @@ from pipeline.format.hashes.content_hashes import MIXSUM, XXH3
 from pipeline.format.hashes.scrub import ScrubPace
 from pipeline.format.manifest import manifest_key, to_json
 from pipeline.format.manifest_parse import parse_manifest
-from pipeline.publish.diff import scan_hasher, updated_hashes
+from pipeline.publish.diff import scan_hasher
 from pipeline.publish.step import publish_step
 from pipeline.rollout.node import NodeOptions, RolloutNode
 from pipeline.store.file import FileStore
@@ -456,9 +457,33 @@ def test_the_diff_workers_hashes_from_the_encoders_scan_are_the_full_hashes(
         flat[hit] ^= 1  # the lowest bit: 0/1 stays a bool
         pairs.append((name, base, flat.view(dtype)))
     held = {name: mixsum.full(base) for name, base, _ in pairs}
-    hook, scanned = scan_hasher(pairs, held, content_hashes.get(MIXSUM))
+    hook, counts, scanned = scan_hasher(pairs, held, content_hashes.get(MIXSUM))
     data = encode_delta(pairs, level, on_changes=hook)
-    assert set(scanned) == {"sparse", "dense"}
-    delta = read_delta(data, object_name="p")
-    got = updated_hashes(delta, pairs, held, content_hashes.get(MIXSUM), scanned)
+    assert set(scanned) == set(counts) == {"sparse", "dense"}
+    got = {name: scanned.get(name, held[name]) for name, _, _ in pairs}
     assert got == {name: mixsum.full(new) for name, _, new in pairs}
+    # The counts are the object's, so the diff worker records them without parsing it.
+    encoded = {t.name: t.changed for t in read_delta(data, object_name="p").tensors}
+    assert encoded == {name: counts.get(name, 0) for name, _, _ in pairs}
+    assert counts["dense"] == 3000
+
+
+def test_an_encoder_that_leaves_changes_untold_fails_the_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The diff worker takes counts and hashes from what the encoder tells its hook: an
+    encoding that changed a tensor without telling (here: the hook dropped) fails the
+    object instead of publishing the base's hash for new contents."""
+    base = torch.zeros(1000, dtype=torch.bfloat16)
+    new = base.clone()
+    new[::7] = 1.0
+    untold = codec_api.encode_tensor
+
+    def dropping(*args: Any) -> Any:
+        return untold(*args[:4], None, *args[5:])
+
+    monkeypatch.setattr(codec_api, "encode_tensor", dropping)
+    hook, counts, scanned = scan_hasher([("w", base, new)], {"w": mixsum.full(base)}, None)
+    with pytest.raises(CodecError, match=r"tensor 'w': the encoder reported 0 changes for 143"):
+        encode_delta([("w", base, new)], 1, on_changes=hook)
+    assert not counts and not scanned

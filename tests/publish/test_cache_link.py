@@ -120,7 +120,7 @@ def test_a_base_rewritten_while_it_is_encoded_is_never_published(
     parent = chain.load_manifest(trainer.store, trainer.run, "anchor", 0)
     with CheckpointReader(zero) as reader:
         _, offset, _ = reader.location(parent.parts()[0][1][0])  # first part's first tensor
-    hook = "encode_delta" if when == "before its hashes" else "read_delta"
+    hook = "encode_delta" if when == "before its hashes" else "sha256_bytes"
     real = getattr(publish, hook)
     calls = []
 
