@@ -135,18 +135,33 @@ def test_views_are_bit_exact_share_one_mapping_and_never_reach_the_file(tmp_path
         assert str(path) not in maps.read_text()
 
 
-def test_reads_past_the_end_of_a_file_cut_short_after_open_name_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("change", ["cut short", "replaced"])
+def test_a_file_changed_after_open_is_refused_naming_it(tmp_path: Path, change: str) -> None:
+    """Views map the very file whose header was read: one cut short or replaced (an
+    atomic rename of another checkpoint, of the same size) after open is refused
+    instead of read at the old header's offsets."""
     path = write_checkpoint(
         tmp_path / "m.safetensors", [("a", torch.ones(4)), ("b", torch.ones(8))]
     )
     reader = CheckpointReader(path)
-    with path.open("r+b") as f:
-        f.truncate(path.stat().st_size - 4)
-    assert torch.equal(reader.view("a"), torch.ones(4))  # what is still there reads
-    with pytest.raises(CorruptObjectError, match=r"m\.safetensors shrank"):
-        reader.view("b")
-    with pytest.raises(CorruptObjectError, match=r"m\.safetensors: tensor 'b'"):
-        reader.read_mapped("b", torch.sum)
+    if change == "cut short":
+        with path.open("r+b") as f:
+            f.truncate(path.stat().st_size - 4)
+        with pytest.raises(CorruptObjectError, match=r"m\.safetensors: tensor 'b'"):
+            reader.read_mapped("b", torch.sum)
+    else:
+        other = write_checkpoint(
+            tmp_path / "o.safetensors", [("a", torch.zeros(4)), ("b", torch.zeros(8))]
+        )
+        assert other.stat().st_size == path.stat().st_size
+        other.replace(path)
+    with pytest.raises(CorruptObjectError, match=r"m\.safetensors was replaced or resized"):
+        reader.view("a")
+    if change == "replaced":  # opened again, it reads what is there now
+        assert torch.equal(CheckpointReader(path).view("a"), torch.zeros(4))
+    else:
+        with pytest.raises(CorruptObjectError, match="truncated"):
+            CheckpointReader(path)
 
 
 def test_sharded_round_trip(tmp_path: Path) -> None:

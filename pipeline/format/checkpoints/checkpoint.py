@@ -155,8 +155,14 @@ def _header_entry(name: str, info: object, body: int, source: str) -> HeaderEntr
     return HeaderEntry(name, dtype, tuple(shape), begin, end)
 
 
-def read_file_header(path: Path) -> SafetensorsHeader:
-    """Header of a safetensors file, checked against the file's size."""
+# (device, inode, size) of a file as its header was read: a mapping made later must
+# map that very file.
+FileIdentity = tuple[int, int, int]
+
+
+def read_file_header(path: Path) -> tuple[SafetensorsHeader, FileIdentity]:
+    """Header of a safetensors file, checked against the file's size, and the file's
+    identity as it was read."""
     try:
         # Non-blocking open, regular files only: a FIFO named as a checkpoint must not hang.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -174,7 +180,7 @@ def read_file_header(path: Path) -> SafetensorsHeader:
         raise CorruptObjectError(f"checkpoint file {path} is missing") from None
     except OSError as e:
         raise CorruptObjectError(f"checkpoint file {path} cannot be read: {e.strerror}") from None
-    return parse_header(head, size, str(path))
+    return parse_header(head, size, str(path)), (info.st_dev, info.st_ino, size)
 
 
 def tensors_from_bytes(data: bytes, source: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -226,6 +232,7 @@ class CheckpointReader:
         self.sharded = False
         self._files: list[Path] = []
         self._data_start: list[int] = []  # per file: where its data section begins
+        self._identity: list[FileIdentity] = []  # per file: as its header was read
         self._entries: dict[str, tuple[int, HeaderEntry]] = {}
         self._order: list[str] = []
         self._maps: dict[int, memoryview] = {}
@@ -284,9 +291,10 @@ class CheckpointReader:
                 self._add_file(f)
 
     def _add_file(self, path: Path) -> None:
-        header = read_file_header(path)
+        header, identity = read_file_header(path)
         i = len(self._files)
         self._files.append(path)
+        self._identity.append(identity)
         self._data_start.append(header.data_start)
         if not self.metadata:
             self.metadata = header.metadata
@@ -335,12 +343,19 @@ class CheckpointReader:
         return out
 
     def _map(self, i: int) -> memoryview:
-        """File ``i`` mapped whole, privately (a stray write never reaches the file); the
-        tensors viewing it keep it mapped, ``close`` only drops this reference."""
+        """File ``i`` mapped whole, privately (a stray write never reaches the file), if it
+        is still the file whose header was read; the tensors viewing it keep it mapped,
+        ``close`` only drops this reference."""
         held = self._maps.get(i)
         if held is None:
             try:
                 with open(self._files[i], "rb") as f:
+                    info = os.fstat(f.fileno())
+                    if (info.st_dev, info.st_ino, info.st_size) != self._identity[i]:
+                        raise CorruptObjectError(
+                            f"checkpoint file {self._files[i]} was replaced or resized after "
+                            "it was opened; open it again"
+                        )
                     mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             except (OSError, ValueError) as ex:
                 raise CorruptObjectError(f"checkpoint file {self._files[i]}: {ex}") from None
@@ -357,11 +372,8 @@ class CheckpointReader:
         count = math.prod(e.shape)
         if count == 0:
             return torch.empty(e.shape, dtype=e.dtype)
-        mapped = self._map(i)
-        if self._data_start[i] + e.end > len(mapped):
-            raise CorruptObjectError(f"checkpoint file {self._files[i]} shrank after it was opened")
         flat = torch.frombuffer(
-            mapped, dtype=e.dtype, count=count, offset=self._data_start[i] + e.begin
+            self._map(i), dtype=e.dtype, count=count, offset=self._data_start[i] + e.begin
         )
         return flat.view(e.shape)
 
