@@ -515,14 +515,27 @@ class _Serving:
         """Content hashes of the held weights, read from the workers (checks)."""
         from fastapi.responses import JSONResponse
 
-        node, target = self.node, self.target
+        node, target, driver = self.node, self.target, self.driver
         if node is None or target is None:
             return JSONResponse({"error": "no weights loaded"}, status_code=503)
+
+        def held() -> tuple[int, int | None]:
+            """(weight changes made, the version the engine holds): what status reports,
+            set once a change's weights are in, before the node's loop records it."""
+            if driver is None:
+                return 0, node.applied_version
+            return driver.pauses, driver.version
+
+        before = held()
         try:
-            version = node.applied_version
             hashes = await asyncio.to_thread(target.hashes)
         except DeltasyncError as exc:  # e.g. a delta being prepared right now
             return JSONResponse({"error": str(exc)}, status_code=409)
+        if held() != before or (driver is not None and not self.gate.is_open):
+            # The hashes and the version must come from the same weights.
+            error = "the weights changed while they were hashed; ask again"
+            return JSONResponse({"error": error}, status_code=409)
+        version = before[1]
         digest = state_hash(sorted(hashes.items()))
         return {"version": version, "state_hash": digest, "tensors": hashes}
 
